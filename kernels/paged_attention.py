@@ -17,6 +17,7 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [B] int32, context length including the query rows
     query_start_loc: torch.Tensor,  # [B + 1] int32, starts with 0
     scale: float,
+    max_query_len: int | None = None,  # host-side max of the query lengths; kernels use it to pick a path
 ) -> torch.Tensor:  # [T, Hq, D], dtype of q
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

@@ -1,0 +1,48 @@
+"""Blocking wrapper for engines that do not run asyncio: an event loop on a private thread."""
+import asyncio
+import threading
+
+import torch
+
+from .client import DrafterClient, ProposeResult, ReleaseResult, SequenceStep
+
+
+class SyncDrafterClient:
+    def __init__(self, target: str, namespace: str = "", **kwargs):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="drafter-client", daemon=True)
+        self._thread.start()
+        self._client: DrafterClient = self._run(self._make(target, namespace, kwargs))
+
+    @staticmethod
+    async def _make(target, namespace, kwargs) -> DrafterClient:
+        return DrafterClient(target, namespace, **kwargs)
+
+    def _run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def __enter__(self) -> "SyncDrafterClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        self._run(self._client.wait_ready(timeout_s))
+
+    def get_info(self, timeout: float | None = None):
+        return self._run(self._client.get_info(timeout))
+
+    def propose(self, steps: list[SequenceStep], hidden_states: torch.Tensor | None = None,
+                timeout: float | None = None) -> ProposeResult:
+        return self._run(self._client.propose(steps, hidden_states, timeout))
+
+    def release(self, sequence_ids: list[str], timeout: float | None = None) -> ReleaseResult:
+        return self._run(self._client.release(sequence_ids, timeout))
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._run(self._client.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        self._loop.close()

@@ -1,0 +1,71 @@
+"""`drafter-serve`: command-line entry point of the drafter sidecar."""
+import argparse
+import logging
+import pathlib
+import sys
+
+from .config import ServerConfig
+from .loader import ModelLoadError
+
+BUNDLED_MODEL = pathlib.Path(__file__).resolve().parent.parent / "models" / "eagle1"
+BUNDLED_TARGET = pathlib.Path(__file__).resolve().parent.parent / "models" / "target"
+
+
+def parse_args(argv: list[str] | None = None) -> ServerConfig:
+    d = ServerConfig(model="")
+    ap = argparse.ArgumentParser(prog="drafter-serve", description="EAGLE drafter sidecar (gRPC).",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default=str(BUNDLED_MODEL), help="EAGLE head directory (Hugging Face layout)")
+    ap.add_argument("--target-model", default=None,
+                    help="target model directory; embed_tokens / lm_head are read from it when the head lacks them "
+                         "(default: models/target beside the bundled head, when --model is the bundled head)")
+    ap.add_argument("--listen", action="append", default=None,
+                    help="HOST:PORT or unix:/path/to.sock; repeat for several (default 127.0.0.1:50061)")
+    ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="model and KV dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    ap.add_argument("--block-size", type=int, default=d.block_size, help="KV block size in tokens")
+    ap.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
+    ap.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction,
+                    help="with no --kv-cache-tokens on CUDA: fraction of device memory for weights + KV pool")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: the head's max_position_embeddings")
+    ap.add_argument("--max-draft-tokens", type=int, default=d.max_draft_tokens, help="largest k per sequence")
+    ap.add_argument("--max-batch-tokens", type=int, default=None,
+                    help="committed tokens per batch and per request (default max(8192, max_model_len))")
+    ap.add_argument("--max-batch-seqs", type=int, default=d.max_batch_seqs, help="sequences per batch/request")
+    ap.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message size limit")
+    ap.add_argument("--metrics-port", type=int, default=d.metrics_port,
+                    help="Prometheus text on http://0.0.0.0:PORT/metrics (0 = off)")
+    ap.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
+                    help="on SIGTERM, how long in-flight steps may take")
+    ap.add_argument("--log-level", default=d.log_level)
+    a = ap.parse_args(argv)
+    target = a.target_model
+    if target is None and pathlib.Path(a.model).resolve() == BUNDLED_MODEL and BUNDLED_TARGET.is_dir():
+        target = str(BUNDLED_TARGET)
+    return ServerConfig(
+        model=a.model, target_model=target, listen=a.listen or ["127.0.0.1:50061"], device=a.device, dtype=a.dtype,
+        block_size=a.block_size, kv_cache_tokens=a.kv_cache_tokens, gpu_memory_fraction=a.gpu_memory_fraction,
+        max_model_len=a.max_model_len, max_draft_tokens=a.max_draft_tokens, max_batch_tokens=a.max_batch_tokens,
+        max_batch_seqs=a.max_batch_seqs, max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port,
+        shutdown_grace_s=a.shutdown_grace_s, log_level=a.log_level)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_args(argv)
+    except ValueError as e:
+        print(f"drafter-serve: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .server import run
+
+    try:
+        return run(cfg)
+    except (ModelLoadError, ValueError, OSError) as e:
+        logging.getLogger("drafter-serve").error("%s", e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

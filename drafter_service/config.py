@@ -1,0 +1,32 @@
+"""Server configuration: one dataclass, filled by the CLI (cli.py) or directly by tests and benchmarks."""
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerConfig:
+    model: str  # EAGLE head directory (Hugging Face layout)
+    target_model: str | None = None  # target model directory: embed_tokens / lm_head when the head lacks them
+    listen: list[str] = field(default_factory=lambda: ["127.0.0.1:50061"])  # "host:port" or "unix:/path"
+    device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None = cuda when present
+    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None = bfloat16 on CUDA, float32 on CPU
+    block_size: int = 16
+    kv_cache_tokens: int | None = None  # pool size in tokens; None = from gpu_memory_fraction (CUDA) or 131072 (CPU)
+    gpu_memory_fraction: float = 0.25  # of total device memory, for weights + KV pool, when kv_cache_tokens is None
+    max_model_len: int | None = None  # None = the head's max_position_embeddings
+    max_draft_tokens: int = 8  # k at most, per sequence per step
+    max_batch_tokens: int | None = None  # committed rows merged into one batch; None = max(8192, max_model_len)
+    max_batch_seqs: int = 1024  # sequences in one batch / one request
+    max_message_bytes: int = 256 * 1024 * 1024
+    metrics_port: int = 0  # Prometheus text exposition on http://0.0.0.0:PORT/metrics; 0 = off
+    shutdown_grace_s: float = 30.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128 (got {self.block_size})")
+        if self.max_draft_tokens < 1:
+            raise ValueError("max_draft_tokens must be >= 1")
+        if not self.listen:
+            raise ValueError("at least one --listen address is needed")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError("gpu_memory_fraction must be in (0, 1]")

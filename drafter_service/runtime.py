@@ -1,0 +1,101 @@
+"""Build everything a server needs from a ServerConfig: device, model, KV pool, proposer, limits."""
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from . import __version__
+from .config import ServerConfig
+from .kv_cache import KVCache
+from .loader import DTYPES, load_head
+from .metrics import Metrics
+from .proposer import Proposer
+from .validation import Limits
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_TOKENS = 131072
+
+
+@dataclass
+class Runtime:
+    config: ServerConfig
+    device: torch.device
+    dtype: torch.dtype
+    model_name: str
+    model: object
+    kv: KVCache
+    proposer: Proposer
+    limits: Limits
+    max_model_len: int
+    metrics: Metrics
+    hidden_states_source: str
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r}: only cpu and cuda are supported")
+    return dev
+
+
+def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"--dtype {name!r}: choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _kv_tokens(cfg: ServerConfig, device: torch.device, bytes_per_token: int) -> int:
+    if cfg.kv_cache_tokens is not None:
+        return cfg.kv_cache_tokens
+    if device.type != "cuda":
+        return CPU_DEFAULT_KV_TOKENS
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = int(total * cfg.gpu_memory_fraction) - torch.cuda.memory_allocated(device)
+    return max(0, budget // bytes_per_token)
+
+
+def build_runtime(cfg: ServerConfig) -> Runtime:
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    import json
+    import pathlib
+
+    head_cfg_path = pathlib.Path(cfg.model) / "config.json"
+    head_max_pos = 2048
+    if head_cfg_path.is_file():
+        head_max_pos = int(json.loads(head_cfg_path.read_text()).get("max_position_embeddings", 2048))
+    max_model_len = cfg.max_model_len or head_max_pos
+    loaded = load_head(cfg.model, cfg.target_model, device, dtype, max_positions=max_model_len)
+    model = loaded.model
+    d = model.dims
+    per_token = KVCache.bytes_per_token(model.num_kv_layers, d.num_kv_heads, d.head_dim, dtype)
+    tokens = _kv_tokens(cfg, device, per_token)
+    num_blocks = tokens // cfg.block_size
+    if num_blocks * cfg.block_size < max_model_len:
+        raise ValueError(f"the KV pool holds {num_blocks * cfg.block_size} tokens, fewer than one sequence of "
+                         f"max_model_len {max_model_len}: raise --kv-cache-tokens / --gpu-memory-fraction or lower "
+                         "--max-model-len")
+    kv = KVCache(model.num_kv_layers, num_blocks, cfg.block_size, d.num_kv_heads, d.head_dim, dtype, device)
+    metrics = Metrics(kv_blocks_free=num_blocks, kv_blocks_total=num_blocks)
+    proposer = Proposer(model, kv, max_model_len, device, metrics)
+    max_batch_tokens = cfg.max_batch_tokens or max(8192, max_model_len)
+    limits = Limits(hidden_states_width=model.hidden_states_width, vocab_size=model.vocab_size,
+                    max_draft_tokens=cfg.max_draft_tokens, max_request_tokens=max_batch_tokens,
+                    max_request_seqs=cfg.max_batch_seqs)
+    log.info("drafter %s: %s head %s on %s (%s), vocab %d, hidden %d, KV pool %d tokens (%.1f MiB), "
+             "max_model_len %d", __version__, model.method, loaded.name, device, str(dtype).removeprefix("torch."),
+             model.vocab_size, d.hidden_size, num_blocks * cfg.block_size,
+             num_blocks * cfg.block_size * per_token / 2**20, max_model_len)
+    return Runtime(config=cfg, device=device, dtype=dtype, model_name=loaded.name, model=model, kv=kv,
+                   proposer=proposer, limits=limits, max_model_len=max_model_len, metrics=metrics,
+                   hidden_states_source="the target's final hidden state (after its final norm, what lm_head "
+                                        "consumes) at each committed position")

@@ -1,0 +1,151 @@
+"""The gRPC server process: listeners, health, reflection, metrics endpoint, graceful shutdown.
+
+Start-up order: listen at once with health NOT_SERVING (Drafter RPCs answer UNAVAILABLE), load the model on a
+thread, then SERVING. SIGTERM/SIGINT: health NOT_SERVING, stop taking RPCs, let in-flight steps finish (up to
+--shutdown-grace-s), exit 0.
+"""
+import asyncio
+import logging
+import pathlib
+import signal
+import stat
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .config import ServerConfig
+from .rpc import pb, pb_grpc
+from .runtime import Runtime, build_runtime
+from .scheduler import StepScheduler
+from .servicer import DrafterServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name  # "drafter.v1.Drafter"
+
+
+def _prepare_unix_socket(address: str) -> None:
+    path = pathlib.Path(address.removeprefix("unix:").removeprefix("//"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        if not stat.S_ISSOCK(path.stat().st_mode):
+            raise ValueError(f"--listen {address}: {path} exists and is not a socket")
+        path.unlink()  # a stale socket from a previous run
+
+
+async def _serve_metrics(port: int, runtime_ref: list) -> asyncio.AbstractServer:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await asyncio.wait_for(reader.readline(), 5)
+            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
+                pass
+            parts = line.decode("latin-1").split()
+            if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics" and runtime_ref:
+                body, status = runtime_ref[0].metrics.prometheus_text().encode(), "200 OK"
+            else:
+                body, status = b"not found (try /metrics)\n", "404 Not Found"
+            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: "
+                         f"{len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+            await writer.drain()
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, "0.0.0.0", port)
+
+
+class DrafterServer:
+    """A running server; tests and benchmarks use it in-process, the CLI through serve()."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.servicer = DrafterServicer()
+        self.health = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.runtime: Runtime | None = None
+        self.scheduler: StepScheduler | None = None
+        self.bound_addresses: list[str] = []
+        self._metrics_server: asyncio.AbstractServer | None = None
+        self._runtime_ref: list = []
+
+    async def start(self) -> None:
+        cfg = self.config
+        opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.max_send_message_length", cfg.max_message_bytes),
+                ("grpc.so_reuseport", 0)]
+        self.server = grpc.aio.server(options=opts)
+        pb_grpc.add_DrafterServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                            self.server)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        for address in cfg.listen:
+            if address.startswith("unix:"):
+                _prepare_unix_socket(address)
+            port = self.server.add_insecure_port(address)
+            if not address.startswith("unix:") and port == 0:
+                raise OSError(f"--listen {address}: could not bind")
+            bound = address if address.startswith("unix:") else f"{address.rsplit(':', 1)[0]}:{port}"
+            self.bound_addresses.append(bound)
+        await self.server.start()
+        if cfg.metrics_port:
+            self._metrics_server = await _serve_metrics(cfg.metrics_port, self._runtime_ref)
+        log.info("listening on %s (loading the model; health NOT_SERVING)", ", ".join(self.bound_addresses))
+        self.runtime = await asyncio.get_running_loop().run_in_executor(None, build_runtime, cfg)
+        self._runtime_ref.append(self.runtime)
+        rt = self.runtime
+        self.scheduler = StepScheduler(rt.proposer, rt.limits.max_request_tokens, cfg.max_batch_seqs)
+        self.scheduler.start()
+        self.servicer.attach(rt, self.scheduler)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving")
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        log.info("shutting down: health NOT_SERVING, finishing in-flight steps (grace %.0fs)", grace)
+        await self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.server.stop(grace)
+        if self.scheduler is not None:
+            await self.scheduler.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+        for address in self.bound_addresses:
+            if address.startswith("unix:"):
+                pathlib.Path(address.removeprefix("unix:").removeprefix("//")).unlink(missing_ok=True)
+        log.info("stopped")
+
+
+async def serve(config: ServerConfig) -> int:
+    server = DrafterServer(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    start = asyncio.ensure_future(server.start())
+    done, _ = await asyncio.wait({start, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    if start in done and start.exception() is not None:
+        await server.stop(0)
+        raise start.exception()
+    await stop.wait()
+    if not start.done():
+        start.cancel()
+    await server.stop()
+    return 0
+
+
+def run(config: ServerConfig) -> int:
+    try:
+        import uvloop
+        loop_factory = uvloop.new_event_loop
+    except ImportError:  # uvloop is optional on platforms without it
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(serve(config))
+
+
+__all__ = ["DrafterServer", "serve", "run"]

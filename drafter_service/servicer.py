@@ -1,0 +1,135 @@
+"""The drafter.v1.Drafter gRPC service: decode and validate, hand steps to the scheduler, encode the reply."""
+import asyncio
+import logging
+
+import grpc
+import torch
+
+from . import __version__
+from .rpc import pb, pb_grpc
+from .runtime import Runtime
+from .scheduler import StepScheduler
+from .step_io import StepOutput
+from .validation import (HIDDEN_DTYPES, TOKEN_DTYPES, RequestError, check_namespace, check_sequence_id,
+                         parse_propose)
+from .wire import encode_tensor
+
+log = logging.getLogger(__name__)
+
+MAX_RELEASE_IDS = 65536
+
+
+def build_response(outputs: list[StepOutput], sequence_ids: list[str], request_id: int) -> "pb.ProposeResponse":
+    results, drafts, logprobs = [], [], []
+    any_logprobs = False
+    for sid, o in zip(sequence_ids, outputs):
+        results.append(pb.SequenceResult(
+            sequence_id=sid, status=pb.Status(code=o.code, message=o.message), num_drafts=len(o.drafts),
+            accepted_drafts=o.accepted_drafts, committed_length=o.committed_length))
+        drafts += o.drafts
+        if o.logprobs:
+            any_logprobs = True
+            logprobs += o.logprobs
+        else:
+            logprobs += [0.0] * len(o.drafts)
+    resp = pb.ProposeResponse(results=results, request_id=request_id,
+                              draft_token_ids=encode_tensor(torch.tensor(drafts, dtype=torch.int64)))
+    if any_logprobs:
+        resp.draft_logprobs.CopyFrom(encode_tensor(torch.tensor(logprobs, dtype=torch.float32)))
+    return resp
+
+
+class DrafterServicer(pb_grpc.DrafterServicer):
+    def __init__(self):
+        self.runtime: Runtime | None = None  # None while the model loads: RPCs answer UNAVAILABLE
+        self.scheduler: StepScheduler | None = None
+
+    def attach(self, runtime: Runtime, scheduler: StepScheduler) -> None:
+        self.runtime, self.scheduler = runtime, scheduler
+
+    async def _ready(self, context) -> Runtime:
+        if self.runtime is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is still loading its model")
+        return self.runtime
+
+    async def _fail(self, context, e: RequestError):
+        self.runtime.metrics.record_rpc_error(e.code.name)
+        await context.abort(e.code, e.message)
+
+    async def GetInfo(self, request, context):
+        rt = await self._ready(context)
+        free_blocks = await self.scheduler.run_exclusive(lambda: rt.kv.pool.num_free)
+        return pb.GetInfoResponse(
+            server_version=__version__, model_name=rt.model_name, method=rt.model.method,
+            hidden_size=rt.model.dims.hidden_size, hidden_states_width=rt.limits.hidden_states_width,
+            hidden_states_source=rt.hidden_states_source, vocab_size=rt.limits.vocab_size,
+            max_draft_tokens=rt.limits.max_draft_tokens, max_model_len=rt.max_model_len,
+            accepted_hidden_dtypes=list(HIDDEN_DTYPES), accepted_token_dtypes=list(TOKEN_DTYPES),
+            model_dtype=str(rt.dtype).removeprefix("torch."), device=str(rt.device),
+            kv_capacity_tokens=rt.kv.capacity_tokens, kv_block_size=rt.kv.block_size,
+            kv_free_tokens=free_blocks * rt.kv.block_size, max_message_bytes=rt.config.max_message_bytes,
+            shared_memory_supported=False)
+
+    async def _propose(self, request) -> "pb.ProposeResponse":
+        """One engine step; raises RequestError for a request that is malformed as a whole."""
+        rt = self.runtime
+        steps = parse_propose(request, rt.limits)
+        outputs = await self.scheduler.submit(steps)
+        return build_response(outputs, [s.sequence_id for s in request.steps], request.request_id)
+
+    async def Propose(self, request, context):
+        await self._ready(context)
+        try:
+            return await self._propose(request)
+        except RequestError as e:
+            await self._fail(context, e)
+
+    async def ProposeStream(self, request_iterator, context):
+        await self._ready(context)
+        replies: asyncio.Queue = asyncio.Queue()
+
+        async def one(req):
+            try:
+                return await self._propose(req)
+            except RequestError as e:
+                self.runtime.metrics.record_rpc_error(e.code.name)
+                return pb.ProposeResponse(request_id=req.request_id, error=pb.Status(code=e.code.value[0],
+                                                                                     message=e.message))
+
+        async def read():
+            # Each message is submitted as soon as it arrives (tasks start in creation order, so the scheduler
+            # sees them in stream order); replies are written in the same order.
+            async for req in request_iterator:
+                await replies.put(asyncio.ensure_future(one(req)))
+            await replies.put(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (fut := await replies.get()) is not None:
+                yield await fut
+            await reader
+        finally:
+            reader.cancel()
+
+    async def Release(self, request, context):
+        rt = await self._ready(context)
+        try:
+            check_namespace(request.namespace)
+            if len(request.sequence_ids) > MAX_RELEASE_IDS:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"sequence_ids has {len(request.sequence_ids)} entries; at most {MAX_RELEASE_IDS}")
+            for i, sid in enumerate(request.sequence_ids):
+                check_sequence_id(sid, f"sequence_ids[{i}]")
+        except RequestError as e:
+            await self._fail(context, e)
+        ns, ids = request.namespace, list(request.sequence_ids)
+
+        def release():
+            table = rt.proposer.table
+            missing = [sid for sid in ids if not table.release(ns, sid)]
+            rt.metrics.live_sequences = len(table)
+            rt.metrics.kv_blocks_free = rt.kv.pool.num_free
+            return missing
+
+        missing = await self.scheduler.run_exclusive(release)
+        return pb.ReleaseResponse(released=len(ids) - len(missing), not_found=missing)

@@ -1,0 +1,41 @@
+"""The proposer's input and output for one sequence in one engine step (decoded and validated already)."""
+from dataclasses import dataclass, field
+
+import torch
+
+# Per-sequence status codes: the gRPC status code numbers.
+OK = 0
+INVALID_ARGUMENT = 3
+NOT_FOUND = 5
+RESOURCE_EXHAUSTED = 8
+FAILED_PRECONDITION = 9
+OUT_OF_RANGE = 11
+INTERNAL = 13
+
+
+@dataclass
+class StepInput:
+    namespace: str
+    sequence_id: str
+    start_position: int  # p
+    token_ids: torch.Tensor  # [m] int64, CPU: committed tokens x[p .. p+m-1]
+    hidden_states: torch.Tensor  # [m, W] CPU (wire dtype): target hidden states h[p .. p+m-1]
+    next_token: int  # x[p+m]
+    num_drafts: int  # k asked for
+    temperature: float = 0.0
+    seed: int = 0
+    return_logprobs: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+
+@dataclass
+class StepOutput:
+    code: int = OK
+    message: str = ""
+    drafts: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    accepted_drafts: int = 0
+    committed_length: int = 0

@@ -1,0 +1,116 @@
+"""Turn an untrusted ProposeRequest into StepInputs, or raise RequestError naming the offending field.
+
+Everything a client controls is checked here, before any tensor op: tensor dtypes, shapes and byte lengths,
+hidden width, token ids against the vocabulary, per-step counts and limits, duplicate sequences.
+Per-sequence *state* problems (unknown sequence, gap, pool full, too long) are not request errors: the proposer
+answers them per sequence.
+"""
+import math
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from .rpc import pb
+from .step_io import StepInput
+from .wire import WireError, decode_tensor
+
+HIDDEN_DTYPES = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
+TOKEN_DTYPES = (pb.INT32, pb.INT64)
+MAX_ID_LEN = 256
+MAX_NAMESPACE_LEN = 128
+
+
+class RequestError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass
+class Limits:
+    hidden_states_width: int
+    vocab_size: int
+    max_draft_tokens: int
+    max_request_tokens: int
+    max_request_seqs: int
+
+
+def check_namespace(namespace: str) -> None:
+    if len(namespace) > MAX_NAMESPACE_LEN:
+        raise invalid(f"namespace is {len(namespace)} characters; at most {MAX_NAMESPACE_LEN}")
+
+
+def check_sequence_id(sequence_id: str, field: str) -> None:
+    if not sequence_id:
+        raise invalid(f"{field} is empty")
+    if len(sequence_id) > MAX_ID_LEN:
+        raise invalid(f"{field} is {len(sequence_id)} characters; at most {MAX_ID_LEN}")
+
+
+def parse_propose(req: "pb.ProposeRequest", limits: Limits) -> list[StepInput]:
+    check_namespace(req.namespace)
+    n = len(req.steps)
+    if n > limits.max_request_seqs:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"steps has {n} sequences; at most {limits.max_request_seqs} per request")
+    seen: set[str] = set()
+    total = 0
+    for i, s in enumerate(req.steps):
+        f = f"steps[{i}]"
+        check_sequence_id(s.sequence_id, f"{f}.sequence_id")
+        if s.sequence_id in seen:
+            raise invalid(f"{f}.sequence_id {s.sequence_id!r} appears twice in one request")
+        seen.add(s.sequence_id)
+        if s.start_position < 0:
+            raise invalid(f"{f}.start_position is {s.start_position}; positions are >= 0")
+        if s.num_tokens < 1:
+            raise invalid(f"{f}.num_tokens is 0; a step carries at least one committed token")
+        if s.num_drafts > limits.max_draft_tokens:
+            raise invalid(f"{f}.num_drafts is {s.num_drafts}; this server drafts at most "
+                          f"{limits.max_draft_tokens} (GetInfo.max_draft_tokens)")
+        if not 0 <= s.next_token < limits.vocab_size:
+            raise invalid(f"{f}.next_token {s.next_token} is outside the vocabulary [0, {limits.vocab_size})")
+        t = s.sampling.temperature
+        if not math.isfinite(t) or t < 0:
+            raise invalid(f"{f}.sampling.temperature is {t}; must be finite and >= 0")
+        if t > 0:
+            raise invalid(f"{f}.sampling.temperature is {t}; this server drafts greedily only (temperature 0)")
+        total += s.num_tokens
+    if total > limits.max_request_tokens:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"the steps carry {total} committed tokens; at most {limits.max_request_tokens} per "
+                           "request (send long prompts in chunks)")
+    try:
+        token_ids = decode_tensor(req.token_ids, "token_ids", TOKEN_DTYPES, rank=1)
+        hidden = decode_tensor(req.hidden_states, "hidden_states", HIDDEN_DTYPES, rank=2)
+    except WireError as e:
+        raise invalid(str(e)) from None
+    if token_ids.shape[0] != total:
+        raise invalid(f"token_ids has {token_ids.shape[0]} rows; the steps' num_tokens add up to {total}")
+    if hidden.shape[0] != total:
+        raise invalid(f"hidden_states has {hidden.shape[0]} rows; the steps' num_tokens add up to {total}")
+    if hidden.shape[1] != limits.hidden_states_width:
+        raise invalid(f"hidden_states has {hidden.shape[1]} columns; this model takes "
+                      f"{limits.hidden_states_width} (GetInfo.hidden_states_width)")
+    token_ids = token_ids.to(torch.int64)
+    if total:
+        bad = ((token_ids < 0) | (token_ids >= limits.vocab_size)).nonzero()
+        if bad.numel():
+            r = int(bad[0, 0])
+            raise invalid(f"token_ids[{r}] = {int(token_ids[r])} is outside the vocabulary [0, {limits.vocab_size})")
+    steps, row = [], 0
+    for s in req.steps:
+        m = s.num_tokens
+        steps.append(StepInput(
+            namespace=req.namespace, sequence_id=s.sequence_id, start_position=s.start_position,
+            token_ids=token_ids[row : row + m], hidden_states=hidden[row : row + m], next_token=s.next_token,
+            num_drafts=s.num_drafts, temperature=s.sampling.temperature, seed=s.sampling.seed,
+            return_logprobs=s.sampling.return_logprobs))
+        row += m
+    return steps

@@ -1,0 +1,66 @@
+"""Tensors on the wire: drafter.v1.Tensor <-> torch, raw little-endian row-major bytes (KServe v2 convention).
+
+decode_tensor validates everything a client controls (dtype, rank, shape, byte length) before any tensor op,
+and raises WireError naming the field.
+"""
+import math
+import sys
+import warnings
+
+import torch
+
+from .rpc import pb
+
+assert sys.byteorder == "little", "the wire format is little-endian; big-endian hosts are not supported"
+
+# torch.frombuffer warns that `bytes` is read-only; decoded tensors are only ever read (and copied to the device).
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+TORCH_DTYPE = {
+    pb.FLOAT32: torch.float32, pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16,
+    pb.INT32: torch.int32, pb.INT64: torch.int64,
+}
+WIRE_DTYPE = {v: k for k, v in TORCH_DTYPE.items()}
+
+
+class WireError(ValueError):
+    """A tensor field the server cannot accept; str(e) names the field."""
+
+
+def dtype_name(code: int) -> str:
+    return pb.DType.Name(code) if code in pb.DType.values() else str(code)
+
+
+def decode_tensor(t: "pb.Tensor", field: str, allowed: tuple[int, ...], rank: int) -> torch.Tensor:
+    if t.dtype not in allowed:
+        raise WireError(f"{field}.dtype is {dtype_name(t.dtype)}; accepted: "
+                        f"{', '.join(dtype_name(d) for d in allowed)}")
+    shape = list(t.shape)
+    if len(shape) != rank:
+        raise WireError(f"{field}.shape is {shape}; expected {rank} dimensions")
+    if any(d < 0 for d in shape):
+        raise WireError(f"{field}.shape {shape} has a negative dimension")
+    which = t.WhichOneof("data")
+    if which == "shm":
+        raise WireError(f"{field}.shm: this server does not accept shared-memory references "
+                        "(GetInfo.shared_memory_supported is false); send raw bytes")
+    raw = t.raw if which == "raw" else b""
+    dtype = TORCH_DTYPE[t.dtype]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(shape) * itemsize
+    if len(raw) != expected:
+        raise WireError(f"{field}.raw has {len(raw)} bytes; shape {shape} of {dtype_name(t.dtype)} needs {expected}")
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(raw, dtype=dtype).view(shape)
+
+
+def encode_tensor(x: torch.Tensor) -> "pb.Tensor":
+    if x.dtype not in WIRE_DTYPE:
+        raise TypeError(f"dtype {x.dtype} has no wire encoding")
+    x = x.detach().contiguous().cpu()
+    if x.dtype == torch.bfloat16:
+        raw = x.view(torch.int16).numpy().tobytes()
+    else:
+        raw = x.numpy().tobytes()
+    return pb.Tensor(dtype=WIRE_DTYPE[x.dtype], shape=list(x.shape), raw=raw)

@@ -1,0 +1,75 @@
+"""Naive EAGLE-1 reference for the tests: no KV cache, the whole sequence recomputed at every draft step.
+
+Independent of the server's code on purpose (its own weight reading, RoPE, attention): it is the oracle.
+"""
+import json
+import pathlib
+
+import torch
+from safetensors.torch import load_file
+
+
+def _load(d: pathlib.Path) -> dict[str, torch.Tensor]:
+    if (d / "model.safetensors").exists():
+        return load_file(str(d / "model.safetensors"))
+    return torch.load(str(d / "pytorch_model.bin"), weights_only=True)
+
+
+class NaiveEagle1:
+    def __init__(self, head_dir, target_dir):
+        head_dir, target_dir = pathlib.Path(head_dir), pathlib.Path(target_dir)
+        self.cfg = json.loads((head_dir / "config.json").read_text())
+        w = {k: v.double() for k, v in _load(head_dir).items()}
+        t = _load(target_dir)
+        self.embed = w.get("embed_tokens.weight", t["model.embed_tokens.weight"].double())
+        self.lm_head = w.get("lm_head.weight", t["lm_head.weight"].double())
+        self.w = w
+        c = self.cfg
+        self.H = c["hidden_size"]
+        self.nh, self.nkv = c["num_attention_heads"], c["num_key_value_heads"]
+        self.hd = self.H // self.nh
+        self.eps = c["rms_norm_eps"]
+        self.theta = c["rope_theta"]
+
+    def _rope(self, x: torch.Tensor) -> torch.Tensor:  # x [L, heads, hd]
+        L, hd = x.shape[0], self.hd
+        inv = 1.0 / (self.theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        ang = torch.arange(L, dtype=torch.float64)[:, None] * inv[None, :]
+        cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def forward(self, ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """Rows = positions 0..L-1, inputs (ids[t] = x[t+1], hidden[t]); returns head outputs [L, H] (fp64)."""
+        w, L = self.w, len(ids)
+        x = torch.cat([self.embed[torch.tensor(ids)], hidden.double()], -1) @ w["fc.weight"].T
+        if "fc.bias" in w:
+            x = x + w["fc.bias"]
+        p = "layers.0.self_attn."
+        q = (x @ w[p + "q_proj.weight"].T).view(L, self.nh, self.hd)
+        k = (x @ w[p + "k_proj.weight"].T).view(L, self.nkv, self.hd)
+        v = (x @ w[p + "v_proj.weight"].T).view(L, self.nkv, self.hd)
+        q, k = self._rope(q), self._rope(k)
+        rep = self.nh // self.nkv
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) / self.hd ** 0.5
+        s = s.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+        a = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(L, self.H) @ w[p + "o_proj.weight"].T
+        h = x + a
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * w["layers.0.post_attention_layernorm.weight"]
+        m = "layers.0.mlp."
+        mlp = (torch.nn.functional.silu(n @ w[m + "gate_proj.weight"].T) * (n @ w[m + "up_proj.weight"].T)) @ w[m + "down_proj.weight"].T
+        return h + mlp
+
+    def drafts(self, tokens: list[int], hidden: torch.Tensor, k: int) -> list[int]:
+        """tokens = x[0..L] (the last is the next token), hidden = h[0..L-1]: the k greedy drafts for L+1.."""
+        L = len(tokens) - 1
+        ids, hid = list(tokens[1 : L + 1]), hidden[:L].double()
+        out = []
+        for _ in range(k):
+            o = self.forward(ids, hid)
+            d = int((o[-1] @ self.lm_head.T).argmax())
+            out.append(d)
+            ids.append(d)
+            hid = torch.cat([hid, o[-1:]])
+        return out
