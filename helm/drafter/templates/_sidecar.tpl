@@ -34,6 +34,10 @@ Each renders a YAML list (maybe empty); volume names all start with "drafter-".
 
 {{/* initContainers entries: model copies, extraInitContainers, then the drafter itself when sidecar.native */}}
 {{- define "drafter.sidecar.initContainers" -}}
+{{- include "drafter.sidecar._initContainers" . | trim }}
+{{- end }}
+
+{{- define "drafter.sidecar._initContainers" -}}
 {{- include "drafter.sidecar.assertMode" . -}}
 {{- include "drafter.initContainers" . }}
 {{- if .Values.sidecar.native }}
@@ -43,6 +47,10 @@ Each renders a YAML list (maybe empty); volume names all start with "drafter-".
 
 {{/* containers entries: the drafter when not sidecar.native, else nothing */}}
 {{- define "drafter.sidecar.containers" -}}
+{{- include "drafter.sidecar._containers" . | trim }}
+{{- end }}
+
+{{- define "drafter.sidecar._containers" -}}
 {{- include "drafter.sidecar.assertMode" . -}}
 {{- if not .Values.sidecar.native }}
 {{ include "drafter.container" . }}
@@ -51,6 +59,10 @@ Each renders a YAML list (maybe empty); volume names all start with "drafter-".
 
 {{/* volumes entries: socket emptyDir, /tmp emptyDir, model volumes, extraVolumes */}}
 {{- define "drafter.sidecar.volumes" -}}
+{{- include "drafter.sidecar._volumes" . | trim }}
+{{- end }}
+
+{{- define "drafter.sidecar._volumes" -}}
 {{- include "drafter.sidecar.assertMode" . -}}
 {{ include "drafter.volumes" . }}
 {{- end }}
