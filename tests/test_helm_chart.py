@@ -474,33 +474,52 @@ def test_sidecar_plain_container_grpc_probes(helm_env):
     assert spec["terminationGracePeriodSeconds"] > 60 + 30
 
 
+DRA_GPU = {"name": "gpu", "resourceClaimTemplateName": "one-gpu"}
+# scenario -> (values, oldest Kubernetes version the rendered objects must be valid for)
 KUBE_SCENARIOS = {
-    "pool": {},
-    "pool-everything": {
+    "pool": ({}, "1.27.0"),
+    "pool-everything": ({
         "service.headless": True, "metrics.serviceMonitor.enabled": True, "autoscaling.enabled": True,
         "autoscaling.metrics": [{"type": "Resource", "resource": {
             "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}}}],
         "model.source": "copy", "model.copy.sourcePath": "/m", "targetModel.source": "pvc",
-        "targetModel.pvc.claimName": "t", "preStopNativeSleep": True, "server.bindAddress": "::"},
-    "sidecar-native": {"mode": "sidecar", **ENGINE},
-    "sidecar-plain-grpc": {"mode": "sidecar", **ENGINE, "sidecar.native": False, "sidecar.probeTransport": "grpc",
-                           "model.source": "hostPath", "model.hostPath.path": "/m"},
+        "targetModel.pvc.claimName": "t", "server.bindAddress": "::"}, "1.27.0"),
+    "pool-native-sleep": ({"preStopNativeSleep": True}, "1.30.0"),
+    "sidecar-native": ({"mode": "sidecar", **ENGINE}, "1.29.0"),
+    "sidecar-plain-grpc": ({"mode": "sidecar", **ENGINE, "sidecar.native": False, "sidecar.probeTransport": "grpc",
+                            "model.source": "hostPath", "model.hostPath.path": "/m"}, "1.27.0"),
+    "sidecar-dra-shared-gpu": ({"mode": "sidecar", **ENGINE, "sidecar.example.resourceClaims": [DRA_GPU],
+                                "sidecar.example.engine.resources": {"claims": [{"name": "gpu"}]},
+                                "resources": {"claims": [{"name": "gpu"}],
+                                              "limits": {"memory": "8Gi", "nvidia.com/gpu": None}}}, "1.34.0"),
 }
 
 
 @needs_helm
 @pytest.mark.parametrize("scenario", sorted(KUBE_SCENARIOS))
 def test_rendered_objects_match_kubernetes_schemas(helm_env, scenario):
-    """Strict validation (unknown fields are errors) against the Kubernetes 1.30 OpenAPI schemas."""
+    """Strict validation (unknown fields are errors) against the Kubernetes OpenAPI schemas."""
     kv = pytest.importorskip("kubernetes_validate", reason="the kubernetes-validate package is not installed")
-    docs = render(helm_env, KUBE_SCENARIOS[scenario])
+    sets, version = KUBE_SCENARIOS[scenario]
+    docs = render(helm_env, sets)
     checked = 0
     for d in docs:
         if d["apiVersion"].startswith("monitoring.coreos.com/"):
             continue  # a CRD of the Prometheus operator: no built-in schema
-        kv.validate(d, "1.30.0", strict=True)
+        kv.validate(d, version, strict=True)
         checked += 1
     assert checked
+
+
+@needs_helm
+def test_sidecar_dra_shared_gpu(helm_env):
+    sets, _ = KUBE_SCENARIOS["sidecar-dra-shared-gpu"]
+    (dep,) = render(helm_env, sets)
+    spec = dep["spec"]["template"]["spec"]
+    assert spec["resourceClaims"] == [DRA_GPU]
+    assert drafter_of(spec)["resources"]["claims"] == [{"name": "gpu"}]
+    assert spec["containers"][0]["resources"]["claims"] == [{"name": "gpu"}]
+    assert "nvidia.com/gpu" not in drafter_of(spec)["resources"].get("limits", {})
 
 
 @needs_helm
