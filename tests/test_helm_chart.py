@@ -583,3 +583,29 @@ def test_rendered_flags_exist_in_drafter_serve(helm_env):
     used = set(flags(docs[-1]["spec"]["template"]["spec"]["containers"][0])) | {"--gpu-memory-fraction"}
     missing = sorted(f for f in used if f not in proc.stdout)
     assert not missing, f"drafter-serve --help does not mention {missing}"
+
+
+@needs_helm
+@pytest.mark.parametrize("sets, expected", [
+    ({"service.headless": True}, ["d-drafter.ml.svc:50061", "dns:///d-drafter-headless.ml.svc:50061",
+                                   "grpc.health.v1.Health/Check", "http://d-drafter.ml.svc:9400/metrics"]),
+    ({"mode": "sidecar", **ENGINE}, ["unix:/run/drafter/drafter.sock", "d-drafter-engine", "native sidecar"]),
+])
+def test_notes(helm_env, tmp_path, sets, expected):
+    """NOTES.txt, rendered through a copy of the chart (helm template skips NOTES; install --dry-run needs a cluster)."""
+    chart = tmp_path / "drafter"
+    shutil.copytree(CHART, chart)
+    (chart / "notes.src").write_text((chart / "templates" / "NOTES.txt").read_text())
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\ndata:\n'
+        '  notes: {{ tpl (.Files.Get "notes.src") . | quote }}\n')
+    (cm,) = [d for d in render(helm_env, sets, chart=chart) if d["kind"] == "ConfigMap"]
+    for text in expected:
+        assert text in cm["data"]["notes"]
+
+
+@needs_helm
+def test_image_digest(helm_env):
+    digest = "sha256:" + "ab" * 32
+    (dep,) = by_kind(render(helm_env, {"image.digest": digest}))["Deployment"]
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == f"{IMAGE}@{digest}"
