@@ -32,8 +32,13 @@ def train(
     device: torch.device,
     log_every: int,
     weight_decay: float = 0.1,
+    eval_fn: Callable[[], dict[str, float]] | None = None,
+    eval_every: int = 0,
 ) -> list[dict]:
-    """Run ``steps`` optimizer steps of ``loss_fn(batch)``; returns [{step, loss, **metrics, elapsed_s}] every log_every."""
+    """Run ``steps`` optimizer steps of ``loss_fn(batch)``; returns [{step, loss, **metrics, elapsed_s}] every log_every.
+
+    ``eval_fn`` (e.g. held-out loss), if given, runs every ``eval_every`` steps and at the end; its numbers join that row.
+    """
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # norms: no decay
@@ -53,8 +58,11 @@ def train(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        if step % log_every == 0 or step == steps or step == 1:
+        do_eval = eval_fn is not None and (step == steps or (eval_every and step % eval_every == 0))
+        if step % log_every == 0 or step == steps or step == 1 or do_eval:
             row = {"step": step, "loss": loss.item(), **{k: float(v) for k, v in metrics.items()}}
+            if do_eval:
+                row.update(eval_fn())
             if not math.isfinite(row["loss"]):
                 raise FloatingPointError(f"[{stage}] loss is {row['loss']} at step {step}: lower the learning rate")
             progress.log(step, row["loss"], {k: v for k, v in row.items() if k not in ("step", "loss")})

@@ -32,13 +32,16 @@ def _acceptance_table(acc: dict) -> list[str]:
 
 
 def _history_table(history: list[dict], max_rows: int = 12) -> list[str]:
+    """Evenly spaced rows plus every row that carries a held-out number."""
+    keys = list(dict.fromkeys(k for row in history for k in row if k not in ("step", "elapsed_s")))
     if len(history) > max_rows:
-        idx = sorted({round(i * (len(history) - 1) / (max_rows - 1)) for i in range(max_rows)})
-        history = [history[i] for i in idx]
-    keys = [k for k in history[0] if k not in ("step", "elapsed_s")]
+        idx = {round(i * (len(history) - 1) / (max_rows - 1)) for i in range(max_rows)}
+        idx |= {i for i, row in enumerate(history) if any(k.startswith("heldout") for k in row)}
+        history = [history[i] for i in sorted(idx)]
     lines = ["| step | elapsed | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
     for row in history:
-        lines.append(f"| {row['step']} | {fmt_seconds(row['elapsed_s'])} | " + " | ".join(f"{row[k]:.4f}" for k in keys) + " |")
+        cells = [f"{row[k]:.4f}" if k in row else "" for k in keys]
+        lines.append(f"| {row['step']} | {fmt_seconds(row['elapsed_s'])} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -141,9 +141,16 @@ def run(args: argparse.Namespace) -> dict:
     say(f"== target: {steps_t} steps of {p.target_batch}x{p.seq_len} tokens ({p.target_epochs} epochs)")
     t = time.perf_counter()
     target.train()
+
+    def heldout_loss() -> dict[str, float]:
+        target.eval()
+        result = heldout_perplexity(target, heldout_windows[: p.target_batch], p.target_batch, device)
+        target.train()
+        return {"heldout_loss": result["loss"]}
+
     hist_t = train("target", list(target.parameters()), lambda b: (lm_loss(target, b), {}),
                    batches(train_windows, p.target_batch, args.seed), steps_t, p.target_lr, p.warmup_steps, device,
-                   p.log_every)
+                   p.log_every, eval_fn=heldout_loss, eval_every=steps_for_epochs(train_windows.size(0), p.target_batch, 1))
     timings["target"] = time.perf_counter() - t
     round_to_bf16(target)
     target.eval().requires_grad_(False)
