@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     ap.add_argument("--max-batch-tokens", type=int, default=None,
                     help="committed tokens per batch and per request (default max(8192, max_model_len))")
     ap.add_argument("--max-batch-seqs", type=int, default=d.max_batch_seqs, help="sequences per batch/request")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
+                    help="on CUDA: capture the decode steps as CUDA graphs at start-up and replay them "
+                         "(--no-cuda-graphs: run them eagerly)")
     ap.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message size limit")
     ap.add_argument("--metrics-port", type=int, default=d.metrics_port,
                     help="Prometheus text on http://0.0.0.0:PORT/metrics (0 = off)")
@@ -48,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         block_size=a.block_size, kv_cache_tokens=a.kv_cache_tokens, gpu_memory_fraction=a.gpu_memory_fraction,
         max_model_len=a.max_model_len, max_draft_tokens=a.max_draft_tokens, max_batch_tokens=a.max_batch_tokens,
         max_batch_seqs=a.max_batch_seqs, max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port,
-        shutdown_grace_s=a.shutdown_grace_s, log_level=a.log_level)
+        shutdown_grace_s=a.shutdown_grace_s, log_level=a.log_level, cuda_graphs=a.cuda_graphs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ class ServerConfig:
     max_draft_tokens: int = 8  # k at most, per sequence per step
     max_batch_tokens: int | None = None  # committed rows merged into one batch; None = max(8192, max_model_len)
     max_batch_seqs: int = 1024  # sequences in one batch / one request
+    cuda_graphs: bool = True  # CUDA only: decode steps replayed from CUDA graphs captured at start-up
     max_message_bytes: int = 256 * 1024 * 1024
     metrics_port: int = 0  # Prometheus text exposition on http://0.0.0.0:PORT/metrics; 0 = off
     shutdown_grace_s: float = 30.0

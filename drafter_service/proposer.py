@@ -24,6 +24,7 @@ from .models.attention_metadata import AttentionMetadata
 from .sequence import Sequence, SequenceTable
 from .step_io import (FAILED_PRECONDITION, INTERNAL, NOT_FOUND, OUT_OF_RANGE, RESOURCE_EXHAUSTED, StepInput,
                       StepOutput)
+from .step_metadata import StepMetadata
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class Proposer:
         self.table = SequenceTable(kv.pool, kv.block_size)
         self.metrics = metrics or Metrics()
         self.kv_layers = [kv.layer(i) for i in range(model.num_kv_layers)]
+        self.decode_graphs = None  # cuda_graphs.DecodeGraphs: set by runtime.py on CUDA with --cuda-graphs
 
     # ---- admission: per-sequence checks and block reservation; nothing is changed for a refused sequence ----
 
@@ -142,33 +144,11 @@ class Proposer:
     def _run(self, batch: list[_Admitted]) -> tuple[list[list[int]], list[list[float]]]:
         dev, bs = self.device, self.block_size
         B = len(batch)
-        # -- first step inputs, built on the host in one pass, moved in one copy per tensor --
-        ids, pos, slots, hidden = [], [], [], []
-        q_lens, seq_lens = [], []
-        for a in batch:
-            s = a.step
-            p, m = s.start_position, s.num_tokens
-            positions = torch.arange(p, p + m, dtype=torch.int64)
-            # shift by one: row t gets x[t+1]; the last row gets next_token
-            ids.append(torch.cat([s.token_ids[1:], torch.tensor([s.next_token], dtype=torch.int64)]))
-            pos.append(positions)
-            slots.append(self._slots(a.seq, positions))
-            hidden.append(s.hidden_states)
-            q_lens.append(m)
-            seq_lens.append(p + m)
-        max_blocks = max(len(a.seq.block_table) for a in batch)
-        block_tables = torch.zeros(B, max_blocks, dtype=torch.int32)
-        for i, a in enumerate(batch):
-            block_tables[i, : len(a.seq.block_table)] = torch.tensor(a.seq.block_table, dtype=torch.int32)
-        q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
-        qsl = torch.zeros(B + 1, dtype=torch.int32)
-        torch.cumsum(q_lens_t, 0, out=qsl[1:])
-        meta = AttentionMetadata(
-            positions=torch.cat(pos).to(dev), slot_mapping=torch.cat(slots).to(dev), query_start_loc=qsl.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev), block_tables=block_tables.to(dev),
-            max_query_len=max(q_lens))
-        hidden_in = torch.cat(hidden).to(dev)
-        head_out = self.model.forward(torch.cat(ids).to(dev), hidden_in, meta, self.kv_layers)
+        # ---- step metadata (step_metadata.py): vectorized on the host, one host->device copy for the step ----
+        md = StepMetadata.build(batch, self.block_size, dev)
+        meta, seq_lens, block_tables = md.first_step, md.host_seq_lens, md.host_block_tables
+        # ---- end step metadata ----
+        head_out = self.model.forward(md.input_ids, md.hidden_states, meta, self.kv_layers)
 
         # -- drafts: only sequences that asked for some (k = 0 is a prefill chunk) --
         ks = [a.num_drafts for a in batch]
@@ -178,10 +158,14 @@ class Proposer:
         if not active:
             return drafts, logprobs
         want_logprobs = any(batch[i].step.return_logprobs for i in active)
-        last_rows = torch.tensor([int(qsl[i + 1]) - 1 for i in active], device=dev)
+        last_rows = md.draft_rows  # [n] on the device
         head_last = head_out[last_rows]  # [n, H]
         tok, lp = self._select(head_last, want_logprobs)
         hidden_prev = self.model.next_hidden(head_last)
+        # ---- CUDA fast path (cuda_graphs.py): decode steps replayed from CUDA graphs, one device->host copy ----
+        if self.decode_graphs is not None and self.decode_graphs.can_run(len(active)):
+            return self.decode_graphs.draft(md, tok, lp, hidden_prev)
+        # ---- end CUDA fast path ----
         # per decode step: (batch indices drafting, their tokens [n], their logprobs [n] or None)
         columns = [(active, tok, lp)]
         for j in range(1, max(ks)):

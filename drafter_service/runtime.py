@@ -6,6 +6,7 @@ import torch
 
 from . import __version__
 from .config import ServerConfig
+from .cuda_graphs import capture_decode_graphs
 from .kv_cache import KVCache
 from .loader import DTYPES, load_head
 from .metrics import Metrics
@@ -89,6 +90,9 @@ def build_runtime(cfg: ServerConfig) -> Runtime:
     kv = KVCache(model.num_kv_layers, num_blocks, cfg.block_size, d.num_kv_heads, d.head_dim, dtype, device)
     metrics = Metrics(kv_blocks_free=num_blocks, kv_blocks_total=num_blocks)
     proposer = Proposer(model, kv, max_model_len, device, metrics)
+    if device.type == "cuda" and cfg.cuda_graphs:  # after the KV pool exists: the graphs hold its address
+        proposer.decode_graphs = capture_decode_graphs(proposer, cfg.block_size, max_model_len, cfg.max_batch_seqs,
+                                                       dtype, device)
     max_batch_tokens = cfg.max_batch_tokens or max(8192, max_model_len)
     limits = Limits(hidden_states_width=model.hidden_states_width, vocab_size=model.vocab_size,
                     max_draft_tokens=cfg.max_draft_tokens, max_request_tokens=max_batch_tokens,

@@ -1,0 +1,226 @@
+"""The decode steps of an engine step (drafts 2..k), replayed from CUDA graphs captured at start-up.
+
+After the first draft step (eager: its query lengths vary), every drafting sequence runs single-token decode steps.
+Their shapes depend only on the number of rows, so one CUDA graph per *padded* batch size (1, 2, 4, 8, 16, 32,
+48, ... 256, up to --max-batch-seqs) holds one whole decode step: device-side advance of positions / slots /
+seq_lens, the head's forward, lm_head, argmax (and, in the logprob variant, the draft's log-probability). The graph
+reads and writes only the static buffers below, so a replay needs no host work and no host<->device copy:
+
+  static buffer      shape              before replay j (for rows r < bs)              after replay j
+  input_ids          [max_bs] int64     draft j (target vocabulary)                    draft j+1
+  hidden             [max_bs, H]        head output of step j-1                        head output of step j
+  positions          [max_bs] int64     position of step j-1                           position of step j
+  seq_lens           [max_bs] int32     context length of step j-1                     of step j
+  slot_mapping       [max_bs] int64     -                                              KV slot written at step j
+  block_tables       [max_bs, W] int32  the sequence's blocks (W = cdiv(max_model_len, block_size))
+  steps_left         [max_bs] int32     decode steps the row still needs               minus 1
+  draft_ids          [max_bs] int64     -                                              argmax (draft vocabulary)
+  draft_logprobs     [max_bs] fp32      -                                              its log-prob (logprob variant)
+
+Rows past their own k (a sequence asked for fewer drafts than the batch's largest k) and padding rows (n <= r < bs)
+keep running in the padded batch, masked: steps_left <= 0 gives slot PADDING_SLOT_ID (no KV write), seq_len 1
+(attention over one cached position of the row's first block) and a zero input; their drafts are discarded when
+the results are collected. Rows that are still drafting never reach the max_model_len clamp of
+advance_draft_step (admission cuts k to fit), masked rows may: the clamp keeps their position inside the RoPE
+cache and their slot at -1.
+
+The host copies the drafting rows' inputs into the static buffers with device->device copies, replays the graph
+max(k) - 1 times, and copies all drafts to the host once: the step's only device->host synchronization.
+On the CPU (tests) the same static-buffer step runs eagerly, with no graphs.
+"""
+import logging
+import time
+
+import torch
+
+from drafter_kernels import ops
+
+from .models.attention_metadata import AttentionMetadata
+from .step_metadata import StepMetadata
+
+log = logging.getLogger(__name__)
+
+MAX_GRAPH_BATCH = 256  # larger batches run the eager decode loop
+
+
+def graph_batch_sizes(max_batch_seqs: int) -> list[int]:
+    """Padded batch sizes to capture: 1, 2, 4, 8, then multiples of 16, up to the first that covers
+    min(max_batch_seqs, MAX_GRAPH_BATCH)."""
+    cap = min(max_batch_seqs, MAX_GRAPH_BATCH)
+    sizes = []
+    for size in [1, 2, 4, 8, *range(16, MAX_GRAPH_BATCH + 1, 16)]:
+        sizes.append(size)
+        if size >= cap:
+            break
+    return sizes
+
+
+def padded_batch_size(n: int, sizes: list[int]) -> int | None:
+    """The smallest size in ``sizes`` (ascending) holding n rows; None when n is larger than all of them."""
+    return next((size for size in sizes if size >= n), None)
+
+
+class DecodeGraphs:
+    """Static buffers and one CUDA graph per (padded batch size, with logprobs) for one decode step."""
+
+    def __init__(self, model, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                 max_model_len: int, max_batch_seqs: int, dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.kv_layers = kv_layers
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = device
+        self.sizes = graph_batch_sizes(max_batch_seqs)
+        max_bs, H = self.sizes[-1], model.dims.hidden_size
+        W = -(-max_model_len // block_size)
+        with torch.inference_mode():
+            z = dict(device=device)
+            self.input_ids = torch.zeros(max_bs, dtype=torch.int64, **z)
+            self.hidden = torch.zeros(max_bs, H, dtype=dtype, **z)
+            self.positions = torch.zeros(max_bs, dtype=torch.int64, **z)
+            self.seq_lens = torch.ones(max_bs, dtype=torch.int32, **z)
+            self.slot_mapping = torch.full((max_bs,), ops.PADDING_SLOT_ID, dtype=torch.int64, **z)
+            self.block_tables = torch.zeros(max_bs, W, dtype=torch.int32, **z)
+            self.steps_left = torch.zeros(max_bs, dtype=torch.int32, **z)
+            self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, **z)  # one query row per sequence
+            self.draft_ids = torch.zeros(max_bs, dtype=torch.int64, **z)
+            self.draft_logprobs = torch.zeros(max_bs, dtype=torch.float32, **z)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # empty: run the step eagerly
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+
+    def can_run(self, num_rows: int) -> bool:
+        return padded_batch_size(num_rows, self.sizes) is not None
+
+    # ---- the step that is captured ----
+
+    def _step(self, bs: int, with_logprobs: bool) -> None:
+        """One decode step for static rows [0, bs): reads and writes the static buffers only."""
+        positions, seq_lens, slots = self.positions[:bs], self.seq_lens[:bs], self.slot_mapping[:bs]
+        input_ids, hidden, steps_left = self.input_ids[:bs], self.hidden[:bs], self.steps_left[:bs]
+        block_tables = self.block_tables[:bs]
+        ops.advance_draft_step(positions, block_tables, seq_lens, self.block_size, self.max_model_len,
+                               positions, slots)
+        finished = steps_left <= 0  # [bs] padding rows and rows past their own k
+        slots.masked_fill_(finished, ops.PADDING_SLOT_ID)
+        seq_lens.masked_fill_(finished, 1)
+        input_ids.masked_fill_(finished, 0)
+        hidden.masked_fill_(finished[:, None], 0)
+        steps_left.sub_(1)
+        meta = AttentionMetadata(positions=positions, slot_mapping=slots,
+                                 query_start_loc=self.query_start_loc[: bs + 1], seq_lens=seq_lens,
+                                 block_tables=block_tables, max_query_len=1)
+        head_out = self.model.forward(input_ids, hidden, meta, self.kv_layers)  # [bs, H]
+        logits = self.model.compute_logits(head_out)  # [bs, V_draft]
+        draft = ops.argmax(logits, out=self.draft_ids[:bs])  # [bs]
+        if with_logprobs:  # as Proposer._select computes it
+            self.draft_logprobs[:bs].copy_(torch.log_softmax(logits.float(), dim=-1).gather(1, draft[:, None])
+                                           .squeeze(1))
+        input_ids.copy_(self.model.draft_to_target(draft))
+        hidden.copy_(self.model.next_hidden(head_out))
+
+    def _replay(self, bs: int, with_logprobs: bool) -> None:
+        graph = self.graphs.get((bs, with_logprobs))
+        if graph is None:
+            self._step(bs, with_logprobs)
+        else:
+            graph.replay()
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every (size, with_logprobs) graph; largest first, so that the smaller ones share its pool."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        free_before = torch.cuda.mem_get_info(dev)[0]
+        t0 = time.perf_counter()
+        self.steps_left.zero_()  # every row is a padding row while capturing: the warm-up runs write no KV
+        pool = None
+        for bs in reversed(self.sizes):
+            for with_logprobs in (False, True):
+                self._step(bs, with_logprobs)  # warm-up: compiles this size's Triton specializations
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    self._step(bs, with_logprobs)
+                pool = graph.pool() if pool is None else pool
+                self.graphs[bs, with_logprobs] = graph
+        torch.cuda.synchronize(dev)
+        self.capture_seconds = time.perf_counter() - t0
+        self.capture_bytes = free_before - torch.cuda.mem_get_info(dev)[0]
+        log.info("captured %d decode CUDA graphs (batch sizes %s, with and without logprobs) in %.2f s; they hold "
+                 "%.1f MiB of device memory", len(self.graphs), ",".join(map(str, self.sizes)),
+                 self.capture_seconds, self.capture_bytes / 2**20)
+
+    # ---- one engine step ----
+
+    def draft(self, md: StepMetadata, first_tokens: torch.Tensor, first_logprobs: torch.Tensor | None,
+              hidden: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
+        """Drafts 2..k of every drafting sequence, and the collected drafts of the batch.
+
+        first_tokens [n] int64 (draft 1, target vocabulary), first_logprobs [n] fp32 or None, hidden [n, H]: the
+        head's next hidden input for each of the n = len(md.active) drafting sequences, in md.active order.
+        Returns per batch sequence its k drafts (and their logprobs when first_logprobs is given, else []).
+        """
+        n = len(md.active)
+        bs = padded_batch_size(n, self.sizes)
+        num_steps = max(md.num_drafts[i] for i in md.active) - 1
+        with_logprobs = first_logprobs is not None
+        assert bs is not None and hidden.shape == (n, self.hidden.shape[1]), (n, tuple(hidden.shape))
+        # drafting rows [0, n) from this step; padding rows [n, bs) are masked by steps_left = 0
+        w = md.draft_block_tables.shape[1]
+        self.input_ids[:n].copy_(first_tokens)
+        self.hidden[:n].copy_(hidden)
+        self.positions[:n].copy_(md.draft_positions)
+        self.seq_lens[:n].copy_(md.draft_seq_lens)
+        self.block_tables[:n, :w].copy_(md.draft_block_tables)
+        self.steps_left[:n].copy_(md.draft_steps)
+        self.steps_left[n:bs].zero_()
+
+        tokens = torch.empty(n, num_steps + 1, dtype=torch.int64, device=self.device)  # [n, max k]
+        tokens[:, 0] = first_tokens
+        logprobs = torch.empty(n, num_steps + 1, dtype=torch.float32, device=self.device) if with_logprobs else None
+        if with_logprobs:
+            logprobs[:, 0] = first_logprobs
+        for j in range(1, num_steps + 1):
+            self._replay(bs, with_logprobs)
+            tokens[:, j] = self.input_ids[:n]
+            if with_logprobs:
+                logprobs[:, j] = self.draft_logprobs[:n]
+        tokens_host, logprobs_host = _to_host_once(tokens, logprobs)
+
+        drafts: list[list[int]] = [[] for _ in md.num_drafts]
+        lps: list[list[float]] = [[] for _ in md.num_drafts]
+        for r, (i, row) in enumerate(zip(md.active, tokens_host.tolist())):
+            k = md.num_drafts[i]
+            drafts[i] = row[:k]  # extra drafts of sequences with a smaller k are discarded
+            if logprobs_host is not None:
+                lps[i] = logprobs_host[r, :k].tolist()
+        return drafts, lps
+
+
+def _to_host_once(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Copy device tensors into pinned host memory with one synchronization at the end (CPU tensors pass)."""
+    out = []
+    for t in tensors:
+        if t is None or t.device.type != "cuda":
+            out.append(t)
+            continue
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        out.append(host)
+    if any(t is not None and t.device.type == "cuda" for t in tensors):
+        torch.cuda.current_stream(tensors[0].device).synchronize()
+    return out
+
+
+def capture_decode_graphs(proposer, block_size: int, max_model_len: int, max_batch_seqs: int,
+                          dtype: torch.dtype, device: torch.device) -> DecodeGraphs | None:
+    """At start-up, after the KV pool exists: the proposer's decode graphs, or None when they cannot run."""
+    if not ops.use_triton(proposer.kv.kv):
+        log.warning("CUDA graphs are off: the Triton kernels are not in use (DRAFTER_KERNELS=torch or no triton), "
+                    "and the torch references synchronize with the host; decode steps run eagerly")
+        return None
+    graphs = DecodeGraphs(proposer.model, proposer.kv_layers, block_size, max_model_len, max_batch_seqs, dtype,
+                          device)
+    graphs.capture()
+    return graphs

@@ -1,0 +1,140 @@
+"""One engine step's metadata: built on the host with vectorized torch, moved to the device in one copy.
+
+An engine step holds B sequences. Sequence i brings m_i committed rows at positions p_i .. p_i+m_i-1, its
+next_token, its block table and asks for k_i drafts. The first draft step is one forward over all T = sum(m_i)
+rows; the n sequences with k_i > 0 (batch indices ``active``, in batch order) then run k_i - 1 decode steps.
+
+Everything those forwards need from the host, the decode steps included, goes into ONE host tensor (pinned on
+CUDA) and ONE non_blocking host->device copy; the device tensors are views of that copy. The host tensor has two
+regions so that nothing needs a cast on the device:
+
+  int64 region (read as int32 pairs on the host, viewed back as int64 on the device)
+    input_ids         [T]      row t of sequence i gets x[t+1]; its last row gets next_token
+    positions         [T]      p_i + r for the r-th row of sequence i
+    slot_mapping      [T]      table_i[pos // block_size] * block_size + pos % block_size
+    draft_rows        [n]      for each drafting sequence: its last first-step row (gives draft 1)
+    draft_positions   [n]      p_i + m_i - 1: the position of that row (decode steps advance from it)
+  int32 region
+    query_start_loc   [B + 1]  sequence i owns first-step rows [qsl[i], qsl[i+1])
+    seq_lens          [B]      p_i + m_i
+    block_tables      [B * w]  row i: sequence i's block ids, zero-padded to w = the batch's longest table
+    draft_index       [n]      batch index of each drafting sequence
+    draft_seq_lens    [n]      p_i + m_i
+    draft_steps       [n]      k_i - 1: the decode steps it needs
+
+Block ids, lengths and step counts fit int32 (what the kernels read); ids, positions, slots and indices are
+int64 (what the model indexes with), so no field needs a cast kernel on the device.
+The target hidden states (data, not metadata: [T, W] in the wire dtype) are concatenated straight into a second
+pinned buffer and copied with a second non_blocking copy; neither copy waits for the device.
+Each copy's source is pinned memory from torch's caching host allocator, which keeps the block until the copy has
+completed, so the next step can never overwrite a buffer still in flight.
+"""
+import functools
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from .models.attention_metadata import AttentionMetadata
+
+
+@dataclass
+class StepMetadata:
+    # first draft step: T rows over B sequences (device tensors, views of the one copy)
+    input_ids: torch.Tensor  # [T] int64, shifted by one
+    hidden_states: torch.Tensor  # [T, W] target hidden states, wire dtype
+    first_step: AttentionMetadata  # positions/slot_mapping [T] int64, qsl [B+1], seq_lens [B], tables [B, w] int32
+    # the n drafting sequences (k > 0), in batch order (device tensors)
+    draft_rows: torch.Tensor  # [n] int64: first-step row giving draft 1
+    draft_positions: torch.Tensor  # [n] int64: position of that row
+    draft_seq_lens: torch.Tensor  # [n] int32: context length after the first step
+    draft_block_tables: torch.Tensor  # [n, w] int32
+    draft_steps: torch.Tensor  # [n] int32: decode steps each needs (k - 1)
+    # host copies, for the eager decode loop and for collecting the drafts
+    active: list[int]  # [n] batch indices of the drafting sequences
+    num_drafts: list[int]  # [B] k per sequence
+    host_seq_lens: list[int]  # [B] p + m
+    host_block_tables: torch.Tensor  # [B, w] int32 (CPU)
+
+    @classmethod
+    def build(cls, batch, block_size: int, device: torch.device) -> "StepMetadata":
+        """From the proposer's admitted batch (``a.step``: StepInput, ``a.seq``: Sequence, ``a.num_drafts``)."""
+        return build_step_metadata(
+            start_positions=[a.step.start_position for a in batch],
+            token_ids=[a.step.token_ids for a in batch],
+            hidden_states=[a.step.hidden_states for a in batch],
+            next_tokens=[a.step.next_token for a in batch],
+            num_drafts=[a.num_drafts for a in batch],
+            block_tables=[a.seq.block_table for a in batch],
+            block_size=block_size, device=device)
+
+
+def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor], hidden_states: list[torch.Tensor],
+                        next_tokens: list[int], num_drafts: list[int], block_tables: list[list[int]],
+                        block_size: int, device: torch.device) -> StepMetadata:
+    """Vectorized over the batch: python only walks the lists once to read them; no per-sequence tensor op."""
+    B = len(start_positions)
+    i64 = torch.int64
+    p = torch.tensor(start_positions, dtype=i64)  # [B]
+    q_lens = torch.tensor([t.shape[0] for t in token_ids], dtype=i64)  # [B] m_i >= 1
+    k = torch.tensor(num_drafts, dtype=i64)  # [B]
+    table_lens = torch.tensor([len(t) for t in block_tables], dtype=i64)  # [B]
+    T, w = int(q_lens.sum()), int(table_lens.max())
+
+    qsl = torch.zeros(B + 1, dtype=i64)
+    torch.cumsum(q_lens, 0, out=qsl[1:])
+    seq_lens = p + q_lens  # [B]
+
+    # block tables [B, w], zero-padded: scatter the concatenated tables under a "column < table length" mask
+    tables = torch.zeros(B, w, dtype=i64)
+    tables[torch.arange(w)[None, :] < table_lens[:, None]] = torch.tensor(
+        list(itertools.chain.from_iterable(block_tables)), dtype=i64)
+
+    # first-step rows
+    row_seq = torch.repeat_interleave(torch.arange(B), q_lens)  # [T] sequence of each row
+    positions = p[row_seq] + torch.arange(T) - qsl[row_seq]  # [T]
+    slots = tables[row_seq, positions // block_size] * block_size + positions % block_size  # [T]
+    committed = torch.cat(token_ids).to(i64)  # [T] x[p_i .. p_i+m_i-1], sequence after sequence
+    input_ids = torch.empty(T, dtype=i64)
+    input_ids[:-1] = committed[1:]  # row t gets x[t+1] ...
+    input_ids[qsl[1:] - 1] = torch.tensor(next_tokens, dtype=i64)  # ... and each sequence's last row next_token
+
+    # drafting sequences
+    draft_index = (k > 0).nonzero().squeeze(1)  # [n]
+    n = draft_index.shape[0]
+    draft_rows = qsl[draft_index + 1] - 1
+    draft_seq_lens = seq_lens[draft_index]
+    draft_positions = draft_seq_lens - 1
+    draft_steps = k[draft_index] - 1
+
+    wide, wide_sizes = [input_ids, positions, slots, draft_index, draft_rows, draft_positions], [T, T, T, n, n, n]
+    narrow, narrow_sizes = [qsl, seq_lens, tables.flatten(), draft_seq_lens, draft_steps], [B + 1, B, B * w, n, n]
+    num_wide = sum(wide_sizes)  # int64 elements = 2 * num_wide int32 elements
+    host = torch.cat([torch.cat(wide).view(torch.int32), torch.cat(narrow).to(torch.int32)])
+    if device.type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)  # the step's one metadata host->device copy (a no-op on the CPU)
+    hidden_d = _cat_to_device(hidden_states, device)
+
+    ids_d, pos_d, slots_d, index_d, rows_d, dpos_d = torch.split(dev[: 2 * num_wide].view(i64), wide_sizes)
+    qsl_d, seq_lens_d, tables_d, dseq_d, dsteps_d = torch.split(dev[2 * num_wide:], narrow_sizes)
+    tables_d = tables_d.view(B, w)
+    return StepMetadata(
+        input_ids=ids_d, hidden_states=hidden_d,
+        first_step=AttentionMetadata(positions=pos_d, slot_mapping=slots_d, query_start_loc=qsl_d,
+                                     seq_lens=seq_lens_d, block_tables=tables_d, max_query_len=int(q_lens.max())),
+        draft_rows=rows_d, draft_positions=dpos_d, draft_seq_lens=dseq_d,
+        draft_block_tables=tables_d if n == B else tables_d[index_d],  # [n, w]: a gather on the device
+        draft_steps=dsteps_d, active=draft_index.tolist(), num_drafts=list(num_drafts),
+        host_seq_lens=seq_lens.tolist(), host_block_tables=tables.to(torch.int32))
+
+
+def _cat_to_device(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """torch.cat, written into pinned memory on CUDA and copied with non_blocking (the CPU: just the cat)."""
+    if device.type != "cuda":
+        return torch.cat(tensors)
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
+    rows = sum(t.shape[0] for t in tensors)
+    host = torch.empty((rows, *tensors[0].shape[1:]), dtype=dtype, pin_memory=True)
+    torch.cat(tensors, out=host)
+    return host.to(device, non_blocking=True)
