@@ -73,8 +73,9 @@ def test_step_metadata_matches_per_sequence_reference(seed):
 
 
 def test_step_metadata_no_drafting_sequence():
-    md = build_step_metadata([0, 4], [torch.tensor([1, 2, 3]), torch.tensor([9])], [torch.zeros(3, 2), torch.zeros(1, 2)],
-                             [7, 8], [0, 0], [[5], [2]], 16, torch.device("cpu"))
+    md = build_step_metadata([0, 4], [torch.tensor([1, 2, 3]), torch.tensor([9])],
+                             [torch.zeros(3, 2), torch.zeros(1, 2)], [7, 8], [0, 0], [[5], [2]], 16,
+                             torch.device("cpu"))
     assert md.input_ids.tolist() == [2, 3, 7, 8] and md.first_step.positions.tolist() == [0, 1, 2, 4]
     assert md.first_step.slot_mapping.tolist() == [80, 81, 82, 36]
     assert md.active == [] and md.draft_rows.numel() == 0 and md.draft_block_tables.shape == (0, 1)

@@ -3,6 +3,7 @@ proposer called in-process, with the floor (bytes a step must read over measured
 
     python -m drafter_client.benchmarks.bench_step --preset small --device cpu          # minutes on a laptop CPU
     python -m drafter_client.benchmarks.bench_step --preset llama3-8b --device cuda     # the GPU table
+    ... --device cuda --graphs-ab      # also the in-process proposer with --no-cuda-graphs, in the same run
 
 The head has random weights of the preset's shape (written once to a temp dir as a Hugging Face checkpoint, which
 the server process loads). Each timed step is a decode step: every sequence sends m committed tokens at a context
@@ -11,6 +12,7 @@ allows, so the context stays fixed). Prints a table and writes JSON (device, dat
 """
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -162,6 +164,10 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=3, help="committed tokens per sequence per step (1 + accepted)")
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="CUDA: decode steps from CUDA graphs (in-process and sidecar)")
+    ap.add_argument("--graphs-ab", action="store_true",
+                    help="CUDA: also time the in-process proposer with --no-cuda-graphs (column eager ms)")
     ap.add_argument("--out", default="bench_out/bench_step.json")
     a = ap.parse_args()
     shape = PRESETS[a.preset]
@@ -180,7 +186,8 @@ def main() -> int:
         print(f"writing a random {a.preset} head ...", flush=True)
         head, target = write_random_head(tmp, shape, max_len)
         cfg = ServerConfig(model=str(head), target_model=str(target), device=a.device, dtype=dtype,
-                           kv_cache_tokens=kv_tokens, max_model_len=max_len, max_batch_seqs=4096)
+                           kv_cache_tokens=kv_tokens, max_model_len=max_len, max_batch_seqs=4096,
+                           cuda_graphs=a.cuda_graphs)
         bw = measure_bandwidth(device)
         print(f"memory bandwidth (copy, read+write): {bw / 1e9:.1f} GB/s", flush=True)
         rows = []
@@ -193,10 +200,19 @@ def main() -> int:
         del rt
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if a.graphs_ab and device.type == "cuda":
+            rt = build_runtime(dataclasses.replace(cfg, cuda_graphs=False))
+            for row in rows:
+                t = bench_in_process(rt, row["batch"], context, a.m, a.k, a.iters, width, shape["vocab_size"])
+                row["in_process_eager_ms"] = t * 1e3
+                print(f"in-process, no CUDA graphs, batch {row['batch']}: {t * 1e3:.2f} ms", flush=True)
+            del rt
+            torch.cuda.empty_cache()
         sock = tmp / "bench.sock"
         cmd = [sys.executable, "-m", "drafter_service.cli", "--model", str(head), "--target-model", str(target),
                "--listen", f"unix:{sock}", "--device", a.device, "--dtype", dtype, "--kv-cache-tokens",
-               str(kv_tokens), "--max-model-len", str(max_len), "--max-batch-seqs", "4096", "--log-level", "WARNING"]
+               str(kv_tokens), "--max-model-len", str(max_len), "--max-batch-seqs", "4096", "--log-level", "WARNING",
+               "--cuda-graphs" if a.cuda_graphs else "--no-cuda-graphs"]
         server = subprocess.Popen(cmd)
         try:
             for row in rows:
@@ -216,17 +232,19 @@ def main() -> int:
     result = dict(benchmark="bench_step", date=datetime.datetime.now().isoformat(timespec="seconds"),
                   device=f"{device.type}: {dev_name}, {os.cpu_count()} cores", torch=torch.__version__,
                   command=" ".join(shlex.quote(x) for x in sys.argv), preset=a.preset, shape=shape, dtype=dtype,
-                  context=context, m=a.m, k=a.k, iters=a.iters, bandwidth_gbps=bw / 1e9, rows=rows)
+                  context=context, m=a.m, k=a.k, iters=a.iters,
+                  cuda_graphs=a.cuda_graphs and device.type == "cuda", bandwidth_gbps=bw / 1e9, rows=rows)
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"\n{result['device']}, {a.preset}, {dtype}, context {context}, m={a.m}, k={a.k}, {result['date']}")
+    ab = all("in_process_eager_ms" in r for r in rows)
     print(f"{'batch':>5} {'in-proc ms':>11} {'sidecar ms':>11} {'side/in':>8} {'floor ms':>9} {'in/floor':>9} "
-          f"{'payload KB':>11}")
+          f"{'payload KB':>11}" + (f" {'eager ms':>9}" if ab else ""))
     for r in rows:
         print(f"{r['batch']:>5} {r['in_process_ms']:>11.2f} {r['sidecar_ms']:>11.2f} "
               f"{r['sidecar_over_in_process']:>8.2f} {r['floor_ms']:>9.3f} {r['in_process_over_floor']:>9.1f} "
-              f"{r['payload_bytes'] / 1024:>11.1f}")
+              f"{r['payload_bytes'] / 1024:>11.1f}" + (f" {r['in_process_eager_ms']:>9.2f}" if ab else ""))
     print(f"wrote {out}")
     return 0
 

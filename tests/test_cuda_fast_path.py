@@ -1,0 +1,140 @@
+"""The CUDA fast path (one host->device copy of the step metadata, decode steps replayed from CUDA graphs, one
+device->host copy) against the CPU path and the naive reference. GPU only: every test is marked `gpu`.
+
+Greedy drafts in fp32 must be identical (CPU server, CUDA server with graphs, CUDA server without graphs, naive
+fp64 reference), over many engine steps with batch sizes that need padding (3, 5, 33 sequences: padded to 4, 8,
+48), k mixed per sequence (1..8), and sequences running into max_model_len (k cut, masked rows clamped).
+bf16 on CUDA must agree with the fp32 CPU drafts on >= 90% of draft positions (on the CPU, bf16 vs fp32 agrees on
+about 95% of positions for this test model; one early mismatch changes the rest of that sequence's drafts).
+"""
+import asyncio
+import warnings
+from contextlib import AsyncExitStack, ExitStack
+
+import pytest
+import torch
+
+from conftest import ServerThread, make_config
+from drafter_client import DrafterClient
+from drafter_service.cuda_graphs import graph_batch_sizes
+from drafter_service.runtime import build_runtime
+from lockstep import ClientDrafter, ProposerDrafter, run_lockstep
+from naive_eagle import NaiveEagle1
+
+pytestmark = pytest.mark.gpu
+
+
+async def lockstep_servers(configs, naive, **kw):
+    """Start one server per config, drive them in lockstep through the client; the first is the reference."""
+    with ExitStack() as servers:
+        threads = [servers.enter_context(ServerThread(c)) for c in configs]
+        async with AsyncExitStack() as clients:
+            drafters = [ClientDrafter(await clients.enter_async_context(DrafterClient(t.uds, namespace="ls")))
+                        for t in threads]
+            for t in threads[1:]:
+                if t.config.device == "cuda" and t.config.cuda_graphs:
+                    assert t.server.runtime.proposer.decode_graphs is not None
+            return await run_lockstep(drafters, naive=naive, width=naive.H, vocab=naive.lm_head.shape[0], **kw)
+
+
+def test_graphs_captured_at_startup(tiny_model, tmp_path, monkeypatch):
+    rt = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", max_batch_seqs=40))
+    graphs = rt.proposer.decode_graphs
+    assert graphs.sizes == graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 48]
+    assert sorted(graphs.graphs) == sorted((bs, lp) for bs in graphs.sizes for lp in (False, True))
+    assert graphs.capture_seconds > 0
+    assert build_runtime(make_config(*tiny_model, tmp_path, device="cuda", cuda_graphs=False)).proposer \
+        .decode_graphs is None
+    monkeypatch.setenv("DRAFTER_KERNELS", "torch")  # torch references synchronize: no graphs, eager decode
+    assert build_runtime(make_config(*tiny_model, tmp_path, device="cuda")).proposer.decode_graphs is None
+
+
+@pytest.mark.parametrize("num_seqs,logprobs", [(3, False), (5, True), (33, False)])
+async def test_cuda_graphs_match_cpu_server_and_naive(tiny_model, tmp_path, num_seqs, logprobs):
+    naive = NaiveEagle1(*tiny_model)
+    configs = [make_config(*tiny_model, tmp_path / "cpu"),
+               make_config(*tiny_model, tmp_path / "graphs", device="cuda", dtype="float32"),
+               make_config(*tiny_model, tmp_path / "eager", device="cuda", dtype="float32", cuda_graphs=False)]
+    records = await lockstep_servers(configs, naive, seed=100 + num_seqs, engine_steps=40 if num_seqs < 10 else 16,
+                                     num_seqs=num_seqs, max_model_len=1024, max_k=8, logprobs=logprobs)
+    assert len(records) >= num_seqs * 5
+    for r in records:
+        cpu, graphs, eager = r.replies
+        assert cpu.drafts == r.expected, r
+        assert graphs.drafts == r.expected, r
+        assert eager.drafts == r.expected, r
+        if logprobs:
+            assert len(graphs.logprobs) == len(r.expected)
+            torch.testing.assert_close(torch.tensor(graphs.logprobs), torch.tensor(eager.logprobs), atol=1e-4,
+                                       rtol=1e-4)
+            torch.testing.assert_close(torch.tensor(graphs.logprobs), torch.tensor(cpu.logprobs), atol=1e-3,
+                                       rtol=1e-3)
+
+
+async def test_cuda_graphs_near_max_model_len(tiny_model, tmp_path):
+    """max_model_len 72: sequences run into the end (k cut by admission), masked rows of the padded batch pass it
+    (advance_draft_step clamps them); drafts still equal the naive ones and no stray KV write shows later."""
+    naive = NaiveEagle1(*tiny_model)
+    configs = [make_config(*tiny_model, tmp_path / "cpu", max_model_len=72),
+               make_config(*tiny_model, tmp_path / "graphs", device="cuda", dtype="float32", max_model_len=72)]
+    records = await lockstep_servers(configs, naive, seed=7, engine_steps=60, num_seqs=6, max_model_len=72,
+                                     max_k=8, prompts=(1, 2, 7, 16, 17, 40, 60))
+    assert any(len(r.expected) < r.num_drafts for r in records)
+    for r in records:
+        assert [a.drafts for a in r.replies] == [r.expected, r.expected], r
+
+
+async def test_cuda_graphs_bf16_agree_with_fp32_cpu(tiny_model, tmp_path):
+    naive = NaiveEagle1(*tiny_model)
+    configs = [make_config(*tiny_model, tmp_path / "cpu"),
+               make_config(*tiny_model, tmp_path / "graphs", device="cuda", dtype="bfloat16")]
+    records = await lockstep_servers(configs, naive, seed=11, engine_steps=40, num_seqs=16, max_model_len=1024,
+                                     max_k=6)
+    pairs = [(a, b) for r in records for a, b in zip(r.replies[0].drafts, r.replies[1].drafts)]
+    assert all(len(r.replies[1].drafts) == len(r.replies[0].drafts) for r in records)
+    agreement = sum(a == b for a, b in pairs) / len(pairs)
+    assert len(pairs) > 1000 and agreement >= 0.90, agreement
+
+
+def test_graphs_in_process_same_drafts_and_kv_as_eager(tiny_model, tmp_path):
+    """Proposers called directly (no server): graphs on vs off on the same device; after the run the KV pools
+    match (padding and finished rows wrote nothing)."""
+    naive = NaiveEagle1(*tiny_model)
+    on = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32"))
+    off = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32", cuda_graphs=False))
+    records = asyncio.run(run_lockstep([ProposerDrafter(off.proposer), ProposerDrafter(on.proposer)], naive=naive,
+                                       width=naive.H, vocab=naive.lm_head.shape[0], seed=5, engine_steps=30,
+                                       num_seqs=33, max_model_len=1024, max_k=8, logprobs=True))
+    for r in records:
+        assert [a.drafts for a in r.replies] == [r.expected, r.expected], r
+    torch.testing.assert_close(on.kv.kv, off.kv.kv, atol=1e-4, rtol=1e-4)
+
+
+def test_graph_step_synchronizes_once(tiny_model, tmp_path):
+    """With torch's sync debug mode on, a decode step with graphs makes exactly one synchronizing call (the copy
+    of the drafts to the host); the eager loop makes several (one per decode step at least)."""
+    from drafter_client import SequenceStep
+
+    def count_syncs(rt) -> int:
+        drafter = ProposerDrafter(rt.proposer)
+        g = torch.Generator().manual_seed(0)
+        steps = [SequenceStep(f"q{i}", 0, torch.randint(0, 512, (20,), generator=g),
+                              torch.randn(20, 64, generator=g), 3, 0) for i in range(5)]
+        asyncio.run(drafter.propose(steps))  # prefill, and warm-up of every kernel
+        decode = [SequenceStep(s.sequence_id, 17, s.token_ids[17:], s.hidden_states[17:], 4, 1 + i)
+                  for i, s in enumerate(steps)]
+        asyncio.run(drafter.propose(decode))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                replies = asyncio.run(drafter.propose(decode))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert [len(r.drafts) for r in replies] == [1, 2, 3, 4, 5]
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    assert count_syncs(build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32"))) == 1
+    eager = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32", cuda_graphs=False))
+    assert count_syncs(eager) > 4
