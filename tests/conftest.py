@@ -1,9 +1,15 @@
 import asyncio
+import os
 import pathlib
 import threading
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Before anything below imports drafter_kernels: @triton.jit reads it when the kernels are defined, and the
+    # kernel tests run them under the interpreter on machines without a GPU.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from checkpoints import write_eagle1
 from drafter_service.config import ServerConfig
