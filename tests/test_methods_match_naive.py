@@ -16,7 +16,7 @@ import torch
 from checkpoints import write_eagle3, write_multi_layer
 from conftest import ServerThread, make_config
 from drafter_client import DrafterClient
-from drafter_service.sampling import gumbel_sample_ref, seed_to_int64
+from drafter_service.sampling import gumbel_sample, seed_to_int64
 from fake_engine import FakeSequence
 from naive_eagle3 import NaiveEagle3, NaiveMultiLayer
 
@@ -41,7 +41,7 @@ def gumbel_pick(temperature: float, seed: int, position: int):
     def pick(logits: torch.Tensor, j: int) -> int:
         if temperature == 0:
             return int(logits.argmax())
-        return int(gumbel_sample_ref(logits[None], torch.tensor([temperature]),
+        return int(gumbel_sample(logits[None], torch.tensor([temperature]),
                                      torch.tensor([seed_to_int64(seed)]), torch.tensor([position + j]))[0])
     return pick
 

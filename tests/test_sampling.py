@@ -1,4 +1,5 @@
-"""Draft sampling: greedy at T = 0, Gumbel-max reproducible per (seed, position), distribution = softmax(logits/T).
+"""Draft sampling (the kernels' gumbel_sample through ops, and sample_drafts): greedy at T = 0, Gumbel-max
+reproducible per (seed, position), distribution = softmax(logits/T).
 
 The statistical tests are deterministic (the noise is a hash of seed and position), so they cannot flake: each
 draws S samples of one small-vocabulary distribution by varying the position and compares the histogram with
@@ -9,7 +10,7 @@ by a wide margin at S = 40000), and the total-variation distance below 0.02.
 import pytest
 import torch
 
-from drafter_service.sampling import gumbel_sample_ref, sample_drafts, seed_to_int64
+from drafter_service.sampling import gumbel_sample, sample_drafts, seed_to_int64
 
 S = 40000
 # 1 - 1e-4 quantiles of chi-square(df) (scipy.stats.chi2.ppf(0.9999, df))
@@ -25,7 +26,7 @@ def _histogram(logits: torch.Tensor, temperature: float, seed: int, top_k: int =
                             torch.arange(S), torch.full((S,), top_k), want_logprobs=False)
         tok = out.tokens
     else:
-        tok = gumbel_sample_ref(rows, torch.full((S,), temperature), torch.full((S,), seed, dtype=torch.int64),
+        tok = gumbel_sample(rows, torch.full((S,), temperature), torch.full((S,), seed, dtype=torch.int64),
                                 torch.arange(S))
     return torch.bincount(tok, minlength=V).double()
 
@@ -62,7 +63,7 @@ def test_greedy_at_temperature_zero_and_per_row_temperature():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=g)
     T = torch.tensor([0.0, 1.0, 0.0, 2.0, 0.0, 0.5])
-    out = gumbel_sample_ref(logits, T, torch.arange(6), torch.arange(6) * 7)
+    out = gumbel_sample(logits, T, torch.arange(6), torch.arange(6) * 7)
     greedy = logits.argmax(-1)
     assert torch.equal(out[T == 0], greedy[T == 0])
 
@@ -73,16 +74,16 @@ def test_reproducible_per_seed_and_position_and_batch_independent():
     T = torch.full((32,), 1.0)
     seed = torch.randint(0, 2**62, (32,), generator=g)
     pos = torch.randint(0, 4096, (32,), generator=g)
-    a = gumbel_sample_ref(logits, T, seed, pos)
-    assert torch.equal(a, gumbel_sample_ref(logits, T, seed, pos))
+    a = gumbel_sample(logits, T, seed, pos)
+    assert torch.equal(a, gumbel_sample(logits, T, seed, pos))
     # the same row alone, or in a permuted batch, gets the same sample
     perm = torch.randperm(32, generator=g)
-    assert torch.equal(a[perm], gumbel_sample_ref(logits[perm], T[perm], seed[perm], pos[perm]))
-    assert int(gumbel_sample_ref(logits[5:6], T[5:6], seed[5:6], pos[5:6])) == int(a[5])
+    assert torch.equal(a[perm], gumbel_sample(logits[perm], T[perm], seed[perm], pos[perm]))
+    assert int(gumbel_sample(logits[5:6], T[5:6], seed[5:6], pos[5:6])) == int(a[5])
     # another seed or another position changes the draws (flat logits: every column equally likely)
     flat = torch.zeros(64, 1000)
-    s0 = gumbel_sample_ref(flat, torch.ones(64), torch.zeros(64, dtype=torch.int64), torch.arange(64))
-    s1 = gumbel_sample_ref(flat, torch.ones(64), torch.ones(64, dtype=torch.int64), torch.arange(64))
+    s0 = gumbel_sample(flat, torch.ones(64), torch.zeros(64, dtype=torch.int64), torch.arange(64))
+    s1 = gumbel_sample(flat, torch.ones(64), torch.ones(64, dtype=torch.int64), torch.arange(64))
     assert (s0 != s1).float().mean() > 0.9
     assert len(set(s0.tolist())) > 50
 
@@ -121,6 +122,6 @@ def test_gumbel_sample_same_on_cuda_and_cpu():
     T = torch.rand(16, generator=g) + 0.2
     seed = torch.randint(0, 2**62, (16,), generator=g)
     pos = torch.randint(0, 10**6, (16,), generator=g)
-    cpu = gumbel_sample_ref(logits, T, seed, pos)
-    gpu = gumbel_sample_ref(logits.cuda(), T.cuda(), seed.cuda(), pos.cuda()).cpu()
+    cpu = gumbel_sample(logits, T, seed, pos)
+    gpu = gumbel_sample(logits.cuda(), T.cuda(), seed.cuda(), pos.cuda()).cpu()
     assert torch.equal(cpu, gpu)
