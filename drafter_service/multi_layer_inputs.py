@@ -10,12 +10,17 @@ positions, KV slots, target hidden states), exactly the cache of vLLM's MultiLay
 
 Difference from the seed, by construction of our protocol: vLLM's padded batch holds the rejected drafts at the
 end of each request's window, so its kernel shifts the window right by ``shift`` rows (dropping them) and fills
-the vacated front from the cache. Our engine sends only committed rows, so nothing is dropped: the window grows
-by ``shift`` rows in front. The cache refresh (the window's last MAX_SHIFT rows) is the same.
+the vacated front from the cache. Our engine sends only committed rows, so nothing is to be dropped: the window
+grows by ``shift`` rows in front. ``shift_and_cache`` below gets exactly that from the same kernel
+(drafter_kernels/shift_and_cache.py, through ops) by giving each sequence's window ``shift`` padding rows at the
+end of the source, which the shift pushes out. The cache refresh (the window's last MAX_SHIFT rows) is the seed's.
 """
 from dataclasses import dataclass
 
 import torch
+
+from drafter_kernels import ops
+from drafter_kernels.shift_and_cache import shift_cache_store_window
 
 
 @dataclass
@@ -45,7 +50,7 @@ class ShiftedWindow:
     cached_len: list[int]  # [B]
 
 
-def shift_and_cache_ref(
+def shift_and_cache(
     src_token_ids: torch.Tensor,  # [T] int64: the committed rows of the step, all sequences packed
     src_positions: torch.Tensor,  # [T] int64
     src_slot_mapping: torch.Tensor,  # [T] int64
@@ -59,26 +64,30 @@ def shift_and_cache_ref(
     cached_hidden_states: torch.Tensor,  # [B, MAX_SHIFT, W]
 ) -> ShiftedWindow:
     """Window of sequence b = cache rows [cached_len - shift, cached_len) ++ src rows of b; new cache = the
-    window's last min(MAX_SHIFT, window length) rows."""
+    window's last min(MAX_SHIFT, window length) rows. The cached_* tensors are rewritten with the new caches."""
     B, max_shift = cached_token_ids.shape
-    assert all(0 <= s <= c for s, c in zip(shift, cached_len)), "a shift needs that many cached rows"
-    parts: dict[str, list[torch.Tensor]] = {"ids": [], "pos": [], "slot": [], "hid": []}
+    assert all(0 <= s <= c <= max_shift for s, c in zip(shift, cached_len)), "a shift needs that many cached rows"
+    dev = src_token_ids.device
+    lens = [shift[b] + query_start_loc[b + 1] - query_start_loc[b] for b in range(B)]
     out_qsl = [0]
-    new_len = []
-    new = {"ids": torch.zeros_like(cached_token_ids), "pos": torch.zeros_like(cached_positions),
-           "slot": torch.zeros_like(cached_slot_mapping), "hid": torch.zeros_like(cached_hidden_states)}
-    cached = {"ids": cached_token_ids, "pos": cached_positions, "slot": cached_slot_mapping,
-              "hid": cached_hidden_states}
-    src = {"ids": src_token_ids, "pos": src_positions, "slot": src_slot_mapping, "hid": src_hidden_states}
-    for b in range(B):
-        lo, hi = cached_len[b] - shift[b], cached_len[b]
-        window_len = shift[b] + query_start_loc[b + 1] - query_start_loc[b]
-        keep = min(max_shift, window_len)
-        new_len.append(keep)
-        for name in parts:
-            rows = torch.cat([cached[name][b, lo:hi], src[name][query_start_loc[b] : query_start_loc[b + 1]]])
-            parts[name].append(rows)
-            new[name][b, :keep] = rows[window_len - keep :]
-        out_qsl.append(out_qsl[-1] + window_len)
-    return ShiftedWindow(torch.cat(parts["ids"]), torch.cat(parts["pos"]), torch.cat(parts["slot"]),
-                         torch.cat(parts["hid"]), out_qsl, new["ids"], new["pos"], new["slot"], new["hid"], new_len)
+    for n in lens:
+        out_qsl.append(out_qsl[-1] + n)
+    # the padded source: sequence b's rows at the front of its window, then shift[b] rows the shift pushes out
+    rows = torch.cat([torch.arange(query_start_loc[b], query_start_loc[b + 1]) for b in range(B)])
+    padded_at = torch.cat([out_qsl[b] + torch.arange(query_start_loc[b + 1] - query_start_loc[b])
+                           for b in range(B)]).to(dev)
+    window_start = torch.tensor(out_qsl[:-1], dtype=torch.int64)
+    window_end = torch.tensor(out_qsl[1:], dtype=torch.int64) - 1
+    store_start, store_len = shift_cache_store_window(window_start, window_end, max_shift)
+    meta = [t.to(dev) for t in (window_start, window_end, torch.tensor(shift, dtype=torch.int64),
+                                torch.tensor(cached_len, dtype=torch.int64), store_start, store_len)]
+    out = []
+    for src, cache in ((src_token_ids, cached_token_ids), (src_positions, cached_positions),
+                       (src_slot_mapping, cached_slot_mapping), (src_hidden_states, cached_hidden_states)):
+        padded = torch.zeros(out_qsl[-1], *src.shape[1:], dtype=src.dtype, device=dev)
+        padded[padded_at] = src[rows.to(dev)]
+        dst = torch.empty_like(padded)
+        ops.shift_and_cache(padded, dst, cache, *meta)
+        out.append(dst)
+    return ShiftedWindow(out[0], out[1], out[2], out[3], out_qsl, cached_token_ids, cached_positions,
+                         cached_slot_mapping, cached_hidden_states, store_len.tolist())

@@ -38,7 +38,7 @@ from drafter_kernels import ops
 from .kv_cache import KVCache
 from .metrics import Metrics
 from .models.attention_metadata import AttentionMetadata
-from .multi_layer_inputs import ShiftCache, shift_and_cache_ref
+from .multi_layer_inputs import ShiftCache, shift_and_cache
 from .parallel_inputs import copy_and_expand_inputs_ref
 from .sampling import DraftSample, sample_drafts, seed_to_int64
 from .sequence import Sequence, SequenceTable
@@ -402,7 +402,7 @@ class Proposer:
         positions = torch.cat([torch.arange(a.step.start_position, c, dtype=torch.int64) for a, c in zip(batch, C)])
         slots = torch.cat([self._slots(a.seq, torch.arange(a.step.start_position, c, dtype=torch.int64))
                            for a, c in zip(batch, C)])
-        win = shift_and_cache_ref(
+        win = shift_and_cache(
             src_token_ids=torch.cat([a.step.token_ids for a in batch]).to(dev), src_positions=positions.to(dev),
             src_slot_mapping=slots.to(dev),
             src_hidden_states=torch.cat([a.step.hidden_states for a in batch]).to(device=dev, dtype=dtype),

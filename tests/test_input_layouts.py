@@ -1,8 +1,9 @@
-"""The torch references of the two input layouts: copy-and-expand (parallel drafting, seed 000) and
-shift-and-cache (multi-layer EAGLE, seed 003)."""
+"""The two input layouts: copy-and-expand (parallel drafting, seed 000; our per-request-slots torch reference, and
+its agreement with the kernels' one-slot-count version) and shift-and-cache (multi-layer EAGLE, seed 003, on the
+kernels' shift_and_cache)."""
 import torch
 
-from drafter_service.multi_layer_inputs import shift_and_cache_ref
+from drafter_service.multi_layer_inputs import shift_and_cache
 from drafter_service.parallel_inputs import copy_and_expand_inputs_ref
 
 PTD, PAD = -2, 0
@@ -37,10 +38,10 @@ def test_shift_and_cache_prepends_cached_rows_and_keeps_the_last_max_shift():
     src_ids = torch.tensor([104, 105, 106, 107, 900])
     src_pos = torch.tensor([4, 5, 6, 7, 0])
     src_hidden = 100 + torch.arange(5 * W, dtype=torch.float32).view(5, W)
-    win = shift_and_cache_ref(src_ids, src_pos, src_pos + 1000, src_hidden, query_start_loc=[0, 4, 5],
-                              shift=[2, 0], cached_len=[3, 0], cached_token_ids=cached_ids,
-                              cached_positions=cached_pos, cached_slot_mapping=cached_pos + 1000,
-                              cached_hidden_states=cached_hidden)
+    win = shift_and_cache(src_ids, src_pos, src_pos + 1000, src_hidden, query_start_loc=[0, 4, 5],
+                          shift=[2, 0], cached_len=[3, 0], cached_token_ids=cached_ids.clone(),
+                          cached_positions=cached_pos.clone(), cached_slot_mapping=cached_pos + 1000,
+                          cached_hidden_states=cached_hidden.clone())  # rewritten in place
     assert win.query_start_loc == [0, 6, 7]
     assert win.token_ids.tolist() == [102, 103, 104, 105, 106, 107, 900]
     assert win.positions.tolist() == [2, 3, 4, 5, 6, 7, 0]
@@ -50,3 +51,29 @@ def test_shift_and_cache_prepends_cached_rows_and_keeps_the_last_max_shift():
     assert win.cached_token_ids.tolist() == [[105, 106, 107], [900, 0, 0]]
     assert win.cached_positions.tolist() == [[5, 6, 7], [0, 0, 0]]
     assert torch.equal(win.cached_hidden_states[0], src_hidden[1:4])
+
+
+def test_copy_and_expand_equals_the_kernels_reference_when_slots_are_equal():
+    from drafter_kernels.copy_expand_inputs import copy_and_expand_inputs_ref as kernels_ref
+
+    g = torch.Generator().manual_seed(0)
+    lens, rejected, P = [3, 1, 6, 2], [1, 0, 2, 0], 4
+    qsl = [0]
+    for n, r in zip(lens, rejected):
+        qsl.append(qsl[-1] + n + r)
+    T = qsl[-1]
+    tokens, positions = torch.randint(0, 100, (T,), generator=g), torch.arange(T) * 3
+    qs, qe = torch.tensor(qsl), torch.tensor([qsl[i] + lens[i] - 1 for i in range(len(lens))])
+    nxt = torch.randint(0, 100, (len(lens),), generator=g)
+    ours = copy_and_expand_inputs_ref(tokens, positions, nxt, qs, qe, torch.full((len(lens),), P), PAD, PTD)
+    T_out = T + len(lens) * (P - 1)
+    out = dict(out_input_ids=torch.empty(T_out, dtype=torch.int64), out_positions=torch.empty(T_out, dtype=torch.int64),
+               out_is_rejected=torch.empty(T_out, dtype=torch.bool), out_is_masked=torch.empty(T_out, dtype=torch.bool),
+               out_new_token_indices=torch.empty(len(lens) * P, dtype=torch.int64),
+               out_hidden_state_mapping=torch.empty(T, dtype=torch.int64))
+    kernels_ref(tokens, positions, nxt, qs.int(), qe.int(), **out, padding_token_id=PAD,
+                parallel_drafting_token_id=PTD, num_padding_slots_per_request=P, shift_input_ids=True)
+    assert torch.equal(ours.input_ids, out["out_input_ids"]) and torch.equal(ours.positions, out["out_positions"])
+    assert torch.equal(ours.is_rejected, out["out_is_rejected"]) and torch.equal(ours.is_masked, out["out_is_masked"])
+    assert torch.equal(ours.new_token_indices, out["out_new_token_indices"])
+    assert torch.equal(ours.hidden_state_mapping, out["out_hidden_state_mapping"])
