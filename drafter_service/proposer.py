@@ -443,9 +443,10 @@ class Proposer:
         # -- refresh the caches: the rows before C - n + 1 are final in every layer now --
         for i, a in enumerate(batch):
             L = win.cached_len[i]
-            a.seq.shift_cache = ShiftCache(
-                token_ids=win.cached_token_ids[i], positions=win.cached_positions[i],
-                slot_mapping=win.cached_slot_mapping[i], hidden_states=win.cached_hidden_states[i], length=L,
+            a.seq.shift_cache = ShiftCache(  # clones: a view would keep the whole batch's cache tensors alive
+                token_ids=win.cached_token_ids[i].clone(), positions=win.cached_positions[i].clone(),
+                slot_mapping=win.cached_slot_mapping[i].clone(), hidden_states=win.cached_hidden_states[i].clone(),
+                length=L,
                 start_position=C[i] - L, final_len=min(C[i], max(w0s[i], C[i] - n + 1)))
         return out
 
