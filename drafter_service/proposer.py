@@ -351,7 +351,8 @@ class Proposer:
             positions=layout.positions.to(dev), slot_mapping=slots.to(dev),
             query_start_loc=layout.query_start_loc.to(torch.int32).to(dev),
             seq_lens=torch.tensor([c + n - 1 for c, n in zip(C, n_slots)], dtype=torch.int32).to(dev),
-            block_tables=self._block_tables(batch).to(dev), max_query_len=max(m + n - 1 for m, n in zip(q_lens, n_slots)))
+            block_tables=self._block_tables(batch).to(dev),
+            max_query_len=max(m + n - 1 for m, n in zip(q_lens, n_slots)))
         head_out = model.forward(layout.input_ids.to(dev), hidden_in, meta, self.kv_layers)
 
         out = _Drafts(B, [a.step.top_k_probs for a in batch])
@@ -378,9 +379,9 @@ class Proposer:
         dtype = self.kv.kv.dtype
         # -- the window of each sequence: rows [w0, p) from its shift cache, then the committed rows [p, C) --
         shift, cached_len, w0s = [], [], []
-        empty = ShiftCache(torch.zeros(n, dtype=torch.int64, device=dev), torch.zeros(n, dtype=torch.int64, device=dev),
-                           torch.zeros(n, dtype=torch.int64, device=dev), torch.zeros(n, width, dtype=dtype, device=dev),
-                           length=0, start_position=0, final_len=0)
+        zeros = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+        empty = ShiftCache(zeros(n), zeros(n), zeros(n), zeros(n, width, dtype=dtype), length=0, start_position=0,
+                           final_len=0)  # a new sequence
         caches = []
         for a in batch:
             p = a.step.start_position
