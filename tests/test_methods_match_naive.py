@@ -25,9 +25,11 @@ STEPS_PER_ENGINE = 30
 METHODS = {
     # published EAGLE-3 layout: pytorch_model.bin, LlamaForCausalLMEagle3, draft vocab 200 of 512 with d2t
     "eagle3": dict(write=lambda root: write_eagle3(root, seed=10), naive=NaiveEagle3, drafts="drafts", max_k=5),
-    # Eagle3LlamaForCausalLM in safetensors, full vocabulary, target hidden 48 != head hidden 64, own embed_tokens
+    # Eagle3LlamaForCausalLM in safetensors, full vocabulary, target hidden 48 != head hidden 64, own embed_tokens,
+    # vLLM's norm_before_residual option
     "eagle3_wide": dict(write=lambda root: write_eagle3(root, seed=11, draft_vocab=None, target_hidden=48, embed=True,
-                                                        bin_format=False, architecture="Eagle3LlamaForCausalLM"),
+                                                        bin_format=False, architecture="Eagle3LlamaForCausalLM",
+                                                        norm_before_residual=True),
                         naive=NaiveEagle3, drafts="drafts", max_k=4),
     "peagle": dict(write=lambda root: write_eagle3(root, seed=12, parallel_token_id=7), naive=NaiveEagle3,
                    drafts="parallel_drafts", max_k=5),
