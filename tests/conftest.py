@@ -3,17 +3,18 @@ import os
 import pathlib
 import threading
 
-import pytest
 import torch
 
+# Without a GPU, Triton kernels run in the interpreter on CPU tensors. This must be set before anything imports
+# triton (any test module may import drafter_kernels first), so it is set here, once, for the whole session.
 if not torch.cuda.is_available():
-    # Before anything below imports drafter_kernels: @triton.jit reads it when the kernels are defined, and the
-    # kernel tests run them under the interpreter on machines without a GPU.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from checkpoints import write_eagle1
-from drafter_service.config import ServerConfig
-from drafter_service.server import DrafterServer
+import pytest  # noqa: E402
+
+from checkpoints import write_eagle1  # noqa: E402
+from drafter_service.config import ServerConfig  # noqa: E402
+from drafter_service.server import DrafterServer  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
