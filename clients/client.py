@@ -192,6 +192,7 @@ class DrafterClient:
         self.steps_inline = 0  # steps sent inline (no ring, step larger than a slot, or every slot busy)
         self._ring: SlotRing | None = None
         self._ring_settings: dict | None = None
+        self._own_regions: set[str] = set()  # registered with register_cuda_tensor, unregistered on close
         self._heartbeat: asyncio.Task | None = None
 
     async def __aenter__(self) -> "DrafterClient":
@@ -202,6 +203,12 @@ class DrafterClient:
 
     async def close(self) -> None:
         await self.disable_shared_memory()
+        if self._own_regions:
+            try:
+                await self.unregister_shared_memory(sorted(self._own_regions))
+            except DrafterError as e:  # the drafter's lease reclaims them
+                log.info("unregistering %s: %s", sorted(self._own_regions), e)
+        await self._stop_heartbeat()
         await self._channel.close()
 
     async def wait_ready(self, timeout_s: float = 60.0) -> None:
@@ -327,14 +334,10 @@ class DrafterClient:
         return "inline"
 
     async def disable_shared_memory(self) -> None:
-        """Back to inline bytes: stop the heartbeat, unregister the ring, free it."""
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            try:
-                await self._heartbeat
-            except asyncio.CancelledError:
-                pass
-            self._heartbeat = None
+        """Back to inline bytes: unregister the ring and free it (and stop the heartbeat, unless regions of
+        register_cuda_tensor still need it)."""
+        if not self._own_regions:
+            await self._stop_heartbeat()
         ring, self._ring = self._ring, None
         self.data_plane = "inline"
         if ring is None:
@@ -363,6 +366,7 @@ class DrafterClient:
                                      offset=tensor.data_ptr() - base, device_id=index),
             lease_seconds=lease_seconds)
         r = await self._call(self._stub.RegisterSharedMemory, req, 30.0)
+        self._own_regions.add(name)
         self._ensure_heartbeat(r.region.lease_seconds)
         return r.region
 
@@ -370,6 +374,7 @@ class DrafterClient:
         """Unregister regions of this namespace (all of them when names is None); returns the names unmapped."""
         r = await self._call(self._stub.UnregisterSharedMemory,
                              pb.UnregisterSharedMemoryRequest(namespace=self.namespace, names=names or []), None)
+        self._own_regions -= set(r.unregistered)
         return list(r.unregistered)
 
     async def shared_memory_status(self, names: list[str] | None = None) -> list["pb.SharedMemoryRegion"]:
@@ -396,6 +401,15 @@ class DrafterClient:
             raise
         self.steps_by_reference += 1
         return _Staged(ring, slot, ref)
+
+    async def _stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            try:
+                await self._heartbeat
+            except asyncio.CancelledError:
+                pass
+            self._heartbeat = None
 
     def _ensure_heartbeat(self, lease_seconds: int) -> None:
         if self._heartbeat is None or self._heartbeat.done():

@@ -129,6 +129,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
         steps = parse_propose(request, rt.limits, read_shm)
         if self.ingest_only:
+            if request.hidden_states.WhichOneof("data") == "raw" and steps:
+                # Inline states are still views of the message: move them to the device as the proposer would
+                # (one copy), so that both data planes end with the bytes in a tensor of their own there.
+                torch.cat([s.hidden_states for s in steps]).to(rt.device)
+                if rt.device.type == "cuda":
+                    torch.cuda.synchronize(rt.device)
             outputs = [StepOutput() for _ in steps]
         else:
             outputs = await self.scheduler.submit(steps)
