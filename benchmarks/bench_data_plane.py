@@ -46,9 +46,12 @@ DTYPE = torch.bfloat16
 
 # ---- the drafter, in its own process ----
 
-def serve_ingest_only(model_dir: str, target_dir: str, sock: str, width: int, device: str, ready) -> None:
+def serve_ingest_only(model_dir: str, target_dir: str, sock: str, width: int, device: str, threads: int,
+                      ready) -> None:
     from drafter_service.config import ServerConfig
     from drafter_service.server import DrafterServer
+
+    torch.set_num_threads(threads)
 
     async def main():
         cfg = ServerConfig(model=model_dir, target_model=target_dir, listen=[f"unix:{sock}"], device=device,
@@ -71,12 +74,9 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def time_steps(session, steps, hidden, budget_s: float, max_iters: int) -> list[float]:
-    for _ in range(3):  # warm-up
-        await session.propose(steps, hidden)
-    times: list[float] = []
-    t_end = time.perf_counter() + budget_s
-    while len(times) < max_iters and (len(times) < 5 or time.perf_counter() < t_end):
+async def time_steps(session, steps, hidden, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
         t0 = time.perf_counter()
         r = await session.propose(steps, hidden)
         times.append(time.perf_counter() - t0)
@@ -94,37 +94,52 @@ def shapes() -> list[tuple[str, str, int, int]]:
 
 
 async def run_width(sock: str, head: str, width: int, modes: list[str], engine_device: torch.device,
-                    budget_s: float, max_iters: int) -> list[dict]:
+                    budget_s: float, max_iters: int, rounds: int) -> list[dict]:
+    """Every case runs all modes in alternating rounds, so that a busy machine slows them alike."""
     from drafter_client import DrafterClient, SequenceStep
 
-    results = []
     max_rows = max(PREFILL_TOKENS, max(BATCHES) * TOKENS_PER_SEQ)
+    clients, sessions = {}, {}
     for mode in modes:
-        async with DrafterClient(f"unix:{sock}", namespace=f"bench-{mode}",
-                                 max_message_bytes=512 * 2**20) as client:
-            await client.wait_ready(120)
+        client = DrafterClient(f"unix:{sock}", namespace=f"bench-{mode}", max_message_bytes=512 * 2**20)
+        await client.wait_ready(120)
+        if mode != "inline":
+            plane = await client.enable_shared_memory(max_rows, dtype=DTYPE, kind=mode, slots=2,
+                                                      device=engine_device, width=width)
+            assert plane == mode, plane
+        clients[mode], sessions[mode] = client, client.stream()
+    results = []
+    try:
+        for name, h, seqs, rows in shapes():
+            if h != head:
+                continue
+            hidden = torch.randn(rows, width, device=engine_device).to(DTYPE)
+            nbytes = hidden.numel() * hidden.element_size()
+            m = rows // seqs
+            steps = [SequenceStep(f"s{i}", 0, torch.randint(0, 500, (m,)), None, 1, 0) for i in range(seqs)]
+            times: dict[str, list[float]] = {mode: [] for mode in modes}
+            for mode in modes:  # warm-up, and a first estimate of the step time
+                await time_steps(sessions[mode], steps, hidden, 3)
+                times[mode] += await time_steps(sessions[mode], steps, hidden, 2)
+            per_round = {mode: max(1, min(max_iters // rounds, int(budget_s / rounds / statistics.median(times[mode]))))
+                         for mode in modes}
+            for _ in range(rounds):
+                for mode in modes:
+                    times[mode] += await time_steps(sessions[mode], steps, hidden, per_round[mode])
+            for mode in modes:
+                med = statistics.median(times[mode])
+                results.append(dict(mode=mode, case=name, head=head, sequences=seqs, rows=rows, width=width,
+                                    bytes=nbytes, iters=len(times[mode]), median_ms=med * 1e3,
+                                    p10_ms=percentile(times[mode], 0.1) * 1e3,
+                                    p90_ms=percentile(times[mode], 0.9) * 1e3, gb_per_s=nbytes / med / 1e9))
+                print(f"  {mode:7s} {name:24s} {nbytes / 2**20:8.2f} MiB  {med * 1e3:9.3f} ms  "
+                      f"{nbytes / med / 1e9:7.2f} GB/s  ({len(times[mode])} steps)", flush=True)
+    finally:
+        for mode in modes:
+            await sessions[mode].close()
             if mode != "inline":
-                plane = await client.enable_shared_memory(max_rows, dtype=DTYPE, kind=mode, slots=2,
-                                                          device=engine_device, width=width)
-                assert plane == mode, plane
-            async with client.stream() as session:
-                for name, h, seqs, rows in shapes():
-                    if h != head:
-                        continue
-                    hidden = torch.randn(rows, width, device=engine_device).to(DTYPE)
-                    m = rows // seqs
-                    steps = [SequenceStep(f"s{i}", 0, torch.randint(0, 500, (m,)), None, 1, 0) for i in range(seqs)]
-                    times = await time_steps(session, steps, hidden, budget_s, max_iters)
-                    nbytes = hidden.numel() * hidden.element_size()
-                    med = statistics.median(times)
-                    results.append(dict(mode=mode, case=name, head=head, sequences=seqs, rows=rows, width=width,
-                                        bytes=nbytes, iters=len(times), median_ms=med * 1e3,
-                                        p10_ms=percentile(times, 0.1) * 1e3, p90_ms=percentile(times, 0.9) * 1e3,
-                                        gb_per_s=nbytes / med / 1e9))
-                    print(f"  {mode:7s} {name:24s} {nbytes / 2**20:8.2f} MiB  {med * 1e3:9.3f} ms  "
-                          f"{nbytes / med / 1e9:7.2f} GB/s  ({len(times)} steps)", flush=True)
-            if mode != "inline":
-                assert client.steps_inline == 0, "a step went inline: the ring is too small"
+                assert clients[mode].steps_inline == 0, "a step went inline: the ring is too small"
+            await clients[mode].close()
     return results
 
 
@@ -198,10 +213,15 @@ def main() -> int:
     ap.add_argument("--engine-device", default=None, help="where the engine's hidden states are "
                     "(default: the drafter's device)")
     ap.add_argument("--modes", default=None, help="comma list of inline,system,cuda (default: all that apply)")
-    ap.add_argument("--budget-s", type=float, default=1.0, help="time per case (at least 5 steps)")
-    ap.add_argument("--max-iters", type=int, default=200)
+    ap.add_argument("--budget-s", type=float, default=2.0, help="time per case and mode (at least 5 steps)")
+    ap.add_argument("--max-iters", type=int, default=400, help="steps per case and mode, at most")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of the modes per case")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads in each process (1: a memcpy needs no more, and OpenMP spinning "
+                         "on a small shared machine makes copies stall)")
     ap.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "results")
     a = ap.parse_args()
+    torch.set_num_threads(a.threads)
 
     sys.path.insert(0, str(ROOT / "tests"))
     from checkpoints import write_eagle1
@@ -220,10 +240,12 @@ def main() -> int:
                 grpc=__import__("grpc").__version__, transport="unix socket, one ProposeStream",
                 method="drafter in ingest-only mode in its own process: decode, check, copy the hidden states once "
                        "onto its device, answer without drafting; time = one stream round trip per step, from the "
-                       "engine's tensor to the reply; GB/s = payload bytes / median step time",
-                dtype="bfloat16", tokens_per_sequence=TOKENS_PER_SEQ)
-    print(f"data plane on {meta['device']} ({meta['cores']} cores), drafter on {device}, engine tensors on "
-          f"{engine_device}; modes {', '.join(modes)}")
+                       "engine's tensor to the reply, the modes in alternating rounds; GB/s = payload bytes / "
+                       "median step time",
+                dtype="bfloat16", tokens_per_sequence=TOKENS_PER_SEQ, torch_threads=a.threads,
+                load_average_at_start=os.getloadavg())
+    print(f"data plane on {meta['device']} ({meta['cores']} cores, load {os.getloadavg()[0]:.1f}), drafter on "
+          f"{device}, engine tensors on {engine_device}; modes {', '.join(modes)}")
     meta["reference"] = reference_numbers(engine_device)
     print("reference: " + ", ".join(f"{k} {v:.1f}" for k, v in meta["reference"].items()))
 
@@ -235,12 +257,13 @@ def main() -> int:
             sock = os.path.join(tmp, f"{head}.sock")
             ready = ctx.Event()
             proc = ctx.Process(target=serve_ingest_only, args=(str(head_dir), str(target_dir), sock, width,
-                                                               str(device), ready), daemon=True)
+                                                               str(device), a.threads, ready), daemon=True)
             proc.start()
             try:
                 if not ready.wait(300):
                     raise RuntimeError("the drafter did not start")
-                results += asyncio.run(run_width(sock, head, width, modes, engine_device, a.budget_s, a.max_iters))
+                results += asyncio.run(run_width(sock, head, width, modes, engine_device, a.budget_s, a.max_iters,
+                                                 a.rounds))
             finally:
                 proc.terminate()
                 proc.join(30)
@@ -257,6 +280,7 @@ def main() -> int:
         print(f"{name:26s} {nbytes / 2**20:8.2f} {cells}")
 
     tag = f"{'cuda' if engine_device.type == 'cuda' else 'cpu'}_{stamp.strftime('%Y%m%d-%H%M%S')}"
+    meta["load_average_at_end"] = os.getloadavg()
     path = a.out / f"data_plane_{tag}.json"
     path.write_text(json.dumps(dict(meta, results=results), indent=1))
     print(f"\njson: {path}")
