@@ -75,7 +75,11 @@ def open_system(key: str, offset: int, byte_size: int, shm_dir: str, pin_device:
                           f"of shared-memory object {key!r}")
         identity = ("system", st.st_dev, st.st_ino)
         check_identity(identity)
-        mm = mmap.mmap(fd, end, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        try:
+            mm = mmap.mmap(fd, end, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except OSError as e:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{f} {key!r} cannot be mapped: {e.strerror}") from None
     except BaseException:
         os.close(fd)
         raise
@@ -144,9 +148,10 @@ def open_cuda(handle: bytes, offset: int, byte_size: int, server_device: torch.d
                       "exported allocation")
     try:
         source = cuda_driver.device_bytes(ptr + offset, byte_size, ordinal)
-    except Exception:
+    except Exception as e:
         cuda_driver.ipc_close(dev, ptr)
-        raise
+        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"cuda.ipc_handle: the opened memory on cuda:{ordinal} cannot be used: {e}") from None
 
     def close() -> None:
         try:

@@ -215,20 +215,29 @@ class RegionTable:
         r.mapping.check_still_valid()
         src = r.mapping.source[ref.offset : ref.offset + nbytes].view(dtype).view(shape)
         target = torch.device("cpu") if to_host else self.device
-        if target.type == "cpu":
-            if src.is_cuda:
-                raise invalid(f"{field}.shm: {field} must be inline or in host shared memory, not in a CUDA region")
-            out = torch.empty(shape, dtype=dtype)
-            out.copy_(src)
-        else:
-            # One copy on a side stream (overlaps a draft step running on the default stream), finished before
-            # we return. The staging tensor is then used on the step thread's default stream: record_stream keeps
-            # the caching allocator from handing its memory to the next ingest before that use is done.
-            with torch.cuda.device(target), torch.cuda.stream(self._ingest_stream):
-                out = torch.empty(shape, dtype=dtype, device=target)
-                out.copy_(src, non_blocking=True)
-            self._ingest_stream.synchronize()
-            out.record_stream(torch.cuda.default_stream(target))
+        if target.type == "cpu" and src.is_cuda:
+            raise invalid(f"{field}.shm: {field} must be inline or in host shared memory, not in a CUDA region")
+        try:
+            out = self._copy_in(src, target)
+        except RuntimeError as e:  # e.g. a CUDA error reading another process's memory
+            raise RequestError(grpc.StatusCode.INTERNAL,
+                               f"{field}.shm: reading region {ref.region!r} failed: {e}") from None
         r.references_read += 1
         r.bytes_read += nbytes
+        return out
+
+    def _copy_in(self, src: torch.Tensor, target: torch.device) -> torch.Tensor:
+        """The one copy: from the mapping (host or device) into a new tensor on target."""
+        if target.type == "cpu":
+            out = torch.empty(src.shape, dtype=src.dtype)
+            out.copy_(src)
+            return out
+        # On a side stream (it overlaps a draft step running on the default stream), finished before we return.
+        # The staging tensor is then used on the step thread's default stream: record_stream keeps the caching
+        # allocator from handing its memory to the next ingest before that use is done.
+        with torch.cuda.device(target), torch.cuda.stream(self._ingest_stream):
+            out = torch.empty(src.shape, dtype=src.dtype, device=target)
+            out.copy_(src, non_blocking=True)
+        self._ingest_stream.synchronize()
+        out.record_stream(torch.cuda.default_stream(target))
         return out
