@@ -243,7 +243,8 @@ def main() -> int:
                        "engine's tensor to the reply, the modes in alternating rounds; GB/s = payload bytes / "
                        "median step time",
                 dtype="bfloat16", tokens_per_sequence=TOKENS_PER_SEQ, torch_threads=a.threads,
-                load_average_at_start=os.getloadavg())
+                load_average_at_start=os.getloadavg(),
+                env={k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "OMP_", "CUDA_VISIBLE"))})
     print(f"data plane on {meta['device']} ({meta['cores']} cores, load {os.getloadavg()[0]:.1f}), drafter on "
           f"{device}, engine tensors on {engine_device}; modes {', '.join(modes)}")
     meta["reference"] = reference_numbers(engine_device)
