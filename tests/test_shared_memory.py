@@ -26,7 +26,7 @@ from fake_engine import FakeSequence
 from naive_eagle import NaiveEagle1
 
 H, V = 64, 512
-LEASE_S = 1.0
+LEASE_S = 2.0  # short, so that a dead client is reclaimed quickly; heartbeats every 2/3 s
 STEPS = 24
 
 
@@ -278,7 +278,7 @@ def test_a_client_that_dies_has_its_regions_reclaimed(shm_server):
         plane, key = proc.stdout.readline().split()
         assert plane == "system"
         (name,) = regions_of(shm_server, "doomed")
-        time.sleep(3 * LEASE_S)  # alive: its heartbeat renews the lease
+        time.sleep(2 * LEASE_S)  # alive: its heartbeat renews the lease
         assert regions_of(shm_server, "doomed") == [name]
     finally:
         proc.kill()
