@@ -17,7 +17,7 @@ sequence at batch 1, 8, 32, 64, 128, and a 4096-token prefill chunk (EAGLE-3: 96
     python benchmarks/bench_data_plane.py --device cuda --engine-device cuda:1   # engine on a peer GPU
 
 Prints a table, writes JSON (device, date, versions, results) and a PNG plot (when matplotlib is installed) to
---out (default benchmarks/results/).
+--out (default docs/bench/, beside the other benchmarks' JSON).
 """
 import argparse
 import asyncio
@@ -219,7 +219,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads in each process (1: a memcpy needs no more, and OpenMP spinning "
                          "on a small shared machine makes copies stall)")
-    ap.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "bench")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
 

@@ -65,6 +65,8 @@ def build_runtime(cfg: ServerConfig) -> Runtime:
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     import json
     import pathlib

@@ -1,11 +1,61 @@
-"""The one place that picks an implementation for each kernel: the torch reference on CPU tensors.
+"""The one place that picks an implementation for each kernel; callers never choose.
 
-Triton kernels register here for CUDA tensors (see the kernels issue); callers never choose.
+Every op takes exactly the arguments of its ``*_ref`` function. It runs the Triton launcher when its first tensor
+argument is on CUDA and triton imports, and the torch reference otherwise (CPU tensors, no triton).
+``DRAFTER_KERNELS=torch`` in the environment (read at each call) forces the references everywhere.
 """
-from .kv_write import write_kv_ref as write_kv
-from .paged_attention import paged_attention_ref as paged_attention
-from .rms_norm import rms_norm_ref as rms_norm
-from .rope import apply_rope_ref as apply_rope
-from .sampling import argmax_ref as argmax
+import functools
+import os
 
-__all__ = ["write_kv", "paged_attention", "rms_norm", "apply_rope", "argmax"]
+import torch
+
+from ._triton_shim import HAS_TRITON
+from .copy_expand_inputs import copy_and_expand_inputs_ref, copy_and_expand_inputs_triton
+from .draft_step import advance_draft_step_ref, advance_draft_step_triton
+from .kv_write import PADDING_SLOT_ID, write_kv_ref, write_kv_triton
+from .paged_attention import paged_attention_ref, paged_attention_triton
+from .prepare_inputs_padded import prepare_inputs_padded_ref, prepare_inputs_padded_triton
+from .prepare_next_token_padded import prepare_next_token_padded_ref, prepare_next_token_padded_triton
+from .rms_norm import rms_norm_ref, rms_norm_triton
+from .rope import apply_rope_ref, apply_rope_triton
+from .sampling import argmax_ref, argmax_triton, gumbel_sample_ref, gumbel_sample_triton
+from .shift_and_cache import shift_and_cache_ref, shift_and_cache_triton, shift_cache_store_window
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Whether an op whose first tensor argument is ``tensor`` runs its Triton kernel."""
+    if os.environ.get("DRAFTER_KERNELS", "").strip().lower() == "torch":
+        return False
+    return HAS_TRITON and tensor.is_cuda
+
+
+def _dispatch(reference, triton_launcher):
+    @functools.wraps(reference)
+    def op(*args, **kwargs):
+        first_tensor = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        return (triton_launcher if use_triton(first_tensor) else reference)(*args, **kwargs)
+
+    op.reference = reference
+    op.triton = triton_launcher
+    return op
+
+
+write_kv = _dispatch(write_kv_ref, write_kv_triton)
+paged_attention = _dispatch(paged_attention_ref, paged_attention_triton)
+rms_norm = _dispatch(rms_norm_ref, rms_norm_triton)
+apply_rope = _dispatch(apply_rope_ref, apply_rope_triton)
+argmax = _dispatch(argmax_ref, argmax_triton)
+gumbel_sample = _dispatch(gumbel_sample_ref, gumbel_sample_triton)
+copy_and_expand_inputs = _dispatch(copy_and_expand_inputs_ref, copy_and_expand_inputs_triton)
+prepare_inputs_padded = _dispatch(prepare_inputs_padded_ref, prepare_inputs_padded_triton)
+prepare_next_token_padded = _dispatch(prepare_next_token_padded_ref, prepare_next_token_padded_triton)
+advance_draft_step = _dispatch(advance_draft_step_ref, advance_draft_step_triton)
+shift_and_cache = _dispatch(shift_and_cache_ref, shift_and_cache_triton)
+
+__all__ = [
+    "PADDING_SLOT_ID",
+    "write_kv", "paged_attention", "rms_norm", "apply_rope", "argmax", "gumbel_sample",
+    "copy_and_expand_inputs", "prepare_inputs_padded", "prepare_next_token_padded", "advance_draft_step",
+    "shift_and_cache", "shift_cache_store_window",
+    "use_triton",
+]

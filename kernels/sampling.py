@@ -1,6 +1,224 @@
-"""Draft-token selection over the vocabulary: greedy argmax (ties -> lowest id, like torch.argmax)."""
+"""Draft-token selection over the vocabulary.
+
+* ``argmax``: greedy, ties -> lowest id (like torch.argmax).
+* ``gumbel_sample``: exact sampling from ``softmax(logits / temperature)`` by the Gumbel-max trick,
+  ``argmax_v(logits[v] / T + g[v])`` with ``g = -log(-log(u))``, u uniform in (0, 1). Temperature 0 means argmax.
+
+The uniforms are a pure function of ``(seed, position, vocab id)``: one Philox-4x32-10 block with key = seed
+(lo, hi 32 bits) and counter = (vocab id, 0, position lo, position hi); the first output word ``r`` gives
+``u = (r + 0.5) / 2**32``. A replayed step (same seed and position) therefore draws the same token, and the torch
+reference below computes bit-identical uniforms. Scores are compared in fp64 so the reference and the kernel pick
+the same token (they could only differ on fp64 near-ties, which need ulp-equal scores).
+Optionally both return ``log_softmax(logits / T)`` at the chosen id (T = 1 for greedy rows), computed in fp32.
+"""
 import torch
 
+from ._triton_shim import tl, triton
 
-def argmax_ref(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
-    return logits.argmax(dim=-1)
+PHILOX_ROUND_A = 0xD2511F53
+PHILOX_ROUND_B = 0xCD9E8D57
+PHILOX_KEY_A = 0x9E3779B9
+PHILOX_KEY_B = 0xBB67AE85
+PHILOX_ROUNDS = 10
+_MASK32 = 0xFFFFFFFF
+
+
+def argmax_ref(
+    logits: torch.Tensor,  # [B, V]
+    *,
+    out: torch.Tensor | None = None,  # [B] int64
+) -> torch.Tensor:  # [B] int64
+    token_ids = logits.argmax(dim=-1)
+    return token_ids if out is None else out.copy_(token_ids)
+
+
+def _mul_hi_lo_32(constant: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of ``constant * x`` for x in [0, 2**32), exactly, in int64 (16-bit limbs, no overflow)."""
+    c_hi, c_lo = constant >> 16, constant & 0xFFFF
+    x_hi, x_lo = x >> 16, x & 0xFFFF
+    low_product = c_lo * x_lo
+    middle = c_hi * x_lo + c_lo * x_hi + (low_product >> 16)  # < 2**34
+    high = c_hi * x_hi + (middle >> 16)
+    low = ((middle & 0xFFFF) << 16) | (low_product & 0xFFFF)
+    return high, low
+
+
+def philox_uniform_ref(
+    seed: torch.Tensor,  # [R] int64
+    position: torch.Tensor,  # [R] int64
+    vocab_size: int,
+) -> torch.Tensor:  # [R, V] fp64 uniforms in (0, 1); the Triton kernel draws the same values
+    c0 = torch.arange(vocab_size, dtype=torch.int64, device=seed.device).expand(seed.shape[0], vocab_size)
+    c1 = torch.zeros_like(c0)
+    c2 = (position.long() & _MASK32)[:, None].expand_as(c0)
+    c3 = ((position.long() >> 32) & _MASK32)[:, None].expand_as(c0)
+    k0, k1 = (seed.long() & _MASK32)[:, None], ((seed.long() >> 32) & _MASK32)[:, None]
+    for _ in range(PHILOX_ROUNDS):
+        hi_a, lo_a = _mul_hi_lo_32(PHILOX_ROUND_A, c0)
+        hi_b, lo_b = _mul_hi_lo_32(PHILOX_ROUND_B, c2)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + PHILOX_KEY_A) & _MASK32, (k1 + PHILOX_KEY_B) & _MASK32
+    return (c0.double() + 0.5) * 2.0**-32
+
+
+def gumbel_sample_ref(
+    logits: torch.Tensor,  # [B, V]
+    temperature: torch.Tensor,  # [B] fp32, 0 = greedy
+    seed: torch.Tensor,  # [B] int64
+    position: torch.Tensor,  # [B] int64
+    *,
+    return_logprobs: bool = False,
+    out: torch.Tensor | None = None,  # [B] int64
+    out_logprobs: torch.Tensor | None = None,  # [B] fp32
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # token ids [B] int64 (, logprobs [B] fp32)
+    num_rows, vocab_size = logits.shape
+    is_greedy = temperature == 0
+    effective_temperature = torch.where(is_greedy, 1.0, temperature.float())
+    token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    rows_per_chunk = max(1, 2**20 // max(vocab_size, 1))  # bounds the [rows, V] int64 Philox temporaries
+    for start in range(0, num_rows, rows_per_chunk):
+        rows = slice(start, start + rows_per_chunk)
+        uniform = philox_uniform_ref(seed[rows], position[rows], vocab_size)
+        scores = logits[rows].double() / effective_temperature[rows, None].double() - torch.log(-torch.log(uniform))
+        token_ids[rows] = torch.where(is_greedy[rows], logits[rows].argmax(dim=-1), scores.argmax(dim=-1))
+    token_ids = token_ids if out is None else out.copy_(token_ids)
+    if not return_logprobs:
+        return token_ids
+    logprobs = torch.log_softmax(logits.float() / effective_temperature[:, None], dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    return token_ids, (chosen if out_logprobs is None else out_logprobs.copy_(chosen))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton
+#
+# Inputs:  logits [B, V] (unit stride on V); temperature [B] fp32; seed, position [B] int64.
+# Writes:  out [B] int64 (and out_logprobs [B] fp32 when asked), every row.
+# Grid:    (B,): one program walks one row in BLOCK_V chunks keeping the best (score, id) so far; a later chunk
+#          replaces it only with a strictly larger score, so ties keep the lowest id.
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _argmax_kernel(logits_ptr, logits_stride, out_ptr, vocab_size, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    best_value = tl.full([], float("-inf"), tl.float32)
+    best_id = tl.zeros([], tl.int32)
+    for chunk_start in range(0, vocab_size, BLOCK_V):
+        ids = chunk_start + tl.arange(0, BLOCK_V)
+        values = tl.load(logits_ptr + row * logits_stride + ids, mask=ids < vocab_size, other=float("-inf"))
+        values = values.to(tl.float32)
+        chunk_max = tl.max(values, 0)
+        chunk_id = tl.min(tl.where((values == chunk_max) & (ids < vocab_size), ids, vocab_size), 0)
+        is_better = chunk_max > best_value
+        best_id = tl.where(is_better, chunk_id, best_id)
+        best_value = tl.where(is_better, chunk_max, best_value)
+    tl.store(out_ptr + row, best_id.to(tl.int64))
+
+
+@triton.jit
+def _philox_first_word(c0, c1, c2, c3, k0, k1):
+    # Philox-4x32-10 on uint32 tensors; returns the first output word. Mirrors philox_uniform_ref.
+    for _ in tl.static_range(10):
+        hi_a = tl.umulhi(c0, 0xD2511F53)
+        lo_a = c0 * 0xD2511F53
+        hi_b = tl.umulhi(c2, 0xCD9E8D57)
+        lo_b = c2 * 0xCD9E8D57
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0
+
+
+@triton.jit
+def _gumbel_sample_kernel(
+    logits_ptr, logits_stride, temperature_ptr, seed_ptr, position_ptr, out_ptr, out_logprobs_ptr,
+    vocab_size,
+    WRITE_LOGPROBS: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    temperature = tl.load(temperature_ptr + row).to(tl.float32)
+    is_greedy = temperature == 0.0
+    safe_temperature = tl.where(is_greedy, 1.0, temperature)
+    seed = tl.load(seed_ptr + row).to(tl.int64)
+    position = tl.load(position_ptr + row).to(tl.int64)
+    key_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    key_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    position_lo = (position & 0xFFFFFFFF).to(tl.uint32)
+    position_hi = ((position >> 32) & 0xFFFFFFFF).to(tl.uint32)
+
+    best_score = tl.full([], float("-inf"), tl.float64)
+    best_id = tl.zeros([], tl.int32)
+    best_scaled_logit = tl.zeros([], tl.float32)  # logits[best_id] / T, for the logprob
+    running_max = tl.full([], float("-inf"), tl.float32)  # of logits / T
+    running_sum = tl.zeros([], tl.float32)  # of exp(logits / T - running_max)
+    for chunk_start in range(0, vocab_size, BLOCK_V):
+        ids = chunk_start + tl.arange(0, BLOCK_V)
+        in_vocab = ids < vocab_size
+        logits = tl.load(logits_ptr + row * logits_stride + ids, mask=in_vocab, other=float("-inf")).to(tl.float32)
+
+        counter_lo = ids.to(tl.uint32)
+        random_word = _philox_first_word(counter_lo, tl.zeros_like(counter_lo), position_lo + tl.zeros_like(counter_lo),
+                                         position_hi + tl.zeros_like(counter_lo), key_lo, key_hi)
+        uniform = (random_word.to(tl.float64) + 0.5) * 2.3283064365386963e-10  # 2**-32
+        gumbel = -tl.log(-tl.log(uniform))
+        sampled_score = logits.to(tl.float64) / safe_temperature.to(tl.float64) + gumbel
+        score = tl.where(is_greedy, logits.to(tl.float64), sampled_score)
+        score = tl.where(in_vocab, score, float("-inf"))
+
+        chunk_max = tl.max(score, 0)
+        chunk_id = tl.min(tl.where((score == chunk_max) & in_vocab, ids, vocab_size), 0)
+        is_better = chunk_max > best_score
+        best_id = tl.where(is_better, chunk_id, best_id)
+        best_score = tl.where(is_better, chunk_max, best_score)
+        if WRITE_LOGPROBS:
+            scaled = logits / safe_temperature
+            chunk_scaled_at_id = tl.sum(tl.where(ids == chunk_id, scaled, 0.0), 0)
+            best_scaled_logit = tl.where(is_better, chunk_scaled_at_id, best_scaled_logit)
+            new_max = tl.maximum(running_max, tl.max(scaled, 0))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(scaled - shift), 0)
+            running_max = new_max
+
+    tl.store(out_ptr + row, best_id.to(tl.int64))
+    if WRITE_LOGPROBS:
+        tl.store(out_logprobs_ptr + row, best_scaled_logit - running_max - tl.log(running_sum))
+
+
+def _vocab_block(vocab_size: int) -> int:
+    return min(2048, triton.next_power_of_2(vocab_size))
+
+
+def argmax_triton(
+    logits: torch.Tensor,  # [B, V]
+    *,
+    out: torch.Tensor | None = None,  # [B] int64
+) -> torch.Tensor:  # [B] int64
+    num_rows, vocab_size = logits.shape
+    assert logits.stride(1) == 1
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device) if out is None else out
+    if num_rows > 0:
+        _argmax_kernel[(num_rows,)](logits, logits.stride(0), out, vocab_size, BLOCK_V=_vocab_block(vocab_size))
+    return out
+
+
+def gumbel_sample_triton(
+    logits: torch.Tensor,  # [B, V]
+    temperature: torch.Tensor,  # [B] fp32, 0 = greedy
+    seed: torch.Tensor,  # [B] int64
+    position: torch.Tensor,  # [B] int64
+    *,
+    return_logprobs: bool = False,
+    out: torch.Tensor | None = None,  # [B] int64
+    out_logprobs: torch.Tensor | None = None,  # [B] fp32
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    num_rows, vocab_size = logits.shape
+    assert logits.stride(1) == 1 and temperature.shape == seed.shape == position.shape == (num_rows,)
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device) if out is None else out
+    if return_logprobs and out_logprobs is None:
+        out_logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    if num_rows > 0:
+        _gumbel_sample_kernel[(num_rows,)](
+            logits, logits.stride(0), temperature, seed, position, out, out_logprobs if return_logprobs else out,
+            vocab_size,
+            WRITE_LOGPROBS=return_logprobs, BLOCK_V=_vocab_block(vocab_size),
+        )
+    return (out, out_logprobs) if return_logprobs else out

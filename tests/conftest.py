@@ -1,13 +1,20 @@
 import asyncio
+import os
 import pathlib
 import threading
 
-import pytest
 import torch
 
-from checkpoints import write_eagle1
-from drafter_service.config import ServerConfig
-from drafter_service.server import DrafterServer
+# Without a GPU, Triton kernels run in the interpreter on CPU tensors. This must be set before anything imports
+# triton (any test module may import drafter_kernels first), so it is set here, once, for the whole session.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from checkpoints import write_eagle1  # noqa: E402
+from drafter_service.config import ServerConfig  # noqa: E402
+from drafter_service.server import DrafterServer  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -79,3 +79,15 @@ async def test_greedy_drafts_match_naive_reference(server, tiny_model):
     assert free == total
     m = server.server.runtime.metrics
     assert m.drafts_evaluated > 0 and m.drafts_accepted > 0
+
+
+@pytest.mark.gpu
+async def test_cuda_server_matches_naive_reference(tiny_model, tmp_path):
+    """The same check with the server on CUDA in fp32 (runs on the GPU machine; skipped without CUDA)."""
+    from conftest import ServerThread, make_config
+
+    naive = NaiveEagle1(*tiny_model)
+    with ServerThread(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32")) as s:
+        runs = await asyncio.gather(drive_engine(s.uds, True, "cuda-stream", naive, 11),
+                                    drive_engine(s.tcp, False, "cuda-unary", naive, 12))
+    assert sum(r["sequence_steps_checked"] for r in runs) >= 200

@@ -1,0 +1,235 @@
+"""Benchmark: one engine step through the sidecar (client over UDS, server in its own process) against the same
+proposer called in-process, with the floor (bytes a step must read over measured memory bandwidth).
+
+    python -m drafter_client.benchmarks.bench_step --preset small --device cpu          # minutes on a laptop CPU
+    python -m drafter_client.benchmarks.bench_step --preset llama3-8b --device cuda     # the GPU table
+
+The head has random weights of the preset's shape (written once to a temp dir as a Hugging Face checkpoint, which
+the server process loads). Each timed step is a decode step: every sequence sends m committed tokens at a context
+of --context tokens and asks for k drafts (the same positions are re-sent every iteration, which the protocol
+allows, so the context stays fixed). Prints a table and writes JSON (device, date, command) to --out.
+"""
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import pathlib
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from safetensors.torch import save_file
+
+PRESETS = {
+    # name: head shape (Llama), target vocab, dtype, default context
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=512, context=256),
+    "small": dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4,
+                  vocab_size=32000, context=512),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                      vocab_size=128256, context=1024),
+}
+
+
+def write_random_head(root: pathlib.Path, shape: dict, max_len: int, seed: int = 0) -> tuple[pathlib.Path, pathlib.Path]:
+    g = torch.Generator().manual_seed(seed)
+    H, I, V = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    hd = H // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
+
+    def w(*s):
+        return (torch.randn(*s, generator=g) * s[-1] ** -0.5).to(torch.bfloat16)
+
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1, rms_norm_eps=1e-5,
+               rope_theta=500000.0, max_position_embeddings=max_len, tie_word_embeddings=False,
+               **{k: v for k, v in shape.items() if k != "context"})
+    head, target = root / "head", root / "target"
+    head.mkdir(parents=True)
+    target.mkdir(parents=True)
+    (head / "config.json").write_text(json.dumps(cfg))
+    save_file({"fc.weight": w(H, 2 * H), "layers.0.self_attn.q_proj.weight": w(q, H),
+               "layers.0.self_attn.k_proj.weight": w(kv, H), "layers.0.self_attn.v_proj.weight": w(kv, H),
+               "layers.0.self_attn.o_proj.weight": w(H, q),
+               "layers.0.post_attention_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+               "layers.0.mlp.gate_proj.weight": w(I, H), "layers.0.mlp.up_proj.weight": w(I, H),
+               "layers.0.mlp.down_proj.weight": w(H, I)}, str(head / "model.safetensors"))
+    (target / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=32)))
+    save_file({"model.embed_tokens.weight": w(V, H), "lm_head.weight": w(V, H)}, str(target / "model.safetensors"))
+    return head, target
+
+
+def measure_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large copy, counting bytes read plus bytes written."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 28)
+    a = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(12):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        b.copy_(a)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 2 * n / statistics.median(times[2:])
+
+
+def floor_bytes(shape: dict, dtype_bytes: int, batch: int, context: int, m: int, k: int) -> int:
+    """Bytes one engine step must read at least: per forward (1 + (k-1) decode), the head's weights once, the
+    lm_head once, and the KV it attends over; plus the hidden states in."""
+    H, I, V = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    hd = H // shape["num_attention_heads"]
+    q, kvd = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
+    layer = H * 2 * H + q * H + 2 * kvd * H + H * q + 3 * H * I
+    kv_per_token = 2 * kvd
+    per_forward = (layer + V * H) * dtype_bytes
+    kv_read = sum(batch * (context + j) * kv_per_token * dtype_bytes for j in range(k))
+    return k * per_forward + kv_read + batch * m * H * dtype_bytes
+
+
+def make_steps(batch: int, context: int, m: int, k: int, width: int, vocab: int, seed: int):
+    from drafter_client import SequenceStep
+
+    g = torch.Generator().manual_seed(seed)
+    prefill, decode = [], []
+    for b in range(batch):
+        toks = torch.randint(0, vocab, (context + 1,), generator=g)
+        hid = torch.randn(context, width, generator=g).to(torch.bfloat16)
+        sid = f"b{b}"
+        prefill.append(SequenceStep(sid, 0, toks[:context], hid, int(toks[context]), 0))
+        p = context - m
+        decode.append(SequenceStep(sid, p, toks[p:context], hid[p:context], int(toks[context]), k))
+    return prefill, decode
+
+
+def to_inputs(steps):
+    from drafter_service.step_io import StepInput
+
+    return [StepInput("bench", s.sequence_id, s.start_position, torch.as_tensor(s.token_ids, dtype=torch.int64),
+                      s.hidden_states, int(s.next_token), s.num_drafts) for s in steps]
+
+
+def bench_in_process(rt, batch, context, m, k, iters, width, vocab):
+    prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
+    for chunk in range(0, batch, 8):
+        out = rt.proposer.step(to_inputs(prefill[chunk : chunk + 8]))
+        assert all(o.code == 0 for o in out), out[0].message
+    inputs = to_inputs(decode)
+    times = []
+    for i in range(iters + 3):
+        t0 = time.perf_counter()
+        out = rt.proposer.step(inputs)
+        times.append(time.perf_counter() - t0)
+    assert all(o.code == 0 and len(o.drafts) == k for o in out)
+    for s in inputs:
+        rt.proposer.table.release("bench", s.sequence_id)
+    return statistics.median(times[3:])
+
+
+async def bench_sidecar(target, batch, context, m, k, iters, width, vocab):
+    from drafter_client import DrafterClient
+
+    prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
+    async with DrafterClient(target, namespace="bench") as c:
+        await c.wait_ready(600)
+        for chunk in range(0, batch, 8):
+            r = await c.propose(prefill[chunk : chunk + 8])
+            assert all(s.ok for s in r.sequences), r.sequences[0].message
+        times = []
+        for i in range(iters + 3):
+            t0 = time.perf_counter()
+            r = await c.propose(decode)
+            times.append(time.perf_counter() - t0)
+        assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
+        await c.release([s.sequence_id for s in decode])
+    return statistics.median(times[3:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--context", type=int, default=None)
+    ap.add_argument("--m", type=int, default=3, help="committed tokens per sequence per step (1 + accepted)")
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default="bench_out/bench_step.json")
+    a = ap.parse_args()
+    shape = PRESETS[a.preset]
+    context = a.context or shape["context"]
+    batches = [int(b) for b in a.batches.split(",")]
+    device = torch.device(a.device)
+    dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype_bytes = 2 if dtype in ("bfloat16", "float16") else 4
+    max_len = context + 64
+    kv_tokens = (max(batches) + 8) * (max_len + 32)
+    from drafter_service.config import ServerConfig
+    from drafter_service.runtime import build_runtime
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        print(f"writing a random {a.preset} head ...", flush=True)
+        head, target = write_random_head(tmp, shape, max_len)
+        cfg = ServerConfig(model=str(head), target_model=str(target), device=a.device, dtype=dtype,
+                           kv_cache_tokens=kv_tokens, max_model_len=max_len, max_batch_seqs=4096)
+        bw = measure_bandwidth(device)
+        print(f"memory bandwidth (copy, read+write): {bw / 1e9:.1f} GB/s", flush=True)
+        rows = []
+        rt = build_runtime(cfg)
+        width = rt.limits.hidden_states_width
+        for b in batches:
+            t = bench_in_process(rt, b, context, a.m, a.k, a.iters, width, shape["vocab_size"])
+            rows.append(dict(batch=b, in_process_ms=t * 1e3))
+            print(f"in-process batch {b}: {t * 1e3:.2f} ms", flush=True)
+        del rt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        sock = tmp / "bench.sock"
+        cmd = [sys.executable, "-m", "drafter_service.cli", "--model", str(head), "--target-model", str(target),
+               "--listen", f"unix:{sock}", "--device", a.device, "--dtype", dtype, "--kv-cache-tokens",
+               str(kv_tokens), "--max-model-len", str(max_len), "--max-batch-seqs", "4096", "--log-level", "WARNING"]
+        server = subprocess.Popen(cmd)
+        try:
+            for row in rows:
+                b = row["batch"]
+                t = asyncio.run(bench_sidecar(f"unix:{sock}", b, context, a.m, a.k, a.iters, width,
+                                              shape["vocab_size"]))
+                fb = floor_bytes(shape, dtype_bytes, b, context, a.m, a.k)
+                payload = b * a.m * width * 2 + b * a.m * 8
+                row.update(sidecar_ms=t * 1e3, floor_ms=fb / bw * 1e3, floor_bytes=fb, payload_bytes=payload,
+                           sidecar_over_in_process=t * 1e3 / row["in_process_ms"],
+                           in_process_over_floor=row["in_process_ms"] / (fb / bw * 1e3))
+                print(f"sidecar batch {b}: {t * 1e3:.2f} ms", flush=True)
+        finally:
+            server.terminate()
+            server.wait(60)
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    result = dict(benchmark="bench_step", date=datetime.datetime.now().isoformat(timespec="seconds"),
+                  device=f"{device.type}: {dev_name}, {os.cpu_count()} cores", torch=torch.__version__,
+                  command=" ".join(shlex.quote(x) for x in sys.argv), preset=a.preset, shape=shape, dtype=dtype,
+                  context=context, m=a.m, k=a.k, iters=a.iters, bandwidth_gbps=bw / 1e9, rows=rows)
+    out = pathlib.Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\n{result['device']}, {a.preset}, {dtype}, context {context}, m={a.m}, k={a.k}, {result['date']}")
+    print(f"{'batch':>5} {'in-proc ms':>11} {'sidecar ms':>11} {'side/in':>8} {'floor ms':>9} {'in/floor':>9} "
+          f"{'payload KB':>11}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['in_process_ms']:>11.2f} {r['sidecar_ms']:>11.2f} "
+              f"{r['sidecar_over_in_process']:>8.2f} {r['floor_ms']:>9.3f} {r['in_process_over_floor']:>9.1f} "
+              f"{r['payload_bytes'] / 1024:>11.1f}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

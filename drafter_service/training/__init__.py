@@ -1,0 +1,6 @@
+"""Training tool for the demo model pair: a small Llama target LM and its EAGLE-1 / EAGLE-3 draft heads.
+
+Entry point: ``python -m drafter_service.training.train_demo --out models/ --device cuda``.
+One concept per module: presets, corpus, tokenizer, data, layers, target, features, eagle1, eagle3, loop,
+evaluate, export, report, progress.
+"""

@@ -1,0 +1,47 @@
+"""Optional Triton import.
+
+The server runs on CPU machines where triton is not installed, yet every kernel file defines its ``@triton.jit``
+kernel beside its torch reference. Kernel files therefore import ``triton``/``tl`` from here: the real modules when
+triton imports, otherwise stand-ins that let the decorated definitions evaluate and refuse to launch.
+
+Note: ``@triton.jit`` reads ``TRITON_INTERPRET`` when the kernel is *defined* (module import), not when launched.
+"""
+
+HAS_TRITON = False
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only install: the torch references are used (see ops.py)
+
+    class _MissingKernel:
+        def __init__(self, fn):
+            self.__name__ = getattr(fn, "__name__", "kernel")
+
+        def _fail(self, *args, **kwargs):
+            raise RuntimeError(f"{self.__name__}: triton is not installed; use the *_ref function")
+
+        __call__ = _fail
+        __getitem__ = _fail
+
+    class _MissingTriton:
+        @staticmethod
+        def jit(fn):
+            return _MissingKernel(fn)
+
+        @staticmethod
+        def cdiv(a: int, b: int) -> int:
+            return -(-a // b)
+
+        @staticmethod
+        def next_power_of_2(n: int) -> int:
+            return 1 << max(0, (n - 1).bit_length())
+
+    class _MissingLanguage:
+        constexpr = object  # only evaluated in annotations of kernel signatures
+
+    triton = _MissingTriton()
+    tl = _MissingLanguage()
+
+__all__ = ["HAS_TRITON", "triton", "tl"]

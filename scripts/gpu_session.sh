@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine: carry .whl (pytest-asyncio, grpcio-health-checking/-reflection 1.84 wheels).
+#   scripts/gpu_session.sh tests|bench|all      results under $OUT (or ./gpu_out)
+set -uo pipefail
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD:$PWD/tests PYTHONUNBUFFERED=1
+# the package is used from the tree: map the import names the installed distribution would provide
+mkdir -p /tmp/pkgs && ln -sfn "$PWD/kernels" /tmp/pkgs/drafter_kernels && ln -sfn "$PWD/clients" /tmp/pkgs/drafter_client
+export PYTHONPATH=$PYTHONPATH:/tmp/pkgs
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+python3 -c "import torch, triton, grpc, google.protobuf as p; print('torch', torch.__version__, 'triton', triton.__version__, 'grpc', grpc.__version__, 'protobuf', p.__version__)" | tee -a "$OUT/device.txt"
+what=${1:-all}
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m pytest -q -ra -p no:cacheprovider tests/ 2>&1 | tee "$OUT/pytest_all.log" | tail -40
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  python3 -m drafter_client.benchmarks.bench_step --preset llama3-8b --device cuda --batches 1,8,32,128 \
+    --out "$OUT/bench_step_llama3-8b.json" 2>&1 | tee "$OUT/bench_step.log" | tail -12
+fi
