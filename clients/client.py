@@ -59,6 +59,7 @@ class SequenceStep:
     temperature: float = 0.0
     seed: int = 0
     return_logprobs: bool = False
+    top_k_probs: int = 0  # N > 0: the reply describes each draft's distribution by its top N (docs/sampling.md)
 
 
 @dataclass
@@ -70,6 +71,8 @@ class SequenceDrafts:
     logprobs: torch.Tensor | None  # [k] float32 when asked for
     accepted_drafts: int  # how many of the previous step's drafts the engine committed
     committed_length: int
+    top_k_ids: torch.Tensor | None = None  # [k, N] int64 target ids of q's top N (-1 padding), when asked for
+    top_k_probs: torch.Tensor | None = None  # [k, N] float32 their probabilities under q
 
     @property
     def ok(self) -> bool:
@@ -112,7 +115,8 @@ def build_request(namespace: str, steps: list[SequenceStep],
         steps=[pb.SequenceStep(sequence_id=s.sequence_id, start_position=s.start_position, num_tokens=t.numel(),
                                next_token=int(s.next_token), num_drafts=s.num_drafts,
                                sampling=pb.SamplingParams(temperature=s.temperature, seed=s.seed,
-                                                          return_logprobs=s.return_logprobs))
+                                                          return_logprobs=s.return_logprobs,
+                                                          top_k_probs=s.top_k_probs))
                for s, t in zip(steps, ids)])
     req.token_ids.CopyFrom(encode_tensor(torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)))
     req.hidden_states.CopyFrom(hidden_pb)
@@ -139,13 +143,18 @@ def parse_response(resp: "pb.ProposeResponse") -> ProposeResult:
     lps = None
     if resp.HasField("draft_logprobs"):
         lps = decode_tensor(resp.draft_logprobs, "draft_logprobs", (pb.FLOAT32,), 1).clone()
+    top_ids = top_probs = None
+    if resp.HasField("draft_top_k_ids"):
+        top_ids = decode_tensor(resp.draft_top_k_ids, "draft_top_k_ids", (pb.INT64,), 2).clone()
+        top_probs = decode_tensor(resp.draft_top_k_probs, "draft_top_k_probs", (pb.FLOAT32,), 2).clone()
     seqs, r = [], 0
     for res in resp.results:
         k = res.num_drafts
         seqs.append(SequenceDrafts(
             sequence_id=res.sequence_id, code=res.status.code, message=res.status.message, drafts=flat[r : r + k],
             logprobs=None if lps is None else lps[r : r + k], accepted_drafts=res.accepted_drafts,
-            committed_length=res.committed_length))
+            committed_length=res.committed_length, top_k_ids=None if top_ids is None else top_ids[r : r + k],
+            top_k_probs=None if top_probs is None else top_probs[r : r + k]))
         r += k
     return ProposeResult(sequences=seqs, draft_token_ids=flat, request_id=resp.request_id)
 

@@ -39,6 +39,18 @@ def build_response(outputs: list[StepOutput], sequence_ids: list[str], request_i
                               draft_token_ids=encode_tensor(torch.tensor(drafts, dtype=torch.int64)))
     if any_logprobs:
         resp.draft_logprobs.CopyFrom(encode_tensor(torch.tensor(logprobs, dtype=torch.float32)))
+    width = max((o.top_k_ids.shape[1] for o in outputs if o.top_k_ids is not None), default=0)
+    if width:  # [sum k, N], rows of sequences that asked for fewer (or none) padded with -1 / 0
+        ids = torch.full((len(drafts), width), -1, dtype=torch.int64)
+        probs = torch.zeros(len(drafts), width, dtype=torch.float32)
+        r = 0
+        for o in outputs:
+            if o.top_k_ids is not None:
+                ids[r : r + len(o.drafts), : o.top_k_ids.shape[1]] = o.top_k_ids
+                probs[r : r + len(o.drafts), : o.top_k_probs.shape[1]] = o.top_k_probs
+            r += len(o.drafts)
+        resp.draft_top_k_ids.CopyFrom(encode_tensor(ids))
+        resp.draft_top_k_probs.CopyFrom(encode_tensor(probs))
     return resp
 
 
@@ -107,7 +119,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return pb.GetInfoResponse(
             server_version=__version__, model_name=rt.model_name, method=rt.model.method,
             hidden_size=rt.model.dims.hidden_size, hidden_states_width=rt.limits.hidden_states_width,
-            hidden_states_source=rt.hidden_states_source, vocab_size=rt.limits.vocab_size,
+            hidden_states_source=rt.hidden_states_source, target_layer_ids=rt.target_layer_ids,
+            vocab_size=rt.limits.vocab_size, draft_vocab_size=rt.model.draft_vocab_size,
+            parallel_drafting=rt.model.drafting == "parallel", max_top_k_probs=rt.limits.max_top_k_probs,
             max_draft_tokens=rt.limits.max_draft_tokens, max_model_len=rt.max_model_len,
             accepted_hidden_dtypes=list(HIDDEN_DTYPES), accepted_token_dtypes=list(TOKEN_DTYPES),
             model_dtype=str(rt.dtype).removeprefix("torch."), device=str(rt.device),

@@ -26,6 +26,7 @@ class StepInput:
     temperature: float = 0.0
     seed: int = 0
     return_logprobs: bool = False
+    top_k_probs: int = 0  # N: describe the draft distribution by its top N (0 = no)
 
     @property
     def num_tokens(self) -> int:
@@ -38,5 +39,7 @@ class StepOutput:
     message: str = ""
     drafts: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_k_ids: torch.Tensor | None = None  # [k, N] int64 target ids, when the step asked for top_k_probs = N
+    top_k_probs: torch.Tensor | None = None  # [k, N] float32
     accepted_drafts: int = 0
     committed_length: int = 0

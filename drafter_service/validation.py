@@ -41,6 +41,7 @@ class Limits:
     max_draft_tokens: int
     max_request_tokens: int
     max_request_seqs: int
+    max_top_k_probs: int = 256
 
 
 def check_namespace(namespace: str) -> None:
@@ -82,8 +83,9 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
         t = s.sampling.temperature
         if not math.isfinite(t) or t < 0:
             raise invalid(f"{f}.sampling.temperature is {t}; must be finite and >= 0")
-        if t > 0:
-            raise invalid(f"{f}.sampling.temperature is {t}; this server drafts greedily only (temperature 0)")
+        if s.sampling.top_k_probs > limits.max_top_k_probs:
+            raise invalid(f"{f}.sampling.top_k_probs is {s.sampling.top_k_probs}; at most {limits.max_top_k_probs} "
+                          "(GetInfo.max_top_k_probs)")
         total += s.num_tokens
     if total > limits.max_request_tokens:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -115,6 +117,6 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
             namespace=req.namespace, sequence_id=s.sequence_id, start_position=s.start_position,
             token_ids=token_ids[row : row + m], hidden_states=hidden[row : row + m], next_token=s.next_token,
             num_drafts=s.num_drafts, temperature=s.sampling.temperature, seed=s.sampling.seed,
-            return_logprobs=s.sampling.return_logprobs))
+            return_logprobs=s.sampling.return_logprobs, top_k_probs=s.sampling.top_k_probs))
         row += m
     return steps
