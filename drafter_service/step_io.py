@@ -19,7 +19,8 @@ class StepInput:
     sequence_id: str
     start_position: int  # p
     token_ids: torch.Tensor  # [m] int64, CPU: committed tokens x[p .. p+m-1]
-    hidden_states: torch.Tensor  # [m, W] CPU (wire dtype): target hidden states h[p .. p+m-1]
+    hidden_states: torch.Tensor  # [m, W] wire dtype: target hidden states h[p .. p+m-1]; on the CPU when inline,
+    # already on the server's device when they came through shared memory (shm_regions.py)
     next_token: int  # x[p+m]
     num_drafts: int  # k asked for
     temperature: float = 0.0

@@ -5,8 +5,10 @@ hidden width, token ids against the vocabulary, per-step counts and limits, dupl
 Per-sequence *state* problems (unknown sequence, gap, pool full, too long) are not request errors: the proposer
 answers them per sequence.
 """
+import functools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 import torch
@@ -54,7 +56,8 @@ def check_sequence_id(sequence_id: str, field: str) -> None:
         raise invalid(f"{field} is {len(sequence_id)} characters; at most {MAX_ID_LEN}")
 
 
-def parse_propose(req: "pb.ProposeRequest", limits: Limits) -> list[StepInput]:
+def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable | None = None) -> list[StepInput]:
+    """read_shm(ref, field, dtype, shape, to_host) resolves shared-memory references (None: refused)."""
     check_namespace(req.namespace)
     n = len(req.steps)
     if n > limits.max_request_seqs:
@@ -89,8 +92,9 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits) -> list[StepInput]:
                            f"the steps carry {total} committed tokens; at most {limits.max_request_tokens} per "
                            "request (send long prompts in chunks)")
     try:
-        token_ids = decode_tensor(req.token_ids, "token_ids", TOKEN_DTYPES, rank=1)
-        hidden = decode_tensor(req.hidden_states, "hidden_states", HIDDEN_DTYPES, rank=2)
+        token_ids = decode_tensor(req.token_ids, "token_ids", TOKEN_DTYPES, rank=1,
+                                  read_shm=read_shm and functools.partial(read_shm, to_host=True))
+        hidden = decode_tensor(req.hidden_states, "hidden_states", HIDDEN_DTYPES, rank=2, read_shm=read_shm)
     except WireError as e:
         raise invalid(str(e)) from None
     if token_ids.shape[0] != total:
