@@ -1,4 +1,7 @@
-"""Async client: one engine step per call (Propose), a streaming session (ProposeStream), Release, GetInfo."""
+"""Async client: one engine step per call (Propose), a streaming session (ProposeStream), Release, GetInfo,
+and the shared-memory data plane (enable_shared_memory; docs/shared_memory.md)."""
+import asyncio
+import logging
 from dataclasses import dataclass, field
 
 import grpc
@@ -8,7 +11,23 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from drafter_service.rpc import pb, pb_grpc
 from drafter_service.wire import decode_tensor, encode_tensor
 
+from .shm_ring import SharedTensorRef, SlotRing
+
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+# Request-level codes the drafter answers with once it is done with the request's shared-memory slot (or before it
+# read it). After any other failure (CANCELLED, DEADLINE_EXCEEDED, UNAVAILABLE, ...) the drafter may still be
+# reading the slot, so the slot is retired rather than reused.
+ANSWERED_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED,
+                  grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
+                  grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNIMPLEMENTED}
+# Registration failures that mean "this drafter cannot map that memory" (another node, another /dev/shm, another
+# GPU set, shared memory off): enable_shared_memory(kind="auto") then tries the next kind, and finally inline.
+FALLBACK_CODES = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION,
+                  grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED,
+                  grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class DrafterError(Exception):
@@ -40,6 +59,7 @@ class SequenceStep:
     temperature: float = 0.0
     seed: int = 0
     return_logprobs: bool = False
+    top_k_probs: int = 0  # N > 0: the reply describes each draft's distribution by its top N (docs/sampling.md)
 
 
 @dataclass
@@ -51,6 +71,8 @@ class SequenceDrafts:
     logprobs: torch.Tensor | None  # [k] float32 when asked for
     accepted_drafts: int  # how many of the previous step's drafts the engine committed
     committed_length: int
+    top_k_ids: torch.Tensor | None = None  # [k, N] int64 target ids of q's top N (-1 padding), when asked for
+    top_k_probs: torch.Tensor | None = None  # [k, N] float32 their probabilities under q
 
     @property
     def ok(self) -> bool:
@@ -78,24 +100,40 @@ class ReleaseResult:
     not_found: list[str] = field(default_factory=list)
 
 
-def build_request(namespace: str, steps: list[SequenceStep], hidden_states: torch.Tensor | None = None,
+def build_request(namespace: str, steps: list[SequenceStep],
+                  hidden_states: "torch.Tensor | SharedTensorRef | None" = None,
                   request_id: int = 0) -> "pb.ProposeRequest":
-    """Pack a batch into one ProposeRequest: all token ids in one tensor, all hidden states in another."""
+    """Pack a batch into one ProposeRequest: all token ids in one tensor, all hidden states in another (inline
+    bytes, or a reference into a registered shared-memory region)."""
     ids = [torch.as_tensor(s.token_ids, dtype=torch.int64).reshape(-1) for s in steps]
-    if hidden_states is None:
-        if any(s.hidden_states is None for s in steps):
-            raise ValueError("pass hidden_states per step or packed for the whole batch, not a mix")
-        hidden_states = torch.cat([s.hidden_states for s in steps]) if steps else torch.empty(0, 0)
+    if isinstance(hidden_states, SharedTensorRef):
+        hidden_pb = hidden_states.to_pb()
+    else:
+        hidden_pb = encode_tensor(hidden_states if hidden_states is not None else pack_hidden(steps))
     req = pb.ProposeRequest(
         namespace=namespace, request_id=request_id,
         steps=[pb.SequenceStep(sequence_id=s.sequence_id, start_position=s.start_position, num_tokens=t.numel(),
                                next_token=int(s.next_token), num_drafts=s.num_drafts,
                                sampling=pb.SamplingParams(temperature=s.temperature, seed=s.seed,
-                                                          return_logprobs=s.return_logprobs))
+                                                          return_logprobs=s.return_logprobs,
+                                                          top_k_probs=s.top_k_probs))
                for s, t in zip(steps, ids)])
     req.token_ids.CopyFrom(encode_tensor(torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)))
-    req.hidden_states.CopyFrom(encode_tensor(hidden_states))
+    req.hidden_states.CopyFrom(hidden_pb)
     return req
+
+
+def hidden_parts(steps: list[SequenceStep], hidden_states: torch.Tensor | None) -> list[torch.Tensor]:
+    """The batch's hidden states as the tensors the caller gave: the packed one, or one per step."""
+    if hidden_states is not None:
+        return [hidden_states]
+    if any(s.hidden_states is None for s in steps):
+        raise ValueError("pass hidden_states per step or packed for the whole batch, not a mix")
+    return [s.hidden_states for s in steps]
+
+
+def pack_hidden(steps: list[SequenceStep]) -> torch.Tensor:
+    return torch.cat(hidden_parts(steps, None)) if steps else torch.empty(0, 0)
 
 
 def parse_response(resp: "pb.ProposeResponse") -> ProposeResult:
@@ -105,15 +143,37 @@ def parse_response(resp: "pb.ProposeResponse") -> ProposeResult:
     lps = None
     if resp.HasField("draft_logprobs"):
         lps = decode_tensor(resp.draft_logprobs, "draft_logprobs", (pb.FLOAT32,), 1).clone()
+    top_ids = top_probs = None
+    if resp.HasField("draft_top_k_ids"):
+        top_ids = decode_tensor(resp.draft_top_k_ids, "draft_top_k_ids", (pb.INT64,), 2).clone()
+        top_probs = decode_tensor(resp.draft_top_k_probs, "draft_top_k_probs", (pb.FLOAT32,), 2).clone()
     seqs, r = [], 0
     for res in resp.results:
         k = res.num_drafts
         seqs.append(SequenceDrafts(
             sequence_id=res.sequence_id, code=res.status.code, message=res.status.message, drafts=flat[r : r + k],
             logprobs=None if lps is None else lps[r : r + k], accepted_drafts=res.accepted_drafts,
-            committed_length=res.committed_length))
+            committed_length=res.committed_length, top_k_ids=None if top_ids is None else top_ids[r : r + k],
+            top_k_probs=None if top_probs is None else top_probs[r : r + k]))
         r += k
     return ProposeResult(sequences=seqs, draft_token_ids=flat, request_id=resp.request_id)
+
+
+@dataclass
+class _Staged:
+    """A step's hidden states written into a ring slot; the slot is busy until done()."""
+
+    ring: SlotRing
+    slot: int
+    ref: SharedTensorRef
+
+    def done(self, answered: bool) -> None:
+        """answered: the drafter replied (or never got the request), so it reads the slot no more."""
+        (self.ring.release if answered else self.ring.retire)(self.slot)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _status_code(code: int) -> grpc.StatusCode:
@@ -135,6 +195,14 @@ class DrafterClient:
         self._stub = pb_grpc.DrafterStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._next_request_id = 1
+        # shared-memory data plane (enable_shared_memory)
+        self.data_plane = "inline"  # "system" or "cuda" while a ring is registered
+        self.steps_by_reference = 0  # steps whose hidden states went through the ring
+        self.steps_inline = 0  # steps sent inline (no ring, step larger than a slot, or every slot busy)
+        self._ring: SlotRing | None = None
+        self._ring_settings: dict | None = None
+        self._own_regions: set[str] = set()  # registered with register_cuda_tensor, unregistered on close
+        self._heartbeat: asyncio.Task | None = None
 
     async def __aenter__(self) -> "DrafterClient":
         return self
@@ -143,11 +211,17 @@ class DrafterClient:
         await self.close()
 
     async def close(self) -> None:
+        await self.disable_shared_memory()
+        if self._own_regions:
+            try:
+                await self.unregister_shared_memory(sorted(self._own_regions))
+            except DrafterError as e:  # the drafter's lease reclaims them
+                log.info("unregistering %s: %s", sorted(self._own_regions), e)
+        await self._stop_heartbeat()
         await self._channel.close()
 
     async def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Block until the server's health says SERVING (the model is loaded)."""
-        import asyncio
         import time
 
         deadline = time.monotonic() + timeout_s
@@ -177,11 +251,26 @@ class DrafterClient:
         self._next_request_id += 1
         return rid
 
-    async def propose(self, steps: list[SequenceStep], hidden_states: torch.Tensor | None = None,
+    async def propose(self, steps: list[SequenceStep], hidden_states: "torch.Tensor | SharedTensorRef | None" = None,
                       timeout: float | None = None) -> ProposeResult:
-        """One engine step for a batch (unary RPC). Per-sequence problems come back in ``result.sequences``."""
-        req = build_request(self.namespace, steps, hidden_states, self._request_id())
-        return parse_response(await self._call(self._stub.Propose, req, timeout))
+        """One engine step for a batch (unary RPC). Per-sequence problems come back in ``result.sequences``.
+
+        hidden_states: the whole batch's states packed, or None to take each step's; or a SharedTensorRef into a
+        region the caller registered itself. With enable_shared_memory they go through the ring."""
+        staged = self._stage(steps, hidden_states)
+        sent = answered = False
+        try:
+            req = build_request(self.namespace, steps, staged.ref if staged else hidden_states, self._request_id())
+            sent = True
+            resp = await self._call(self._stub.Propose, req, timeout)
+            answered = True
+        except DrafterError as e:
+            answered = e.code in ANSWERED_CODES
+            raise
+        finally:
+            if staged is not None:
+                staged.done(answered or not sent)
+        return parse_response(resp)
 
     def stream(self) -> "ProposeSession":
         """A bidirectional session: one message per engine step, replies in order. Use ``async with``."""
@@ -193,3 +282,167 @@ class DrafterClient:
         r = await self._call(self._stub.Release, pb.ReleaseRequest(namespace=self.namespace,
                                                                    sequence_ids=list(sequence_ids)), timeout)
         return ReleaseResult(released=r.released, not_found=list(r.not_found))
+
+    # ---- the shared-memory data plane (docs/shared_memory.md) ----
+
+    async def enable_shared_memory(self, max_step_tokens: int, dtype: torch.dtype = torch.bfloat16,
+                                   kind: str = "auto", slots: int = 2, device: "torch.device | str | None" = None,
+                                   width: int | None = None, lease_seconds: int = 0) -> str:
+        """Send hidden states by reference, through a ring of ``slots`` shared-memory slots registered with the
+        drafter, each holding ``max_step_tokens`` rows of ``width`` (default GetInfo.hidden_states_width) columns
+        of ``dtype``: each step is one copy into the next free slot plus a descriptor in the message.
+
+        kind: "system" (a /dev/shm segment; pinned when ``device`` is a GPU), "cuda" (a CUDA IPC buffer on
+        ``device``), or "auto": CUDA IPC when ``device`` is a GPU and the drafter can map it, else host shared
+        memory, else inline bytes (a drafter on another node, or with shared memory off).
+        Returns the data plane now in use: "cuda", "system" or "inline". A step larger than a slot, or sent while
+        every slot still waits for its reply, goes inline (counted in ``steps_inline``).
+        """
+        if kind not in ("auto", "system", "cuda"):
+            raise ValueError(f"kind {kind!r}: choose auto, system or cuda")
+        await self.disable_shared_memory()
+        device = torch.device(device) if device is not None else None
+        settings = dict(max_step_tokens=max_step_tokens, dtype=dtype, kind=kind, slots=slots, device=device,
+                        width=width, lease_seconds=lease_seconds)
+        info = await self.get_info()
+        if kind == "auto":
+            if not info.shared_memory_supported:
+                log.info("the drafter at %s takes no shared memory: hidden states travel inline", self.target)
+                return "inline"
+            kinds = [pb.CUDA_IPC] if (device is not None and device.type == "cuda"
+                                      and pb.CUDA_IPC in info.shared_memory_kinds) else []
+            kinds.append(pb.SYSTEM)
+        else:
+            kinds = [pb.SYSTEM if kind == "system" else pb.CUDA_IPC]
+        slot_bytes = max_step_tokens * (width or info.hidden_states_width) * _itemsize(dtype)
+        for k in kinds:
+            what = pb.SharedMemoryKind.Name(k)
+            try:
+                ring = SlotRing.create(k, slot_bytes, slots, device)
+            except (OSError, RuntimeError) as e:  # no /dev/shm here, CUDA driver refused, ...
+                if kind != "auto":
+                    raise
+                log.info("cannot allocate a %s ring here (%s): trying the next way", what, e)
+                continue
+            try:
+                r = await self._call(self._stub.RegisterSharedMemory,
+                                     ring.store.register_request(ring.name, self.namespace, lease_seconds), 30.0)
+            except DrafterError as e:
+                ring.close()
+                if kind != "auto" or e.code not in FALLBACK_CODES:
+                    raise
+                log.info("the drafter at %s cannot map %s memory (%s): trying the next way", self.target, what, e)
+                continue
+            ring.store.registered()
+            self._ring, self._ring_settings = ring, settings
+            self.data_plane = "cuda" if k == pb.CUDA_IPC else "system"
+            self._ensure_heartbeat(r.region.lease_seconds)
+            log.info("hidden states to %s through %s shared memory: %d slots of %d bytes", self.target, what, slots,
+                     ring.slot_bytes)
+            return self.data_plane
+        return "inline"
+
+    async def disable_shared_memory(self) -> None:
+        """Back to inline bytes: unregister the ring and free it (and stop the heartbeat, unless regions of
+        register_cuda_tensor still need it)."""
+        if not self._own_regions:
+            await self._stop_heartbeat()
+        ring, self._ring = self._ring, None
+        self.data_plane = "inline"
+        if ring is None:
+            return
+        try:
+            await self._call(self._stub.UnregisterSharedMemory,
+                             pb.UnregisterSharedMemoryRequest(namespace=self.namespace, names=[ring.name]), 5.0)
+        except DrafterError as e:  # the drafter's lease reclaims it
+            log.info("unregistering %r: %s", ring.name, e)
+        ring.close()
+
+    async def register_cuda_tensor(self, name: str, tensor: torch.Tensor,
+                                   lease_seconds: int = 0) -> "pb.SharedMemoryRegion":
+        """Register an engine-owned, contiguous GPU tensor as region ``name``; then send
+        ``SharedTensorRef(name, byte_offset, dtype, shape)`` as hidden_states. The drafter can read the whole
+        cudaMalloc allocation around the tensor (read-only); one region per allocation."""
+        from drafter_service import cuda_driver
+
+        if not tensor.is_cuda or not tensor.is_contiguous():
+            raise ValueError("register_cuda_tensor takes a contiguous CUDA tensor")
+        index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+        base, _ = cuda_driver.address_range(index, tensor.data_ptr())
+        req = pb.RegisterSharedMemoryRequest(
+            namespace=self.namespace, name=name, byte_size=tensor.numel() * tensor.element_size(),
+            cuda=pb.CudaSharedMemory(ipc_handle=cuda_driver.ipc_get_handle(index, base),
+                                     offset=tensor.data_ptr() - base, device_id=index),
+            lease_seconds=lease_seconds)
+        r = await self._call(self._stub.RegisterSharedMemory, req, 30.0)
+        self._own_regions.add(name)
+        self._ensure_heartbeat(r.region.lease_seconds)
+        return r.region
+
+    async def unregister_shared_memory(self, names: list[str] | None = None) -> list[str]:
+        """Unregister regions of this namespace (all of them when names is None); returns the names unmapped."""
+        r = await self._call(self._stub.UnregisterSharedMemory,
+                             pb.UnregisterSharedMemoryRequest(namespace=self.namespace, names=names or []), None)
+        self._own_regions -= set(r.unregistered)
+        return list(r.unregistered)
+
+    async def shared_memory_status(self, names: list[str] | None = None) -> list["pb.SharedMemoryRegion"]:
+        """This namespace's regions on the drafter (and a renewal of their leases)."""
+        r = await self._call(self._stub.SharedMemoryStatus,
+                             pb.SharedMemoryStatusRequest(namespace=self.namespace, names=names or []), None)
+        return list(r.regions)
+
+    def _stage(self, steps: list[SequenceStep], hidden_states) -> "_Staged | None":
+        """Copy the batch's hidden states into a free ring slot (one copy); None: they go as given."""
+        if isinstance(hidden_states, SharedTensorRef):
+            self.steps_by_reference += 1
+            return None
+        ring = self._ring
+        parts = hidden_parts(steps, hidden_states) if ring is not None and steps else []
+        slot = ring.acquire(sum(p.numel() * p.element_size() for p in parts)) if parts else None
+        if slot is None:
+            self.steps_inline += 1
+            return None
+        try:
+            ref = ring.write(slot, parts)
+        except BaseException:
+            ring.release(slot)
+            raise
+        self.steps_by_reference += 1
+        return _Staged(ring, slot, ref)
+
+    async def _stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            try:
+                await self._heartbeat
+            except asyncio.CancelledError:
+                pass
+            self._heartbeat = None
+
+    def _ensure_heartbeat(self, lease_seconds: int) -> None:
+        if self._heartbeat is None or self._heartbeat.done():
+            period = max(0.2, lease_seconds / 3)
+            self._heartbeat = asyncio.get_running_loop().create_task(self._renew_leases(period))
+
+    async def _renew_leases(self, period: float) -> None:
+        """Renew this namespace's regions every period (a third of the lease); re-register a lost ring."""
+        while True:
+            await asyncio.sleep(period)
+            try:
+                r = await self._stub.SharedMemoryStatus(pb.SharedMemoryStatusRequest(namespace=self.namespace),
+                                                        timeout=period)
+            except grpc.aio.AioRpcError as e:
+                log.warning("shared-memory heartbeat to %s failed: %s", self.target, e.code().name)
+                continue
+            ring = self._ring
+            if ring is not None and ring.name not in {x.name for x in r.regions}:
+                log.warning("the drafter at %s no longer holds region %r (restarted, or the lease ran out): "
+                            "registering a new ring", self.target, ring.name)
+                self._ring, self.data_plane, self._heartbeat = None, "inline", None
+                ring.close()
+                try:
+                    await self.enable_shared_memory(**self._ring_settings)
+                except Exception as e:  # stay inline
+                    log.warning("shared memory stays off: %s", e)
+                return

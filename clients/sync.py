@@ -40,6 +40,14 @@ class SyncDrafterClient:
     def release(self, sequence_ids: list[str], timeout: float | None = None) -> ReleaseResult:
         return self._run(self._client.release(sequence_ids, timeout))
 
+    def enable_shared_memory(self, max_step_tokens: int, **kwargs) -> str:
+        """See DrafterClient.enable_shared_memory."""
+        return self._run(self._client.enable_shared_memory(max_step_tokens, **kwargs))
+
+    @property
+    def data_plane(self) -> str:
+        return self._client.data_plane
+
     def close(self) -> None:
         if self._loop.is_running():
             self._run(self._client.close())

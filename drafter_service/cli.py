@@ -42,6 +42,11 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     ap.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
                     help="on SIGTERM, how long in-flight steps may take")
     ap.add_argument("--log-level", default=d.log_level)
+    ap.add_argument("--no-shared-memory", action="store_true",
+                    help="refuse shared-memory regions; tensors travel inline only (docs/shared_memory.md)")
+    ap.add_argument("--shm-dir", default=d.shm_dir, help="where POSIX shared-memory objects are")
+    ap.add_argument("--shm-lease-s", type=float, default=d.shm_lease_s,
+                    help="a region nobody renewed for this long (client gone) is unmapped")
     a = ap.parse_args(argv)
     target = a.target_model
     if target is None and pathlib.Path(a.model).resolve() == BUNDLED_MODEL and BUNDLED_TARGET.is_dir():
@@ -51,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         block_size=a.block_size, kv_cache_tokens=a.kv_cache_tokens, gpu_memory_fraction=a.gpu_memory_fraction,
         max_model_len=a.max_model_len, max_draft_tokens=a.max_draft_tokens, max_batch_tokens=a.max_batch_tokens,
         max_batch_seqs=a.max_batch_seqs, max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port,
-        shutdown_grace_s=a.shutdown_grace_s, log_level=a.log_level, cuda_graphs=a.cuda_graphs)
+        shutdown_grace_s=a.shutdown_grace_s, log_level=a.log_level, shared_memory=not a.no_shared_memory,
+        shm_dir=a.shm_dir, shm_lease_s=a.shm_lease_s, cuda_graphs=a.cuda_graphs)
 
 
 def main(argv: list[str] | None = None) -> int:

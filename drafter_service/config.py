@@ -21,6 +21,13 @@ class ServerConfig:
     metrics_port: int = 0  # Prometheus text exposition on http://0.0.0.0:PORT/metrics; 0 = off
     shutdown_grace_s: float = 30.0
     log_level: str = "INFO"
+    # Shared-memory data plane (docs/shared_memory.md)
+    shared_memory: bool = True  # accept RegisterSharedMemory and Tensor.shm references
+    shm_dir: str = "/dev/shm"  # where POSIX shared-memory objects are (the container's /dev/shm mount)
+    shm_lease_s: float = 15.0  # a region nobody renewed for this long is unmapped (clients heartbeat at 1/3)
+    shm_max_lease_s: float = 300.0
+    shm_max_regions_per_namespace: int = 64
+    shm_max_bytes_per_namespace: int = 16 * 2**30
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -31,3 +38,5 @@ class ServerConfig:
             raise ValueError("at least one --listen address is needed")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
+        if not 0.0 < self.shm_lease_s <= self.shm_max_lease_s:
+            raise ValueError("shm_lease_s must be in (0, shm_max_lease_s]")

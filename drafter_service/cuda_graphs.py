@@ -1,10 +1,10 @@
-"""The decode steps of an engine step (drafts 2..k), replayed from CUDA graphs captured at start-up.
+"""The greedy decode steps of an engine step (drafts 2..k), replayed from CUDA graphs captured at start-up.
 
 After the first draft step (eager: its query lengths vary), every drafting sequence runs single-token decode steps.
 Their shapes depend only on the number of rows, so one CUDA graph per *padded* batch size (1, 2, 4, 8, 16, 32,
-48, ... 256, up to --max-batch-seqs) holds one whole decode step: device-side advance of positions / slots /
-seq_lens, the head's forward, lm_head, argmax (and, in the logprob variant, the draft's log-probability). The graph
-reads and writes only the static buffers below, so a replay needs no host work and no host<->device copy:
+48, ... 256, up to --max-batch-seqs) holds one whole decode step of a sequential head (EAGLE-1, EAGLE-3):
+device-side advance of positions / slots / seq_lens, the head's forward, lm_head, argmax. The graph reads and
+writes only the static buffers below, so a replay needs no host work and no host<->device copy:
 
   static buffer      shape              before replay j (for rows r < bs)              after replay j
   input_ids          [max_bs] int64     draft j (target vocabulary)                    draft j+1
@@ -15,7 +15,6 @@ reads and writes only the static buffers below, so a replay needs no host work a
   block_tables       [max_bs, W] int32  the sequence's blocks (W = cdiv(max_model_len, block_size))
   steps_left         [max_bs] int32     decode steps the row still needs               minus 1
   draft_ids          [max_bs] int64     -                                              argmax (draft vocabulary)
-  draft_logprobs     [max_bs] fp32      -                                              its log-prob (logprob variant)
 
 Rows past their own k (a sequence asked for fewer drafts than the batch's largest k) and padding rows (n <= r < bs)
 keep running in the padded batch, masked: steps_left <= 0 gives slot PADDING_SLOT_ID (no KV write), seq_len 1
@@ -26,6 +25,8 @@ cache and their slot at -1.
 
 The host copies the drafting rows' inputs into the static buffers with device->device copies, replays the graph
 max(k) - 1 times, and copies all drafts to the host once: the step's only device->host synchronization.
+Only greedy steps use the graphs (every sequence at temperature 0, no logprobs, no top-k); the proposer runs the
+others, and batches of more than MAX_GRAPH_BATCH drafting sequences, with its eager decode loop.
 On the CPU (tests) the same static-buffer step runs eagerly, with no graphs.
 """
 import logging
@@ -36,6 +37,7 @@ import torch
 from drafter_kernels import ops
 
 from .models.attention_metadata import AttentionMetadata
+from .sampling import DraftSample
 from .step_metadata import StepMetadata
 
 log = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ def padded_batch_size(n: int, sizes: list[int]) -> int | None:
 
 
 class DecodeGraphs:
-    """Static buffers and one CUDA graph per (padded batch size, with logprobs) for one decode step."""
+    """Static buffers and one CUDA graph per padded batch size for one greedy decode step."""
 
     def __init__(self, model, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  max_model_len: int, max_batch_seqs: int, dtype: torch.dtype, device: torch.device):
@@ -84,8 +86,7 @@ class DecodeGraphs:
             self.steps_left = torch.zeros(max_bs, dtype=torch.int32, **z)
             self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, **z)  # one query row per sequence
             self.draft_ids = torch.zeros(max_bs, dtype=torch.int64, **z)
-            self.draft_logprobs = torch.zeros(max_bs, dtype=torch.float32, **z)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # empty: run the step eagerly
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded batch size -> graph; empty: run eagerly
         self.capture_seconds = 0.0
         self.capture_bytes = 0
 
@@ -94,7 +95,7 @@ class DecodeGraphs:
 
     # ---- the step that is captured ----
 
-    def _step(self, bs: int, with_logprobs: bool) -> None:
+    def _step(self, bs: int) -> None:
         """One decode step for static rows [0, bs): reads and writes the static buffers only."""
         positions, seq_lens, slots = self.positions[:bs], self.seq_lens[:bs], self.slot_mapping[:bs]
         input_ids, hidden, steps_left = self.input_ids[:bs], self.hidden[:bs], self.steps_left[:bs]
@@ -113,22 +114,19 @@ class DecodeGraphs:
         head_out = self.model.forward(input_ids, hidden, meta, self.kv_layers)  # [bs, H]
         logits = self.model.compute_logits(head_out)  # [bs, V_draft]
         draft = ops.argmax(logits, out=self.draft_ids[:bs])  # [bs]
-        if with_logprobs:  # as Proposer._select computes it
-            self.draft_logprobs[:bs].copy_(torch.log_softmax(logits.float(), dim=-1).gather(1, draft[:, None])
-                                           .squeeze(1))
         input_ids.copy_(self.model.draft_to_target(draft))
         hidden.copy_(self.model.next_hidden(head_out))
 
-    def _replay(self, bs: int, with_logprobs: bool) -> None:
-        graph = self.graphs.get((bs, with_logprobs))
+    def _replay(self, bs: int) -> None:
+        graph = self.graphs.get(bs)
         if graph is None:
-            self._step(bs, with_logprobs)
+            self._step(bs)
         else:
             graph.replay()
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every (size, with_logprobs) graph; largest first, so that the smaller ones share its pool."""
+        """Capture one graph per size; largest first, so that the smaller ones reuse its memory pool."""
         dev = self.device
         torch.cuda.synchronize(dev)
         free_before = torch.cuda.mem_get_info(dev)[0]
@@ -136,36 +134,34 @@ class DecodeGraphs:
         self.steps_left.zero_()  # every row is a padding row while capturing: the warm-up runs write no KV
         pool = None
         for bs in reversed(self.sizes):
-            for with_logprobs in (False, True):
-                self._step(bs, with_logprobs)  # warm-up: compiles this size's Triton specializations
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    self._step(bs, with_logprobs)
-                pool = graph.pool() if pool is None else pool
-                self.graphs[bs, with_logprobs] = graph
+            self._step(bs)  # warm-up: compiles this size's Triton specializations outside the capture
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                self._step(bs)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[bs] = graph
         torch.cuda.synchronize(dev)
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = free_before - torch.cuda.mem_get_info(dev)[0]
-        log.info("captured %d decode CUDA graphs (batch sizes %s, with and without logprobs) in %.2f s; they hold "
-                 "%.1f MiB of device memory", len(self.graphs), ",".join(map(str, self.sizes)),
+        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.2f s; they hold %.1f MiB of device memory",
+                 len(self.graphs), ",".join(map(str, self.sizes)),
                  self.capture_seconds, self.capture_bytes / 2**20)
 
     # ---- one engine step ----
 
-    def draft(self, md: StepMetadata, first_tokens: torch.Tensor, first_logprobs: torch.Tensor | None,
-              hidden: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
-        """Drafts 2..k of every drafting sequence, and the collected drafts of the batch.
+    def draft(self, md: StepMetadata, out, first_tokens: torch.Tensor, hidden: torch.Tensor):
+        """Drafts 2..k of every drafting sequence; all drafts 1..k added to ``out`` (the proposer's _Drafts).
 
-        first_tokens [n] int64 (draft 1, target vocabulary), first_logprobs [n] fp32 or None, hidden [n, H]: the
-        head's next hidden input for each of the n = len(md.active) drafting sequences, in md.active order.
-        Returns per batch sequence its k drafts (and their logprobs when first_logprobs is given, else []).
+        first_tokens [n] int64: draft 1 (target vocabulary) and hidden [n, H]: the head's next hidden input, for
+        the n = len(md.active) drafting sequences in md.active order. Column j added to ``out`` holds draft j+1 of
+        the sequences with k > j, like the eager loop's; the tokens are on the host already (one copy).
         """
         n = len(md.active)
         bs = padded_batch_size(n, self.sizes)
-        num_steps = max(md.num_drafts[i] for i in md.active) - 1
-        with_logprobs = first_logprobs is not None
-        assert bs is not None and hidden.shape == (n, self.hidden.shape[1]), (n, tuple(hidden.shape))
+        ks = torch.tensor([md.num_drafts[i] for i in md.active])  # [n] host
+        num_steps = int(ks.max()) - 1
+        assert bs is not None and tuple(hidden.shape) == (n, self.hidden.shape[1]), (n, tuple(hidden.shape))
         # drafting rows [0, n) from this step; padding rows [n, bs) are masked by steps_left = 0
         w = md.draft_block_tables.shape[1]
         self.input_ids[:n].copy_(first_tokens)
@@ -178,44 +174,35 @@ class DecodeGraphs:
 
         tokens = torch.empty(n, num_steps + 1, dtype=torch.int64, device=self.device)  # [n, max k]
         tokens[:, 0] = first_tokens
-        logprobs = torch.empty(n, num_steps + 1, dtype=torch.float32, device=self.device) if with_logprobs else None
-        if with_logprobs:
-            logprobs[:, 0] = first_logprobs
         for j in range(1, num_steps + 1):
-            self._replay(bs, with_logprobs)
+            self._replay(bs)
             tokens[:, j] = self.input_ids[:n]
-            if with_logprobs:
-                logprobs[:, j] = self.draft_logprobs[:n]
-        tokens_host, logprobs_host = _to_host_once(tokens, logprobs)
+        tokens = _to_host_once(tokens)  # the step's one device->host synchronization
 
-        drafts: list[list[int]] = [[] for _ in md.num_drafts]
-        lps: list[list[float]] = [[] for _ in md.num_drafts]
-        for r, (i, row) in enumerate(zip(md.active, tokens_host.tolist())):
-            k = md.num_drafts[i]
-            drafts[i] = row[:k]  # extra drafts of sequences with a smaller k are discarded
-            if logprobs_host is not None:
-                lps[i] = logprobs_host[r, :k].tolist()
-        return drafts, lps
+        active = torch.tensor(md.active)
+        for j in range(num_steps + 1):  # drafts past a sequence's own k are dropped here
+            still = ks > j  # [n]
+            out.add(active[still].tolist(), DraftSample(tokens[still, j], None, None, None))
+        return out
 
 
-def _to_host_once(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """Copy device tensors into pinned host memory with one synchronization at the end (CPU tensors pass)."""
-    out = []
-    for t in tensors:
-        if t is None or t.device.type != "cuda":
-            out.append(t)
-            continue
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        out.append(host)
-    if any(t is not None and t.device.type == "cuda" for t in tensors):
-        torch.cuda.current_stream(tensors[0].device).synchronize()
-    return out
+def _to_host_once(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor copied into pinned host memory, then one stream synchronization (a CPU tensor passes)."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host
 
 
 def capture_decode_graphs(proposer, block_size: int, max_model_len: int, max_batch_seqs: int,
                           dtype: torch.dtype, device: torch.device) -> DecodeGraphs | None:
     """At start-up, after the KV pool exists: the proposer's decode graphs, or None when they cannot run."""
+    if proposer.model.drafting != "sequential":
+        log.info("CUDA graphs: not used by %s drafting (only sequential heads have decode steps)",
+                 proposer.model.drafting)
+        return None
     if not ops.use_triton(proposer.kv.kv):
         log.warning("CUDA graphs are off: the Triton kernels are not in use (DRAFTER_KERNELS=torch or no triton), "
                     "and the torch references synchronize with the host; decode steps run eagerly")

@@ -1,14 +1,31 @@
-"""One engine step for a batch of sequences: admit, prepare inputs, first draft step, k-1 decode steps.
+"""One engine step for a batch of sequences: admit, prepare inputs, draft, sample.
 
 Runs on the step worker thread only (scheduler.py), so it owns the sequence table and the KV pool.
 
 For a sequence with start position p, m committed tokens x[p..p+m-1], hidden states h[p..p+m-1], next token
-x[p+m] and k drafts:
-  first step   rows t = p..p+m-1, inputs (x[t+1], h[t]) -> draft-KV of those positions is (over)written;
-               the head's output at row p+m-1 gives draft 1 (for position p+m+1).
-  decode j     (j = 1..k-1) one row at position p+m-1+j with input (draft j, head output of the previous
+x[p+m] and k drafts, let C = p + m. The head's step structure (``model.drafting``) picks the path:
+
+sequential (EAGLE-1, EAGLE-3): _run_sequential
+  first step   rows t = p..C-1, inputs (x[t+1], combine(h[t])) -> draft-KV of those positions is (over)written;
+               the head's output at row C-1 gives draft 1 (for position C+1).
+  decode j     (j = 1..k-1) one row at position C-1+j with input (draft j, head output of the previous
                step) -> writes scratch draft-KV there, gives draft j+1.
-After the step the sequence's committed length is p+m; the scratch KV past it is overwritten by the next step.
+parallel (P-EAGLE): _run_parallel
+  one forward over the rows p..C-1 as above plus k-1 masked rows at positions C..C+k-2 (the parallel-drafting
+  token, the head's mask hidden state); the outputs at row C-1 and at the masked rows give drafts 1..k
+  (input layout: parallel_inputs.py).
+multi_layer (multi-layer EAGLE): _run_multi_layer
+  layer j = 0..n-1 runs over the rows [w0, C), the committed rows plus the rows re-fed from the sequence's
+  shift cache, with the tokens shifted by j more; its output at row C-1 gives draft j+1 (multi_layer_inputs.py).
+After the step the sequence's committed length is C; scratch KV past it is overwritten by the next step.
+
+Every draft is sampled per sequence (sampling.py): greedy at temperature 0, otherwise Gumbel-max seeded by the
+sequence's seed and the position of the drafted token minus one, so a replayed step gives the same drafts.
+
+The head interface: method, drafting, num_kv_layers, vocab_size, draft_vocab_size, hidden_states_width, dims,
+combine_hidden_states, draft_to_target; sequential and parallel heads add forward / compute_logits / next_hidden
+(parallel ones parallel_token_id and mask_hidden), multi-layer heads num_predict / forward_layer /
+compute_logits_layer.
 """
 import logging
 import time
@@ -21,6 +38,9 @@ from drafter_kernels import ops
 from .kv_cache import KVCache
 from .metrics import Metrics
 from .models.attention_metadata import AttentionMetadata
+from .multi_layer_inputs import ShiftCache, shift_and_cache
+from .parallel_inputs import copy_and_expand_inputs_ref
+from .sampling import DraftSample, sample_drafts, seed_to_int64
 from .sequence import Sequence, SequenceTable
 from .step_io import (FAILED_PRECONDITION, INTERNAL, NOT_FOUND, OUT_OF_RANGE, RESOURCE_EXHAUSTED, StepInput,
                       StepOutput)
@@ -36,6 +56,55 @@ class _Admitted:
     is_new: bool
     step: StepInput
     num_drafts: int  # k after the max_model_len cut
+
+
+@dataclass
+class _Sampling:
+    """The batch's sampling settings, one entry per admitted sequence (on the device)."""
+
+    temperature: torch.Tensor  # [B] float32
+    seed: torch.Tensor  # [B] int64
+    top_k: torch.Tensor  # [B] int64
+    want_logprobs: bool
+    greedy_only: bool  # every sequence greedy, no log-probs, no top-k: a plain argmax does
+
+
+class _Drafts:
+    """Drafts as they are sampled, column by column, then copied to the host once for the whole step."""
+
+    def __init__(self, batch_size: int, top_k: list[int]):
+        self.batch_size = batch_size
+        self.top_k = top_k
+        self.columns: list[tuple[list[int], DraftSample]] = []  # (batch index of each row, samples of the rows)
+
+    def add(self, rows: list[int], sample: DraftSample) -> None:
+        self.columns.append((rows, sample))
+
+    def finish(self) -> tuple[list[list[int]], list[list[float]], list[torch.Tensor | None], list[torch.Tensor | None]]:
+        B = self.batch_size
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        logprobs: list[list[float]] = [[] for _ in range(B)]
+        top_ids: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        top_probs: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        if not self.columns:
+            return tokens, logprobs, [None] * B, [None] * B
+        flat_tok = torch.cat([c[1].tokens for c in self.columns]).cpu().tolist()
+        with_lp = self.columns[0][1].logprobs is not None
+        flat_lp = torch.cat([c[1].logprobs for c in self.columns]).cpu().tolist() if with_lp else None
+        r = 0
+        for rows, sample in self.columns:
+            ids = sample.top_ids.cpu() if sample.top_ids is not None else None
+            probs = sample.top_probs.cpu() if sample.top_probs is not None else None
+            for q, i in enumerate(rows):
+                tokens[i].append(flat_tok[r])
+                if flat_lp is not None:
+                    logprobs[i].append(flat_lp[r])
+                if ids is not None and self.top_k[i] > 0:
+                    top_ids[i].append(ids[q, : self.top_k[i]])
+                    top_probs[i].append(probs[q, : self.top_k[i]])
+                r += 1
+        stack = lambda rows: torch.stack(rows) if rows else None  # noqa: E731
+        return tokens, logprobs, [stack(t) for t in top_ids], [stack(t) for t in top_probs]
 
 
 class Proposer:
@@ -74,7 +143,11 @@ class Proposer:
                 f"{s.sequence_id!r}; resend from a position <= {seq.committed_len}")
             return None
         k = max(0, min(s.num_drafts, self.max_model_len - 1 - (p + m)))
-        positions_needed = p + m + max(k - 1, 0)
+        if self.model.drafting == "multi_layer":
+            k = min(k, self.model.num_predict)
+            positions_needed = p + m  # every layer works on the committed positions only
+        else:
+            positions_needed = p + m + max(k - 1, 0)  # scratch KV of the draft positions but the last
         missing = self.table.blocks_missing(seq, positions_needed)
         if not self.table.resize(seq, positions_needed):
             out.code, out.message = RESOURCE_EXHAUSTED, (
@@ -114,24 +187,27 @@ class Proposer:
         batch = [a for i, s in enumerate(steps) if (a := self._admit(i, s, outputs[i])) is not None]
         if batch:
             try:
-                drafts, logprobs = self._run(batch)
+                drafts, logprobs, top_ids, top_probs = self._run(batch)
             except Exception as e:  # never leave a sequence claiming KV it may not have
                 log.exception("step failed")
                 for a in batch:
                     a.seq.last_drafts = []
+                    if a.seq.shift_cache is not None:  # multi-layer: KV is only trusted below the final prefix
+                        a.seq.committed_len = min(a.seq.committed_len, a.seq.shift_cache.final_len)
                     if a.is_new:
                         self.table.release(a.seq.namespace, a.seq.sequence_id)
                     outputs[a.index].code = INTERNAL
                     outputs[a.index].message = f"internal error in the draft step: {type(e).__name__}: {e}"
                     outputs[a.index].accepted_drafts = 0
                 batch = []
-            for a, d, lp in zip(batch, drafts, logprobs):
+            for a, d, lp, ti, tp in zip(batch, drafts, logprobs, top_ids, top_probs):
                 p, m = a.step.start_position, a.step.num_tokens
                 a.seq.committed_len = p + m
                 a.seq.last_drafts, a.seq.last_drafts_base = d, p + m
                 out = outputs[a.index]
                 out.drafts, out.committed_length = d, p + m
                 out.logprobs = lp if a.step.return_logprobs else []
+                out.top_k_ids, out.top_k_probs = ti, tp
         self.metrics.record_step(steps, outputs, time.perf_counter() - t0, self.kv.pool.num_free,
                                  self.kv.pool.num_blocks)
         self.metrics.live_sequences = len(self.table)
@@ -141,33 +217,81 @@ class Proposer:
         table = torch.tensor(seq.block_table, dtype=torch.int64)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def _run(self, batch: list[_Admitted]) -> tuple[list[list[int]], list[list[float]]]:
-        dev, bs = self.device, self.block_size
+    def _block_tables(self, batch: list[_Admitted]) -> torch.Tensor:
+        max_blocks = max(len(a.seq.block_table) for a in batch)
+        block_tables = torch.zeros(len(batch), max_blocks, dtype=torch.int32)
+        for i, a in enumerate(batch):
+            block_tables[i, : len(a.seq.block_table)] = torch.tensor(a.seq.block_table, dtype=torch.int32)
+        return block_tables
+
+    def _sampling(self, batch: list[_Admitted], md: StepMetadata | None = None) -> _Sampling:
+        dev = self.device
+        temperature = torch.tensor([a.step.temperature for a in batch], dtype=torch.float32)
+        top_k = [a.step.top_k_probs for a in batch]
+        want_logprobs = any(a.step.return_logprobs for a in batch)
+        greedy_only = not want_logprobs and not any(top_k) and not bool((temperature > 0).any())
+        if md is not None:  # ---- the step's packed metadata (step_metadata.py) holds the tensors: no copy ----
+            return _Sampling(temperature=md.temperature, seed=md.seed, top_k=md.top_k, want_logprobs=want_logprobs,
+                             greedy_only=greedy_only)
+        return _Sampling(
+            temperature=temperature.to(dev),
+            seed=torch.tensor([seed_to_int64(a.step.seed) for a in batch], dtype=torch.int64).to(dev),
+            top_k=torch.tensor(top_k, dtype=torch.int64).to(dev), want_logprobs=want_logprobs,
+            greedy_only=greedy_only)
+
+    def _select(self, logits: torch.Tensor, rows: list[int], positions: list[int], sp: _Sampling) -> DraftSample:
+        """One draft per row of logits [n, V_draft] (row r belongs to batch index rows[r]; positions[r] is the
+        Gumbel position), as target-vocabulary ids, with log q and the top-N of q when asked."""
+        if sp.greedy_only:
+            return DraftSample(self.model.draft_to_target(ops.argmax(logits)), None, None, None)
+        idx = torch.tensor(rows, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        s = sample_drafts(logits, sp.temperature[idx], sp.seed[idx], pos, sp.top_k[idx], sp.want_logprobs)
+        top_ids = s.top_ids
+        if top_ids is not None:
+            top_ids = torch.where(top_ids >= 0, self.model.draft_to_target(top_ids.clamp(min=0)), -1)
+        return DraftSample(self.model.draft_to_target(s.tokens), s.logprobs, top_ids, s.top_probs)
+
+    def _run(self, batch: list[_Admitted]):
+        drafting = self.model.drafting
+        if drafting == "sequential":
+            drafts = self._run_sequential(batch)
+        elif drafting == "parallel":
+            drafts = self._run_parallel(batch)
+        elif drafting == "multi_layer":
+            drafts = self._run_multi_layer(batch)
+        else:
+            raise ValueError(f"unknown drafting structure {drafting!r}")
+        return drafts.finish()
+
+    # ---- sequential: first step over the committed rows, then one row per further draft ----
+
+    def _run_sequential(self, batch: list[_Admitted]) -> _Drafts:
+        dev = self.device
         B = len(batch)
         # ---- step metadata (step_metadata.py): vectorized on the host, one host->device copy for the step ----
         md = StepMetadata.build(batch, self.block_size, dev)
+        sp = self._sampling(batch, md)
         meta, seq_lens, block_tables = md.first_step, md.host_seq_lens, md.host_block_tables
         # ---- end step metadata ----
-        head_out = self.model.forward(md.input_ids, md.hidden_states, meta, self.kv_layers)
+        hidden_in = self.model.combine_hidden_states(md.hidden_states)
+        head_out = self.model.forward(md.input_ids, hidden_in, meta, self.kv_layers)
 
         # -- drafts: only sequences that asked for some (k = 0 is a prefill chunk) --
         ks = [a.num_drafts for a in batch]
         active = [i for i in range(B) if ks[i] > 0]  # batch indices still drafting
-        drafts: list[list[int]] = [[] for _ in batch]
-        logprobs: list[list[float]] = [[] for _ in batch]
+        out = _Drafts(B, [a.step.top_k_probs for a in batch])
         if not active:
-            return drafts, logprobs
-        want_logprobs = any(batch[i].step.return_logprobs for i in active)
+            return out
         last_rows = md.draft_rows  # [n] on the device
         head_last = head_out[last_rows]  # [n, H]
-        tok, lp = self._select(head_last, want_logprobs)
-        hidden_prev = self.model.next_hidden(head_last)
-        # ---- CUDA fast path (cuda_graphs.py): decode steps replayed from CUDA graphs, one device->host copy ----
-        if self.decode_graphs is not None and self.decode_graphs.can_run(len(active)):
-            return self.decode_graphs.draft(md, tok, lp, hidden_prev)
+        sample = self._select(self.model.compute_logits(head_last), active, [seq_lens[i] for i in active], sp)
+        # ---- CUDA fast path (cuda_graphs.py): greedy decode steps replayed from CUDA graphs, one copy to host ----
+        if sp.greedy_only and self.decode_graphs is not None and self.decode_graphs.can_run(len(active)):
+            return self.decode_graphs.draft(md, out, sample.tokens, self.model.next_hidden(head_last))
         # ---- end CUDA fast path ----
-        # per decode step: (batch indices drafting, their tokens [n], their logprobs [n] or None)
-        columns = [(active, tok, lp)]
+        out.add(active, sample)
+        tok, hidden_prev = sample.tokens, self.model.next_hidden(head_last)
         for j in range(1, max(ks)):
             still = [r for r, i in enumerate(active) if ks[i] > j]
             if len(still) < len(active):
@@ -182,28 +306,145 @@ class Proposer:
                 query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev),
                 seq_lens=(positions + 1).to(torch.int32).to(dev),
                 block_tables=block_tables[torch.tensor(active)].to(dev), max_query_len=1)
-            out = self.model.forward(tok, hidden_prev, meta, self.kv_layers)
-            tok, lp = self._select(out, want_logprobs)
-            hidden_prev = self.model.next_hidden(out)
-            columns.append((active, tok, lp))
-        # one device->host copy for the whole step
-        flat_tok = torch.cat([c[1] for c in columns]).cpu().tolist()
-        flat_lp = torch.cat([c[2] for c in columns]).cpu().tolist() if want_logprobs else None
-        r = 0
-        for rows, _, _ in columns:
-            for i in rows:
-                drafts[i].append(flat_tok[r])
-                if flat_lp is not None:
-                    logprobs[i].append(flat_lp[r])
-                r += 1
-        return drafts, logprobs
+            step_out = self.model.forward(tok, hidden_prev, meta, self.kv_layers)
+            sample = self._select(self.model.compute_logits(step_out), active, [seq_lens[i] + j for i in active], sp)
+            out.add(active, sample)
+            tok, hidden_prev = sample.tokens, self.model.next_hidden(step_out)
+        return out
 
-    def _select(self, head_out: torch.Tensor, want_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Greedy draft (target-vocabulary id) per row, and its log-probability when asked."""
-        logits = self.model.compute_logits(head_out)
-        draft = ops.argmax(logits)
-        target_ids = self.model.draft_to_target(draft)
-        lp = None
-        if want_logprobs:
-            lp = torch.log_softmax(logits.float(), dim=-1).gather(1, draft[:, None]).squeeze(1)
-        return target_ids, lp
+    # ---- parallel (P-EAGLE): the committed rows and k-1 masked rows in one forward ----
+
+    def _run_parallel(self, batch: list[_Admitted]) -> _Drafts:
+        dev, model = self.device, self.model
+        B = len(batch)
+        sp = self._sampling(batch)
+        ks = [a.num_drafts for a in batch]
+        n_slots = [max(k, 1) for k in ks]  # the bonus row (always: it writes the KV of position C-1) + k-1 masked
+        C = [a.step.start_position + a.step.num_tokens for a in batch]
+        q_lens = [a.step.num_tokens for a in batch]
+        qsl = [0]
+        for m in q_lens:
+            qsl.append(qsl[-1] + m)
+        layout = copy_and_expand_inputs_ref(
+            target_token_ids=torch.cat([a.step.token_ids for a in batch]),
+            target_positions=torch.cat([torch.arange(a.step.start_position, c, dtype=torch.int64)
+                                        for a, c in zip(batch, C)]),
+            next_token_ids=torch.tensor([a.step.next_token for a in batch], dtype=torch.int64),
+            query_start_loc=torch.tensor(qsl), query_end_loc=torch.tensor(qsl[1:]) - 1,
+            slots=torch.tensor(n_slots), padding_token_id=0, parallel_token_id=model.parallel_token_id)
+        out_qsl = layout.query_start_loc.tolist()
+        slots = torch.cat([self._slots(a.seq, layout.positions[out_qsl[i] : out_qsl[i + 1]])
+                           for i, a in enumerate(batch)])
+        target = model.combine_hidden_states(torch.cat([a.step.hidden_states for a in batch]).to(dev))
+        hidden_in = torch.empty(layout.input_ids.shape[0], target.shape[1], dtype=target.dtype, device=dev)
+        hidden_in[layout.hidden_state_mapping.to(dev)] = target
+        hidden_in[layout.is_masked.to(dev)] = model.mask_hidden.to(target.dtype)
+        meta = AttentionMetadata(
+            positions=layout.positions.to(dev), slot_mapping=slots.to(dev),
+            query_start_loc=layout.query_start_loc.to(torch.int32).to(dev),
+            seq_lens=torch.tensor([c + n - 1 for c, n in zip(C, n_slots)], dtype=torch.int32).to(dev),
+            block_tables=self._block_tables(batch).to(dev),
+            max_query_len=max(m + n - 1 for m, n in zip(q_lens, n_slots)))
+        head_out = model.forward(layout.input_ids.to(dev), hidden_in, meta, self.kv_layers)
+
+        out = _Drafts(B, [a.step.top_k_probs for a in batch])
+        new_rows = layout.new_token_indices.tolist()  # sequence i's slots are new_rows[sum(n_slots[:i]) ...]
+        rows, batch_idx, positions, first = [], [], [], 0
+        for i in range(B):
+            for j in range(ks[i]):  # draft j+1 from slot j; a prefill chunk's bonus row gives no draft
+                rows.append(new_rows[first + j])
+                batch_idx.append(i)
+                positions.append(C[i] + j)
+            first += n_slots[i]
+        if rows:
+            logits = model.compute_logits(head_out[torch.tensor(rows, device=dev)])
+            out.add(batch_idx, self._select(logits, batch_idx, positions, sp))
+        return out
+
+    # ---- multi-layer EAGLE: n layers over the same rows, each gives one draft ----
+
+    def _run_multi_layer(self, batch: list[_Admitted]) -> _Drafts:
+        dev, model = self.device, self.model
+        n, B = model.num_predict, len(batch)
+        sp = self._sampling(batch)
+        width = model.hidden_states_width
+        dtype = self.kv.kv.dtype
+        # -- the window of each sequence: rows [w0, p) from its shift cache, then the committed rows [p, C) --
+        shift, cached_len, w0s = [], [], []
+        zeros = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+        empty = ShiftCache(zeros(n), zeros(n), zeros(n), zeros(n, width, dtype=dtype), length=0, start_position=0,
+                           final_len=0)  # a new sequence
+        caches = []
+        for a in batch:
+            p = a.step.start_position
+            cache = a.seq.shift_cache if a.seq.shift_cache is not None else empty
+            w0 = min(p, cache.final_len)
+            usable = max(0, min(cache.length, p - cache.start_position))  # cached rows before position p
+            if p > w0 and (cache.start_position + usable != p or usable < p - w0):
+                raise RuntimeError(f"shift cache of {a.seq.sequence_id!r} holds positions "
+                                   f"[{cache.start_position}, {cache.start_position + cache.length}) but the step "
+                                   f"needs [{w0}, {p})")
+            shift.append(p - w0)
+            cached_len.append(usable)
+            w0s.append(w0)
+            caches.append(cache)
+        qsl, C = [0], []
+        for a in batch:
+            qsl.append(qsl[-1] + a.step.num_tokens)
+            C.append(a.step.start_position + a.step.num_tokens)
+        positions = torch.cat([torch.arange(a.step.start_position, c, dtype=torch.int64) for a, c in zip(batch, C)])
+        slots = torch.cat([self._slots(a.seq, torch.arange(a.step.start_position, c, dtype=torch.int64))
+                           for a, c in zip(batch, C)])
+        win = shift_and_cache(
+            src_token_ids=torch.cat([a.step.token_ids for a in batch]).to(dev), src_positions=positions.to(dev),
+            src_slot_mapping=slots.to(dev),
+            src_hidden_states=torch.cat([a.step.hidden_states for a in batch]).to(device=dev, dtype=dtype),
+            query_start_loc=qsl, shift=shift, cached_len=cached_len,
+            cached_token_ids=torch.stack([c.token_ids for c in caches]),
+            cached_positions=torch.stack([c.positions for c in caches]),
+            cached_slot_mapping=torch.stack([c.slot_mapping for c in caches]),
+            cached_hidden_states=torch.stack([c.hidden_states for c in caches]))
+        wq = win.query_start_loc
+        meta = AttentionMetadata(
+            positions=win.positions, slot_mapping=win.slot_mapping,
+            query_start_loc=torch.tensor(wq, dtype=torch.int32).to(dev),
+            seq_lens=torch.tensor(C, dtype=torch.int32).to(dev), block_tables=self._block_tables(batch).to(dev),
+            max_query_len=max(wq[i + 1] - wq[i] for i in range(B)))
+        last_rows = torch.tensor([wq[i + 1] - 1 for i in range(B)], device=dev)
+        next_tokens = torch.tensor([a.step.next_token for a in batch], dtype=torch.int64, device=dev)
+
+        # -- layer j: row t takes x[t+1+j]; the last rows take the next token (j = 0), then the drafts --
+        ks = [a.num_drafts for a in batch]
+        out = _Drafts(B, [a.step.top_k_probs for a in batch])
+        ids, hidden, new_tokens = win.token_ids, win.hidden_states, next_tokens
+        everyone = list(range(B))
+        for j in range(n):
+            shifted = torch.empty_like(ids)
+            shifted[:-1] = ids[1:]
+            shifted[last_rows] = new_tokens
+            ids = shifted
+            hidden = model.forward_layer(j, ids, hidden, meta, self.kv_layers[j])
+            logits = model.compute_logits_layer(j, hidden[last_rows])
+            # every sequence drafts with every layer (the later layers' last rows need the drafts); the reply
+            # keeps the first k
+            sample = self._select(logits, everyone, [c + j for c in C], sp)
+            keep = [i for i in everyone if ks[i] > j]
+            if keep:
+                out.add(keep, _take(sample, keep) if len(keep) < B else sample)
+            new_tokens = sample.tokens
+
+        # -- refresh the caches: the rows before C - n + 1 are final in every layer now --
+        for i, a in enumerate(batch):
+            L = win.cached_len[i]
+            a.seq.shift_cache = ShiftCache(  # clones: a view would keep the whole batch's cache tensors alive
+                token_ids=win.cached_token_ids[i].clone(), positions=win.cached_positions[i].clone(),
+                slot_mapping=win.cached_slot_mapping[i].clone(), hidden_states=win.cached_hidden_states[i].clone(),
+                length=L,
+                start_position=C[i] - L, final_len=min(C[i], max(w0s[i], C[i] - n + 1)))
+        return out
+
+
+def _take(sample: DraftSample, rows: list[int]) -> DraftSample:
+    idx = torch.tensor(rows, device=sample.tokens.device)
+    pick = lambda t: None if t is None else t[idx]  # noqa: E731
+    return DraftSample(sample.tokens[idx], pick(sample.logprobs), pick(sample.top_ids), pick(sample.top_probs))

@@ -1,6 +1,6 @@
 """Build everything a server needs from a ServerConfig: device, model, KV pool, proposer, limits."""
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +16,7 @@ from .validation import Limits
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_TOKENS = 131072
+MAX_TOP_K_PROBS = 256
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Runtime:
     max_model_len: int
     metrics: Metrics
     hidden_states_source: str
+    target_layer_ids: list[int] = field(default_factory=list)
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -94,14 +96,19 @@ def build_runtime(cfg: ServerConfig) -> Runtime:
         proposer.decode_graphs = capture_decode_graphs(proposer, cfg.block_size, max_model_len, cfg.max_batch_seqs,
                                                        dtype, device)
     max_batch_tokens = cfg.max_batch_tokens or max(8192, max_model_len)
+    max_draft_tokens = cfg.max_draft_tokens
+    if model.drafting == "multi_layer":  # one draft per layer
+        max_draft_tokens = min(max_draft_tokens, model.num_predict)
     limits = Limits(hidden_states_width=model.hidden_states_width, vocab_size=model.vocab_size,
-                    max_draft_tokens=cfg.max_draft_tokens, max_request_tokens=max_batch_tokens,
-                    max_request_seqs=cfg.max_batch_seqs)
-    log.info("drafter %s: %s head %s on %s (%s), vocab %d, hidden %d, KV pool %d tokens (%.1f MiB), "
-             "max_model_len %d", __version__, model.method, loaded.name, device, str(dtype).removeprefix("torch."),
-             model.vocab_size, d.hidden_size, num_blocks * cfg.block_size,
-             num_blocks * cfg.block_size * per_token / 2**20, max_model_len)
+                    max_draft_tokens=max_draft_tokens, max_request_tokens=max_batch_tokens,
+                    max_request_seqs=cfg.max_batch_seqs,
+                    max_top_k_probs=min(MAX_TOP_K_PROBS, model.draft_vocab_size))
+    log.info("drafter %s: %s head %s (%s drafting) on %s (%s), vocab %d (draft %d), hidden %d, KV pool %d tokens "
+             "(%.1f MiB), max_model_len %d", __version__, model.method, loaded.name, model.drafting, device,
+             str(dtype).removeprefix("torch."), model.vocab_size, model.draft_vocab_size, d.hidden_size,
+             num_blocks * cfg.block_size, num_blocks * cfg.block_size * per_token / 2**20, max_model_len)
+    if loaded.target_layer_ids:
+        log.info("the engine sends %s", loaded.hidden_states_source)
     return Runtime(config=cfg, device=device, dtype=dtype, model_name=loaded.name, model=model, kv=kv,
                    proposer=proposer, limits=limits, max_model_len=max_model_len, metrics=metrics,
-                   hidden_states_source="the target's final hidden state (after its final norm, what lm_head "
-                                        "consumes) at each committed position")
+                   hidden_states_source=loaded.hidden_states_source, target_layer_ids=loaded.target_layer_ids)

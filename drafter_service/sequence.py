@@ -12,6 +12,7 @@ class Sequence:
     committed_len: int = 0  # draft-KV of positions [0, committed_len) was written from committed tokens
     last_drafts: list[int] = field(default_factory=list)  # drafts given at the last step...
     last_drafts_base: int = 0  # ...for positions last_drafts_base + 1, + 2, ...
+    shift_cache: object | None = None  # multi-layer EAGLE only: multi_layer_inputs.ShiftCache
 
 
 class SequenceTable:

@@ -112,6 +112,7 @@ class DrafterServer:
             await self.server.stop(grace)
         if self.scheduler is not None:
             await self.scheduler.stop()
+        await self.servicer.close()
         if self._metrics_server is not None:
             self._metrics_server.close()
         for address in self.bound_addresses:

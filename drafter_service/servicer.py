@@ -1,6 +1,8 @@
 """The drafter.v1.Drafter gRPC service: decode and validate, hand steps to the scheduler, encode the reply."""
 import asyncio
 import logging
+import math
+import os
 
 import grpc
 import torch
@@ -9,6 +11,7 @@ from . import __version__
 from .rpc import pb, pb_grpc
 from .runtime import Runtime
 from .scheduler import StepScheduler
+from .shm_regions import RegionTable, ShmSettings
 from .step_io import StepOutput
 from .validation import (HIDDEN_DTYPES, TOKEN_DTYPES, RequestError, check_namespace, check_sequence_id,
                          parse_propose)
@@ -36,16 +39,70 @@ def build_response(outputs: list[StepOutput], sequence_ids: list[str], request_i
                               draft_token_ids=encode_tensor(torch.tensor(drafts, dtype=torch.int64)))
     if any_logprobs:
         resp.draft_logprobs.CopyFrom(encode_tensor(torch.tensor(logprobs, dtype=torch.float32)))
+    width = max((o.top_k_ids.shape[1] for o in outputs if o.top_k_ids is not None), default=0)
+    if width:  # [sum k, N], rows of sequences that asked for fewer (or none) padded with -1 / 0
+        ids = torch.full((len(drafts), width), -1, dtype=torch.int64)
+        probs = torch.zeros(len(drafts), width, dtype=torch.float32)
+        r = 0
+        for o in outputs:
+            if o.top_k_ids is not None:
+                ids[r : r + len(o.drafts), : o.top_k_ids.shape[1]] = o.top_k_ids
+                probs[r : r + len(o.drafts), : o.top_k_probs.shape[1]] = o.top_k_probs
+            r += len(o.drafts)
+        resp.draft_top_k_ids.CopyFrom(encode_tensor(ids))
+        resp.draft_top_k_probs.CopyFrom(encode_tensor(probs))
     return resp
+
+
+def shared_memory_table(runtime: Runtime) -> RegionTable | None:
+    """The region table, or None where shared memory is off (--no-shared-memory, or no POSIX shm directory)."""
+    cfg = runtime.config
+    if not cfg.shared_memory:
+        return None
+    if not os.path.isdir(cfg.shm_dir):
+        log.warning("shared memory off: %s is not a directory (POSIX shared memory needs Linux /dev/shm)", cfg.shm_dir)
+        return None
+    return RegionTable(runtime.device, ShmSettings(
+        shm_dir=cfg.shm_dir, lease_s=cfg.shm_lease_s, max_lease_s=cfg.shm_max_lease_s,
+        max_regions_per_namespace=cfg.shm_max_regions_per_namespace,
+        max_bytes_per_namespace=cfg.shm_max_bytes_per_namespace))
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
     def __init__(self):
         self.runtime: Runtime | None = None  # None while the model loads: RPCs answer UNAVAILABLE
         self.scheduler: StepScheduler | None = None
+        self.regions: RegionTable | None = None  # shared-memory regions; None = shared memory off
+        self._sweeper: asyncio.Task | None = None
+        # Benchmarks only (benchmarks/bench_data_plane.py): decode, check and stage the tensors, then answer with
+        # no drafts and without running the head, to time the data plane alone.
+        self.ingest_only = False
 
     def attach(self, runtime: Runtime, scheduler: StepScheduler) -> None:
         self.runtime, self.scheduler = runtime, scheduler
+        self.regions = shared_memory_table(runtime)
+        if self.regions is not None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_leases(), name="drafter-shm-leases")
+
+    async def _sweep_leases(self) -> None:
+        period = min(1.0, self.regions.settings.lease_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.regions.expire()
+            except Exception:  # never let the sweeper die
+                log.exception("expiring shared-memory regions")
+
+    async def close(self) -> None:
+        """Stop the lease sweeper and unmap every region (server shutdown)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            try:
+                await self._sweeper
+            except asyncio.CancelledError:
+                pass
+        if self.regions is not None:
+            self.regions.close_all()
 
     async def _ready(self, context) -> Runtime:
         if self.runtime is None:
@@ -62,19 +119,39 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return pb.GetInfoResponse(
             server_version=__version__, model_name=rt.model_name, method=rt.model.method,
             hidden_size=rt.model.dims.hidden_size, hidden_states_width=rt.limits.hidden_states_width,
-            hidden_states_source=rt.hidden_states_source, vocab_size=rt.limits.vocab_size,
+            hidden_states_source=rt.hidden_states_source, target_layer_ids=rt.target_layer_ids,
+            vocab_size=rt.limits.vocab_size, draft_vocab_size=rt.model.draft_vocab_size,
+            parallel_drafting=rt.model.drafting == "parallel", max_top_k_probs=rt.limits.max_top_k_probs,
             max_draft_tokens=rt.limits.max_draft_tokens, max_model_len=rt.max_model_len,
             accepted_hidden_dtypes=list(HIDDEN_DTYPES), accepted_token_dtypes=list(TOKEN_DTYPES),
             model_dtype=str(rt.dtype).removeprefix("torch."), device=str(rt.device),
             kv_capacity_tokens=rt.kv.capacity_tokens, kv_block_size=rt.kv.block_size,
             kv_free_tokens=free_blocks * rt.kv.block_size, max_message_bytes=rt.config.max_message_bytes,
-            shared_memory_supported=False)
+            shared_memory_supported=self.regions is not None,
+            shared_memory_kinds=self.regions.kinds() if self.regions is not None else [],
+            shared_memory_lease_seconds=math.ceil(rt.config.shm_lease_s) if self.regions is not None else 0)
 
     async def _propose(self, request) -> "pb.ProposeResponse":
         """One engine step; raises RequestError for a request that is malformed as a whole."""
         rt = self.runtime
-        steps = parse_propose(request, rt.limits)
-        outputs = await self.scheduler.submit(steps)
+        read_shm = None
+        if self.regions is not None:
+            regions, namespace = self.regions, request.namespace
+
+            def read_shm(ref, field, dtype, shape, to_host=False):
+                return regions.read(namespace, ref, field, dtype, shape, to_host)
+
+        steps = parse_propose(request, rt.limits, read_shm)
+        if self.ingest_only:
+            if request.hidden_states.WhichOneof("data") == "raw" and steps:
+                # Inline states are still views of the message: move them to the device as the proposer would
+                # (one copy), so that both data planes end with the bytes in a tensor of their own there.
+                torch.cat([s.hidden_states for s in steps]).to(rt.device)
+                if rt.device.type == "cuda":
+                    torch.cuda.synchronize(rt.device)
+            outputs = [StepOutput() for _ in steps]
+        else:
+            outputs = await self.scheduler.submit(steps)
         return build_response(outputs, [s.sequence_id for s in request.steps], request.request_id)
 
     async def Propose(self, request, context):
@@ -133,3 +210,38 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
         missing = await self.scheduler.run_exclusive(release)
         return pb.ReleaseResponse(released=len(ids) - len(missing), not_found=missing)
+
+    # ---- shared-memory regions (shm_regions.py, docs/shared_memory.md) ----
+
+    async def _regions(self, context) -> RegionTable:
+        await self._ready(context)
+        if self.regions is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "shared memory is off on this drafter (GetInfo.shared_memory_supported is false); "
+                                "send tensors inline")
+        return self.regions
+
+    async def RegisterSharedMemory(self, request, context):
+        regions = await self._regions(context)
+        try:
+            region = regions.register(request)
+        except RequestError as e:
+            await self._fail(context, e)
+        return pb.RegisterSharedMemoryResponse(region=region.to_pb(regions.clock()))
+
+    async def UnregisterSharedMemory(self, request, context):
+        regions = await self._regions(context)
+        try:
+            done, missing = regions.unregister(request.namespace, list(request.names))
+        except RequestError as e:
+            await self._fail(context, e)
+        return pb.UnregisterSharedMemoryResponse(unregistered=done, not_found=missing)
+
+    async def SharedMemoryStatus(self, request, context):
+        regions = await self._regions(context)
+        try:
+            found = regions.status(request.namespace, list(request.names))
+        except RequestError as e:
+            await self._fail(context, e)
+        now = regions.clock()
+        return pb.SharedMemoryStatusResponse(regions=[r.to_pb(now) for r in found])

@@ -19,12 +19,14 @@ class StepInput:
     sequence_id: str
     start_position: int  # p
     token_ids: torch.Tensor  # [m] int64, CPU: committed tokens x[p .. p+m-1]
-    hidden_states: torch.Tensor  # [m, W] CPU (wire dtype): target hidden states h[p .. p+m-1]
+    hidden_states: torch.Tensor  # [m, W] wire dtype: target hidden states h[p .. p+m-1]; on the CPU when inline,
+    # already on the server's device when they came through shared memory (shm_regions.py)
     next_token: int  # x[p+m]
     num_drafts: int  # k asked for
     temperature: float = 0.0
     seed: int = 0
     return_logprobs: bool = False
+    top_k_probs: int = 0  # N: describe the draft distribution by its top N (0 = no)
 
     @property
     def num_tokens(self) -> int:
@@ -37,5 +39,7 @@ class StepOutput:
     message: str = ""
     drafts: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_k_ids: torch.Tensor | None = None  # [k, N] int64 target ids, when the step asked for top_k_probs = N
+    top_k_probs: torch.Tensor | None = None  # [k, N] float32
     accepted_drafts: int = 0
     committed_length: int = 0

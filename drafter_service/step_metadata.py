@@ -1,33 +1,36 @@
 """One engine step's metadata: built on the host with vectorized torch, moved to the device in one copy.
 
 An engine step holds B sequences. Sequence i brings m_i committed rows at positions p_i .. p_i+m_i-1, its
-next_token, its block table and asks for k_i drafts. The first draft step is one forward over all T = sum(m_i)
-rows; the n sequences with k_i > 0 (batch indices ``active``, in batch order) then run k_i - 1 decode steps.
+next_token, its block table, its sampling settings, and asks for k_i drafts. The first draft step is one forward
+over all T = sum(m_i) rows; the n sequences with k_i > 0 (batch indices ``active``, in batch order) then run
+k_i - 1 decode steps.
 
 Everything those forwards need from the host, the decode steps included, goes into ONE host tensor (pinned on
 CUDA) and ONE non_blocking host->device copy; the device tensors are views of that copy. The host tensor has two
-regions so that nothing needs a cast on the device:
+regions, so that no field needs a cast kernel on the device:
 
-  int64 region (read as int32 pairs on the host, viewed back as int64 on the device)
+  int64 region (stored as int32 pairs on the host, viewed back as int64 on the device)
     input_ids         [T]      row t of sequence i gets x[t+1]; its last row gets next_token
     positions         [T]      p_i + r for the r-th row of sequence i
     slot_mapping      [T]      table_i[pos // block_size] * block_size + pos % block_size
-    draft_rows        [n]      for each drafting sequence: its last first-step row (gives draft 1)
+    seed              [B]      sampling seed (uint64 from the wire, as int64)
+    top_k             [B]      top-N of the draft distribution asked for (0 = none)
+    draft_index       [n]      batch index of each drafting sequence
+    draft_rows        [n]      its last first-step row, qsl[i+1] - 1 (the row that gives draft 1)
     draft_positions   [n]      p_i + m_i - 1: the position of that row (decode steps advance from it)
   int32 region
     query_start_loc   [B + 1]  sequence i owns first-step rows [qsl[i], qsl[i+1])
     seq_lens          [B]      p_i + m_i
     block_tables      [B * w]  row i: sequence i's block ids, zero-padded to w = the batch's longest table
-    draft_index       [n]      batch index of each drafting sequence
+    temperature       [B]      float32 bits (viewed back as float32 on the device)
     draft_seq_lens    [n]      p_i + m_i
     draft_steps       [n]      k_i - 1: the decode steps it needs
 
-Block ids, lengths and step counts fit int32 (what the kernels read); ids, positions, slots and indices are
-int64 (what the model indexes with), so no field needs a cast kernel on the device.
 The target hidden states (data, not metadata: [T, W] in the wire dtype) are concatenated straight into a second
-pinned buffer and copied with a second non_blocking copy; neither copy waits for the device.
-Each copy's source is pinned memory from torch's caching host allocator, which keeps the block until the copy has
-completed, so the next step can never overwrite a buffer still in flight.
+pinned buffer and sent with a second non_blocking copy (or used in place when they came through CUDA shared memory
+and are already on the device). Neither copy waits for the device. Each copy's source is pinned memory from
+torch's caching host allocator, which keeps the block until its copy has completed, so a later step never
+overwrites a buffer still in flight.
 """
 import functools
 import itertools
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .models.attention_metadata import AttentionMetadata
+from .sampling import seed_to_int64
 
 
 @dataclass
@@ -44,6 +48,9 @@ class StepMetadata:
     input_ids: torch.Tensor  # [T] int64, shifted by one
     hidden_states: torch.Tensor  # [T, W] target hidden states, wire dtype
     first_step: AttentionMetadata  # positions/slot_mapping [T] int64, qsl [B+1], seq_lens [B], tables [B, w] int32
+    temperature: torch.Tensor  # [B] float32
+    seed: torch.Tensor  # [B] int64
+    top_k: torch.Tensor  # [B] int64
     # the n drafting sequences (k > 0), in batch order (device tensors)
     draft_rows: torch.Tensor  # [n] int64: first-step row giving draft 1
     draft_positions: torch.Tensor  # [n] int64: position of that row
@@ -66,13 +73,17 @@ class StepMetadata:
             next_tokens=[a.step.next_token for a in batch],
             num_drafts=[a.num_drafts for a in batch],
             block_tables=[a.seq.block_table for a in batch],
+            temperatures=[a.step.temperature for a in batch],
+            seeds=[seed_to_int64(a.step.seed) for a in batch],
+            top_ks=[a.step.top_k_probs for a in batch],
             block_size=block_size, device=device)
 
 
 def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor], hidden_states: list[torch.Tensor],
                         next_tokens: list[int], num_drafts: list[int], block_tables: list[list[int]],
-                        block_size: int, device: torch.device) -> StepMetadata:
-    """Vectorized over the batch: python only walks the lists once to read them; no per-sequence tensor op."""
+                        temperatures: list[float], seeds: list[int], top_ks: list[int], block_size: int,
+                        device: torch.device) -> StepMetadata:
+    """Vectorized over the batch: python walks the lists once to read them; no per-sequence tensor op."""
     B = len(start_positions)
     i64 = torch.int64
     p = torch.tensor(start_positions, dtype=i64)  # [B]
@@ -107,22 +118,28 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
     draft_positions = draft_seq_lens - 1
     draft_steps = k[draft_index] - 1
 
-    wide, wide_sizes = [input_ids, positions, slots, draft_index, draft_rows, draft_positions], [T, T, T, n, n, n]
-    narrow, narrow_sizes = [qsl, seq_lens, tables.flatten(), draft_seq_lens, draft_steps], [B + 1, B, B * w, n, n]
+    temperature = torch.tensor(temperatures, dtype=torch.float32)
+    wide = [input_ids, positions, slots, torch.tensor(seeds, dtype=i64), torch.tensor(top_ks, dtype=i64),
+            draft_index, draft_rows, draft_positions]
+    wide_sizes = [T, T, T, B, B, n, n, n]
+    narrow = [qsl.to(torch.int32), seq_lens.to(torch.int32), tables.flatten().to(torch.int32),
+              temperature.view(torch.int32), draft_seq_lens.to(torch.int32), draft_steps.to(torch.int32)]
+    narrow_sizes = [B + 1, B, B * w, B, n, n]
     num_wide = sum(wide_sizes)  # int64 elements = 2 * num_wide int32 elements
-    host = torch.cat([torch.cat(wide).view(torch.int32), torch.cat(narrow).to(torch.int32)])
+    host = torch.cat([torch.cat(wide).view(torch.int32), *narrow])
     if device.type == "cuda":
         host = host.pin_memory()
     dev = host.to(device, non_blocking=True)  # the step's one metadata host->device copy (a no-op on the CPU)
-    hidden_d = _cat_to_device(hidden_states, device)
 
-    ids_d, pos_d, slots_d, index_d, rows_d, dpos_d = torch.split(dev[: 2 * num_wide].view(i64), wide_sizes)
-    qsl_d, seq_lens_d, tables_d, dseq_d, dsteps_d = torch.split(dev[2 * num_wide:], narrow_sizes)
+    ids_d, pos_d, slots_d, seed_d, top_k_d, index_d, rows_d, dpos_d = torch.split(
+        dev[: 2 * num_wide].view(i64), wide_sizes)
+    qsl_d, seq_lens_d, tables_d, temperature_d, dseq_d, dsteps_d = torch.split(dev[2 * num_wide:], narrow_sizes)
     tables_d = tables_d.view(B, w)
     return StepMetadata(
-        input_ids=ids_d, hidden_states=hidden_d,
+        input_ids=ids_d, hidden_states=_cat_to_device(hidden_states, device),
         first_step=AttentionMetadata(positions=pos_d, slot_mapping=slots_d, query_start_loc=qsl_d,
                                      seq_lens=seq_lens_d, block_tables=tables_d, max_query_len=int(q_lens.max())),
+        temperature=temperature_d.view(torch.float32), seed=seed_d, top_k=top_k_d,
         draft_rows=rows_d, draft_positions=dpos_d, draft_seq_lens=dseq_d,
         draft_block_tables=tables_d if n == B else tables_d[index_d],  # [n, w]: a gather on the device
         draft_steps=dsteps_d, active=draft_index.tolist(), num_drafts=list(num_drafts),
@@ -130,11 +147,10 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
 
 
 def _cat_to_device(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """torch.cat, written into pinned memory on CUDA and copied with non_blocking (the CPU: just the cat)."""
-    if device.type != "cuda":
-        return torch.cat(tensors)
+    """torch.cat on the device. From the CPU on CUDA: concatenated into pinned memory, one non_blocking copy."""
+    if device.type != "cuda" or any(t.device.type != "cpu" for t in tensors):
+        return torch.cat([t.to(device, non_blocking=True) for t in tensors])  # CPU; or already on the device (shm)
     dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
-    rows = sum(t.shape[0] for t in tensors)
-    host = torch.empty((rows, *tensors[0].shape[1:]), dtype=dtype, pin_memory=True)
+    host = torch.empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), dtype=dtype, pin_memory=True)
     torch.cat(tensors, out=host)
     return host.to(device, non_blocking=True)

@@ -5,8 +5,10 @@ hidden width, token ids against the vocabulary, per-step counts and limits, dupl
 Per-sequence *state* problems (unknown sequence, gap, pool full, too long) are not request errors: the proposer
 answers them per sequence.
 """
+import functools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 import torch
@@ -39,6 +41,7 @@ class Limits:
     max_draft_tokens: int
     max_request_tokens: int
     max_request_seqs: int
+    max_top_k_probs: int = 256
 
 
 def check_namespace(namespace: str) -> None:
@@ -53,7 +56,8 @@ def check_sequence_id(sequence_id: str, field: str) -> None:
         raise invalid(f"{field} is {len(sequence_id)} characters; at most {MAX_ID_LEN}")
 
 
-def parse_propose(req: "pb.ProposeRequest", limits: Limits) -> list[StepInput]:
+def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable | None = None) -> list[StepInput]:
+    """read_shm(ref, field, dtype, shape, to_host) resolves shared-memory references (None: refused)."""
     check_namespace(req.namespace)
     n = len(req.steps)
     if n > limits.max_request_seqs:
@@ -79,16 +83,18 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits) -> list[StepInput]:
         t = s.sampling.temperature
         if not math.isfinite(t) or t < 0:
             raise invalid(f"{f}.sampling.temperature is {t}; must be finite and >= 0")
-        if t > 0:
-            raise invalid(f"{f}.sampling.temperature is {t}; this server drafts greedily only (temperature 0)")
+        if s.sampling.top_k_probs > limits.max_top_k_probs:
+            raise invalid(f"{f}.sampling.top_k_probs is {s.sampling.top_k_probs}; at most {limits.max_top_k_probs} "
+                          "(GetInfo.max_top_k_probs)")
         total += s.num_tokens
     if total > limits.max_request_tokens:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"the steps carry {total} committed tokens; at most {limits.max_request_tokens} per "
                            "request (send long prompts in chunks)")
     try:
-        token_ids = decode_tensor(req.token_ids, "token_ids", TOKEN_DTYPES, rank=1)
-        hidden = decode_tensor(req.hidden_states, "hidden_states", HIDDEN_DTYPES, rank=2)
+        token_ids = decode_tensor(req.token_ids, "token_ids", TOKEN_DTYPES, rank=1,
+                                  read_shm=read_shm and functools.partial(read_shm, to_host=True))
+        hidden = decode_tensor(req.hidden_states, "hidden_states", HIDDEN_DTYPES, rank=2, read_shm=read_shm)
     except WireError as e:
         raise invalid(str(e)) from None
     if token_ids.shape[0] != total:
@@ -111,6 +117,6 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits) -> list[StepInput]:
             namespace=req.namespace, sequence_id=s.sequence_id, start_position=s.start_position,
             token_ids=token_ids[row : row + m], hidden_states=hidden[row : row + m], next_token=s.next_token,
             num_drafts=s.num_drafts, temperature=s.sampling.temperature, seed=s.sampling.seed,
-            return_logprobs=s.sampling.return_logprobs))
+            return_logprobs=s.sampling.return_logprobs, top_k_probs=s.sampling.top_k_probs))
         row += m
     return steps

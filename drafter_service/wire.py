@@ -6,6 +6,7 @@ and raises WireError naming the field.
 import math
 import sys
 import warnings
+from typing import Callable
 
 import torch
 
@@ -31,7 +32,10 @@ def dtype_name(code: int) -> str:
     return pb.DType.Name(code) if code in pb.DType.values() else str(code)
 
 
-def decode_tensor(t: "pb.Tensor", field: str, allowed: tuple[int, ...], rank: int) -> torch.Tensor:
+def decode_tensor(t: "pb.Tensor", field: str, allowed: tuple[int, ...], rank: int,
+                  read_shm: Callable | None = None) -> torch.Tensor:
+    """Inline bytes become a zero-copy view of the message; a shared-memory reference (Tensor.shm) is handed to
+    read_shm(ref, field, dtype, shape), which checks it and returns the tensor (shm_regions.RegionTable.read)."""
     if t.dtype not in allowed:
         raise WireError(f"{field}.dtype is {dtype_name(t.dtype)}; accepted: "
                         f"{', '.join(dtype_name(d) for d in allowed)}")
@@ -41,13 +45,18 @@ def decode_tensor(t: "pb.Tensor", field: str, allowed: tuple[int, ...], rank: in
     if any(d < 0 for d in shape):
         raise WireError(f"{field}.shape {shape} has a negative dimension")
     which = t.WhichOneof("data")
-    if which == "shm":
+    if which == "shm" and read_shm is None:
         raise WireError(f"{field}.shm: this server does not accept shared-memory references "
                         "(GetInfo.shared_memory_supported is false); send raw bytes")
-    raw = t.raw if which == "raw" else b""
     dtype = TORCH_DTYPE[t.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
     expected = math.prod(shape) * itemsize
+    if which == "shm":
+        if t.shm.byte_size != expected:
+            raise WireError(f"{field}.shm.byte_size is {t.shm.byte_size}; shape {shape} of {dtype_name(t.dtype)} "
+                            f"needs {expected}")
+        return read_shm(t.shm, field, dtype, shape)
+    raw = t.raw if which == "raw" else b""
     if len(raw) != expected:
         raise WireError(f"{field}.raw has {len(raw)} bytes; shape {shape} of {dtype_name(t.dtype)} needs {expected}")
     if expected == 0:

@@ -12,9 +12,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton, grpc, google.protobuf as p; print('torch', torch.__version__, 'triton', triton.__version__, 'grpc', grpc.__version__, 'protobuf', p.__version__)" | tee -a "$OUT/device.txt"
 what=${1:-all}
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -q -ra -p no:cacheprovider tests/ 2>&1 | tee "$OUT/pytest_all.log" | tail -40
+  python3 -m pytest -q -ra -p no:cacheprovider tests/ 2>&1 | tee "$OUT/pytest_all.log" | grep -E "passed|failed|FAILED|ERROR" | tail -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m drafter_client.benchmarks.bench_step --preset llama3-8b --device cuda --batches 1,8,32,128 \
     --out "$OUT/bench_step_llama3-8b.json" 2>&1 | tee "$OUT/bench_step.log" | tail -12
+  # data plane: inline vs pinned host shared memory vs CUDA IPC (docs/shared_memory.md)
+  python3 benchmarks/bench_data_plane.py --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench_data_plane.log" | tail -16
 fi

@@ -57,7 +57,8 @@ class ProposerDrafter:
     async def propose(self, steps) -> list[Reply]:
         inputs = [StepInput(self.namespace, s.sequence_id, s.start_position,
                             torch.as_tensor(s.token_ids, dtype=torch.int64), s.hidden_states, int(s.next_token),
-                            s.num_drafts, return_logprobs=s.return_logprobs) for s in steps]
+                            s.num_drafts, temperature=s.temperature, seed=s.seed,
+                            return_logprobs=s.return_logprobs, top_k_probs=s.top_k_probs) for s in steps]
         return [Reply(o.code, list(o.drafts), list(o.logprobs)) for o in self.proposer.step(inputs)]
 
     async def release(self, ids: list[str]) -> None:

@@ -51,7 +51,8 @@ async def test_request_level_errors_name_the_field(client):
     r = pb.ProposeRequest(); r.CopyFrom(good); r.steps[0].num_tokens = 5
     await refused(client, r, grpc.StatusCode.INVALID_ARGUMENT, "token_ids has 4 rows", "add up to 5")
     r = pb.ProposeRequest(); r.CopyFrom(good); r.hidden_states.shm.region = "x"
-    await refused(client, r, grpc.StatusCode.INVALID_ARGUMENT, "hidden_states.shm")
+    r.hidden_states.shm.byte_size = 4 * H * 4
+    await refused(client, r, grpc.StatusCode.NOT_FOUND, "hidden_states.shm.region", "'x'")  # more: test_shared_memory
 
     await refused(client, [step("a", hidden=torch.randn(4, H + 1))], grpc.StatusCode.INVALID_ARGUMENT,
                   "hidden_states has 65 columns", "64")

@@ -86,5 +86,5 @@ def test_errors_name_the_problem(tmp_path):
 def test_unknown_layout_is_refused(tmp_path):
     head, target = write_eagle1(tmp_path)
     save_file({"transformer.h.0.weight": torch.zeros(2, 2)}, str(head / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match="not an EAGLE-1 head"):
+    with pytest.raises(ModelLoadError, match="unknown head layout"):
         load(head, target)

@@ -36,7 +36,7 @@ async def test_health_reflection_and_info(server):
     assert info.method == "eagle" and info.hidden_states_width == H and info.vocab_size == 512
     assert info.max_draft_tokens == 8 and info.max_model_len == 1024 and info.kv_block_size == 16
     assert info.kv_capacity_tokens == 16384 and info.device == "cpu" and info.model_dtype == "float32"
-    assert not info.shared_memory_supported
+    assert info.shared_memory_supported and list(info.shared_memory_kinds) == [1]  # SYSTEM (no CUDA_IPC on CPU)
 
 
 async def test_concurrent_requests_are_merged_into_batches(server):

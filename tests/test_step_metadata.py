@@ -35,6 +35,9 @@ def test_step_metadata_matches_per_sequence_reference(seed):
     block_size = rng.choice([8, 16, 32])
     B = rng.choice([1, 2, 3, 5, 17, 40])
     starts, token_ids, hidden, next_tokens, num_drafts, tables = [], [], [], [], [], []
+    temperatures = [rng.choice([0.0, 0.7, 1.5]) for _ in range(B)]
+    seeds = [rng.randrange(-2**63, 2**63) for _ in range(B)]
+    top_ks = [rng.choice([0, 0, 4]) for _ in range(B)]
     next_block = 0
     for _ in range(B):
         p, m = rng.randint(0, 300), rng.choice([1, 1, 2, 3, 7, 50])
@@ -49,8 +52,8 @@ def test_step_metadata_matches_per_sequence_reference(seed):
         next_tokens.append(rng.randrange(1000))
         num_drafts.append(k)
         tables.append(blocks)
-    md = build_step_metadata(starts, token_ids, hidden, next_tokens, num_drafts, tables, block_size,
-                             torch.device("cpu"))
+    md = build_step_metadata(starts, token_ids, hidden, next_tokens, num_drafts, tables, temperatures, seeds,
+                             top_ks, block_size, torch.device("cpu"))
     ref = naive_metadata(starts, token_ids, next_tokens, num_drafts, tables, block_size)
     meta = md.first_step
     assert md.input_ids.tolist() == ref["ids"] and md.input_ids.dtype == torch.int64
@@ -61,6 +64,9 @@ def test_step_metadata_matches_per_sequence_reference(seed):
     assert meta.block_tables.tolist() == ref["tables"] and meta.block_tables.dtype == torch.int32
     assert meta.max_query_len == max(len(t) for t in token_ids)
     assert torch.equal(md.hidden_states, torch.cat(hidden))
+    assert md.temperature.tolist() == torch.tensor(temperatures).tolist() and md.temperature.dtype == torch.float32
+    assert md.seed.tolist() == seeds and md.seed.dtype == torch.int64
+    assert md.top_k.tolist() == top_ks and md.top_k.dtype == torch.int64
     assert md.active == ref["active"] and md.num_drafts == num_drafts
     assert md.draft_rows.tolist() == ref["rows"] and md.draft_rows.dtype == torch.int64
     assert md.draft_positions.tolist() == ref["dpos"] and md.draft_positions.dtype == torch.int64
@@ -74,8 +80,8 @@ def test_step_metadata_matches_per_sequence_reference(seed):
 
 def test_step_metadata_no_drafting_sequence():
     md = build_step_metadata([0, 4], [torch.tensor([1, 2, 3]), torch.tensor([9])],
-                             [torch.zeros(3, 2), torch.zeros(1, 2)], [7, 8], [0, 0], [[5], [2]], 16,
-                             torch.device("cpu"))
+                             [torch.zeros(3, 2), torch.zeros(1, 2)], [7, 8], [0, 0], [[5], [2]], [0.0, 0.0],
+                             [0, 0], [0, 0], 16, torch.device("cpu"))
     assert md.input_ids.tolist() == [2, 3, 7, 8] and md.first_step.positions.tolist() == [0, 1, 2, 4]
     assert md.first_step.slot_mapping.tolist() == [80, 81, 82, 36]
     assert md.active == [] and md.draft_rows.numel() == 0 and md.draft_block_tables.shape == (0, 1)

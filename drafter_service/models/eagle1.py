@@ -20,6 +20,7 @@ from .llama_layer import LlamaAttention, LlamaDims, LlamaMLP, linear
 
 class Eagle1Head:
     method = "eagle"
+    drafting = "sequential"
     num_kv_layers = 1
 
     def __init__(self, dims: LlamaDims, weights: dict[str, torch.Tensor], rope_theta: float,
@@ -40,9 +41,17 @@ class Eagle1Head:
         return self.lm_head.shape[0]
 
     @property
+    def draft_vocab_size(self) -> int:
+        return self.lm_head.shape[0]
+
+    @property
     def hidden_states_width(self) -> int:
         """Columns of the target hidden states the engine sends."""
         return self.dims.hidden_size
+
+    def combine_hidden_states(self, target_states: torch.Tensor) -> torch.Tensor:
+        """Target states -> the hidden input of the first step: as they are (fc mixes them with the embedding)."""
+        return target_states
 
     def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata,
                 kv_layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -15,12 +15,21 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BFLOAT16: _ClassVar[DType]
     INT32: _ClassVar[DType]
     INT64: _ClassVar[DType]
+
+class SharedMemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SHARED_MEMORY_KIND_UNSPECIFIED: _ClassVar[SharedMemoryKind]
+    SYSTEM: _ClassVar[SharedMemoryKind]
+    CUDA_IPC: _ClassVar[SharedMemoryKind]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
 BFLOAT16: DType
 INT32: DType
 INT64: DType
+SHARED_MEMORY_KIND_UNSPECIFIED: SharedMemoryKind
+SYSTEM: SharedMemoryKind
+CUDA_IPC: SharedMemoryKind
 
 class SharedMemoryRef(_message.Message):
     __slots__ = ("region", "offset", "byte_size")
@@ -45,14 +54,16 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., raw: _Optional[bytes] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "seed", "return_logprobs")
+    __slots__ = ("temperature", "seed", "return_logprobs", "top_k_probs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_PROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     seed: int
     return_logprobs: bool
-    def __init__(self, temperature: _Optional[float] = ..., seed: _Optional[int] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
+    top_k_probs: int
+    def __init__(self, temperature: _Optional[float] = ..., seed: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_k_probs: _Optional[int] = ...) -> None: ...
 
 class SequenceStep(_message.Message):
     __slots__ = ("sequence_id", "start_position", "num_tokens", "next_token", "num_drafts", "sampling")
@@ -107,18 +118,22 @@ class SequenceResult(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., num_drafts: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., committed_length: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("results", "draft_token_ids", "draft_logprobs", "request_id", "error")
+    __slots__ = ("results", "draft_token_ids", "draft_logprobs", "request_id", "error", "draft_top_k_ids", "draft_top_k_probs")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOP_K_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOP_K_PROBS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SequenceResult]
     draft_token_ids: Tensor
     draft_logprobs: Tensor
     request_id: int
     error: Status
-    def __init__(self, results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., draft_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., draft_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+    draft_top_k_ids: Tensor
+    draft_top_k_probs: Tensor
+    def __init__(self, results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., draft_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., draft_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[Status, _Mapping]] = ..., draft_top_k_ids: _Optional[_Union[Tensor, _Mapping]] = ..., draft_top_k_probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("namespace", "sequence_ids")
@@ -141,7 +156,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("server_version", "model_name", "method", "hidden_size", "hidden_states_width", "hidden_states_source", "target_layer_ids", "vocab_size", "max_draft_tokens", "max_model_len", "accepted_hidden_dtypes", "accepted_token_dtypes", "model_dtype", "device", "kv_capacity_tokens", "kv_block_size", "kv_free_tokens", "max_message_bytes", "shared_memory_supported")
+    __slots__ = ("server_version", "model_name", "method", "hidden_size", "hidden_states_width", "hidden_states_source", "target_layer_ids", "vocab_size", "max_draft_tokens", "max_model_len", "accepted_hidden_dtypes", "accepted_token_dtypes", "model_dtype", "device", "kv_capacity_tokens", "kv_block_size", "kv_free_tokens", "max_message_bytes", "shared_memory_supported", "draft_vocab_size", "parallel_drafting", "max_top_k_probs", "shared_memory_kinds", "shared_memory_lease_seconds")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +176,11 @@ class GetInfoResponse(_message.Message):
     KV_FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_DRAFTING_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOP_K_PROBS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_KINDS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     model_name: str
     method: str
@@ -180,4 +200,101 @@ class GetInfoResponse(_message.Message):
     kv_free_tokens: int
     max_message_bytes: int
     shared_memory_supported: bool
-    def __init__(self, server_version: _Optional[str] = ..., model_name: _Optional[str] = ..., method: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_states_width: _Optional[int] = ..., hidden_states_source: _Optional[str] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., accepted_hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., accepted_token_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., model_dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shared_memory_supported: _Optional[bool] = ...) -> None: ...
+    draft_vocab_size: int
+    parallel_drafting: bool
+    max_top_k_probs: int
+    shared_memory_kinds: _containers.RepeatedScalarFieldContainer[SharedMemoryKind]
+    shared_memory_lease_seconds: int
+    def __init__(self, server_version: _Optional[str] = ..., model_name: _Optional[str] = ..., method: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_states_width: _Optional[int] = ..., hidden_states_source: _Optional[str] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., accepted_hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., accepted_token_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., model_dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shared_memory_supported: _Optional[bool] = ..., draft_vocab_size: _Optional[int] = ..., parallel_drafting: _Optional[bool] = ..., max_top_k_probs: _Optional[int] = ..., shared_memory_kinds: _Optional[_Iterable[_Union[SharedMemoryKind, str]]] = ..., shared_memory_lease_seconds: _Optional[int] = ...) -> None: ...
+
+class SystemSharedMemory(_message.Message):
+    __slots__ = ("key", "offset")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class CudaSharedMemory(_message.Message):
+    __slots__ = ("ipc_handle", "offset", "device_id")
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    ipc_handle: bytes
+    offset: int
+    device_id: int
+    def __init__(self, ipc_handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
+
+class RegisterSharedMemoryRequest(_message.Message):
+    __slots__ = ("namespace", "name", "byte_size", "system", "cuda", "lease_seconds")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    name: str
+    byte_size: int
+    system: SystemSharedMemory
+    cuda: CudaSharedMemory
+    lease_seconds: int
+    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., byte_size: _Optional[int] = ..., system: _Optional[_Union[SystemSharedMemory, _Mapping]] = ..., cuda: _Optional[_Union[CudaSharedMemory, _Mapping]] = ..., lease_seconds: _Optional[int] = ...) -> None: ...
+
+class SharedMemoryRegion(_message.Message):
+    __slots__ = ("name", "kind", "byte_size", "device", "pinned", "lease_seconds", "expires_in_seconds", "references_read", "bytes_read")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REFERENCES_READ_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: SharedMemoryKind
+    byte_size: int
+    device: str
+    pinned: bool
+    lease_seconds: int
+    expires_in_seconds: float
+    references_read: int
+    bytes_read: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[SharedMemoryKind, str]] = ..., byte_size: _Optional[int] = ..., device: _Optional[str] = ..., pinned: _Optional[bool] = ..., lease_seconds: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ..., references_read: _Optional[int] = ..., bytes_read: _Optional[int] = ...) -> None: ...
+
+class RegisterSharedMemoryResponse(_message.Message):
+    __slots__ = ("region",)
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    region: SharedMemoryRegion
+    def __init__(self, region: _Optional[_Union[SharedMemoryRegion, _Mapping]] = ...) -> None: ...
+
+class UnregisterSharedMemoryRequest(_message.Message):
+    __slots__ = ("namespace", "names")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UnregisterSharedMemoryResponse(_message.Message):
+    __slots__ = ("unregistered", "not_found")
+    UNREGISTERED_FIELD_NUMBER: _ClassVar[int]
+    NOT_FOUND_FIELD_NUMBER: _ClassVar[int]
+    unregistered: _containers.RepeatedScalarFieldContainer[str]
+    not_found: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, unregistered: _Optional[_Iterable[str]] = ..., not_found: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SharedMemoryStatusRequest(_message.Message):
+    __slots__ = ("namespace", "names")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SharedMemoryStatusResponse(_message.Message):
+    __slots__ = ("regions",)
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedCompositeFieldContainer[SharedMemoryRegion]
+    def __init__(self, regions: _Optional[_Iterable[_Union[SharedMemoryRegion, _Mapping]]] = ...) -> None: ...

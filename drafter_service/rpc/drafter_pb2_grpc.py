@@ -54,6 +54,21 @@ class DrafterStub:
                 request_serializer=drafter_dot_v1_dot_drafter__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=drafter_dot_v1_dot_drafter__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.RegisterSharedMemory = channel.unary_unary(
+                '/drafter.v1.Drafter/RegisterSharedMemory',
+                request_serializer=drafter_dot_v1_dot_drafter__pb2.RegisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=drafter_dot_v1_dot_drafter__pb2.RegisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.UnregisterSharedMemory = channel.unary_unary(
+                '/drafter.v1.Drafter/UnregisterSharedMemory',
+                request_serializer=drafter_dot_v1_dot_drafter__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=drafter_dot_v1_dot_drafter__pb2.UnregisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.SharedMemoryStatus = channel.unary_unary(
+                '/drafter.v1.Drafter/SharedMemoryStatus',
+                request_serializer=drafter_dot_v1_dot_drafter__pb2.SharedMemoryStatusRequest.SerializeToString,
+                response_deserializer=drafter_dot_v1_dot_drafter__pb2.SharedMemoryStatusResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -87,6 +102,29 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterSharedMemory(self, request, context):
+        """The zero-copy data plane on one node (docs/shared_memory.md): a client registers a shared-memory region
+        once, then passes tensors by reference (Tensor.shm) instead of inline bytes.
+        Map a region (host shared memory or a CUDA IPC buffer) under a name owned by the request's namespace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterSharedMemory(self, request, context):
+        """Unmap regions of the namespace (all of them when no name is given).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SharedMemoryStatus(self, request, context):
+        """The namespace's regions; also renews their lease (the client's heartbeat).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +147,21 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=drafter_dot_v1_dot_drafter__pb2.ReleaseRequest.FromString,
                     response_serializer=drafter_dot_v1_dot_drafter__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'RegisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterSharedMemory,
+                    request_deserializer=drafter_dot_v1_dot_drafter__pb2.RegisterSharedMemoryRequest.FromString,
+                    response_serializer=drafter_dot_v1_dot_drafter__pb2.RegisterSharedMemoryResponse.SerializeToString,
+            ),
+            'UnregisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterSharedMemory,
+                    request_deserializer=drafter_dot_v1_dot_drafter__pb2.UnregisterSharedMemoryRequest.FromString,
+                    response_serializer=drafter_dot_v1_dot_drafter__pb2.UnregisterSharedMemoryResponse.SerializeToString,
+            ),
+            'SharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.SharedMemoryStatus,
+                    request_deserializer=drafter_dot_v1_dot_drafter__pb2.SharedMemoryStatusRequest.FromString,
+                    response_serializer=drafter_dot_v1_dot_drafter__pb2.SharedMemoryStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +272,87 @@ class Drafter:
             '/drafter.v1.Drafter/Release',
             drafter_dot_v1_dot_drafter__pb2.ReleaseRequest.SerializeToString,
             drafter_dot_v1_dot_drafter__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/drafter.v1.Drafter/RegisterSharedMemory',
+            drafter_dot_v1_dot_drafter__pb2.RegisterSharedMemoryRequest.SerializeToString,
+            drafter_dot_v1_dot_drafter__pb2.RegisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/drafter.v1.Drafter/UnregisterSharedMemory',
+            drafter_dot_v1_dot_drafter__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+            drafter_dot_v1_dot_drafter__pb2.UnregisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SharedMemoryStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/drafter.v1.Drafter/SharedMemoryStatus',
+            drafter_dot_v1_dot_drafter__pb2.SharedMemoryStatusRequest.SerializeToString,
+            drafter_dot_v1_dot_drafter__pb2.SharedMemoryStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
