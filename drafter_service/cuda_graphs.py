@@ -89,6 +89,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded batch size -> graph; empty: run eagerly
         self.capture_seconds = 0.0
         self.capture_bytes = 0
+        self.steps_run = 0  # engine steps whose decode steps ran here
 
     def can_run(self, num_rows: int) -> bool:
         return padded_batch_size(num_rows, self.sizes) is not None
@@ -178,6 +179,7 @@ class DecodeGraphs:
             self._replay(bs)
             tokens[:, j] = self.input_ids[:n]
         tokens = _to_host_once(tokens)  # the step's one device->host synchronization
+        self.steps_run += 1
 
         active = torch.tensor(md.active)
         for j in range(num_steps + 1):  # drafts past a sequence's own k are dropped here

@@ -15,7 +15,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -q -ra -p no:cacheprovider tests/ 2>&1 | tee "$OUT/pytest_all.log" | grep -E "passed|failed|FAILED|ERROR" | tail -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  python3 -m drafter_client.benchmarks.bench_step --preset llama3-8b --device cuda --batches 1,8,32,128 \
+  python3 -m drafter_client.benchmarks.bench_step --preset llama3-8b --device cuda --batches 1,8,32,128 --graphs-ab \
     --out "$OUT/bench_step_llama3-8b.json" 2>&1 | tee "$OUT/bench_step.log" | tail -12
   # data plane: inline vs pinned host shared memory vs CUDA IPC (docs/shared_memory.md)
   python3 benchmarks/bench_data_plane.py --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench_data_plane.log" | tail -16

@@ -41,7 +41,10 @@ async def lockstep_servers(configs, naive, **kw):
                 kw.update(width=naive.H, vocab=naive.lm_head.shape[0])
             else:
                 kw.update(width=naive.width, vocab=naive.vocab)
-            return await run_lockstep(drafters, naive=naive, **kw)
+            records = await run_lockstep(drafters, naive=naive, **kw)
+            graphs_used = [t.server.runtime.proposer.decode_graphs.steps_run for t in threads
+                           if t.server.runtime.proposer.decode_graphs is not None]
+            return records, graphs_used
 
 
 def test_graphs_captured_at_startup(tiny_model, tmp_path, monkeypatch):
@@ -63,9 +66,11 @@ async def test_cuda_graphs_match_cpu_server_and_naive(tiny_model, tmp_path, num_
     configs = [make_config(*tiny_model, tmp_path / "cpu"),
                make_config(*tiny_model, tmp_path / "graphs", device="cuda", dtype="float32"),
                make_config(*tiny_model, tmp_path / "eager", device="cuda", dtype="float32", cuda_graphs=False)]
-    records = await lockstep_servers(configs, naive, seed=100 + num_seqs, engine_steps=40 if num_seqs < 10 else 16,
-                                     num_seqs=num_seqs, max_model_len=1024, max_k=8, logprobs=logprobs)
+    records, graphs_used = await lockstep_servers(
+        configs, naive, seed=100 + num_seqs, engine_steps=40 if num_seqs < 10 else 16, num_seqs=num_seqs,
+        max_model_len=1024, max_k=8, logprobs=logprobs)
     assert len(records) >= num_seqs * 5
+    assert (graphs_used == [0]) if logprobs else (graphs_used[0] >= 10), graphs_used
     for r in records:
         cpu, graphs, eager = r.replies
         assert cpu.drafts == r.expected, r
@@ -81,8 +86,9 @@ async def test_cuda_graphs_near_max_model_len(tiny_model, tmp_path):
     naive = NaiveEagle1(*tiny_model)
     configs = [make_config(*tiny_model, tmp_path / "cpu", max_model_len=72),
                make_config(*tiny_model, tmp_path / "graphs", device="cuda", dtype="float32", max_model_len=72)]
-    records = await lockstep_servers(configs, naive, seed=7, engine_steps=60, num_seqs=6, max_model_len=72,
-                                     max_k=8, prompts=(1, 2, 7, 16, 17, 40, 60))
+    records, graphs_used = await lockstep_servers(configs, naive, seed=7, engine_steps=60, num_seqs=6,
+                                                  max_model_len=72, max_k=8, prompts=(1, 2, 7, 16, 17, 40, 60))
+    assert graphs_used[0] >= 20
     assert any(len(r.expected) < r.num_drafts for r in records)
     for r in records:
         assert [a.drafts for a in r.replies] == [r.expected, r.expected], r
@@ -93,9 +99,9 @@ async def test_cuda_graphs_eagle3_match_naive(tmp_path):
     naive = NaiveEagle3(head, target)
     configs = [make_config(head, target, tmp_path / "cpu"),
                make_config(head, target, tmp_path / "graphs", device="cuda", dtype="float32")]
-    records = await lockstep_servers(configs, naive, seed=3, engine_steps=40, num_seqs=9, max_model_len=1024,
-                                     max_k=6)
-    assert len(records) >= 100
+    records, graphs_used = await lockstep_servers(configs, naive, seed=3, engine_steps=40, num_seqs=9,
+                                                  max_model_len=1024, max_k=6)
+    assert len(records) >= 100 and graphs_used[0] >= 20
     for r in records:
         assert [a.drafts for a in r.replies] == [r.expected, r.expected], r
 
@@ -104,8 +110,9 @@ async def test_cuda_graphs_bf16_agree_with_fp32_cpu(tiny_model, tmp_path):
     naive = NaiveEagle1(*tiny_model)
     configs = [make_config(*tiny_model, tmp_path / "cpu"),
                make_config(*tiny_model, tmp_path / "graphs", device="cuda", dtype="bfloat16")]
-    records = await lockstep_servers(configs, naive, seed=11, engine_steps=40, num_seqs=16, max_model_len=1024,
-                                     max_k=6)
+    records, graphs_used = await lockstep_servers(configs, naive, seed=11, engine_steps=40, num_seqs=16,
+                                                  max_model_len=1024, max_k=6)
+    assert graphs_used[0] >= 20
     pairs = [(a, b) for r in records for a, b in zip(r.replies[0].drafts, r.replies[1].drafts)]
     assert all(len(r.replies[1].drafts) == len(r.replies[0].drafts) for r in records)
     agreement = sum(a == b for a, b in pairs) / len(pairs)
@@ -123,12 +130,14 @@ def test_graphs_in_process_same_drafts_and_kv_as_eager(tiny_model, tmp_path):
                                        num_seqs=33, max_model_len=1024, max_k=8))
     for r in records:
         assert [a.drafts for a in r.replies] == [r.expected, r.expected], r
+    assert on.proposer.decode_graphs.steps_run >= 20
     torch.testing.assert_close(on.kv.kv, off.kv.kv, atol=1e-4, rtol=1e-4)
 
 
 def test_graph_step_synchronizes_once(tiny_model, tmp_path):
-    """With torch's sync debug mode on, a decode step with graphs makes exactly one synchronizing call (the copy
-    of the drafts to the host); the eager loop makes several (one per decode step at least)."""
+    """With torch's sync debug mode on, a decode step with graphs makes one synchronizing call (the stream sync
+    after the copy of the drafts to the host); the eager loop makes several (one per decode step at least), which
+    also shows that the warnings are caught."""
     from drafter_client import SequenceStep
 
     def count_syncs(rt) -> int:
@@ -151,6 +160,7 @@ def test_graph_step_synchronizes_once(tiny_model, tmp_path):
         assert [len(r.drafts) for r in replies] == [1, 2, 3, 4, 5]
         return sum("synchroniz" in str(w.message) for w in caught)
 
-    assert count_syncs(build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32"))) == 1
+    graphs = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32"))
+    assert count_syncs(graphs) <= 1 and graphs.proposer.decode_graphs.steps_run == 3
     eager = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32", cuda_graphs=False))
     assert count_syncs(eager) > 4
