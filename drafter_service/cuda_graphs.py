@@ -130,6 +130,7 @@ class DecodeGraphs:
         """Capture one graph per size; largest first, so that the smaller ones reuse its memory pool."""
         dev = self.device
         torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()  # so that device free memory before/after counts the graphs' pool only
         free_before = torch.cuda.mem_get_info(dev)[0]
         t0 = time.perf_counter()
         self.steps_left.zero_()  # every row is a padding row while capturing: the warm-up runs write no KV
@@ -143,11 +144,16 @@ class DecodeGraphs:
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
         torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()  # the warm-ups' cached blocks; the graphs' private pool stays
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = free_before - torch.cuda.mem_get_info(dev)[0]
-        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.2f s; they hold %.1f MiB of device memory",
-                 len(self.graphs), ",".join(map(str, self.sizes)),
-                 self.capture_seconds, self.capture_bytes / 2**20)
+        buffer_bytes = sum(t.numel() * t.element_size() for t in (
+            self.input_ids, self.hidden, self.positions, self.seq_lens, self.slot_mapping, self.block_tables,
+            self.steps_left, self.query_start_loc, self.draft_ids))
+        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.2f s; they hold %.1f MiB of device memory "
+                 "(graph pool, kernels, workspaces), plus %.1f MiB of static buffers", len(self.graphs),
+                 ",".join(map(str, self.sizes)), self.capture_seconds, self.capture_bytes / 2**20,
+                 buffer_bytes / 2**20)
 
     # ---- one engine step ----
 
