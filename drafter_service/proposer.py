@@ -178,6 +178,22 @@ class Proposer:
         self.metrics.record_acceptance(len(drafts), accepted)
         return accepted
 
+    def _fail_batch(self, batch: list[_Admitted], outputs: list[StepOutput], e: Exception) -> None:
+        """A batch raised: every sequence in it gets INTERNAL, and none keeps KV the failed step may have touched:
+        new sequences are dropped, the others only trust positions below this step's start (the engine re-sends
+        from there)."""
+        for a in batch:
+            a.seq.last_drafts = []
+            a.seq.committed_len = min(a.seq.committed_len, a.step.start_position)
+            if a.seq.shift_cache is not None:  # multi-layer: KV is only trusted below the final prefix
+                a.seq.committed_len = min(a.seq.committed_len, a.seq.shift_cache.final_len)
+            if a.is_new:
+                self.table.release(a.seq.namespace, a.seq.sequence_id)
+            out = outputs[a.index]
+            out.code = INTERNAL
+            out.message = f"internal error in the draft step: {type(e).__name__}: {e}"
+            out.accepted_drafts = 0
+
     # ---- the step ----
 
     @torch.inference_mode()
@@ -190,24 +206,16 @@ class Proposer:
                 drafts, logprobs, top_ids, top_probs = self._run(batch)
             except Exception as e:  # never leave a sequence claiming KV it may not have
                 log.exception("step failed")
-                for a in batch:
-                    a.seq.last_drafts = []
-                    if a.seq.shift_cache is not None:  # multi-layer: KV is only trusted below the final prefix
-                        a.seq.committed_len = min(a.seq.committed_len, a.seq.shift_cache.final_len)
-                    if a.is_new:
-                        self.table.release(a.seq.namespace, a.seq.sequence_id)
-                    outputs[a.index].code = INTERNAL
-                    outputs[a.index].message = f"internal error in the draft step: {type(e).__name__}: {e}"
-                    outputs[a.index].accepted_drafts = 0
-                batch = []
-            for a, d, lp, ti, tp in zip(batch, drafts, logprobs, top_ids, top_probs):
-                p, m = a.step.start_position, a.step.num_tokens
-                a.seq.committed_len = p + m
-                a.seq.last_drafts, a.seq.last_drafts_base = d, p + m
-                out = outputs[a.index]
-                out.drafts, out.committed_length = d, p + m
-                out.logprobs = lp if a.step.return_logprobs else []
-                out.top_k_ids, out.top_k_probs = ti, tp
+                self._fail_batch(batch, outputs, e)
+            else:
+                for a, d, lp, ti, tp in zip(batch, drafts, logprobs, top_ids, top_probs):
+                    p, m = a.step.start_position, a.step.num_tokens
+                    a.seq.committed_len = p + m
+                    a.seq.last_drafts, a.seq.last_drafts_base = d, p + m
+                    out = outputs[a.index]
+                    out.drafts, out.committed_length = d, p + m
+                    out.logprobs = lp if a.step.return_logprobs else []
+                    out.top_k_ids, out.top_k_probs = ti, tp
         self.metrics.record_step(steps, outputs, time.perf_counter() - t0, self.kv.pool.num_free,
                                  self.kv.pool.num_blocks)
         self.metrics.live_sequences = len(self.table)

@@ -170,3 +170,32 @@ async def test_release_validates(client):
     with pytest.raises(DrafterError) as e:
         await client.release([""])
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "sequence_ids[0]" in e.value.message
+
+
+async def test_a_failing_batch_answers_internal_and_leaves_no_stale_state(tiny_model, tmp_path):
+    """If the draft step raises, every sequence of that batch gets INTERNAL (the RPC still answers), new
+    sequences are dropped, known ones must be re-sent from the failed step's start, and the server keeps going."""
+    from conftest import ServerThread, make_config
+
+    with ServerThread(make_config(*tiny_model, tmp_path)) as s:
+        async with DrafterClient(s.tcp) as c:
+            r = await c.propose([step("old", m=6, tokens=list(range(6)))])
+            assert r.sequences[0].ok
+            proposer = s.server.runtime.proposer
+            real_run = proposer._run
+
+            def broken(batch):
+                raise RuntimeError("injected failure")
+
+            s.call(setattr, proposer, "_run", broken)
+            r = await c.propose([step("new"), step("old", p=6, m=1, tokens=[7])])
+            assert [x.code for x in r.sequences] == [grpc.StatusCode.INTERNAL.value[0]] * 2
+            assert "injected failure" in r.sequences[0].message
+            s.call(setattr, proposer, "_run", real_run)
+            r = await c.propose([step("new", p=2, m=1, tokens=[1])])
+            assert r.sequences[0].code == grpc.StatusCode.NOT_FOUND.value[0]  # the new one was dropped
+            r = await c.propose([step("old", p=6, m=1, tokens=[7])])
+            assert r.sequences[0].ok  # re-sent from the failed step's start: fine
+            assert s.call(lambda: proposer.kv.pool.num_free) < proposer.kv.pool.num_blocks
+            await c.release(["old"])
+            assert s.call(lambda: proposer.kv.pool.num_free) == proposer.kv.pool.num_blocks
