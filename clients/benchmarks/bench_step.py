@@ -135,7 +135,17 @@ def bench_in_process(rt, batch, context, m, k, iters, width, vocab):
     return statistics.median(times[3:])
 
 
-async def bench_sidecar(target, batch, context, m, k, iters, width, vocab):
+def scrape_worker_seconds(metrics_port: int) -> tuple[float, int]:
+    """(sum of the server's step-worker seconds, batches run) from its /metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return float(values["drafter_step_seconds_sum"]), int(float(values["drafter_step_seconds_count"]))
+
+
+async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metrics_port: int | None = None):
+    """Median seconds per step seen by the client, and (when metrics_port) the server worker's median share."""
     from drafter_client import DrafterClient
 
     prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
@@ -144,14 +154,19 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab):
         for chunk in range(0, batch, 8):
             r = await c.propose(prefill[chunk : chunk + 8])
             assert all(s.ok for s in r.sequences), r.sequences[0].message
-        times = []
+        times, worker = [], []
         for i in range(iters + 3):
+            before = scrape_worker_seconds(metrics_port) if metrics_port else None
             t0 = time.perf_counter()
             r = await c.propose(decode)
             times.append(time.perf_counter() - t0)
+            if metrics_port:
+                after = scrape_worker_seconds(metrics_port)
+                assert after[1] == before[1] + 1, "one request should be one batch"
+                worker.append(after[0] - before[0])
         assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
         await c.release([s.sequence_id for s in decode])
-    return statistics.median(times[3:])
+    return statistics.median(times[3:]), (statistics.median(worker[3:]) if worker else None)
 
 
 def main() -> int:
@@ -161,6 +176,8 @@ def main() -> int:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--context", type=int, default=None)
+    ap.add_argument("--metrics-port", type=int, default=9477,
+                    help="the server's metrics port, scraped to split sidecar time into worker and RPC")
     ap.add_argument("--m", type=int, default=3, help="committed tokens per sequence per step (1 + accepted)")
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
@@ -212,13 +229,14 @@ def main() -> int:
         cmd = [sys.executable, "-m", "drafter_service.cli", "--model", str(head), "--target-model", str(target),
                "--listen", f"unix:{sock}", "--device", a.device, "--dtype", dtype, "--kv-cache-tokens",
                str(kv_tokens), "--max-model-len", str(max_len), "--max-batch-seqs", "4096", "--log-level", "WARNING",
-               "--cuda-graphs" if a.cuda_graphs else "--no-cuda-graphs"]
+               "--cuda-graphs" if a.cuda_graphs else "--no-cuda-graphs", "--metrics-port", str(a.metrics_port)]
         server = subprocess.Popen(cmd)
         try:
             for row in rows:
                 b = row["batch"]
-                t = asyncio.run(bench_sidecar(f"unix:{sock}", b, context, a.m, a.k, a.iters, width,
-                                              shape["vocab_size"]))
+                t, worker = asyncio.run(bench_sidecar(f"unix:{sock}", b, context, a.m, a.k, a.iters, width,
+                                                      shape["vocab_size"], a.metrics_port))
+                row["sidecar_worker_ms"] = worker * 1e3  # the server's proposer step alone; the rest is RPC
                 fb = floor_bytes(shape, dtype_bytes, b, context, a.m, a.k)
                 payload = b * a.m * width * 2 + b * a.m * 8
                 row.update(sidecar_ms=t * 1e3, floor_ms=fb / bw * 1e3, floor_bytes=fb, payload_bytes=payload,
@@ -240,11 +258,12 @@ def main() -> int:
     print(f"\n{result['device']}, {a.preset}, {dtype}, context {context}, m={a.m}, k={a.k}, {result['date']}")
     ab = all("in_process_eager_ms" in r for r in rows)
     print(f"{'batch':>5} {'in-proc ms':>11} {'sidecar ms':>11} {'side/in':>8} {'floor ms':>9} {'in/floor':>9} "
-          f"{'payload KB':>11}" + (f" {'eager ms':>9}" if ab else ""))
+          f"{'payload KB':>11} {'srv worker':>10}" + (f" {'eager ms':>9}" if ab else ""))
     for r in rows:
         print(f"{r['batch']:>5} {r['in_process_ms']:>11.2f} {r['sidecar_ms']:>11.2f} "
               f"{r['sidecar_over_in_process']:>8.2f} {r['floor_ms']:>9.3f} {r['in_process_over_floor']:>9.1f} "
-              f"{r['payload_bytes'] / 1024:>11.1f}" + (f" {r['in_process_eager_ms']:>9.2f}" if ab else ""))
+              f"{r['payload_bytes'] / 1024:>11.1f} {r['sidecar_worker_ms']:>10.2f}"
+              + (f" {r['in_process_eager_ms']:>9.2f}" if ab else ""))
     print(f"wrote {out}")
     return 0
 
