@@ -122,14 +122,16 @@ class ReferenceEngine:
             if info is None:
                 raise ValueError("pass the drafter's GetInfo reply: ReferenceEngine(target, drafter, "
                                  "await drafter.get_info())")
-            target.feature_layer_ids = list(info.target_layer_ids)
-            if info.hidden_states_width != target.features_width:
+            layers = list(info.target_layer_ids)  # EAGLE-3: the target layers the drafter reads; EAGLE-1: none
+            width = target.hidden_size * max(1, len(layers))
+            if info.hidden_states_width != width:
                 raise ValueError(f"the drafter reads hidden states {info.hidden_states_width} wide "
-                                 f"({info.hidden_states_source}); this target gives {target.features_width} "
-                                 f"(hidden size {target.hidden_size}, layers {target.feature_layer_ids or 'final'})")
+                                 f"({info.hidden_states_source}); this target gives {width} "
+                                 f"(hidden size {target.hidden_size}, layers {layers or 'final'})")
             if info.vocab_size != target.vocab_size:
                 raise ValueError(f"the drafter's vocabulary ({info.vocab_size}) is not the target's "
                                  f"({target.vocab_size})")
+            target.feature_layer_ids = layers
 
     def _check(self, prompts: list[list[int]], cfg: SpecConfig, speculative: bool) -> None:
         if not prompts:
