@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         exit_code = sidecar.close()
         if exit_code is not None:
-            print(f"sidecar stopped (SIGTERM), exit code {exit_code}", flush=True)
+            how = "stopped with SIGTERM" if sidecar.terminated else "had exited by itself"
+            print(f"sidecar {how}, exit code {exit_code}", flush=True)
     return code
 
 

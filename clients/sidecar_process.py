@@ -41,6 +41,7 @@ class SidecarProcess:
         self.log_path = pathlib.Path(self._dir.name) / "drafter.log"
         self.proc: subprocess.Popen | None = None
         self.exit_code: int | None = None
+        self.terminated = False  # stop() sent SIGTERM (rather than finding the process already gone)
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "drafter_service.cli", "--model", self.model, "--listen", self.address,
@@ -94,9 +95,10 @@ class SidecarProcess:
     def stop(self) -> int | None:
         """SIGTERM, wait for the graceful exit (SIGKILL after grace + 5 s); returns the exit code."""
         if self.proc is None:
-            return None
+            return self.exit_code
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+            self.terminated = True
             try:
                 self.proc.wait(self.grace_s + 5)
             except subprocess.TimeoutExpired:
