@@ -248,7 +248,10 @@ class ReferenceEngine:
                     if cfg.temperature == 0:
                         a, new = verify_greedy(logits, d)
                     else:
-                        a, new = verify_sampling(logits, d, cfg.temperature, generator)
+                        # The drafter drafts greedily (steps go with temperature 0), so q is a point mass on each
+                        # draft (draft_probs=None). A sampling drafter's q [k, V], built from the reply's logprobs /
+                        # top-k, goes in draft_probs.
+                        a, new = verify_sampling(logits, d, cfg.temperature, generator, draft_probs=None)
                     valid[r, : a + 1] = True  # the target's slots of x_n, d_1..d_a are committed
                     if d.numel():
                         stats.record(d.numel(), a)
@@ -258,8 +261,8 @@ class ReferenceEngine:
                     self._finish(s, cfg)
                     if not s.done:
                         stats.accepted_sent_back += a
-                        steps.append(SequenceStep(s.sequence_id, n, s.tokens[n: n + a + 1], fwd.features[r, : a + 1],
-                                                  s.tokens[-1], k))
+                        steps.append(SequenceStep(s.sequence_id, n, s.tokens[n : n + a + 1],
+                                                  fwd.features[r, : a + 1], s.tokens[-1], k))
                 self.target.keep(valid)
                 stats.drafter_counted_accepted += sum(r.accepted_drafts for r in reply.sequences)
                 finished = [s.sequence_id for s in live if s.done]

@@ -7,7 +7,7 @@ The sidecar runs as a child process (drafter-serve on a Unix socket); the engine
 in this process, all prompts as one batch, greedy unless --temperature. Per k: mean acceptance length (1 +
 accepted / drafts, vLLM's definition), per-position acceptance (accepted at position i / drafts), the conditional
 acceptance (position i accepted given i-1 was), tokens/s with speculation and of plain decoding of the same target
-(prefill included). Prints a table and writes JSON (command, machine, date) to --out.
+(prefill included; the median of --repeats runs). Prints a table and writes JSON (command, machine, date) to --out.
 """
 import argparse
 import asyncio
@@ -17,6 +17,7 @@ import os
 import pathlib
 import platform
 import shlex
+import statistics
 import sys
 
 import torch
@@ -37,7 +38,7 @@ def conditional(per_position: list[float]) -> list[float]:
 
 
 async def measure(address: str, target: TargetModel, ids: list[list[int]], ks: list[int],
-                  max_new_tokens: int, temperature: float) -> dict:
+                  max_new_tokens: int, temperature: float, repeats: int) -> dict:
     async with DrafterClient(address, namespace="bench-acceptance") as drafter:
         info = await drafter.get_info()
         engine = ReferenceEngine(target, drafter, info)
@@ -45,11 +46,13 @@ async def measure(address: str, target: TargetModel, ids: list[list[int]], ks: l
         warm = SpecConfig(max_new_tokens=4, num_drafts=ks[0], temperature=temperature)
         await engine.generate_plain(ids, warm)  # one-time costs out of the timings
         await engine.generate(ids, warm)
-        plain = await engine.generate_plain(ids, base_cfg)
+        plain_runs = [await engine.generate_plain(ids, base_cfg) for _ in range(repeats)]
+        plain, plain_s = plain_runs[0], statistics.median(r.elapsed_s for r in plain_runs)
         rows = []
         for k in ks:
-            r = await engine.generate(ids, SpecConfig(max_new_tokens=max_new_tokens, num_drafts=k,
-                                                      temperature=temperature))
+            cfg = SpecConfig(max_new_tokens=max_new_tokens, num_drafts=k, temperature=temperature)
+            runs = [await engine.generate(ids, cfg) for _ in range(repeats)]  # same seed: same tokens each time
+            r, elapsed = runs[0], statistics.median(x.elapsed_s for x in runs)
             a = r.acceptance
             rows.append({
                 "k": k, "drafts": a.num_drafts, "draft_tokens": a.num_draft_tokens,
@@ -57,14 +60,15 @@ async def measure(address: str, target: TargetModel, ids: list[list[int]], ks: l
                 "per_position_acceptance": a.per_position_acceptance,
                 "conditional_acceptance": conditional(a.per_position_acceptance),
                 "generated_tokens": r.num_tokens, "target_forwards": r.target_forwards,
-                "elapsed_s": r.elapsed_s, "tokens_per_s": r.tokens_per_s,
-                "speedup_vs_plain": r.tokens_per_s / plain.tokens_per_s,
+                "elapsed_s": elapsed, "elapsed_s_runs": [x.elapsed_s for x in runs],
+                "tokens_per_s": r.num_tokens / elapsed, "speedup_vs_plain": plain_s / elapsed,
                 "identical_to_plain": r.tokens == plain.tokens if temperature == 0 else None,
             })
         return {"drafter": {"model": info.model_name, "method": info.method, "device": info.device,
                             "dtype": info.model_dtype},
                 "plain": {"generated_tokens": plain.num_tokens, "target_forwards": plain.target_forwards,
-                          "elapsed_s": plain.elapsed_s, "tokens_per_s": plain.tokens_per_s},
+                          "elapsed_s": plain_s, "elapsed_s_runs": [x.elapsed_s for x in plain_runs],
+                          "tokens_per_s": plain.num_tokens / plain_s},
                 "by_k": rows}
 
 
@@ -79,11 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count", type=int, default=24, help="with --prompts stdlib: how many files")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per setting; tokens/s from the median")
     ap.add_argument("--device", default=None, help="cpu or cuda for the target and the sidecar (default: cuda "
                                                    "when present)")
     ap.add_argument("--out", default="bench_out/acceptance.json")
     args = ap.parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
+    load_before = os.getloadavg()  # the timings mean little on a busy machine: the JSON keeps the load
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     from tokenizers import Tokenizer
@@ -100,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     target = TargetModel.load(args.target, device=device)
     with SidecarProcess(args.head, args.target, device=device,
                         extra_args=["--max-draft-tokens", str(max(8, max(ks)))]) as sidecar:
-        result = asyncio.run(measure(sidecar.address, target, ids, ks, args.max_new_tokens, args.temperature))
+        result = asyncio.run(measure(sidecar.address, target, ids, ks, args.max_new_tokens, args.temperature,
+                                     args.repeats))
 
     print(f"head {args.head} ({result['drafter']['method']}, sidecar on {result['drafter']['device']}), target on "
           f"{device}; {len(ids)} prompts ({args.prompts}, {min(map(len, ids))}-{max(map(len, ids))} tokens) in one "
@@ -125,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                     "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None},
         "head": args.head, "target": args.target, "prompts": args.prompts, "prompt_sources": sources,
         "prompt_tokens": [len(i) for i in ids], "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature, **result,
+        "temperature": args.temperature, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
+        "load_average_before": load_before, "load_average_after": os.getloadavg(), **result,
     }
     path = pathlib.Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -110,10 +110,11 @@ class InvalidStateError(Error):
 ]
 
 
-def stdlib_heldout_prefixes(count: int, prefix_chars: int = 600, root: str | None = None) -> tuple[list[str], list[str]]:
-    """Up to ``count`` prefixes of held-out stdlib files (the training split's rule), one per file, each the first
-    ``prefix_chars`` characters after the module docstring region (from 1/3 of the file), cut at a line end.
-    Returns (prefixes, relative paths)."""
+def stdlib_heldout_prefixes(count: int, prefix_chars: int = 600,
+                            root: str | None = None) -> tuple[list[str], list[str]]:
+    """Up to ``count`` prefixes of held-out stdlib files (the training split's rule), one per file in sorted path
+    order: about ``prefix_chars`` characters from the first line start after a third of the file, cut at a line
+    end. Returns (prefixes, relative paths)."""
     from drafter_service.training.corpus import is_heldout, stdlib_files
 
     base = Path(root or sysconfig.get_paths()["stdlib"])
