@@ -125,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         print("WARNING: a speculative output differs from plain greedy decoding", file=sys.stderr)
 
     out = {
-        "benchmark": "acceptance", "command": " ".join(shlex.quote(a) for a in [sys.argv[0], *sys.argv[1:]]),
+        "benchmark": "acceptance",
+        "command": shlex.join(["python", "-m", "drafter_client.benchmarks.acceptance",
+                               *(sys.argv[1:] if argv is None else argv)]),
+        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES") if k in os.environ},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
                     "cpus": os.cpu_count(), "device": device,
