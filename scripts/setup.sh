@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install the drafter into it.   scripts/setup.sh [test]
+# Create .venv and install the drafter into it.   scripts/setup.sh [test|demo]
 #
 # torch is installed first, pinned to 2.13.0: on a CPU machine that has the local CPU wheel, pip takes that wheel
 # (no CUDA download); on a GPU machine pip's default Linux wheel of that version is the CUDA build. To keep a
@@ -16,7 +16,12 @@ if [ -n "$torch_spec" ]; then
   .venv/bin/python -m pip install -q "$torch_spec"
 fi
 extras=""
-[ "${1:-}" = "test" ] && extras="[test]"
+case "${1:-}" in
+  test) extras="[test]" ;;
+  demo) extras="[demo]" ;;
+  "") ;;
+  *) echo "usage: scripts/setup.sh [test|demo]" >&2; exit 2 ;;
+esac
 echo "setup: installing drafter-sidecar${extras}" >&2
 .venv/bin/python -m pip install -q -e ".${extras}"
 .venv/bin/python -c 'import torch; print(f"setup: torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")' >&2

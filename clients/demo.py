@@ -1,0 +1,176 @@
+"""`drafter-demo`: speculative decoding end to end with the bundled models.
+
+Starts the sidecar (drafter-serve) as a child process on the bundled EAGLE head (CUDA when present, else CPU),
+waits for health SERVING, runs the reference engine (Hugging Face target + the sidecar as drafter) on a few code
+prompts as one batch, then plain decoding of the same target as the baseline, and prints the generated code, the
+acceptance figures and tokens/s with and without speculation; writes a chart of acceptance by draft position
+(PNG, when matplotlib is installed). The sidecar gets SIGTERM at the end, and on Ctrl-C.
+"""
+import argparse
+import asyncio
+import dataclasses
+import pathlib
+import sys
+
+import torch
+
+from .benchmarks.prompts import DEMO
+from .client import DrafterClient, DrafterError
+from .reference_engine import GenerationResult, ReferenceEngine, SpecConfig, StepInfo
+from .sidecar_process import MODELS, SidecarError, SidecarProcess
+from .target import TargetModel
+
+HEADS = {"eagle1": "EAGLE-1", "eagle3": "EAGLE-3"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="drafter-demo", description=__doc__.split("\n\n")[1],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--head", choices=sorted(HEADS), default="eagle1", help="bundled draft head (models/HEAD)")
+    ap.add_argument("--models", default=str(MODELS), help="directory holding target/ and the heads")
+    ap.add_argument("-k", "--num-drafts", type=int, default=3, help="drafts per sequence per step")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = speculative sampling")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for several; default: 3 code "
+                                                                     "prompts)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present) for both processes")
+    ap.add_argument("--chart", default="drafter-demo-acceptance.png", help="PNG to write; '' for none")
+    return ap.parse_args(argv)
+
+
+class Progress:
+    """A live counter on a terminal (one line rewritten), one line per step otherwise."""
+
+    def __init__(self, label: str, total: int):
+        self.label = label
+        self.total = total
+        self.live = sys.stdout.isatty()
+
+    def __call__(self, info: StepInfo) -> None:
+        done = sum(info.generated)
+        accepted = " ".join(str(info.accepted[i]) for i in sorted(info.accepted))
+        line = (f"[{self.label}] step {info.step:3d}  tokens {done:4d}/{self.total}  "
+                f"{done / info.elapsed_s:7.1f} tok/s" + (f"  accepted this step: {accepted}" if accepted else ""))
+        if self.live:
+            print("\r" + line.ljust(100), end="", flush=True)
+        else:
+            print(line, flush=True)
+
+    def end(self) -> None:
+        if self.live:
+            print()
+
+
+def write_chart(path: str, per_position: list[float], title: str) -> str:
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib is not installed: no chart (pip install matplotlib to get one)"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    positions = list(range(1, len(per_position) + 1))
+    bars = ax.bar(positions, per_position, color="#4C72B0")
+    ax.bar_label(bars, fmt="%.2f")
+    ax.set_xticks(positions)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"chart: {path}"
+
+
+async def run_engine(args: argparse.Namespace, address: str, device: str, target_dir: pathlib.Path) -> None:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    target = TargetModel.load(str(target_dir), device=device)
+    prompts = args.prompt or DEMO
+    ids = [tokenizer.encode(p).ids for p in prompts]
+    cfg = SpecConfig(max_new_tokens=args.max_new_tokens, num_drafts=args.num_drafts, temperature=args.temperature,
+                     seed=args.seed)
+    total = cfg.max_new_tokens * len(ids)
+    async with DrafterClient(address, namespace="drafter-demo") as drafter:
+        info = await drafter.get_info()
+        print(f"drafter: {info.model_name} ({info.method}) on {info.device} {info.model_dtype}; target: "
+              f"{target_dir} on {device}; {len(ids)} prompts in one batch, k = {cfg.num_drafts}, "
+              f"{'greedy' if cfg.temperature == 0 else f'temperature {cfg.temperature}'}, "
+              f"{cfg.max_new_tokens} new tokens each")
+        engine = ReferenceEngine(target, drafter, info)
+        warm = dataclasses.replace(cfg, max_new_tokens=4)  # first calls pay one-time costs: keep them out of timing
+        await engine.generate(ids, warm)
+        await engine.generate_plain(ids, warm)
+        progress = Progress("speculative", total)
+        spec = await engine.generate(ids, cfg, on_step=progress)
+        progress.end()
+        progress = Progress("plain      ", total)
+        plain = await engine.generate_plain(ids, cfg, on_step=progress)
+        progress.end()
+    report(args, prompts, tokenizer, spec, plain, cfg)
+
+
+def report(args, prompts: list[str], tokenizer, spec: GenerationResult, plain: GenerationResult,
+           cfg: SpecConfig) -> None:
+    acc = spec.acceptance
+    print("\n== generated code (speculative) ==")
+    for i, (prompt, tokens) in enumerate(zip(prompts, spec.tokens)):
+        print(f"--- prompt {i + 1} ---\n{prompt}{tokenizer.decode(tokens)}")
+    print(f"\n== acceptance ({HEADS[args.head]} head, k = {cfg.num_drafts}) ==")
+    print(f"mean acceptance length: {acc.mean_acceptance_length:.2f}  (1 + {acc.num_accepted_tokens} accepted "
+          f"tokens / {acc.num_drafts} drafts, as vLLM counts it)")
+    print("per-position acceptance: " + "  ".join(f"{i + 1}: {r:.2f}"
+                                                   for i, r in enumerate(acc.per_position_acceptance)))
+    print("\n== speed (all prompts, prefill included) ==")
+    for name, r in (("speculative", spec), ("plain", plain)):
+        print(f"{name:12s} {r.num_tokens:5d} tokens in {r.elapsed_s:6.2f} s = {r.tokens_per_s:7.1f} tok/s, "
+              f"{r.target_forwards} target forwards")
+    print(f"speedup: {spec.tokens_per_s / plain.tokens_per_s:.2f}x")
+    if cfg.temperature == 0:
+        same = spec.tokens == plain.tokens
+        print(f"speculative output identical to plain greedy decoding: {'yes' if same else 'NO'}")
+    if args.chart:
+        title = (f"{HEADS[args.head]} head, k = {cfg.num_drafts}: mean acceptance length "
+                 f"{acc.mean_acceptance_length:.2f}")
+        print(write_chart(args.chart, acc.per_position_acceptance, title))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    models = pathlib.Path(args.models)
+    head_dir, target_dir = models / args.head, models / "target"
+    for d in (head_dir, target_dir):
+        if not (d / "config.json").is_file():
+            print(f"drafter-demo: {d} is not a model directory (no config.json)", file=sys.stderr)
+            return 2
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    sidecar = SidecarProcess(head_dir, target_dir, device=device)
+    print(f"starting the sidecar: {' '.join(sidecar.command())}", flush=True)
+    code = 0
+    try:
+        sidecar.start()
+        print(f"sidecar SERVING at {sidecar.address}", flush=True)
+        asyncio.run(run_engine(args, sidecar.address, device, target_dir))
+    except SidecarError as e:
+        print(f"drafter-demo: {e}", file=sys.stderr)
+        code = 1
+    except (DrafterError, RuntimeError, ValueError) as e:
+        print(f"drafter-demo: {e}\nthe sidecar's log ends with:\n{sidecar.log_tail()}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        print("\ndrafter-demo: interrupted", file=sys.stderr)
+        code = 130
+    finally:
+        exit_code = sidecar.close()
+        if exit_code is not None:
+            how = "stopped with SIGTERM" if sidecar.terminated else "had exited by itself"
+            print(f"sidecar {how}, exit code {exit_code}", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
