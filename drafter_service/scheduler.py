@@ -10,6 +10,7 @@ never races a step.
 import asyncio
 import concurrent.futures
 import logging
+import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -40,6 +41,7 @@ class StepScheduler:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-step")
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self.inline = os.environ.get("DRAFTER_STEP_INLINE") == "1"
         self.batches_run = 0
         self.requests_merged = 0  # requests that shared a batch with another
 
@@ -93,7 +95,10 @@ class StepScheduler:
                 continue
             steps = [s for p in batch for s in p.steps]
             try:
-                outputs = await loop.run_in_executor(self._executor, self.proposer.step, steps)
+                if self.inline:  # experiment knob: run the step on the event-loop thread (no thread hand-off)
+                    outputs = self.proposer.step(steps)
+                else:
+                    outputs = await loop.run_in_executor(self._executor, self.proposer.step, steps)
             except Exception as e:  # the proposer catches its own errors; this is a last resort
                 log.exception("batch failed")
                 for p in batch:

@@ -140,6 +140,11 @@ async def serve(config: ServerConfig) -> int:
 
 
 def run(config: ServerConfig) -> int:
+    import os
+    import sys
+
+    if os.environ.get("DRAFTER_GIL_SWITCH_INTERVAL_S"):  # experiment knob (see docs/performance.md)
+        sys.setswitchinterval(float(os.environ["DRAFTER_GIL_SWITCH_INTERVAL_S"]))
     try:
         import uvloop
         loop_factory = uvloop.new_event_loop

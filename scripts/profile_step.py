@@ -1,0 +1,64 @@
+"""Profile one in-process engine step on CUDA (torch.profiler): GPU kernel time by kernel vs wall time.
+
+    python scripts/profile_step.py --preset llama3-8b --batch 1      # prints a table; --trace DIR writes a trace
+"""
+import argparse
+import pathlib
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from drafter_client.benchmarks import bench_step as b  # noqa: E402
+from drafter_service.config import ServerConfig  # noqa: E402
+from drafter_service.runtime import build_runtime  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--m", type=int, default=3)
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    a = ap.parse_args()
+    shape = b.PRESETS[a.preset]
+    with tempfile.TemporaryDirectory() as tmp:
+        head, target = b.write_random_head(pathlib.Path(tmp), shape, a.context + 64)
+        cfg = ServerConfig(model=str(head), target_model=str(target), device="cuda", dtype="bfloat16",
+                           kv_cache_tokens=200_000, max_model_len=a.context + 64, max_batch_seqs=512,
+                           cuda_graphs=not a.no_cuda_graphs)
+        rt = build_runtime(cfg)
+        width = rt.limits.hidden_states_width
+        for batch in [int(x) for x in a.batches.split(",")]:
+            prefill, decode = b.make_steps(batch, a.context, a.m, a.k, width, shape["vocab_size"], seed=batch)
+            for i in range(0, batch, 8):
+                rt.proposer.step(b.to_inputs(prefill[i : i + 8]))
+            inputs = b.to_inputs(decode)
+            for _ in range(5):
+                rt.proposer.step(inputs)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            n = 20
+            for _ in range(n):
+                rt.proposer.step(inputs)
+            wall = (time.perf_counter() - t0) / n
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    rt.proposer.step(inputs)
+            events = prof.key_averages()
+            gpu_total = sum(e.self_device_time_total for e in events) / 5 / 1e3  # ms per step
+            print(f"\n=== batch {batch}: wall {wall * 1e3:.2f} ms/step, GPU kernel time {gpu_total:.2f} ms/step, "
+                  f"idle GPU {wall * 1e3 - gpu_total:.2f} ms ===")
+            print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
+            for s in inputs:
+                rt.proposer.table.release("bench", s.sequence_id)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
