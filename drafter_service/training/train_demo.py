@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> dict:
 
     def heldout_loss() -> dict[str, float]:
         target.eval()
-        result = heldout_perplexity(target, heldout_windows[: p.target_batch], p.target_batch, device)
+        result = heldout_perplexity(target, heldout_windows, p.target_batch, device)
         target.train()
         return {"heldout_loss": result["loss"]}
 
