@@ -27,8 +27,6 @@ class Preset:
     draft_vocab_size: int
     aux_layer_ids: tuple[int, int, int]  # EAGLE-3: hidden states entering these target layers
     ttt_steps: int  # EAGLE-3 training-time-test unroll length
-    head_data: str  # "corpus": train windows; "samples": windows sampled from the target; "mix": both
-    sample_prompt_len: int
     # evaluation
     eval_prefix_len: int
     eval_prefixes: int
@@ -64,8 +62,6 @@ DEMO = Preset(
     draft_vocab_size=2048,
     aux_layer_ids=(1, 3, 5),
     ttt_steps=5,
-    head_data="corpus",
-    sample_prompt_len=32,
     eval_prefix_len=256,
     eval_prefixes=512,
     eval_k=5,
@@ -95,8 +91,6 @@ SMOKE = Preset(
     draft_vocab_size=192,
     aux_layer_ids=(1, 2, 3),
     ttt_steps=3,
-    head_data="corpus",
-    sample_prompt_len=16,
     eval_prefix_len=48,
     eval_prefixes=16,
     eval_k=5,

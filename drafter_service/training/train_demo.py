@@ -30,7 +30,6 @@ from .features import target_features
 from .loop import train
 from .presets import PRESETS, Preset
 from .progress import fmt_seconds, say
-from .selfdistill import sample_windows
 from .report import write_model_card, write_report
 from .target import build_target, lm_loss, target_config
 from .tokenizer import EOS, encode_documents, save_tokenizer, train_tokenizer
@@ -165,27 +164,14 @@ def run(args: argparse.Namespace) -> dict:
     if max(aux_ids) >= p.num_layers or len(set(aux_ids)) != 3:
         raise SystemExit(f"error: aux_layer_ids {aux_ids} must be 3 distinct layers < {p.num_layers}")
 
-    # head training data
-    head_windows = train_windows
-    if p.head_data in ("samples", "mix"):
-        t = time.perf_counter()
-        gen = torch.Generator().manual_seed(args.seed + 3)
-        prompts = train_windows[torch.randperm(train_windows.size(0), generator=gen)][:, : p.sample_prompt_len]
-        sampled = sample_windows(target, prompts, p.seq_len, 512, device, args.seed)
-        head_windows = sampled if p.head_data == "samples" else torch.cat([train_windows, sampled])
-        timings["samples"] = time.perf_counter() - t
-        say(f"== sampled {sampled.size(0)} windows from the target [{timings['samples']:.1f} s]")
-    elif p.head_data != "corpus":
-        raise SystemExit(f"error: head_data {p.head_data!r} is not one of corpus, samples, mix")
-
     # 4. EAGLE-1 head
     head1.to(device).train()
-    steps_1 = steps_for_epochs(head_windows.size(0), p.head_batch, p.eagle1_epochs)
+    steps_1 = steps_for_epochs(train_windows.size(0), p.head_batch, p.eagle1_epochs)
     say(f"== eagle1: {steps_1} steps of {p.head_batch}x{p.seq_len} tokens ({p.eagle1_epochs} epochs)")
     t = time.perf_counter()
     hist_1 = train("eagle1", list(head1.parameters()),
                    lambda b: eagle1_loss(head1, embed, lm_head, b, target_features(target, b).final),
-                   batches(head_windows, p.head_batch, args.seed + 1), steps_1, p.head_lr, p.warmup_steps, device,
+                   batches(train_windows, p.head_batch, args.seed + 1), steps_1, p.head_lr, p.warmup_steps, device,
                    p.log_every)
     timings["eagle1"] = time.perf_counter() - t
     round_to_bf16(head1)
@@ -195,7 +181,7 @@ def run(args: argparse.Namespace) -> dict:
         head3.lm_head.weight.copy_(lm_head.weight[draft_ids].cpu())
         head3.norm.weight.copy_(target.model.norm.weight.cpu())
     head3.to(device).train()
-    steps_3 = steps_for_epochs(head_windows.size(0), p.head_batch, p.eagle3_epochs)
+    steps_3 = steps_for_epochs(train_windows.size(0), p.head_batch, p.eagle3_epochs)
     say(f"== eagle3: {steps_3} steps of {p.head_batch}x{p.seq_len} tokens ({p.eagle3_epochs} epochs), "
         f"{p.ttt_steps} training-time-test steps, draft vocab {p.draft_vocab_size} "
         f"(covers {draft_coverage:.1%} of train tokens), aux layers {aux_ids}")
@@ -205,7 +191,7 @@ def run(args: argparse.Namespace) -> dict:
         return eagle3_loss(head3, embed, b, f.aux, f.logits, p.ttt_steps)
 
     t = time.perf_counter()
-    hist_3 = train("eagle3", list(head3.parameters()), loss3, batches(head_windows, p.head_batch, args.seed + 2),
+    hist_3 = train("eagle3", list(head3.parameters()), loss3, batches(train_windows, p.head_batch, args.seed + 2),
                    steps_3, p.head_lr, p.warmup_steps, device, p.log_every)
     timings["eagle3"] = time.perf_counter() - t
     round_to_bf16(head3)
