@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 from drafter_service.training import train_demo
 from drafter_service.training.corpus import is_heldout, load_corpus
 from drafter_service.training.data import batches, to_windows
-from drafter_service.training.eagle1 import Eagle1Head, eagle1_loss
-from drafter_service.training.eagle3 import Eagle3Head, draft_vocab_from_counts, ttt_unroll
+from drafter_service.training.eagle1 import eagle1_loss
+from drafter_service.training.eagle3 import draft_vocab_from_counts, ttt_unroll
 from drafter_service.training.evaluate import acceptance_stats, draft_greedy
 from drafter_service.training.export import SIZE_BUDGET_BYTES, check_size_budget, estimate_bytes
 from drafter_service.training.features import target_features

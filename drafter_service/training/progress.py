@@ -27,8 +27,8 @@ class Progress:
         now = time.perf_counter()
         rate = (step - self.last_step) / max(now - self.last_time, 1e-9)
         self.last_time, self.last_step = now, step
-        eta = (self.total - step) / max(rate, 1e-9)
+        eta = fmt_seconds((self.total - step) / max(rate, 1e-9)) if step > 1 else "?"  # step 1 includes warm-up
         parts = [f"[{self.stage}] step {step:>5}/{self.total}", f"loss {loss:.4f}"]
         parts += [f"{k} {v:.3f}" for k, v in (extra or {}).items()]
-        parts += [f"tok/s {rate * self.tokens_per_step:,.0f}", f"elapsed {fmt_seconds(self.elapsed())}", f"eta {fmt_seconds(eta)}"]
+        parts += [f"tok/s {rate * self.tokens_per_step:,.0f}", f"elapsed {fmt_seconds(self.elapsed())}", f"eta {eta}"]
         say("  ".join(parts))

@@ -86,7 +86,8 @@ def build_heads(p: Preset, vocab: int, draft_ids: torch.Tensor, seed: int) -> tu
     return head1, head3
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, command: str) -> dict:
+    """The whole pipeline; ``command`` is recorded in the report and model cards."""
     p = PRESETS[args.preset]
     device = resolve_device(args.device)
     prepare_out(args.out, args.overwrite)
@@ -144,7 +145,7 @@ def run(args: argparse.Namespace) -> dict:
 
     def heldout_loss() -> dict[str, float]:
         target.eval()
-        result = heldout_perplexity(target, heldout_windows[: p.target_batch], p.target_batch, device)
+        result = heldout_perplexity(target, heldout_windows, p.target_batch, device)
         target.train()
         return {"heldout_loss": result["loss"]}
 
@@ -216,7 +217,7 @@ def run(args: argparse.Namespace) -> dict:
     timings["export"] = time.perf_counter() - t
     total = time.perf_counter() - t_start
     report = {
-        "command": "python -m drafter_service.training.train_demo " + shlex.join(sys.argv[1:] if args._argv is None else args._argv),
+        "command": command,
         "preset": p.to_dict(),
         "seed": args.seed,
         "device": device_name(device),
@@ -260,8 +261,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    args._argv = argv
-    run(args)
+    command = "python -m drafter_service.training.train_demo " + shlex.join(sys.argv[1:] if argv is None else argv)
+    run(args, command)
     return 0
 
 
