@@ -144,10 +144,11 @@ def test_verify_greedy():
 
 async def test_sampling_matches_the_target_distribution(bundled_server, target, tokenizer):
     """400 two-token continuations of one prefix, sampled speculatively (k = 3, T = 1) as two batches of 200,
-    against the exact joint p(t1) p(t2 | t1) computed from the target's logits. The prefix makes t1 nearly certain
-    (" =", p 0.999) and t2 uncertain (top token p ~0.4, the draft accepted ~1/3 of the time), so the test sees the
-    rejection rule: resampling from p instead of norm(max(0, p - q)) fails it with p ~1e-16."""
-    prefix = tokenizer.encode("class OrderedSet:\n    def __init__(self, iterable=None):\n        self._items").ids
+    against the exact joint p(t1) p(t2 | t1) computed from the target's logits. With the shipped models the prefix
+    makes t1 nearly certain (p 0.992) and the greedy draft for t2 has target probability ~0.42, so both branches
+    (accept; reject and resample) are exercised and the test sees the rejection rule: resampling from p instead of
+    norm(max(0, p - q)) fails it. (Re-pick the prefix if the models are retrained: the guard below says so.)"""
+    prefix = tokenizer.encode("class OrderedDict(dict):\n\n    def __reversed__(self):").ids
     with torch.inference_mode():
         p1 = torch.softmax(target.model(torch.tensor([prefix])).logits[0, -1], -1)
         first = (p1 >= 1e-3).nonzero().flatten()  # the t1 that matter; the rest is the last bin
