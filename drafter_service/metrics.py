@@ -27,6 +27,11 @@ class Metrics:
     kv_blocks_total: int = 0
     live_sequences: int = 0
     rpc_errors: dict[str, int] = field(default_factory=dict)  # request-level gRPC code name -> count
+    # Where a Propose request's time goes inside the server (handler entry to response built):
+    rpc_propose_count: int = 0
+    rpc_parse_seconds_sum: float = 0.0  # validate + decode tensors (+ shared-memory copies)
+    rpc_wait_seconds_sum: float = 0.0  # queued for the worker + the batch's step + hand-back
+    rpc_reply_seconds_sum: float = 0.0  # encode the response
 
     def record_acceptance(self, num_drafts: int, accepted: int) -> None:
         self.drafts_evaluated += num_drafts
@@ -51,6 +56,12 @@ class Metrics:
             if seconds <= bound:
                 self.step_seconds_buckets[i] += 1
         self.kv_blocks_free, self.kv_blocks_total = blocks_free, blocks_total
+
+    def record_rpc_timing(self, parse_s: float, wait_s: float, reply_s: float) -> None:
+        self.rpc_propose_count += 1
+        self.rpc_parse_seconds_sum += parse_s
+        self.rpc_wait_seconds_sum += wait_s
+        self.rpc_reply_seconds_sum += reply_s
 
     def record_rpc_error(self, code_name: str) -> None:
         self.rpc_errors[code_name] = self.rpc_errors.get(code_name, 0) + 1
@@ -95,6 +106,12 @@ class Metrics:
         lines.append(f"drafter_step_seconds_count {self.steps}")
         metric("batch_sequences_sum", "counter", "Sum of sequences per batch (divide by steps_total).",
                [("", self.batch_sequences_sum)])
+        metric("rpc_propose_total", "counter", "Propose requests answered (unary and stream).",
+               [("", self.rpc_propose_count)])
+        metric("rpc_propose_seconds_sum", "counter",
+               "Server time of Propose requests by phase: parse (validate, decode), wait (queue + step), reply.",
+               [('{phase="parse"}', self.rpc_parse_seconds_sum), ('{phase="wait"}', self.rpc_wait_seconds_sum),
+                ('{phase="reply"}', self.rpc_reply_seconds_sum)])
         metric("kv_blocks_free", "gauge", "Free KV blocks.", [("", self.kv_blocks_free)])
         metric("kv_blocks_total", "gauge", "KV blocks in the pool.", [("", self.kv_blocks_total)])
         metric("live_sequences", "gauge", "Sequences holding draft-KV.", [("", self.live_sequences)])

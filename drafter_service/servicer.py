@@ -1,6 +1,7 @@
 """The drafter.v1.Drafter gRPC service: decode and validate, hand steps to the scheduler, encode the reply."""
 import asyncio
 import logging
+import time
 import math
 import os
 
@@ -134,6 +135,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     async def _propose(self, request) -> "pb.ProposeResponse":
         """One engine step; raises RequestError for a request that is malformed as a whole."""
         rt = self.runtime
+        t_enter = time.perf_counter()
         read_shm = None
         if self.regions is not None:
             regions, namespace = self.regions, request.namespace
@@ -142,6 +144,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 return regions.read(namespace, ref, field, dtype, shape, to_host)
 
         steps = parse_propose(request, rt.limits, read_shm)
+        t_parsed = time.perf_counter()
         if self.ingest_only:
             if request.hidden_states.WhichOneof("data") == "raw" and steps:
                 # Inline states are still views of the message: move them to the device as the proposer would
@@ -152,7 +155,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             outputs = [StepOutput() for _ in steps]
         else:
             outputs = await self.scheduler.submit(steps)
-        return build_response(outputs, [s.sequence_id for s in request.steps], request.request_id)
+        t_stepped = time.perf_counter()
+        response = build_response(outputs, [s.sequence_id for s in request.steps], request.request_id)
+        rt.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, time.perf_counter() - t_stepped)
+        return response
 
     async def Propose(self, request, context):
         await self._ready(context)

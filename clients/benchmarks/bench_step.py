@@ -135,17 +135,20 @@ def bench_in_process(rt, batch, context, m, k, iters, width, vocab):
     return statistics.median(times[3:])
 
 
-def scrape_worker_seconds(metrics_port: int) -> tuple[float, int]:
-    """(sum of the server's step-worker seconds, batches run) from its /metrics."""
+def scrape_server_seconds(metrics_port: int) -> dict[str, float]:
+    """Cumulative server-side seconds from the drafter's /metrics: the step worker, and the Propose handler by phase."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-    return float(values["drafter_step_seconds_sum"]), int(float(values["drafter_step_seconds_count"]))
+    v = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {"worker": float(v["drafter_step_seconds_sum"]), "batches": float(v["drafter_step_seconds_count"]),
+            "parse": float(v['drafter_rpc_propose_seconds_sum{phase="parse"}']),
+            "wait": float(v['drafter_rpc_propose_seconds_sum{phase="wait"}']),
+            "reply": float(v['drafter_rpc_propose_seconds_sum{phase="reply"}'])}
 
 
 async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metrics_port: int | None = None):
-    """Median seconds per step seen by the client, and (when metrics_port) the server worker's median share."""
+    """Median seconds per step seen by the client, and (when metrics_port) the median of each server-side part."""
     from drafter_client import DrafterClient
 
     prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
@@ -154,19 +157,20 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
         for chunk in range(0, batch, 8):
             r = await c.propose(prefill[chunk : chunk + 8])
             assert all(s.ok for s in r.sequences), r.sequences[0].message
-        times, worker = [], []
+        times, parts = [], []
         for i in range(iters + 3):
-            before = scrape_worker_seconds(metrics_port) if metrics_port else None
+            before = scrape_server_seconds(metrics_port) if metrics_port else None
             t0 = time.perf_counter()
             r = await c.propose(decode)
             times.append(time.perf_counter() - t0)
             if metrics_port:
-                after = scrape_worker_seconds(metrics_port)
-                assert after[1] == before[1] + 1, "one request should be one batch"
-                worker.append(after[0] - before[0])
+                after = scrape_server_seconds(metrics_port)
+                assert after["batches"] == before["batches"] + 1, "one request should be one batch"
+                parts.append({key: after[key] - before[key] for key in after})
         assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
         await c.release([s.sequence_id for s in decode])
-    return statistics.median(times[3:]), (statistics.median(worker[3:]) if worker else None)
+    med = {key: statistics.median(p[key] for p in parts[3:]) for key in parts[0]} if parts else None
+    return statistics.median(times[3:]), med
 
 
 def main() -> int:
@@ -234,9 +238,13 @@ def main() -> int:
         try:
             for row in rows:
                 b = row["batch"]
-                t, worker = asyncio.run(bench_sidecar(f"unix:{sock}", b, context, a.m, a.k, a.iters, width,
-                                                      shape["vocab_size"], a.metrics_port))
-                row["sidecar_worker_ms"] = worker * 1e3  # the server's proposer step alone; the rest is RPC
+                t, parts = asyncio.run(bench_sidecar(f"unix:{sock}", b, context, a.m, a.k, a.iters, width,
+                                                     shape["vocab_size"], a.metrics_port))
+                # server side: the proposer step alone (worker), and the Propose handler by phase; what the
+                # client sees beyond parse + wait + reply is gRPC transport plus the client's own packing/parsing
+                row.update(sidecar_worker_ms=parts["worker"] * 1e3, server_parse_ms=parts["parse"] * 1e3,
+                           server_wait_ms=parts["wait"] * 1e3, server_reply_ms=parts["reply"] * 1e3,
+                           transport_and_client_ms=(t - parts["parse"] - parts["wait"] - parts["reply"]) * 1e3)
                 fb = floor_bytes(shape, dtype_bytes, b, context, a.m, a.k)
                 payload = b * a.m * width * 2 + b * a.m * 8
                 row.update(sidecar_ms=t * 1e3, floor_ms=fb / bw * 1e3, floor_bytes=fb, payload_bytes=payload,
@@ -258,11 +266,13 @@ def main() -> int:
     print(f"\n{result['device']}, {a.preset}, {dtype}, context {context}, m={a.m}, k={a.k}, {result['date']}")
     ab = all("in_process_eager_ms" in r for r in rows)
     print(f"{'batch':>5} {'in-proc ms':>11} {'sidecar ms':>11} {'side/in':>8} {'floor ms':>9} {'in/floor':>9} "
-          f"{'payload KB':>11} {'srv worker':>10}" + (f" {'eager ms':>9}" if ab else ""))
+          f"{'payload KB':>11} {'srv worker':>10} {'srv parse':>9} {'srv wait':>9} {'srv reply':>9} {'transport':>9}"
+          + (f" {'eager ms':>9}" if ab else ""))
     for r in rows:
         print(f"{r['batch']:>5} {r['in_process_ms']:>11.2f} {r['sidecar_ms']:>11.2f} "
               f"{r['sidecar_over_in_process']:>8.2f} {r['floor_ms']:>9.3f} {r['in_process_over_floor']:>9.1f} "
-              f"{r['payload_bytes'] / 1024:>11.1f} {r['sidecar_worker_ms']:>10.2f}"
+              f"{r['payload_bytes'] / 1024:>11.1f} {r['sidecar_worker_ms']:>10.2f} {r['server_parse_ms']:>9.2f} "
+              f"{r['server_wait_ms']:>9.2f} {r['server_reply_ms']:>9.2f} {r['transport_and_client_ms']:>9.2f}"
               + (f" {r['in_process_eager_ms']:>9.2f}" if ab else ""))
     print(f"wrote {out}")
     return 0
