@@ -6,7 +6,7 @@
 - speculative sampling is exact: verify_sampling on synthetic distributions (every position, the bonus, a greedy
   and a non-greedy drafter), and end to end the first two sampled tokens after a fixed prefix follow the target's
   exact distribution (chi-square, p > 0.001; plain sampling passes the same test);
-- the bundled EAGLE-1 head keeps its acceptance: mean acceptance length >= ACCEPTANCE_FLOOR at k = 3 on the
+- the shipped EAGLE-1 and EAGLE-3 heads keep their acceptance: mean acceptance length >= ACCEPTANCE_FLOOR at k = 3 on the
   held-out-like prompts (docs/demo.md gives the measured value).
 """
 import pathlib
@@ -24,7 +24,8 @@ from drafter_client.target import TargetModel
 from drafter_client.verify import point_mass, verify_greedy, verify_sampling
 
 MODELS = pathlib.Path(__file__).resolve().parent.parent / "models"
-ACCEPTANCE_FLOOR = 1.8  # k = 3, greedy, HELDOUT_LIKE, 64 new tokens; measured 2.00 (docs/demo.md)
+# k = 3, greedy, HELDOUT_LIKE, 64 new tokens, CPU fp32 (docs/demo.md states these floors and the measured values)
+ACCEPTANCE_FLOOR = {"eagle1": 3.0, "eagle3": 3.0}  # measured 3.35 and 3.37 (2026-11-21)
 P_VALUE_MIN = 1e-3
 
 
@@ -172,12 +173,22 @@ async def test_sampling_matches_the_target_distribution(bundled_server, target, 
         assert chi_square_p_value(counts, expected) > P_VALUE_MIN, name
 
 
-async def test_eagle1_acceptance_floor(bundled_server, target, tokenizer):
+@pytest.mark.parametrize("head", ["eagle1", "eagle3"])
+async def test_shipped_heads_stay_above_their_acceptance_floor(head, bundled_server, target, tokenizer, tmp_path):
     prompts = [tokenizer.encode(t).ids for t in HELDOUT_LIKE]
-    async with DrafterClient(bundled_server.uds, namespace="floor") as drafter:
-        engine = ReferenceEngine(target, drafter, await drafter.get_info())
-        result = await engine.generate(prompts, SpecConfig(max_new_tokens=64, num_drafts=3))
-    assert result.acceptance.mean_acceptance_length >= ACCEPTANCE_FLOOR, result.acceptance
+
+    async def measure(uds: str) -> float:
+        async with DrafterClient(uds, namespace=f"floor-{head}") as drafter:
+            engine = ReferenceEngine(target, drafter, await drafter.get_info())
+            result = await engine.generate(prompts, SpecConfig(max_new_tokens=64, num_drafts=3))
+        return result.acceptance.mean_acceptance_length
+
+    if head == "eagle1":
+        value = await measure(bundled_server.uds)
+    else:
+        with ServerThread(make_config(MODELS / "eagle3", MODELS / "target", tmp_path)) as s:
+            value = await measure(s.uds)
+    assert value >= ACCEPTANCE_FLOOR[head], (head, value)
 
 
 async def test_engine_refuses_bad_settings(bundled_server, target):
