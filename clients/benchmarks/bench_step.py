@@ -173,6 +173,43 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
     return statistics.median(times[3:]), med
 
 
+def prefill_step(tokens: int, width: int, vocab: int, sequence_id: str = "prefill"):
+    """One sequence, one step holding a whole prompt of `tokens` committed tokens (k = 0)."""
+    from drafter_client import SequenceStep
+
+    g = torch.Generator().manual_seed(tokens)
+    toks = torch.randint(0, vocab, (tokens + 1,), generator=g)
+    hid = torch.randn(tokens, width, generator=g).to(torch.bfloat16)
+    return SequenceStep(sequence_id, 0, toks[:tokens], hid, int(toks[tokens]), 0)
+
+
+def bench_prefill_in_process(rt, tokens, iters, width, vocab) -> float:
+    inputs = to_inputs([prefill_step(tokens, width, vocab)])
+    times = []
+    for _ in range(iters + 2):
+        t0 = time.perf_counter()
+        out = rt.proposer.step(inputs)
+        times.append(time.perf_counter() - t0)
+        assert out[0].code == 0, out[0].message
+    rt.proposer.table.release("bench", "prefill")
+    return statistics.median(times[2:])
+
+
+async def bench_prefill_sidecar(target, tokens, iters, width, vocab) -> float:
+    from drafter_client import DrafterClient
+
+    step = prefill_step(tokens, width, vocab)
+    async with DrafterClient(target, namespace="bench") as c:
+        times = []
+        for _ in range(iters + 2):
+            t0 = time.perf_counter()
+            r = await c.propose([step])
+            times.append(time.perf_counter() - t0)
+            assert r.sequences[0].ok, r.sequences[0].message
+        await c.release(["prefill"])
+    return statistics.median(times[2:])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
@@ -180,6 +217,8 @@ def main() -> int:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--context", type=int, default=None)
+    ap.add_argument("--prefill-tokens", type=int, default=4096,
+                    help="also time one prompt of this many tokens in one step (hidden-state ingestion); 0 = skip")
     ap.add_argument("--metrics-port", type=int, default=9477,
                     help="the server's metrics port, scraped to split sidecar time into worker and RPC")
     ap.add_argument("--m", type=int, default=3, help="committed tokens per sequence per step (1 + accepted)")
@@ -197,8 +236,8 @@ def main() -> int:
     device = torch.device(a.device)
     dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype_bytes = 2 if dtype in ("bfloat16", "float16") else 4
-    max_len = context + 64
-    kv_tokens = (max(batches) + 8) * (max_len + 32)
+    max_len = max(context, a.prefill_tokens) + 64
+    kv_tokens = (max(batches) + 8) * (context + 96) + max_len
     from drafter_service.config import ServerConfig
     from drafter_service.runtime import build_runtime
 
@@ -218,6 +257,13 @@ def main() -> int:
             t = bench_in_process(rt, b, context, a.m, a.k, a.iters, width, shape["vocab_size"])
             rows.append(dict(batch=b, in_process_ms=t * 1e3))
             print(f"in-process batch {b}: {t * 1e3:.2f} ms", flush=True)
+        prefill = None
+        if a.prefill_tokens:
+            hidden_bytes = a.prefill_tokens * width * 2  # bf16 on the wire
+            t = bench_prefill_in_process(rt, a.prefill_tokens, a.iters, width, shape["vocab_size"])
+            prefill = dict(tokens=a.prefill_tokens, hidden_bytes=hidden_bytes, in_process_ms=t * 1e3,
+                           in_process_gbps=hidden_bytes / t / 1e9)
+            print(f"in-process prefill {a.prefill_tokens}: {t * 1e3:.2f} ms", flush=True)
         del rt
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -251,6 +297,10 @@ def main() -> int:
                            sidecar_over_in_process=t * 1e3 / row["in_process_ms"],
                            in_process_over_floor=row["in_process_ms"] / (fb / bw * 1e3))
                 print(f"sidecar batch {b}: {t * 1e3:.2f} ms", flush=True)
+            if prefill:
+                t = asyncio.run(bench_prefill_sidecar(f"unix:{sock}", a.prefill_tokens, a.iters, width,
+                                                      shape["vocab_size"]))
+                prefill.update(sidecar_ms=t * 1e3, sidecar_gbps=prefill["hidden_bytes"] / t / 1e9)
         finally:
             server.terminate()
             server.wait(60)
@@ -259,7 +309,8 @@ def main() -> int:
                   device=f"{device.type}: {dev_name}, {os.cpu_count()} cores", torch=torch.__version__,
                   command=" ".join(shlex.quote(x) for x in sys.argv), preset=a.preset, shape=shape, dtype=dtype,
                   context=context, m=a.m, k=a.k, iters=a.iters,
-                  cuda_graphs=a.cuda_graphs and device.type == "cuda", bandwidth_gbps=bw / 1e9, rows=rows)
+                  cuda_graphs=a.cuda_graphs and device.type == "cuda", bandwidth_gbps=bw / 1e9, rows=rows,
+                  prefill=prefill)
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -274,6 +325,10 @@ def main() -> int:
               f"{r['payload_bytes'] / 1024:>11.1f} {r['sidecar_worker_ms']:>10.2f} {r['server_parse_ms']:>9.2f} "
               f"{r['server_wait_ms']:>9.2f} {r['server_reply_ms']:>9.2f} {r['transport_and_client_ms']:>9.2f}"
               + (f" {r['in_process_eager_ms']:>9.2f}" if ab else ""))
+    if prefill:
+        print(f"prefill of {prefill['tokens']} tokens ({prefill['hidden_bytes'] / 2**20:.1f} MiB of hidden states, "
+              f"inline bytes): in-process {prefill['in_process_ms']:.1f} ms ({prefill['in_process_gbps']:.2f} GB/s), "
+              f"sidecar {prefill['sidecar_ms']:.1f} ms ({prefill['sidecar_gbps']:.2f} GB/s)")
     print(f"wrote {out}")
     return 0
 
