@@ -9,6 +9,7 @@ acceptance figures and tokens/s with and without speculation; writes a chart of 
 import argparse
 import asyncio
 import dataclasses
+import os
 import pathlib
 import sys
 
@@ -148,7 +149,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"drafter-demo: {d} is not a model directory (no config.json)", file=sys.stderr)
             return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    sidecar = SidecarProcess(head_dir, target_dir, device=device)
+    env = {}
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Two busy processes on one CPU: give each half the cores, or their thread pools fight over them (with
+        # two threads each on a 2-core machine, single runs were up to 15x slower; docs/demo.md).
+        threads = max(1, (os.cpu_count() or 2) // 2)
+        env["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+        print(f"CPU: {threads} thread(s) for the sidecar and {threads} for the engine", flush=True)
+    sidecar = SidecarProcess(head_dir, target_dir, device=device, env=env)
     print(f"starting the sidecar: {' '.join(sidecar.command())}", flush=True)
     code = 0
     try:

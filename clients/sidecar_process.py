@@ -29,8 +29,9 @@ class SidecarError(RuntimeError):
 class SidecarProcess:
     def __init__(self, model: str | os.PathLike, target_model: str | os.PathLike | None = None,
                  device: str | None = None, extra_args: list[str] | None = None, ready_timeout_s: float = 120.0,
-                 grace_s: float = 10.0):
+                 grace_s: float = 10.0, env: dict[str, str] | None = None):
         self.model = str(model)
+        self.env = dict(os.environ, **(env or {}))  # the child's environment
         self.target_model = None if target_model is None else str(target_model)
         self.device = device
         self.extra_args = list(extra_args or [])
@@ -62,7 +63,7 @@ class SidecarProcess:
         log = open(self.log_path, "wb")
         try:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                         start_new_session=True)
+                                         start_new_session=True, env=self.env)
         finally:
             log.close()
         try:
