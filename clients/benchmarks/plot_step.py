@@ -1,0 +1,48 @@
+"""Plot a bench_step JSON: ms per engine step against batch size for the in-process proposer (with and without
+CUDA graphs when measured), the sidecar, and the floor.
+
+    python -m drafter_client.benchmarks.plot_step docs/bench/step_llama3-8b_h200_graphs_ab.json --out docs/step_h200.png
+"""
+import argparse
+import json
+import pathlib
+import sys
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("file")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[demo]'): no plot", file=sys.stderr)
+        return 1
+    d = json.loads(pathlib.Path(a.file).read_text())
+    rows = d["rows"]
+    b = [r["batch"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot(b, [r["sidecar_ms"] for r in rows], marker="o", label="sidecar (client over UDS)")
+    ax.plot(b, [r["in_process_ms"] for r in rows], marker="o",
+            label="in-process" + (" (CUDA graphs)" if d.get("cuda_graphs") else ""))
+    if all("in_process_eager_ms" in r for r in rows):
+        ax.plot(b, [r["in_process_eager_ms"] for r in rows], marker="o", label="in-process, eager")
+    ax.plot(b, [r["floor_ms"] for r in rows], linestyle="--", color="k", label="floor (bytes / bandwidth)")
+    ax.set(xscale="log", xlabel="batch (sequences)", ylabel="ms per engine step",
+           title=f"{d['preset']}, {d['dtype']}, context {d['context']}, k={d['k']}\n{d['device']}, {d['date'][:10]}")
+    ax.set_xticks(b, [str(x) for x in b])
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(a.out, dpi=110)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
