@@ -6,6 +6,8 @@ position ``seq_lens[i] - q_len_i + j`` and attends to context positions ``0 ..= 
 The K/V of every context position (the new rows too) must already be in the cache.
 GQA: query head h reads KV head ``h // (Hq // Hkv)``.
 """
+import functools
+
 import torch
 
 from ._triton_shim import tl, triton
@@ -56,24 +58,40 @@ def paged_attention_ref(
 # Inputs:  q [T, Hq, D] (unit stride on D); k_cache, v_cache [num_blocks, block_size, Hkv, D] (same strides);
 #          block_tables [B, max_blocks] int32; seq_lens [B] int32; query_start_loc [B + 1] int32.
 # Writes:  out[query_start_loc[i] : query_start_loc[i + 1], :, :] for every sequence i; no other row of out.
-# Both kernels keep a running (max, sum, weighted V) per query row ("online softmax") in fp32 and walk the
-# sequence's KV blocks through its block table, one cache block (block_size positions) per iteration.
+#
+# One kernel serves prefill and decode. A program takes BLOCK_M query rows of one sequence times BLOCK_H query
+# heads of one KV group, flattened into a [BLOCK_M * BLOCK_H, D] tile (row-major: row r, head h at r * BLOCK_H + h),
+# so that every K/V tile it loads serves all query heads sharing that KV head (GQA). It walks the context in tiles
+# of BLOCK_N positions, looking each position's cache block up in the block table (tiles and cache blocks need not
+# align), and keeps a running (max, sum, weighted V) per flattened row ("online softmax") in fp32.
+#
+# Split-K ("flash decoding"): when every sequence's query rows fit one program (max_query_len <= BLOCK_M), the
+# context a program needs is cut into NUM_SPLITS contiguous ranges of whole tiles, one program each; the split
+# programs write partial (max, sum, unnormalized acc) to fp32 scratch and _paged_attention_reduce_kernel merges
+# them. NUM_SPLITS is chosen on the host from shapes only (batch size, heads, block_tables.shape[1] * block_size),
+# and each split's range is computed in the kernel from the device-side seq_len, so the grid is static for a
+# given batch size (CUDA-graph safe) and the splits always cover exactly the sequence's real context; splits past
+# a short context are empty and write (-inf, 0, 0). With NUM_SPLITS == 1 the program writes out directly.
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _paged_attention_prefill_kernel(
+def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
     scale,
     q_stride_t, q_stride_h, out_stride_t, out_stride_h,
     cache_stride_block, cache_stride_offset, cache_stride_h,
-    block_tables_stride,
-    QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    block_tables_stride, num_q_heads, part_rows,
+    QUERIES_PER_KV: tl.constexpr, HEAD_BLOCKS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # Grid (B, cdiv(max_query_len, BLOCK_M), Hq): one program = BLOCK_M query rows of one sequence, one query head.
+    # Grid (B, cdiv(max_query_len, BLOCK_M), Hkv * HEAD_BLOCKS_PER_KV * NUM_SPLITS).
+    # Scratch (NUM_SPLITS > 1): part_max, part_sum [B, part_rows, Hq, NUM_SPLITS] fp32 and part_acc [..., HEAD_DIM].
     seq = tl.program_id(0)
     m_block = tl.program_id(1)
-    q_head = tl.program_id(2)
-    kv_head = q_head // QUERIES_PER_KV
+    split = tl.program_id(2) % NUM_SPLITS
+    head_block = tl.program_id(2) // NUM_SPLITS
+    kv_head = head_block // HEAD_BLOCKS_PER_KV
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -81,98 +99,185 @@ def _paged_attention_prefill_kernel(
         return
     ctx_len = tl.load(seq_lens_ptr + seq)
 
-    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] row index inside this sequence's query
-    row_mask = rows < q_len
-    row_pos = ctx_len - q_len + rows  # [BLOCK_M] position of each query row in the context
+    flat = tl.arange(0, BLOCK_M * BLOCK_H)
+    rows = m_block * BLOCK_M + flat // BLOCK_H  # row index inside this sequence's query
+    head_in_group = (head_block % HEAD_BLOCKS_PER_KV) * BLOCK_H + flat % BLOCK_H
+    heads = kv_head * QUERIES_PER_KV + head_in_group
+    valid = (rows < q_len) & (head_in_group < QUERIES_PER_KV)
+    row_pos = ctx_len - q_len + rows  # position of each query row in the context
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
 
     q_rows = (q_start + rows).to(tl.int64)
-    q_tile = tl.load(q_ptr + q_rows[:, None] * q_stride_t + q_head * q_stride_h + dims[None, :],
-                     mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q_tile = tl.load(q_ptr + q_rows[:, None] * q_stride_t + heads[:, None] * q_stride_h + dims[None, :],
+                     mask=valid[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_M * BLOCK_H, BLOCK_D]
 
-    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    row_max = tl.full([BLOCK_M * BLOCK_H], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M * BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_M * BLOCK_H, BLOCK_D], tl.float32)
 
-    # Causal: this tile needs context positions 0 ..= the position of its last row.
-    last_needed_pos = tl.minimum(ctx_len - q_len + (m_block + 1) * BLOCK_M, ctx_len) - 1
-    num_kv_blocks = last_needed_pos // KV_BLOCK_SIZE + 1
-    offs_in_block = tl.arange(0, KV_BLOCK_SIZE)
-    for kv_block in range(0, num_kv_blocks):
-        block_id = tl.load(block_tables_ptr + seq * block_tables_stride + kv_block).to(tl.int64)
-        k_pos = kv_block * KV_BLOCK_SIZE + offs_in_block  # [KV_BLOCK_SIZE]
-        kv_mask = (k_pos[:, None] < ctx_len) & dim_mask[None, :]
-        kv_offsets = block_id * cache_stride_block + offs_in_block[:, None] * cache_stride_offset \
-            + kv_head * cache_stride_h + dims[None, :]
-        k_tile = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [KV_BLOCK_SIZE, BLOCK_D]
-        v_tile = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    # Causal: this program needs context positions [0, needed), up to the position of its last row.
+    needed = ctx_len - q_len + tl.minimum((m_block + 1) * BLOCK_M, q_len)
+    num_tiles = tl.cdiv(needed, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    offs_n = tl.arange(0, BLOCK_N)
+    for tile in range(tile_begin, tile_end):
+        k_pos = tile * BLOCK_N + offs_n  # [BLOCK_N]
+        in_ctx = k_pos < needed
+        block_ids = tl.load(block_tables_ptr + seq * block_tables_stride + k_pos // KV_BLOCK_SIZE,
+                            mask=in_ctx, other=0).to(tl.int64)
+        kv_offsets = block_ids * cache_stride_block + (k_pos % KV_BLOCK_SIZE) * cache_stride_offset \
+            + kv_head * cache_stride_h  # [BLOCK_N]
+        kv_mask = in_ctx[:, None] & dim_mask[None, :]
+        k_tile = tl.load(k_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v_tile = tl.load(v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
 
-        scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, KV_BLOCK_SIZE]
-        visible = (k_pos[None, :] <= row_pos[:, None]) & (k_pos[None, :] < ctx_len)
+        scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * scale  # [M * H, BLOCK_N]
+        visible = (k_pos[None, :] <= row_pos[:, None]) & in_ctx[None, :]
         scores = tl.where(visible, scores, float("-inf"))
 
-        new_max = tl.maximum(row_max, tl.max(scores, 1))  # finite: position 0 is visible to every row
-        rescale = tl.exp(row_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        # A row may see nothing yet (a split that starts past its position): keep its state at (-inf, 0, 0).
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp(row_max - shift)
+        probs = tl.exp(scores - shift[:, None])
         row_sum = row_sum * rescale + tl.sum(probs, 1)
         acc = acc * rescale[:, None] + tl.dot(probs.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
         row_max = new_max
 
-    result = acc / row_sum[:, None]
-    tl.store(out_ptr + q_rows[:, None] * out_stride_t + q_head * out_stride_h + dims[None, :],
-             result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+    if NUM_SPLITS == 1:
+        # every valid row sees position 0, so row_sum > 0 there; the guard only keeps masked rows finite
+        result = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+        tl.store(out_ptr + q_rows[:, None] * out_stride_t + heads[:, None] * out_stride_h + dims[None, :],
+                 result.to(out_ptr.dtype.element_ty), mask=valid[:, None] & dim_mask[None, :])
+    else:
+        part = ((seq.to(tl.int64) * part_rows + rows) * num_q_heads + heads) * NUM_SPLITS + split
+        part_mask = valid & (rows < part_rows)
+        tl.store(part_max_ptr + part, row_max, mask=part_mask)
+        tl.store(part_sum_ptr + part, row_sum, mask=part_mask)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=part_mask[:, None] & dim_mask[None, :])
 
 
 @triton.jit
-def _paged_attention_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale,
-    q_stride_t, q_stride_h, out_stride_t, out_stride_h,
-    cache_stride_block, cache_stride_offset, cache_stride_h,
-    block_tables_stride,
-    QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    KV_BLOCK_SIZE: tl.constexpr,
+def _paged_attention_reduce_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr,
+    out_stride_t, out_stride_h, num_q_heads, part_rows,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    # Grid (B, Hq): every sequence has 0 or 1 query row, which sits at position ctx_len - 1 and sees all context.
+    # Grid (B, part_rows, Hq): merges the NUM_SPLITS partials of one query row and head into out.
     seq = tl.program_id(0)
-    q_head = tl.program_id(1)
-    kv_head = q_head // QUERIES_PER_KV
-
-    q_row = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) == q_row:
+    row = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    if row >= tl.load(query_start_loc_ptr + seq + 1) - q_start:
         return
-    ctx_len = tl.load(seq_lens_ptr + seq)
+    splits = tl.arange(0, BLOCK_S)
+    split_mask = splits < NUM_SPLITS
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
-    q_row = q_row.to(tl.int64)
-    q_vec = tl.load(q_ptr + q_row * q_stride_t + q_head * q_stride_h + dims, mask=dim_mask, other=0.0).to(tl.float32)
-
-    running_max = tl.full([], float("-inf"), tl.float32)
-    running_sum = tl.zeros([], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    offs_in_block = tl.arange(0, KV_BLOCK_SIZE)
-    for kv_block in range(0, tl.cdiv(ctx_len, KV_BLOCK_SIZE)):
-        block_id = tl.load(block_tables_ptr + seq * block_tables_stride + kv_block).to(tl.int64)
-        k_pos = kv_block * KV_BLOCK_SIZE + offs_in_block
-        kv_mask = (k_pos[:, None] < ctx_len) & dim_mask[None, :]
-        kv_offsets = block_id * cache_stride_block + offs_in_block[:, None] * cache_stride_offset \
-            + kv_head * cache_stride_h + dims[None, :]
-        k_tile = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [KV_BLOCK_SIZE, BLOCK_D]
-        v_tile = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-
-        scores = tl.sum(q_vec[None, :] * k_tile, 1) * scale  # [KV_BLOCK_SIZE]
-        scores = tl.where(k_pos < ctx_len, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 0))
-        rescale = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max)
-        running_sum = running_sum * rescale + tl.sum(probs, 0)
-        acc = acc * rescale + tl.sum(probs[:, None] * v_tile, 0)
-        running_max = new_max
-
-    result = acc / running_sum
-    tl.store(out_ptr + q_row * out_stride_t + q_head * out_stride_h + dims, result.to(out_ptr.dtype.element_ty),
+    part = ((seq.to(tl.int64) * part_rows + row) * num_q_heads + head) * NUM_SPLITS + splits  # [BLOCK_S]
+    split_max = tl.load(part_max_ptr + part, mask=split_mask, other=float("-inf"))
+    split_sum = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0)
+    split_acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                        mask=split_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    global_max = tl.max(split_max, 0)  # finite: the split holding position 0 saw it
+    weight = tl.exp(split_max - global_max)  # 0 for empty splits
+    total = tl.sum(weight * split_sum, 0)
+    result = tl.sum(weight[:, None] * split_acc, 0) / total
+    out_row = (q_start + row).to(tl.int64)
+    tl.store(out_ptr + out_row * out_stride_t + head * out_stride_h + dims, result.to(out_ptr.dtype.element_ty),
              mask=dim_mask)
+
+
+DEFAULT_SM_COUNT = 132  # H100 / H200; the split heuristic's assumption when the tensors are not on CUDA
+MAX_SPLITS = 128
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def attention_launch_config(num_seqs: int, max_query_len: int, num_q_heads: int, num_kv_heads: int,
+                            head_dim: int, max_context: int, sm_count: int = DEFAULT_SM_COUNT,
+                            fp32: bool = False) -> dict:
+    """Tile sizes, warps and number of context splits, from host-known shapes only (never device values).
+
+    max_context: block_tables.shape[1] * block_size, an upper bound of every seq_len. fp32 (IEEE FMA dots) gets
+    smaller tiles than bf16/fp16 (tensor cores) so that neither spills registers on sm_90.
+    """
+    group = num_q_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    max_rows = 32 if fp32 else 64  # flattened (query row, head) rows of one program
+    block_h = min(max_rows, triton.next_power_of_2(group))
+    block_m = max(1, min(triton.next_power_of_2(max_query_len), max_rows // block_h))
+    block_h = max(block_h, 16 // block_m)  # tl.dot needs >= 16 rows: pad with masked heads
+    block_n = 16 if fp32 else (64 if block_d <= 128 else 32)
+    num_warps = 4 if block_m * block_h <= 16 else 8
+    m_blocks = triton.cdiv(max_query_len, block_m)
+    head_blocks = triton.cdiv(group, block_h)
+    num_splits = 1
+    if m_blocks == 1:  # short queries (decode, a few draft rows): split the context to fill the GPU
+        programs = num_seqs * num_kv_heads * head_blocks
+        target = 2 * sm_count
+        num_splits = max(1, min(MAX_SPLITS, triton.cdiv(max_context, block_n), triton.cdiv(target, programs)))
+    return dict(block_d=block_d, block_h=block_h, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                m_blocks=m_blocks, head_blocks=head_blocks, num_splits=num_splits)
+
+
+def _paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, out,
+                            *, num_splits: int | None = None, block_n: int | None = None,
+                            num_warps: int | None = None):
+    """paged_attention_triton with the split count, KV tile or warps optionally forced (tests, benchmark sweeps)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    cfg = attention_launch_config(num_seqs, max_query_len, num_q_heads, num_kv_heads, head_dim,
+                                  block_tables.shape[1] * block_size, _sm_count(q.device), q.dtype == torch.float32)
+    if num_splits is not None:
+        assert num_splits == 1 or cfg["m_blocks"] == 1, "split-K needs max_query_len <= BLOCK_M"
+        cfg["num_splits"] = num_splits
+    if block_n is not None:
+        cfg["block_n"] = block_n
+    if num_warps is not None:
+        cfg["num_warps"] = num_warps
+    num_splits = cfg["num_splits"]
+    part_rows = max_query_len
+    if num_splits > 1:
+        f32 = dict(dtype=torch.float32, device=q.device)
+        part_max = torch.empty(num_seqs, part_rows, num_q_heads, num_splits, **f32)
+        part_sum = torch.empty(num_seqs, part_rows, num_q_heads, num_splits, **f32)
+        part_acc = torch.empty(num_seqs, part_rows, num_q_heads, num_splits, head_dim, **f32)
+    else:
+        part_max = part_sum = part_acc = out  # unused
+    grid = (num_seqs, cfg["m_blocks"], num_kv_heads * cfg["head_blocks"] * num_splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        part_acc, part_max, part_sum,
+        scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), num_q_heads, part_rows,
+        QUERIES_PER_KV=num_q_heads // num_kv_heads, HEAD_BLOCKS_PER_KV=cfg["head_blocks"], HEAD_DIM=head_dim,
+        BLOCK_D=cfg["block_d"], BLOCK_M=cfg["block_m"], BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"],
+        KV_BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"],
+    )
+    if num_splits > 1:
+        _paged_attention_reduce_kernel[(num_seqs, part_rows, num_q_heads)](
+            out, part_acc, part_max, part_sum, query_start_loc,
+            out.stride(0), out.stride(1), num_q_heads, part_rows,
+            HEAD_DIM=head_dim, BLOCK_D=cfg["block_d"], NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
 
 
 def paged_attention_triton(
@@ -184,7 +289,7 @@ def paged_attention_triton(
     query_start_loc: torch.Tensor,  # [B + 1] int32
     scale: float,
     *,
-    max_query_len: int | None = None,  # 1 selects the decode kernel; None means "up to T" (no host sync either way)
+    max_query_len: int | None = None,  # host-side bound of the query lengths; None means "up to T" (no host sync)
     out: torch.Tensor | None = None,  # [T, Hq, D]
 ) -> torch.Tensor:
     num_tokens, num_q_heads, head_dim = q.shape
@@ -192,34 +297,12 @@ def paged_attention_triton(
     num_seqs = seq_lens.shape[0]
     assert num_q_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
-    assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size must be a power of 2 >= 16"
+    assert block_size >= 1 and block_size & (block_size - 1) == 0, "block_size must be a power of 2"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1
     out = torch.empty_like(q) if out is None else out
     assert out.shape == q.shape and out.stride(2) == 1
     if num_tokens == 0 or num_seqs == 0:
         return out
-    max_query_len = num_tokens if max_query_len is None else max_query_len
-
-    common_args = (
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
-    )
-    queries_per_kv = num_q_heads // num_kv_heads
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    if max_query_len == 1:
-        _paged_attention_decode_kernel[(num_seqs, num_q_heads)](
-            *common_args,
-            QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, KV_BLOCK_SIZE=block_size,
-        )
-    else:
-        block_m = min(64, max(16, triton.next_power_of_2(max_query_len)))
-        _paged_attention_prefill_kernel[(num_seqs, triton.cdiv(max_query_len, block_m), num_q_heads)](
-            *common_args,
-            QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_M=block_m, KV_BLOCK_SIZE=block_size,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        )
-    return out
+    max_query_len = num_tokens if max_query_len is None else max(1, min(max_query_len, num_tokens))
+    return _paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                   max_query_len, out)

@@ -11,6 +11,8 @@ reference below computes bit-identical uniforms. Scores are compared in fp64 so 
 the same token (they could only differ on fp64 near-ties, which need ulp-equal scores).
 Optionally both return ``log_softmax(logits / T)`` at the chosen id (T = 1 for greedy rows), computed in fp32.
 """
+import functools
+
 import torch
 
 from ._triton_shim import tl, triton
@@ -94,23 +96,49 @@ def gumbel_sample_ref(
 #
 # Inputs:  logits [B, V] (unit stride on V); temperature [B] fp32; seed, position [B] int64.
 # Writes:  out [B] int64 (and out_logprobs [B] fp32 when asked), every row.
-# Grid:    (B,): one program walks one row in BLOCK_V chunks keeping the best (score, id) so far; a later chunk
-#          replaces it only with a strictly larger score, so ties keep the lowest id.
+# Two-stage reduction. Stage 1, grid (B, num_chunks): one program walks chunk c = ids [c * chunk_size,
+# (c + 1) * chunk_size) of one row in BLOCK_V tiles keeping the best (score, id) so far; a later tile replaces it
+# only with a strictly larger score, so ties keep the lowest id. It writes the chunk's best (and, for logprobs, the
+# chunk's scaled logit at that id and its running (max, sum of exp)) to scratch [B, num_chunks]. Stage 2, grid (B,):
+# the row's maximum over chunks, the lowest id among the chunks that reach it (ids are disjoint and ordered by
+# chunk), and the logsumexp merged over chunks. With one chunk, stage 1 writes the outputs itself.
+# The chunking is chosen on the host from (B, V) only, so a launch never reads device values.
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _argmax_kernel(logits_ptr, logits_stride, out_ptr, vocab_size, BLOCK_V: tl.constexpr):
+def _argmax_kernel(logits_ptr, logits_stride, out_ptr, part_value_ptr, part_id_ptr, vocab_size, chunk_size,
+                   num_chunks, BLOCK_V: tl.constexpr, SINGLE_CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    chunk_start = chunk * chunk_size
+    chunk_end = tl.minimum(chunk_start + chunk_size, vocab_size)
     best_value = tl.full([], float("-inf"), tl.float32)
-    best_id = tl.zeros([], tl.int32)
-    for chunk_start in range(0, vocab_size, BLOCK_V):
-        ids = chunk_start + tl.arange(0, BLOCK_V)
-        values = tl.load(logits_ptr + row * logits_stride + ids, mask=ids < vocab_size, other=float("-inf"))
+    best_id = chunk_start  # an all -inf chunk: its first id, as torch.argmax picks id 0 of an all -inf row
+    for tile_start in range(chunk_start, chunk_end, BLOCK_V):
+        ids = tile_start + tl.arange(0, BLOCK_V)
+        in_chunk = ids < chunk_end
+        values = tl.load(logits_ptr + row * logits_stride + ids, mask=in_chunk, other=float("-inf"))
         values = values.to(tl.float32)
-        chunk_max = tl.max(values, 0)
-        chunk_id = tl.min(tl.where((values == chunk_max) & (ids < vocab_size), ids, vocab_size), 0)
-        is_better = chunk_max > best_value
-        best_id = tl.where(is_better, chunk_id, best_id)
-        best_value = tl.where(is_better, chunk_max, best_value)
+        tile_max = tl.max(values, 0)
+        tile_id = tl.min(tl.where((values == tile_max) & in_chunk, ids, vocab_size), 0)
+        is_better = tile_max > best_value
+        best_id = tl.where(is_better, tile_id, best_id)
+        best_value = tl.where(is_better, tile_max, best_value)
+    if SINGLE_CHUNK:
+        tl.store(out_ptr + row, best_id.to(tl.int64))
+    else:
+        tl.store(part_value_ptr + row * num_chunks + chunk, best_value)
+        tl.store(part_id_ptr + row * num_chunks + chunk, best_id)
+
+
+@triton.jit
+def _argmax_reduce_kernel(part_value_ptr, part_id_ptr, out_ptr, num_chunks, vocab_size, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, BLOCK_C)
+    mask = chunks < num_chunks
+    values = tl.load(part_value_ptr + row * num_chunks + chunks, mask=mask, other=float("-inf"))
+    ids = tl.load(part_id_ptr + row * num_chunks + chunks, mask=mask, other=0)
+    best_value = tl.max(values, 0)
+    best_id = tl.min(tl.where((values == best_value) & mask, ids, vocab_size), 0)
     tl.store(out_ptr + row, best_id.to(tl.int64))
 
 
@@ -131,10 +159,14 @@ def _philox_first_word(c0, c1, c2, c3, k0, k1):
 @triton.jit
 def _gumbel_sample_kernel(
     logits_ptr, logits_stride, temperature_ptr, seed_ptr, position_ptr, out_ptr, out_logprobs_ptr,
-    vocab_size,
-    WRITE_LOGPROBS: tl.constexpr, BLOCK_V: tl.constexpr,
+    part_score_ptr, part_id_ptr, part_scaled_ptr, part_max_ptr, part_sum_ptr,
+    vocab_size, chunk_size, num_chunks,
+    WRITE_LOGPROBS: tl.constexpr, BLOCK_V: tl.constexpr, SINGLE_CHUNK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    chunk_start = chunk * chunk_size
+    chunk_end = tl.minimum(chunk_start + chunk_size, vocab_size)
     temperature = tl.load(temperature_ptr + row).to(tl.float32)
     is_greedy = temperature == 0.0
     safe_temperature = tl.where(is_greedy, 1.0, temperature)
@@ -146,14 +178,14 @@ def _gumbel_sample_kernel(
     position_hi = ((position >> 32) & 0xFFFFFFFF).to(tl.uint32)
 
     best_score = tl.full([], float("-inf"), tl.float64)
-    best_id = tl.zeros([], tl.int32)
+    best_id = chunk_start
     best_scaled_logit = tl.zeros([], tl.float32)  # logits[best_id] / T, for the logprob
     running_max = tl.full([], float("-inf"), tl.float32)  # of logits / T
     running_sum = tl.zeros([], tl.float32)  # of exp(logits / T - running_max)
-    for chunk_start in range(0, vocab_size, BLOCK_V):
-        ids = chunk_start + tl.arange(0, BLOCK_V)
-        in_vocab = ids < vocab_size
-        logits = tl.load(logits_ptr + row * logits_stride + ids, mask=in_vocab, other=float("-inf")).to(tl.float32)
+    for tile_start in range(chunk_start, chunk_end, BLOCK_V):
+        ids = tile_start + tl.arange(0, BLOCK_V)
+        in_chunk = ids < chunk_end
+        logits = tl.load(logits_ptr + row * logits_stride + ids, mask=in_chunk, other=float("-inf")).to(tl.float32)
 
         counter_lo = ids.to(tl.uint32)
         random_word = _philox_first_word(counter_lo, tl.zeros_like(counter_lo), position_lo + tl.zeros_like(counter_lo),
@@ -162,29 +194,96 @@ def _gumbel_sample_kernel(
         gumbel = -tl.log(-tl.log(uniform))
         sampled_score = logits.to(tl.float64) / safe_temperature.to(tl.float64) + gumbel
         score = tl.where(is_greedy, logits.to(tl.float64), sampled_score)
-        score = tl.where(in_vocab, score, float("-inf"))
+        score = tl.where(in_chunk, score, float("-inf"))
 
-        chunk_max = tl.max(score, 0)
-        chunk_id = tl.min(tl.where((score == chunk_max) & in_vocab, ids, vocab_size), 0)
-        is_better = chunk_max > best_score
-        best_id = tl.where(is_better, chunk_id, best_id)
-        best_score = tl.where(is_better, chunk_max, best_score)
+        tile_max = tl.max(score, 0)
+        tile_id = tl.min(tl.where((score == tile_max) & in_chunk, ids, vocab_size), 0)
+        is_better = tile_max > best_score
+        best_id = tl.where(is_better, tile_id, best_id)
+        best_score = tl.where(is_better, tile_max, best_score)
         if WRITE_LOGPROBS:
             scaled = logits / safe_temperature
-            chunk_scaled_at_id = tl.sum(tl.where(ids == chunk_id, scaled, 0.0), 0)
-            best_scaled_logit = tl.where(is_better, chunk_scaled_at_id, best_scaled_logit)
+            tile_scaled_at_id = tl.sum(tl.where(ids == tile_id, scaled, 0.0), 0)
+            best_scaled_logit = tl.where(is_better, tile_scaled_at_id, best_scaled_logit)
             new_max = tl.maximum(running_max, tl.max(scaled, 0))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
             running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(scaled - shift), 0)
             running_max = new_max
 
+    if SINGLE_CHUNK:
+        tl.store(out_ptr + row, best_id.to(tl.int64))
+        if WRITE_LOGPROBS:
+            tl.store(out_logprobs_ptr + row, best_scaled_logit - running_max - tl.log(running_sum))
+    else:
+        part = row * num_chunks + chunk
+        tl.store(part_score_ptr + part, best_score)
+        tl.store(part_id_ptr + part, best_id)
+        if WRITE_LOGPROBS:
+            tl.store(part_scaled_ptr + part, best_scaled_logit)
+            tl.store(part_max_ptr + part, running_max)
+            tl.store(part_sum_ptr + part, running_sum)
+
+
+@triton.jit
+def _gumbel_sample_reduce_kernel(
+    part_score_ptr, part_id_ptr, part_scaled_ptr, part_max_ptr, part_sum_ptr, out_ptr, out_logprobs_ptr,
+    num_chunks, vocab_size,
+    WRITE_LOGPROBS: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, BLOCK_C)
+    mask = chunks < num_chunks
+    part = row * num_chunks + chunks
+    scores = tl.load(part_score_ptr + part, mask=mask, other=float("-inf"))
+    ids = tl.load(part_id_ptr + part, mask=mask, other=0)
+    best_score = tl.max(scores, 0)
+    best_id = tl.min(tl.where((scores == best_score) & mask, ids, vocab_size), 0)
     tl.store(out_ptr + row, best_id.to(tl.int64))
     if WRITE_LOGPROBS:
-        tl.store(out_logprobs_ptr + row, best_scaled_logit - running_max - tl.log(running_sum))
+        scaled = tl.load(part_scaled_ptr + part, mask=mask, other=0.0)
+        best_scaled_logit = tl.sum(tl.where((ids == best_id) & mask, scaled, 0.0), 0)
+        chunk_max = tl.load(part_max_ptr + part, mask=mask, other=float("-inf"))
+        chunk_sum = tl.load(part_sum_ptr + part, mask=mask, other=0.0)
+        global_max = tl.max(chunk_max, 0)
+        shift = tl.where(global_max == float("-inf"), 0.0, global_max)
+        total = tl.sum(chunk_sum * tl.exp(chunk_max - shift), 0)
+        tl.store(out_logprobs_ptr + row, best_scaled_logit - global_max - tl.log(total))
 
 
-def _vocab_block(vocab_size: int) -> int:
-    return min(2048, triton.next_power_of_2(vocab_size))
+DEFAULT_SM_COUNT = 132  # H100 / H200; the chunking heuristic's assumption when the tensors are not on CUDA
+MAX_CHUNKS = 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def vocab_launch_config(num_rows: int, vocab_size: int, sm_count: int = DEFAULT_SM_COUNT) -> tuple[int, int]:
+    """(BLOCK_V, chunk_size) from host-known shapes: about 4 programs per SM, chunks a multiple of BLOCK_V."""
+    block_v = min(1024, triton.next_power_of_2(max(vocab_size, 1)))
+    num_tiles = triton.cdiv(vocab_size, block_v)
+    num_chunks = max(1, min(num_tiles, MAX_CHUNKS, triton.cdiv(4 * sm_count, max(num_rows, 1))))
+    return block_v, triton.cdiv(num_tiles, num_chunks) * block_v
+
+
+def _argmax_launch(logits: torch.Tensor, out: torch.Tensor, block_v: int, chunk_size: int) -> torch.Tensor:
+    num_rows, vocab_size = logits.shape
+    assert chunk_size % block_v == 0
+    num_chunks = triton.cdiv(vocab_size, chunk_size)
+    if num_chunks > 1:
+        part_value = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
+        part_id = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
+    else:
+        part_value = part_id = out  # unused
+    _argmax_kernel[(num_rows, num_chunks)](logits, logits.stride(0), out, part_value, part_id, vocab_size, chunk_size,
+                                           num_chunks, BLOCK_V=block_v, SINGLE_CHUNK=num_chunks == 1)
+    if num_chunks > 1:
+        _argmax_reduce_kernel[(num_rows,)](part_value, part_id, out, num_chunks, vocab_size,
+                                           BLOCK_C=triton.next_power_of_2(num_chunks))
+    return out
 
 
 def argmax_triton(
@@ -195,9 +294,39 @@ def argmax_triton(
     num_rows, vocab_size = logits.shape
     assert logits.stride(1) == 1
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device) if out is None else out
-    if num_rows > 0:
-        _argmax_kernel[(num_rows,)](logits, logits.stride(0), out, vocab_size, BLOCK_V=_vocab_block(vocab_size))
+    if num_rows > 0 and vocab_size > 0:
+        _argmax_launch(logits, out, *vocab_launch_config(num_rows, vocab_size, _sm_count(logits.device)))
     return out
+
+
+def _gumbel_sample_launch(logits, temperature, seed, position, return_logprobs, out, out_logprobs,
+                          block_v: int, chunk_size: int) -> None:
+    num_rows, vocab_size = logits.shape
+    assert chunk_size % block_v == 0
+    num_chunks = triton.cdiv(vocab_size, chunk_size)
+    out_logprobs = out_logprobs if return_logprobs else out  # unused without logprobs
+    if num_chunks > 1:
+        dev = dict(device=logits.device)
+        part_score = torch.empty(num_rows, num_chunks, dtype=torch.float64, **dev)
+        part_id = torch.empty(num_rows, num_chunks, dtype=torch.int32, **dev)
+        if return_logprobs:
+            part_scaled, part_max, part_sum = torch.empty(3, num_rows, num_chunks, dtype=torch.float32, **dev)
+        else:
+            part_scaled = part_max = part_sum = part_score  # unused
+    else:
+        part_score = part_id = part_scaled = part_max = part_sum = out  # unused
+    _gumbel_sample_kernel[(num_rows, num_chunks)](
+        logits, logits.stride(0), temperature, seed, position, out, out_logprobs,
+        part_score, part_id, part_scaled, part_max, part_sum,
+        vocab_size, chunk_size, num_chunks,
+        WRITE_LOGPROBS=return_logprobs, BLOCK_V=block_v, SINGLE_CHUNK=num_chunks == 1,
+    )
+    if num_chunks > 1:
+        _gumbel_sample_reduce_kernel[(num_rows,)](
+            part_score, part_id, part_scaled, part_max, part_sum, out, out_logprobs,
+            num_chunks, vocab_size,
+            WRITE_LOGPROBS=return_logprobs, BLOCK_C=triton.next_power_of_2(num_chunks),
+        )
 
 
 def gumbel_sample_triton(
@@ -215,10 +344,7 @@ def gumbel_sample_triton(
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device) if out is None else out
     if return_logprobs and out_logprobs is None:
         out_logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-    if num_rows > 0:
-        _gumbel_sample_kernel[(num_rows,)](
-            logits, logits.stride(0), temperature, seed, position, out, out_logprobs if return_logprobs else out,
-            vocab_size,
-            WRITE_LOGPROBS=return_logprobs, BLOCK_V=_vocab_block(vocab_size),
-        )
+    if num_rows > 0 and vocab_size > 0:
+        _gumbel_sample_launch(logits, temperature, seed, position, return_logprobs, out, out_logprobs,
+                              *vocab_launch_config(num_rows, vocab_size, _sm_count(logits.device)))
     return (out, out_logprobs) if return_logprobs else out

@@ -30,10 +30,10 @@ def make_batch(q_lens, ctx_lens, num_q_heads, num_kv_heads, head_dim, block_size
     for seq, (ctx, n_blocks) in enumerate(zip(ctx_lens, blocks_per_seq)):
         block_tables[seq, :n_blocks] = block_ids[next_block:next_block + n_blocks].int()
         next_block += n_blocks
-        for pos in range(ctx):
-            block, offset = int(block_tables[seq, pos // block_size]), pos % block_size
-            k_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen)
-            v_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen)
+        pos = torch.arange(ctx)
+        blocks, offsets = block_tables[seq, pos // block_size].long(), pos % block_size
+        k_cache[blocks, offsets] = torch.randn(ctx, num_kv_heads, head_dim, generator=gen)
+        v_cache[blocks, offsets] = torch.randn(ctx, num_kv_heads, head_dim, generator=gen)
     query_start_loc = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     num_rows = int(query_start_loc[-1]) + 2  # two trailing padding rows owned by no sequence
     q = torch.randn(num_rows, num_q_heads, head_dim, generator=gen)
@@ -76,8 +76,104 @@ def test_decode_matches_reference(device, dtype, num_q_heads, num_kv_heads, head
     expected = attention.paged_attention_ref(*args, out=poisoned(q.shape, dtype, device))
     decoded = attention.paged_attention_triton(*args, max_query_len=1, out=poisoned(q.shape, dtype, device))
     assert_matches(decoded, expected, atol=1e-5, rtol=1e-5)
-    via_prefill_kernel = attention.paged_attention_triton(*args, out=poisoned(q.shape, dtype, device))
-    assert_matches(via_prefill_kernel, expected, atol=1e-5, rtol=1e-5)
+    without_max_query_len = attention.paged_attention_triton(*args, out=poisoned(q.shape, dtype, device))  # bound T
+    assert_matches(without_max_query_len, expected, atol=1e-5, rtol=1e-5)
+
+
+# Split-K ("flash decoding") paths, with the split count and KV tile forced: splits of several tiles with a short
+# last one, more splits than tiles (empty splits), KV tiles smaller than a cache block (split boundaries inside a
+# block) and larger (a tile gathers several blocks), GQA 1 / 4 / 6 (padded heads) / 8 / 80 (two head blocks),
+# and short prefill rows whose causal windows end inside a split.
+SPLIT_CASES = {
+    # name: (q_lens, ctx_lens, Hq, Hkv, head_dim, block_size, block_n, num_splits)
+    "decode-gqa4-b1-19tiles-7splits": ([1], [300], 8, 2, 64, 16, 16, 7),
+    "decode-gqa1-boundary-inside-bs128": ([1, 1, 0, 1], [200, 129, 7, 1], 2, 2, 32, 128, 16, 5),
+    "decode-gqa8-tile-spans-4-blocks": ([1, 1, 1], [64, 65, 190], 8, 1, 48, 16, 64, 4),
+    "decode-gqa6-padded-heads-bs8": ([1, 0, 1], [37, 9, 100], 12, 2, 16, 8, 16, 3),
+    "decode-gqa80-two-head-blocks": ([1, 1], [40, 3], 80, 1, 16, 16, 16, 3),
+    "decode-more-splits-than-tiles": ([1, 1], [20, 5], 4, 1, 32, 16, 16, 16),
+    "prefill-short-rows-split": ([3, 1, 0, 2, 4], [200, 50, 4, 2, 70], 8, 2, 64, 32, 16, 6),
+    "prefill-gqa1-rows-past-splits": ([5, 3], [21, 3], 2, 2, 32, 16, 16, 4),
+}
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_split_paths_match_reference(device, dtype, case):
+    q_lens, ctx_lens, num_q_heads, num_kv_heads, head_dim, block_size, block_n, num_splits = SPLIT_CASES[case]
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc = make_batch(
+        q_lens, ctx_lens, num_q_heads, num_kv_heads, head_dim, block_size, device, dtype, seed=len(case))
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, head_dim**-0.5)
+    expected = attention.paged_attention_ref(*args, out=poisoned(q.shape, dtype, device))
+    split = attention._paged_attention_launch(*args, max(q_lens), poisoned(q.shape, dtype, device),
+                                              num_splits=num_splits, block_n=block_n)
+    assert_matches(split, expected, atol=1e-5, rtol=1e-5)
+    unsplit = attention._paged_attention_launch(*args, max(q_lens), poisoned(q.shape, dtype, device),
+                                                num_splits=1, block_n=block_n)
+    assert_matches(unsplit, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(8, 2), (4, 4)])
+def test_decode_batch_33_default_config(device, dtype, num_q_heads, num_kv_heads):
+    # The public launcher with its own split choice on an odd batch: contexts 1..150, a few empty sequences.
+    gen = torch.Generator().manual_seed(33)
+    ctx_lens = torch.randint(1, 151, (33,), generator=gen).tolist()
+    q_lens = [0 if i % 11 == 5 else 1 for i in range(33)]
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc = make_batch(
+        q_lens, ctx_lens, num_q_heads, num_kv_heads, 32, 16, device, dtype, seed=num_q_heads)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 0.2)
+    cfg = attention.attention_launch_config(33, 1, num_q_heads, num_kv_heads, 32, block_tables.shape[1] * 16)
+    assert cfg["num_splits"] > 1  # the split path is what this test is about
+    expected = attention.paged_attention_ref(*args, out=poisoned(q.shape, dtype, device))
+    actual = attention.paged_attention_triton(*args, max_query_len=1, out=poisoned(q.shape, dtype, device))
+    assert_matches(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_launch_config_from_shapes_only():
+    config = attention.attention_launch_config
+    # Llama-3-8B head (32 q / 8 KV heads, D 128), decode: the 4 heads of a group share a program (padded to the
+    # 16 rows tl.dot needs), and batch 1 splits the context into enough programs to fill 132 SMs twice.
+    llama_b1 = config(1, 1, 32, 8, 128, 8192)
+    assert (llama_b1["block_m"], llama_b1["block_h"], llama_b1["head_blocks"], llama_b1["m_blocks"]) == (1, 16, 1, 1)
+    assert llama_b1["num_splits"] * 8 >= 2 * attention.DEFAULT_SM_COUNT
+    assert config(1, 1, 32, 8, 128, 1024)["num_splits"] == 1024 // 64  # one 64-position tile per split at most
+    assert config(128, 1, 32, 8, 128, 1024)["num_splits"] == 1  # 1024 programs already
+    assert config(1, 1, 32, 8, 128, 64)["num_splits"] == 1  # never more splits than tiles of the longest context
+    assert config(1, 1, 32, 8, 128, 10**6)["num_splits"] <= attention.MAX_SPLITS
+    # Short prefill (3 draft rows): 4 rows x 4 heads in one program, still split; long prefill: no split.
+    short = config(1, 3, 32, 8, 128, 1024)
+    assert (short["block_m"], short["block_h"], short["m_blocks"]) == (4, 4, 1) and short["num_splits"] > 1
+    long = config(2, 500, 32, 8, 128, 1024)
+    assert long["m_blocks"] > 1 and long["num_splits"] == 1 and long["block_m"] * long["block_h"] == 64
+    assert config(1, 1, 128, 1, 64, 1024)["head_blocks"] == 2  # groups over 64 heads take several programs
+    long_fp32 = config(2, 500, 32, 8, 128, 1024, fp32=True)  # IEEE FMA dots: smaller tiles, no register spills
+    assert long_fp32["block_m"] * long_fp32["block_h"] == 32 and long_fp32["block_n"] == 16
+
+
+CUDA_DTYPES = [p for p in DEVICE_DTYPES if p.values[0] == "cuda"]
+
+
+@pytest.mark.parametrize("device,dtype", CUDA_DTYPES)
+def test_split_decode_replays_in_cuda_graph(device, dtype):
+    # The decode path (split + reduce, scratch allocated inside the capture) replays correctly with new seq_lens:
+    # the grid and split count depend on shapes only, each split's range on the device-side seq_len.
+    q_lens, ctx_lens = [1, 1, 1], [700, 17, 1]
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc = make_batch(
+        q_lens, ctx_lens, 32, 8, 128, 16, device, dtype, seed=7)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 128**-0.5)
+    out = poisoned(q.shape, dtype, device)
+    attention.paged_attention_triton(*args, max_query_len=1, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attention.paged_attention_triton(*args, max_query_len=1, out=out)
+    for new_lens in ([700, 17, 1], [5, 16, 1], [333, 1, 1]):
+        seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = attention.paged_attention_ref(*args, out=poisoned(q.shape, dtype, device))
+        assert_matches(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_reference_single_row_attends_to_its_prefix_only():

@@ -23,7 +23,7 @@ def test_every_kernel_compiles_for_sm90():
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when unset
     result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "compiled 42 kernel variants" in result.stdout, result.stdout[-3000:]
+    assert "compiled 69 kernel variants" in result.stdout, result.stdout[-3000:]
 
 
 def cross_compile_all() -> int:
@@ -36,7 +36,7 @@ def cross_compile_all() -> int:
                                  prepare_next_token_padded, rms_norm, rope, sampling, shift_and_cache)
 
     type_names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32",
-                  torch.bool: "i1"}
+                  torch.bool: "i1", torch.float64: "fp64"}
     num_compiled = 0
 
     class CompileInsteadOfLaunch:
@@ -48,20 +48,23 @@ def cross_compile_all() -> int:
                 nonlocal num_compiled
                 options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
                 values = dict(zip([p.name for p in self.kernel.params], args)) | kwargs
-                signature, constexprs = {}, {}
-                for param in self.kernel.params:
+                signature, constexprs, attrs = {}, {}, {}
+                for index, param in enumerate(self.kernel.params):
                     value = values[param.name]
                     if param.is_constexpr:
                         signature[param.name], constexprs[param.name] = "constexpr", value
                     elif isinstance(value, torch.Tensor):
                         signature[param.name] = "*" + type_names[value.dtype]
+                        attrs[(index,)] = [["tt.divisibility", 16]]  # like the JIT's 16-byte alignment specialization
                     elif isinstance(value, bool):
                         signature[param.name] = "i1"
                     elif isinstance(value, int):
                         signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+                        if value % 16 == 0 and value != 0:
+                            attrs[(index,)] = [["tt.divisibility", 16]]
                     else:
                         signature[param.name] = "fp32"
-                source = ASTSource(fn=self.kernel, signature=signature, constexprs=constexprs)
+                source = ASTSource(fn=self.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
                 compiled = triton.compile(source, target=GPUTarget("cuda", TARGET_ARCH, 32), options=options)
                 assert len(compiled.asm["cubin"]) > 0
                 num_compiled += 1
@@ -87,16 +90,22 @@ def cross_compile_all() -> int:
             for max_query_len in (5, 1, None):
                 paged_attention.paged_attention_triton(q, cache, cache, block_tables, seq_lens, query_start_loc, 0.1,
                                                        max_query_len=max_query_len)
+        # split-K (decode and short prefill: kernel + reduce), Llama-3-8B shape, 1024-position block tables
+        q_llama, cache_llama = zeros(9, 32, 128, dtype=dtype), zeros(4, 16, 8, 128, dtype=dtype)
+        for max_query_len in (1, 3):
+            paged_attention.paged_attention_triton(q_llama, cache_llama, cache_llama, zeros(2, 64, dtype=torch.int32),
+                                                   seq_lens, query_start_loc, 0.1, max_query_len=max_query_len)
         x, weight = zeros(9, 4096, dtype=dtype), zeros(4096, dtype=dtype)
         rms_norm.rms_norm_triton(x, weight, 1e-6)
         rms_norm.rms_norm_triton(x, weight, 1e-6, x.clone())
         rms_norm.rms_norm_triton(x[:, :100], weight[:100].contiguous(), 1e-6, x[:, :100])
         rope.apply_rope_triton(q, key, zeros(9), zeros(64, 80, dtype=torch.float32))
-        logits = zeros(3, 5003, dtype=dtype)
-        sampling.argmax_triton(logits)
         temperature, seed = zeros(3, dtype=torch.float32), zeros(3)
-        sampling.gumbel_sample_triton(logits, temperature, seed, seed)
-        sampling.gumbel_sample_triton(logits, temperature, seed, seed, return_logprobs=True)
+        for vocab_size in (5003, 100):  # two-stage (chunks + reduce) and single-chunk
+            logits = zeros(3, vocab_size, dtype=dtype)
+            sampling.argmax_triton(logits)
+            sampling.gumbel_sample_triton(logits, temperature, seed, seed)
+            sampling.gumbel_sample_triton(logits, temperature, seed, seed, return_logprobs=True)
         shift_and_cache.shift_and_cache_triton(zeros(20, 300, dtype=dtype), zeros(20, 300, dtype=dtype),
                                                zeros(3, 4, 300, dtype=dtype), *[zeros(2)] * 6)
     for shift in (True, False):
