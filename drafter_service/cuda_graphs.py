@@ -29,6 +29,7 @@ Only greedy steps use the graphs (every sequence at temperature 0, no logprobs, 
 others, and batches of more than MAX_GRAPH_BATCH drafting sequences, with its eager decode loop.
 On the CPU (tests) the same static-buffer step runs eagerly, with no graphs.
 """
+import gc
 import logging
 import time
 
@@ -135,14 +136,22 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         self.steps_left.zero_()  # every row is a padding row while capturing: the warm-up runs write no KV
         pool = None
-        for bs in reversed(self.sizes):
-            self._step(bs)  # warm-up: compiles this size's Triton specializations outside the capture
-            torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self._step(bs)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = graph
+        # No garbage collection while capturing: a collection on this thread that frees a pinned host tensor makes
+        # the host allocator record a CUDA event on the capturing stream, which invalidates the capture (seen once
+        # on the H200: "operation failed due to a previous error during capture"). vLLM disables GC here too.
+        gc.collect()
+        gc.disable()
+        try:
+            for bs in reversed(self.sizes):
+                self._step(bs)  # warm-up: compiles this size's Triton specializations outside the capture
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    self._step(bs)
+                pool = graph.pool() if pool is None else pool
+                self.graphs[bs] = graph
+        finally:
+            gc.enable()
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()  # the warm-ups' cached blocks; the graphs' private pool stays
         self.capture_seconds = time.perf_counter() - t0
