@@ -7,6 +7,10 @@ triton imports, otherwise stand-ins that let the decorated definitions evaluate 
 Note: ``@triton.jit`` reads ``TRITON_INTERPRET`` when the kernel is *defined* (module import), not when launched.
 """
 
+import functools
+
+import torch
+
 HAS_TRITON = False
 try:
     import triton
@@ -45,3 +49,14 @@ except ImportError:  # CPU-only install: the torch references are used (see ops.
     tl = _MissingLanguage()
 
 __all__ = ["HAS_TRITON", "triton", "tl"]
+
+
+DEFAULT_SM_COUNT = 132  # H100 / H200: what launch heuristics assume when the tensors are not on CUDA
+
+
+@functools.lru_cache(maxsize=None)
+def device_sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the device (split / chunk heuristics size their grids with it)."""
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count

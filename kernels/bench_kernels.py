@@ -85,7 +85,7 @@ def bench_attention(args, device, dtype, bw_gbps, rows, sweep_rows):
             expected = pa.paged_attention_ref(q.float(), k.float(), v.float(), bt, sl, qsl, scale)
             err = relative_error(out, expected)
             cfg = pa.attention_launch_config(batch, q_len, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, bt.shape[1] * 16,
-                                             pa._sm_count(q.device), dtype == torch.float32)
+                                             pa.device_sm_count(q.device), dtype == torch.float32)
             nbytes = attention_bytes(batch, q_len, args.context, dtype)
             rows.append(row(kind, f"B={batch} q={q_len} ctx={args.context}", median_us(fn), nbytes, bw_gbps,
                             f"rel_err={err:.1e}",
@@ -119,7 +119,7 @@ def bench_sampling(device, dtype, bw_gbps, rows):
         nbytes = batch * VOCAB * elt + batch * 8
         sampling.argmax_triton(logits, out=out)
         exact = torch.equal(out, logits.argmax(-1))
-        block_v, chunk = sampling.vocab_launch_config(batch, VOCAB, sampling._sm_count(logits.device))
+        block_v, chunk = sampling.vocab_launch_config(batch, VOCAB, sampling.device_sm_count(logits.device))
         chunking = f"chunks={-(-VOCAB // chunk)} of {chunk} (tile {block_v})"
         rows.append(row("argmax", f"[{batch}, {VOCAB}]", median_us(lambda: sampling.argmax_triton(logits, out=out)),
                         nbytes, bw_gbps, f"exact={exact}", chunking))

@@ -6,11 +6,10 @@ position ``seq_lens[i] - q_len_i + j`` and attends to context positions ``0 ..= 
 The K/V of every context position (the new rows too) must already be in the cache.
 GQA: query head h reads KV head ``h // (Hq // Hkv)``.
 """
-import functools
 
 import torch
 
-from ._triton_shim import tl, triton
+from ._triton_shim import DEFAULT_SM_COUNT, device_sm_count, tl, triton
 
 
 def paged_attention_ref(
@@ -192,15 +191,7 @@ def _paged_attention_reduce_kernel(
              mask=dim_mask)
 
 
-DEFAULT_SM_COUNT = 132  # H100 / H200; the split heuristic's assumption when the tensors are not on CUDA
 MAX_SPLITS = 128
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_SM_COUNT
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def attention_launch_config(num_seqs: int, max_query_len: int, num_q_heads: int, num_kv_heads: int,
@@ -238,7 +229,7 @@ def _paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_s
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     cfg = attention_launch_config(num_seqs, max_query_len, num_q_heads, num_kv_heads, head_dim,
-                                  block_tables.shape[1] * block_size, _sm_count(q.device), q.dtype == torch.float32)
+                                  block_tables.shape[1] * block_size, device_sm_count(q.device), q.dtype == torch.float32)
     if num_splits is not None:
         assert num_splits == 1 or cfg["m_blocks"] == 1, "split-K needs max_query_len <= BLOCK_M"
         cfg["num_splits"] = num_splits

@@ -11,11 +11,10 @@ reference below computes bit-identical uniforms. Scores are compared in fp64 so 
 the same token (they could only differ on fp64 near-ties, which need ulp-equal scores).
 Optionally both return ``log_softmax(logits / T)`` at the chosen id (T = 1 for greedy rows), computed in fp32.
 """
-import functools
 
 import torch
 
-from ._triton_shim import tl, triton
+from ._triton_shim import DEFAULT_SM_COUNT, device_sm_count, tl, triton
 
 PHILOX_ROUND_A = 0xD2511F53
 PHILOX_ROUND_B = 0xCD9E8D57
@@ -250,15 +249,7 @@ def _gumbel_sample_reduce_kernel(
         tl.store(out_logprobs_ptr + row, best_scaled_logit - global_max - tl.log(total))
 
 
-DEFAULT_SM_COUNT = 132  # H100 / H200; the chunking heuristic's assumption when the tensors are not on CUDA
 MAX_CHUNKS = 1024
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_SM_COUNT
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def vocab_launch_config(num_rows: int, vocab_size: int, sm_count: int = DEFAULT_SM_COUNT) -> tuple[int, int]:
@@ -295,7 +286,7 @@ def argmax_triton(
     assert logits.stride(1) == 1
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device) if out is None else out
     if num_rows > 0 and vocab_size > 0:
-        _argmax_launch(logits, out, *vocab_launch_config(num_rows, vocab_size, _sm_count(logits.device)))
+        _argmax_launch(logits, out, *vocab_launch_config(num_rows, vocab_size, device_sm_count(logits.device)))
     return out
 
 
@@ -346,5 +337,5 @@ def gumbel_sample_triton(
         out_logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     if num_rows > 0 and vocab_size > 0:
         _gumbel_sample_launch(logits, temperature, seed, position, return_logprobs, out, out_logprobs,
-                              *vocab_launch_config(num_rows, vocab_size, _sm_count(logits.device)))
+                              *vocab_launch_config(num_rows, vocab_size, device_sm_count(logits.device)))
     return (out, out_logprobs) if return_logprobs else out

@@ -8,19 +8,16 @@ import json
 import pathlib
 import sys
 
+from drafter_client.benchmarks import pyplot
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[demo]'): no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return 1
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for f in a.files:
