@@ -299,7 +299,11 @@ def test_pool_defaults(helm_env, values):
     assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
     assert spec["automountServiceAccountToken"] is False
     assert {"name": "drafter-tmp", "mountPath": "/tmp"} in c["volumeMounts"]
-    assert {v["name"] for v in spec["volumes"]} == {"drafter-tmp"}
+    assert {v["name"] for v in spec["volumes"]} == {"drafter-tmp", "drafter-shm"}
+    # /dev/shm large enough for the shared-memory data plane (the container default is 64 MiB)
+    assert {"name": "drafter-shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    shm = next(v for v in spec["volumes"] if v["name"] == "drafter-shm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
 
     # Service: named grpc port with appProtocol grpc, plus metrics
@@ -556,7 +560,10 @@ def test_parent_chart_example(helm_env, tmp_path):
     (engine,) = spec["containers"]
     assert {"name": "drafter-socket", "mountPath": "/run/drafter"} in engine["volumeMounts"]
     assert {"name": "DRAFTER_ADDRESS", "value": "unix:/run/drafter/drafter.sock"} in engine["env"]
-    assert {v["name"] for v in spec["volumes"]} == {"drafter-tmp", "drafter-socket"}
+    # the engine and the drafter share /dev/shm, so host shared-memory regions are visible to both
+    assert {"name": "drafter-shm", "mountPath": "/dev/shm"} in engine["volumeMounts"]
+    assert {"name": "drafter-shm", "mountPath": "/dev/shm"} in drafter["volumeMounts"]
+    assert {v["name"] for v in spec["volumes"]} == {"drafter-tmp", "drafter-socket", "drafter-shm"}
 
     # forgetting drafter.mode=sidecar is an error, not a silent extra GPU pool
     proc = helm(helm_env, "template", "e", str(work / "engine"),

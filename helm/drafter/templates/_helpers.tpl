@@ -311,6 +311,10 @@ sys.exit(0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1)
   volumeMounts:
     - name: drafter-tmp
       mountPath: /tmp
+    {{- if $v.sharedMemory.enabled }}
+    - name: drafter-shm
+      mountPath: /dev/shm
+    {{- end }}
     {{- if $sidecar }}
     - name: drafter-socket
       mountPath: {{ $v.sidecar.socketDir }}
@@ -348,6 +352,14 @@ sys.exit(0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1)
 {{- if eq $v.mode "sidecar" }}
 - name: drafter-socket
   emptyDir: {}
+{{- end }}
+{{- if $v.sharedMemory.enabled }}
+- name: drafter-shm
+  emptyDir:
+    medium: Memory
+    {{- with $v.sharedMemory.sizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
 {{- end }}
 {{- include "drafter.modelVolume" (dict "m" $v.model "name" "drafter-model" "what" "model") }}
 {{- include "drafter.modelVolume" (dict "m" $v.targetModel "name" "drafter-target-model" "what" "targetModel") }}

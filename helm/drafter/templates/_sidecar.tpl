@@ -71,4 +71,8 @@ Each renders a YAML list (maybe empty); volume names all start with "drafter-".
 {{- define "drafter.sidecar.engineVolumeMounts" -}}
 - name: drafter-socket
   mountPath: {{ .Values.sidecar.socketDir }}
+{{- if .Values.sharedMemory.enabled }}
+- name: drafter-shm
+  mountPath: /dev/shm
+{{- end }}
 {{- end }}
