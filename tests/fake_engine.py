@@ -60,3 +60,51 @@ class FakeSequence:
         end = len(self.tokens) - 1  # exclusive end of committed-with-hidden positions
         self.committed = end
         return SequenceStep(self.seq_id, p, self.tokens[p:end], self.hidden[p:end], self.tokens[end], k)
+
+
+async def drive_engine(target: str, use_stream: bool, name: str, new_seq, expected_drafts, *, steps: int,
+                       max_k: int, retire_len: int, retire_p: float, rng: random.Random) -> dict:
+    """One simulated engine against a drafter: three sequences at a time, `steps` engine steps, each sequence's
+    drafts checked against ``expected_drafts(seq, step)`` (a naive reference), acceptance counted by the drafter
+    checked against the simulation, sequences retired (released) past `retire_len` tokens or at random and
+    replaced by ``new_seq()``. Sequences may carry ``temperature`` / ``seed`` attributes (sampling settings).
+    Over TCP or a Unix socket, with the unary RPC or the stream."""
+    from drafter_client import DrafterClient
+
+    seqs = [new_seq() for _ in range(3)]
+    checked = engine_steps = 0
+    async with DrafterClient(target, namespace=name) as client:
+        session = client.stream() if use_stream else None
+        try:
+            for _ in range(steps):
+                batch = []
+                for s in seqs:
+                    step = s.next_step(rng.randint(1, max_k))
+                    step.temperature, step.seed = getattr(s, "temperature", 0.0), getattr(s, "seed", 0)
+                    batch.append(step)
+                result = await (session.propose(batch) if session else client.propose(batch))
+                engine_steps += 1
+                for s, step, res in zip(seqs, batch, result.sequences):
+                    assert res.ok, f"{s.seq_id}: {res.code} {res.message}"
+                    assert res.sequence_id == s.seq_id
+                    assert res.committed_length == s.committed
+                    if step.num_drafts == 0:
+                        assert res.drafts.numel() == 0
+                        continue
+                    if s.last_drafts and step.start_position <= len(s.tokens) - 1 - s.expected_accepted:
+                        assert res.accepted_drafts == s.expected_accepted, s.seq_id
+                    expected = expected_drafts(s, step)
+                    got = res.drafts.tolist()
+                    assert got == expected, (f"{s.seq_id} (T={step.temperature}) step at p={step.start_position}: "
+                                             f"{got} != {expected}")
+                    s.last_drafts = got
+                    checked += 1
+                for i, s in enumerate(seqs):
+                    if not s.in_prefill and (len(s.tokens) > retire_len or rng.random() < retire_p):
+                        assert (await client.release([s.seq_id])).released == 1
+                        seqs[i] = new_seq()
+        finally:
+            if session:
+                await session.close()
+        await client.release([s.seq_id for s in seqs])
+    return {"engine_steps": engine_steps, "sequence_steps_checked": checked}

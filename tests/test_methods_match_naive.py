@@ -15,9 +15,8 @@ import torch
 
 from checkpoints import write_eagle3, write_multi_layer
 from conftest import ServerThread, make_config
-from drafter_client import DrafterClient
 from drafter_service.sampling import gumbel_sample, seed_to_int64
-from fake_engine import FakeSequence
+from fake_engine import FakeSequence, drive_engine
 from naive_eagle3 import NaiveEagle3, NaiveMultiLayer
 
 STEPS_PER_ENGINE = 30
@@ -48,7 +47,7 @@ def gumbel_pick(temperature: float, seed: int, position: int):
     return pick
 
 
-async def drive_engine(target: str, use_stream: bool, name: str, naive, draft_fn, max_k: int, seed: int) -> int:
+def drive(target: str, use_stream: bool, name: str, naive, draft_fn, max_k: int, seed: int):
     rng = random.Random(seed)
     counter = 0
 
@@ -60,42 +59,12 @@ async def drive_engine(target: str, use_stream: bool, name: str, naive, draft_fn
         s.temperature, s.seed = rng.choice([0.0, 0.0, 0.8, 1.5]), rng.randrange(2**64)
         return s
 
-    seqs = [new_seq() for _ in range(3)]
-    checked = 0
-    async with DrafterClient(target, namespace=name) as client:
-        session = client.stream() if use_stream else None
-        try:
-            for _ in range(STEPS_PER_ENGINE):
-                steps = []
-                for s in seqs:
-                    step = s.next_step(rng.randint(1, max_k))
-                    step.temperature, step.seed = s.temperature, s.seed
-                    steps.append(step)
-                result = await (session.propose(steps) if session else client.propose(steps))
-                for s, step, res in zip(seqs, steps, result.sequences):
-                    assert res.ok, f"{s.seq_id}: {res.code} {res.message}"
-                    assert res.committed_length == s.committed
-                    if step.num_drafts == 0:
-                        assert res.drafts.numel() == 0
-                        continue
-                    if s.last_drafts and step.start_position <= len(s.tokens) - 1 - s.expected_accepted:
-                        assert res.accepted_drafts == s.expected_accepted, s.seq_id
-                    C = len(s.tokens) - 1
-                    expected = draft_fn(s.tokens, s.hidden, step.num_drafts, gumbel_pick(s.temperature, s.seed, C))
-                    got = res.drafts.tolist()
-                    assert got == expected, (f"{s.seq_id} (T={s.temperature}) step at p={step.start_position}: "
-                                             f"{got} != {expected}")
-                    s.last_drafts = got
-                    checked += 1
-                for i, s in enumerate(seqs):
-                    if not s.in_prefill and (len(s.tokens) > 200 or rng.random() < 0.05):
-                        assert (await client.release([s.seq_id])).released == 1
-                        seqs[i] = new_seq()
-        finally:
-            if session:
-                await session.close()
-        await client.release([s.seq_id for s in seqs])
-    return checked
+    def expected(s: FakeSequence, step) -> list[int]:
+        position = len(s.tokens) - 1  # of next_token: the first draft is sampled with noise at this position
+        return draft_fn(s.tokens, s.hidden, step.num_drafts, gumbel_pick(s.temperature, s.seed, position))
+
+    return drive_engine(target, use_stream, name, new_seq, expected, steps=STEPS_PER_ENGINE, max_k=max_k,
+                        retire_len=200, retire_p=0.05, rng=rng)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -108,11 +77,11 @@ def test_drafts_match_naive_reference(method, device, tmp_path):
     with ServerThread(make_config(head, target, tmp_path, device=device)) as server:
         async def run():
             return await asyncio.gather(
-                drive_engine(server.tcp, False, "tcp", naive, draft_fn, spec["max_k"], 1),
-                drive_engine(server.uds, True, "uds", naive, draft_fn, spec["max_k"], 2))
+                drive(server.tcp, False, "tcp", naive, draft_fn, spec["max_k"], 1),
+                drive(server.uds, True, "uds", naive, draft_fn, spec["max_k"], 2))
 
-        checked = asyncio.run(run())
-        assert sum(checked) >= 90
+        runs = asyncio.run(run())
+        assert sum(r["sequence_steps_checked"] for r in runs) >= 90
         free, total = server.call(lambda: (server.server.runtime.kv.pool.num_free,
                                            server.server.runtime.kv.num_blocks))
         assert free == total
