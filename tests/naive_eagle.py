@@ -1,6 +1,8 @@
 """Naive EAGLE-1 reference for the tests: no KV cache, the whole sequence recomputed at every draft step.
 
 Independent of the server's code on purpose (its own weight reading, RoPE, attention): it is the oracle.
+``NaiveLlama`` (dense RMSNorm, RoPE, causal GQA attention, SiLU MLP) also serves the EAGLE-3 and multi-layer
+references in naive_eagle3.py.
 """
 import json
 import pathlib
@@ -9,27 +11,29 @@ import torch
 from safetensors.torch import load_file
 
 
-def _load(d: pathlib.Path) -> dict[str, torch.Tensor]:
+def load_weights(d: pathlib.Path) -> dict[str, torch.Tensor]:
     if (d / "model.safetensors").exists():
         return load_file(str(d / "model.safetensors"))
     return torch.load(str(d / "pytorch_model.bin"), weights_only=True)
 
 
-class NaiveEagle1:
-    def __init__(self, head_dir, target_dir):
-        head_dir, target_dir = pathlib.Path(head_dir), pathlib.Path(target_dir)
-        self.cfg = json.loads((head_dir / "config.json").read_text())
-        w = {k: v.double() for k, v in _load(head_dir).items()}
-        t = _load(target_dir)
-        self.embed = w.get("embed_tokens.weight", t["model.embed_tokens.weight"].double())
-        self.lm_head = w.get("lm_head.weight", t["lm_head.weight"].double())
-        self.w = w
-        c = self.cfg
-        self.H = c["hidden_size"]
-        self.nh, self.nkv = c["num_attention_heads"], c["num_key_value_heads"]
+def greedy(logits: torch.Tensor, j: int) -> int:
+    return int(logits.argmax())
+
+
+class NaiveLlama:
+    """RMSNorm, RoPE from position 0, causal GQA attention and SiLU MLP over a whole sequence."""
+
+    def __init__(self, cfg: dict, w: dict[str, torch.Tensor]):
+        self.cfg, self.w = cfg, w
+        self.H = cfg["hidden_size"]
+        self.nh, self.nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         self.hd = self.H // self.nh
-        self.eps = c["rms_norm_eps"]
-        self.theta = c["rope_theta"]
+        self.eps = cfg["rms_norm_eps"]
+        self.theta = cfg["rope_theta"]
+
+    def rms(self, x: torch.Tensor, key: str) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[key]
 
     def _rope(self, x: torch.Tensor) -> torch.Tensor:  # x [L, heads, hd]
         L, hd = x.shape[0], self.hd
@@ -39,13 +43,8 @@ class NaiveEagle1:
         x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
         return x * cos + torch.cat([-x2, x1], -1) * sin
 
-    def forward(self, ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
-        """Rows = positions 0..L-1, inputs (ids[t] = x[t+1], hidden[t]); returns head outputs [L, H] (fp64)."""
-        w, L = self.w, len(ids)
-        x = torch.cat([self.embed[torch.tensor(ids)], hidden.double()], -1) @ w["fc.weight"].T
-        if "fc.bias" in w:
-            x = x + w["fc.bias"]
-        p = "layers.0.self_attn."
+    def attention(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        w, L = self.w, x.shape[0]
         q = (x @ w[p + "q_proj.weight"].T).view(L, self.nh, self.hd)
         k = (x @ w[p + "k_proj.weight"].T).view(L, self.nkv, self.hd)
         v = (x @ w[p + "v_proj.weight"].T).view(L, self.nkv, self.hd)
@@ -54,12 +53,31 @@ class NaiveEagle1:
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         s = torch.einsum("qhd,khd->hqk", q, k) / self.hd ** 0.5
         s = s.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
-        a = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(L, self.H) @ w[p + "o_proj.weight"].T
-        h = x + a
-        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * w["layers.0.post_attention_layernorm.weight"]
-        m = "layers.0.mlp."
-        mlp = (torch.nn.functional.silu(n @ w[m + "gate_proj.weight"].T) * (n @ w[m + "up_proj.weight"].T)) @ w[m + "down_proj.weight"].T
-        return h + mlp
+        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(L, self.nh * self.hd) @ w[p + "o_proj.weight"].T
+
+    def mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        w = self.w
+        return (torch.nn.functional.silu(x @ w[p + "gate_proj.weight"].T) * (x @ w[p + "up_proj.weight"].T)) \
+            @ w[p + "down_proj.weight"].T
+
+
+class NaiveEagle1(NaiveLlama):
+    def __init__(self, head_dir, target_dir):
+        head_dir, target_dir = pathlib.Path(head_dir), pathlib.Path(target_dir)
+        w = {k: v.double() for k, v in load_weights(head_dir).items()}
+        super().__init__(json.loads((head_dir / "config.json").read_text()), w)
+        t = load_weights(target_dir)
+        self.embed = w.get("embed_tokens.weight", t["model.embed_tokens.weight"].double())
+        self.lm_head = w.get("lm_head.weight", t["lm_head.weight"].double())
+
+    def forward(self, ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """Rows = positions 0..L-1, inputs (ids[t] = x[t+1], hidden[t]); returns head outputs [L, H] (fp64)."""
+        w = self.w
+        x = torch.cat([self.embed[torch.tensor(ids)], hidden.double()], -1) @ w["fc.weight"].T
+        if "fc.bias" in w:
+            x = x + w["fc.bias"]
+        h = x + self.attention(x, "layers.0.self_attn.")  # layer 0 of EAGLE-1: no input_layernorm
+        return h + self.mlp(self.rms(h, "layers.0.post_attention_layernorm.weight"), "layers.0.mlp.")
 
     def drafts(self, tokens: list[int], hidden: torch.Tensor, k: int) -> list[int]:
         """tokens = x[0..L] (the last is the next token), hidden = h[0..L-1]: the k greedy drafts for L+1.."""

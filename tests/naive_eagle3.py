@@ -10,57 +10,8 @@ import json
 import pathlib
 
 import torch
-from safetensors.torch import load_file
 
-
-def load_weights(d: pathlib.Path) -> dict[str, torch.Tensor]:
-    if (d / "model.safetensors").exists():
-        return load_file(str(d / "model.safetensors"))
-    return torch.load(str(d / "pytorch_model.bin"), weights_only=True)
-
-
-def greedy(logits: torch.Tensor, j: int) -> int:
-    return int(logits.argmax())
-
-
-class NaiveLlama:
-    """RMSNorm, RoPE from position 0, causal GQA attention and SiLU MLP over a whole sequence."""
-
-    def __init__(self, cfg: dict, w: dict[str, torch.Tensor]):
-        self.cfg, self.w = cfg, w
-        self.H = cfg["hidden_size"]
-        self.nh, self.nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        self.hd = self.H // self.nh
-        self.eps = cfg["rms_norm_eps"]
-        self.theta = cfg["rope_theta"]
-
-    def rms(self, x: torch.Tensor, key: str) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[key]
-
-    def _rope(self, x: torch.Tensor) -> torch.Tensor:  # x [L, heads, hd]
-        L, hd = x.shape[0], self.hd
-        inv = 1.0 / (self.theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-        ang = torch.arange(L, dtype=torch.float64)[:, None] * inv[None, :]
-        cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
-        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
-        return x * cos + torch.cat([-x2, x1], -1) * sin
-
-    def attention(self, x: torch.Tensor, p: str) -> torch.Tensor:
-        w, L = self.w, x.shape[0]
-        q = (x @ w[p + "q_proj.weight"].T).view(L, self.nh, self.hd)
-        k = (x @ w[p + "k_proj.weight"].T).view(L, self.nkv, self.hd)
-        v = (x @ w[p + "v_proj.weight"].T).view(L, self.nkv, self.hd)
-        q, k = self._rope(q), self._rope(k)
-        rep = self.nh // self.nkv
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        s = torch.einsum("qhd,khd->hqk", q, k) / self.hd ** 0.5
-        s = s.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
-        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(L, self.nh * self.hd) @ w[p + "o_proj.weight"].T
-
-    def mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
-        w = self.w
-        return (torch.nn.functional.silu(x @ w[p + "gate_proj.weight"].T) * (x @ w[p + "up_proj.weight"].T)) \
-            @ w[p + "down_proj.weight"].T
+from naive_eagle import NaiveLlama, greedy, load_weights
 
 
 class NaiveEagle3(NaiveLlama):
