@@ -154,13 +154,20 @@ def write_eagle3(root: pathlib.Path, *, seed: int = 0, draft_vocab: int | None =
     if layer_prefix != "midlayer":
         state = {(layer_prefix + k.removeprefix("midlayer") if k.startswith("midlayer.") else k): v
                  for k, v in state.items()}
+    return _write_head_and_target(root, cfg, state, drop, bin_format, vocab=V, hidden=Ht, num_layers=target_layers,
+                                  seed=seed + 1)
+
+
+def _write_head_and_target(root: pathlib.Path, cfg: dict, state: dict[str, torch.Tensor], drop: tuple[str, ...],
+                           bin_format: bool, **target_kwargs) -> tuple[pathlib.Path, pathlib.Path]:
+    """root/head (config.json + weights, minus the keys in `drop`) and root/target (write_target(**target_kwargs))."""
     for k in drop:
         state.pop(k)
     head, target = root / "head", root / "target"
     head.mkdir(parents=True, exist_ok=True)
     (head / "config.json").write_text(json.dumps(cfg))
     _write_state(head, state, bin_format)
-    write_target(target, vocab=V, hidden=Ht, num_layers=target_layers, seed=seed + 1)
+    write_target(target, **target_kwargs)
     return head, target
 
 
@@ -188,11 +195,4 @@ def write_multi_layer(root: pathlib.Path, *, seed: int = 0, n_predict: int = 3, 
             state[f"{p}.shared_head.head.weight"] = w(V, H, std=2.0)
     if embed:
         state["embed_tokens.weight"] = w(V, H, std=1.0)
-    for k in drop:
-        state.pop(k)
-    head, target = root / "head", root / "target"
-    head.mkdir(parents=True, exist_ok=True)
-    (head / "config.json").write_text(json.dumps(cfg))
-    _write_state(head, state, bin_format)
-    write_target(target, vocab=V, hidden=H, num_layers=4, seed=seed + 1)
-    return head, target
+    return _write_head_and_target(root, cfg, state, drop, bin_format, vocab=V, hidden=H, num_layers=4, seed=seed + 1)
