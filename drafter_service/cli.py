@@ -36,6 +36,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
                     help="on CUDA: capture the decode steps as CUDA graphs at start-up and replay them "
                          "(--no-cuda-graphs: run them eagerly)")
+    ap.add_argument("--first-step-graph-tokens", type=int, default=d.first_step_graph_tokens,
+                    help="with CUDA graphs: also replay the first draft step of greedy batches of <= 32 sequences "
+                         "that all bring the same number m <= N of committed tokens (one graph per padded batch "
+                         "size and m, captured at start-up); 0 = run every first step eagerly")
     ap.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message size limit")
     ap.add_argument("--metrics-port", type=int, default=d.metrics_port,
                     help="Prometheus text on http://0.0.0.0:PORT/metrics (0 = off)")
@@ -57,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         max_model_len=a.max_model_len, max_draft_tokens=a.max_draft_tokens, max_batch_tokens=a.max_batch_tokens,
         max_batch_seqs=a.max_batch_seqs, max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port,
         shutdown_grace_s=a.shutdown_grace_s, log_level=a.log_level, shared_memory=not a.no_shared_memory,
-        shm_dir=a.shm_dir, shm_lease_s=a.shm_lease_s, cuda_graphs=a.cuda_graphs)
+        shm_dir=a.shm_dir, shm_lease_s=a.shm_lease_s, cuda_graphs=a.cuda_graphs,
+        first_step_graph_tokens=a.first_step_graph_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,9 @@ class ServerConfig:
     max_batch_tokens: int | None = None  # committed rows merged into one batch; None = max(8192, max_model_len)
     max_batch_seqs: int = 1024  # sequences in one batch / one request
     cuda_graphs: bool = True  # CUDA only: decode steps replayed from CUDA graphs captured at start-up
+    # with cuda_graphs: the first draft step of a uniform greedy batch (<= 32 sequences, each with the same number
+    # m <= this of committed tokens) is replayed from a graph too; one graph per (padded batch, m); 0 = never
+    first_step_graph_tokens: int = 8
     max_message_bytes: int = 256 * 1024 * 1024
     metrics_port: int = 0  # Prometheus text exposition on http://0.0.0.0:PORT/metrics; 0 = off
     shutdown_grace_s: float = 30.0
@@ -34,6 +37,8 @@ class ServerConfig:
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128 (got {self.block_size})")
         if self.max_draft_tokens < 1:
             raise ValueError("max_draft_tokens must be >= 1")
+        if self.first_step_graph_tokens < 0:
+            raise ValueError("first_step_graph_tokens must be >= 0")
         if not self.listen:
             raise ValueError("at least one --listen address is needed")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:

@@ -1,6 +1,6 @@
-"""The greedy decode steps of an engine step (drafts 2..k), replayed from CUDA graphs captured at start-up.
+"""The greedy draft steps of an engine step, replayed from CUDA graphs captured at start-up.
 
-After the first draft step (eager: its query lengths vary), every drafting sequence runs single-token decode steps.
+Decode steps (drafts 2..k). After the first draft step every drafting sequence runs single-token decode steps.
 Their shapes depend only on the number of rows, so one CUDA graph per *padded* batch size (1, 2, 4, 8, 16, 32,
 48, ... 256, up to --max-batch-seqs) holds one whole decode step of a sequential head (EAGLE-1, EAGLE-3):
 device-side advance of positions / slots / seq_lens, the head's forward, lm_head, argmax. The graph reads and
@@ -27,7 +27,26 @@ The host copies the drafting rows' inputs into the static buffers with device->d
 max(k) - 1 times, and copies all drafts to the host once: the step's only device->host synchronization.
 Only greedy steps use the graphs (every sequence at temperature 0, no logprobs, no top-k); the proposer runs the
 others, and batches of more than MAX_GRAPH_BATCH drafting sequences, with its eager decode loop.
-On the CPU (tests) the same static-buffer step runs eagerly, with no graphs.
+
+The first draft step (draft 1), when the batch is uniform. Its rows are the committed tokens, m_i per sequence, so
+its shapes vary with the batch. A *uniform* batch (every sequence brings the same m <= --first-step-graph-tokens
+tokens and asks for drafts, at most MAX_FIRST_STEP_GRAPH_BATCH sequences: at batch 1 every step is uniform) is
+replayed from one more graph per (padded batch size, m), captured at start-up too. It reads its own static rows
+and writes the decode buffers above, so the whole greedy step is graph replays between one batch of device copies
+in and one copy of the drafts out:
+
+  static buffer      shape              before the first-step replay
+  fs_input_ids       [R] int64          row t of sequence i: x[t+1], its last row next_token (rows i*m .. i*m+m-1)
+  fs_hidden          [R, W]             the target hidden states of the rows (model dtype)
+  fs_positions       [R] int64          p_i + r
+  fs_slots           [R] int64          the rows' KV slots; PADDING_SLOT_ID for the padding sequences' rows
+  seq_lens           (decode buffer)    p_i + m; m for padding sequences (their rows are positions 0..m-1)
+  block_tables       (decode buffer)    as for decode
+  R = MAX_FIRST_STEP_GRAPH_BATCH * --first-step-graph-tokens; query_start_loc (i * m) and the rows that give
+  draft 1 (i * m + m - 1) are constants of the graph.
+Padding sequences (B <= i < bs) read block 0 of the pool and write nothing; their outputs are discarded.
+
+On the CPU (tests) the same static-buffer steps run eagerly, with no graphs.
 """
 import gc
 import logging
@@ -44,6 +63,7 @@ from .step_metadata import StepMetadata
 log = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 256  # larger batches run the eager decode loop
+MAX_FIRST_STEP_GRAPH_BATCH = 32  # uniform batches of more sequences run the first step eagerly
 
 
 def graph_batch_sizes(max_batch_seqs: int) -> list[int]:
@@ -67,7 +87,8 @@ class DecodeGraphs:
     """Static buffers and one CUDA graph per padded batch size for one greedy decode step."""
 
     def __init__(self, model, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 max_model_len: int, max_batch_seqs: int, dtype: torch.dtype, device: torch.device):
+                 max_model_len: int, max_batch_seqs: int, dtype: torch.dtype, device: torch.device,
+                 first_step_tokens: int = 0):
         self.model = model
         self.kv_layers = kv_layers
         self.block_size = block_size
@@ -87,10 +108,25 @@ class DecodeGraphs:
             self.steps_left = torch.zeros(max_bs, dtype=torch.int32, **z)
             self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, **z)  # one query row per sequence
             self.draft_ids = torch.zeros(max_bs, dtype=torch.int64, **z)
+        # first step of uniform batches: padded batch sizes up to MAX_FIRST_STEP_GRAPH_BATCH, m = 1..first_step_tokens
+        self.first_sizes = [s for s in self.sizes if s <= MAX_FIRST_STEP_GRAPH_BATCH] if first_step_tokens > 0 else []
+        self.first_step_tokens = first_step_tokens if self.first_sizes else 0
+        max_fs = self.first_sizes[-1] if self.first_sizes else 0
+        R = max_fs * self.first_step_tokens
+        with torch.inference_mode():
+            self.fs_input_ids = torch.zeros(R, dtype=torch.int64, **z)
+            self.fs_hidden = torch.zeros(R, model.hidden_states_width, dtype=dtype, **z)
+            self.fs_positions = torch.zeros(R, dtype=torch.int64, **z)
+            self.fs_slots = torch.full((R,), ops.PADDING_SLOT_ID, dtype=torch.int64, **z)
+            seq = torch.arange(max_fs + 1, **z)
+            self.fs_query_start_loc = {m: (seq * m).to(torch.int32) for m in range(1, self.first_step_tokens + 1)}
+            self.fs_last_rows = {m: seq[1:] * m - 1 for m in range(1, self.first_step_tokens + 1)}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded batch size -> graph; empty: run eagerly
+        self.first_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (padded batch size, m) -> graph
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.steps_run = 0  # engine steps whose decode steps ran here
+        self.first_steps_run = 0  # engine steps whose first step ran here too
 
     def can_run(self, num_rows: int) -> bool:
         return padded_batch_size(num_rows, self.sizes) is not None
@@ -118,6 +154,27 @@ class DecodeGraphs:
         draft = ops.argmax(logits, out=self.draft_ids[:bs])  # [bs]
         input_ids.copy_(self.model.draft_to_target(draft))
         hidden.copy_(self.model.next_hidden(head_out))
+
+    def _first_step(self, bs: int, m: int) -> None:
+        """The first draft step of a uniform batch of bs (padded) sequences with m rows each, on the static rows;
+        writes draft 1 and the head output of each sequence's last row into the decode buffers."""
+        T = bs * m
+        meta = AttentionMetadata(positions=self.fs_positions[:T], slot_mapping=self.fs_slots[:T],
+                                 query_start_loc=self.fs_query_start_loc[m][: bs + 1], seq_lens=self.seq_lens[:bs],
+                                 block_tables=self.block_tables[:bs], max_query_len=m)
+        hidden_in = self.model.combine_hidden_states(self.fs_hidden[:T])
+        head_out = self.model.forward(self.fs_input_ids[:T], hidden_in, meta, self.kv_layers)  # [T, H]
+        last = head_out[self.fs_last_rows[m][:bs]]  # [bs, H]
+        draft = ops.argmax(self.model.compute_logits(last), out=self.draft_ids[:bs])
+        self.input_ids[:bs].copy_(self.model.draft_to_target(draft))
+        self.hidden[:bs].copy_(self.model.next_hidden(last))
+
+    def _replay_first(self, bs: int, m: int) -> None:
+        graph = self.first_graphs.get((bs, m))
+        if graph is None:
+            self._first_step(bs, m)
+        else:
+            graph.replay()
 
     def _replay(self, bs: int) -> None:
         graph = self.graphs.get(bs)
@@ -150,6 +207,17 @@ class DecodeGraphs:
                     self._step(bs)
                 pool = graph.pool() if pool is None else pool
                 self.graphs[bs] = graph
+            # first-step graphs: every row a padding row (slot PADDING_SLOT_ID: no KV write), seq_len m
+            for bs in reversed(self.first_sizes):
+                for m in range(self.first_step_tokens, 0, -1):
+                    self.seq_lens[:bs].fill_(m)
+                    self._first_step(bs, m)  # warm-up
+                    torch.cuda.synchronize(dev)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                        self._first_step(bs, m)
+                    self.first_graphs[(bs, m)] = graph
+            self.seq_lens.fill_(1)
         finally:
             gc.enable()
         torch.cuda.synchronize(dev)
@@ -158,13 +226,22 @@ class DecodeGraphs:
         self.capture_bytes = free_before - torch.cuda.mem_get_info(dev)[0]
         buffer_bytes = sum(t.numel() * t.element_size() for t in (
             self.input_ids, self.hidden, self.positions, self.seq_lens, self.slot_mapping, self.block_tables,
-            self.steps_left, self.query_start_loc, self.draft_ids))
-        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.2f s; they hold %.1f MiB of device memory "
-                 "(graph pool, kernels, workspaces), plus %.1f MiB of static buffers", len(self.graphs),
-                 ",".join(map(str, self.sizes)), self.capture_seconds, self.capture_bytes / 2**20,
-                 buffer_bytes / 2**20)
+            self.steps_left, self.query_start_loc, self.draft_ids, self.fs_input_ids, self.fs_hidden,
+            self.fs_positions, self.fs_slots))
+        log.info("captured %d decode CUDA graphs (batch sizes %s) and %d first-step graphs (uniform batches of up to "
+                 "%d sequences with 1..%d tokens each) in %.2f s; they hold %.1f MiB of device memory (graph pool, "
+                 "kernels, workspaces), plus %.1f MiB of static buffers", len(self.graphs),
+                 ",".join(map(str, self.sizes)), len(self.first_graphs), self.first_sizes[-1] if self.first_sizes else 0,
+                 self.first_step_tokens, self.capture_seconds, self.capture_bytes / 2**20, buffer_bytes / 2**20)
 
     # ---- one engine step ----
+
+    def can_run_first_step(self, md: StepMetadata) -> bool:
+        """Whether this (greedy) step's first draft step can replay a first-step graph: every sequence drafts and
+        brings the same number m of rows, m <= first_step_tokens, and the batch pads to a captured size."""
+        B, T, m = len(md.num_drafts), md.input_ids.shape[0], md.first_step.max_query_len
+        return (0 < m <= self.first_step_tokens and len(md.active) == B and T == B * m
+                and padded_batch_size(B, self.first_sizes) is not None)
 
     def draft(self, md: StepMetadata, out, first_tokens: torch.Tensor, hidden: torch.Tensor):
         """Drafts 2..k of every drafting sequence; all drafts 1..k added to ``out`` (the proposer's _Drafts).
@@ -175,21 +252,44 @@ class DecodeGraphs:
         """
         n = len(md.active)
         bs = padded_batch_size(n, self.sizes)
-        ks = torch.tensor([md.num_drafts[i] for i in md.active])  # [n] host
-        num_steps = int(ks.max()) - 1
         assert bs is not None and tuple(hidden.shape) == (n, self.hidden.shape[1]), (n, tuple(hidden.shape))
-        # drafting rows [0, n) from this step; padding rows [n, bs) are masked by steps_left = 0
-        w = md.draft_block_tables.shape[1]
+        self._load_decode_rows(md, n, bs)
         self.input_ids[:n].copy_(first_tokens)
         self.hidden[:n].copy_(hidden)
+        return self._decode_and_collect(md, out, n, bs)
+
+    def draft_all(self, md: StepMetadata, out):
+        """Drafts 1..k of a uniform batch (can_run_first_step): the first step replayed too."""
+        B, m = len(md.num_drafts), md.first_step.max_query_len
+        bs = padded_batch_size(B, self.first_sizes)
+        T, R = B * m, bs * m
+        self._load_decode_rows(md, B, bs)  # block tables and seq_lens (p + m) serve the first step as well
+        self.seq_lens[B:bs].fill_(m)  # padding sequences: rows at positions 0..m-1 (their slots write nothing)
+        self.fs_input_ids[:T].copy_(md.input_ids)
+        self.fs_hidden[:T].copy_(md.hidden_states)
+        self.fs_positions[:T].copy_(md.first_step.positions)
+        self.fs_slots[:T].copy_(md.first_step.slot_mapping)
+        self.fs_slots[T:R].fill_(ops.PADDING_SLOT_ID)
+        self._replay_first(bs, m)
+        self.first_steps_run += 1
+        return self._decode_and_collect(md, out, B, bs)
+
+    def _load_decode_rows(self, md: StepMetadata, n: int, bs: int) -> None:
+        """Drafting rows [0, n) from this step's metadata; padding rows [n, bs) are masked by steps_left = 0."""
+        w = md.draft_block_tables.shape[1]
         self.positions[:n].copy_(md.draft_positions)
         self.seq_lens[:n].copy_(md.draft_seq_lens)
         self.block_tables[:n, :w].copy_(md.draft_block_tables)
         self.steps_left[:n].copy_(md.draft_steps)
         self.steps_left[n:bs].zero_()
 
+    def _decode_and_collect(self, md: StepMetadata, out, n: int, bs: int):
+        """input_ids/hidden rows [0, n) hold draft 1 and its hidden input: replay the decode steps, copy all drafts
+        to the host once, add them to ``out`` column by column."""
+        ks = torch.tensor([md.num_drafts[i] for i in md.active])  # [n] host
+        num_steps = int(ks.max()) - 1
         tokens = torch.empty(n, num_steps + 1, dtype=torch.int64, device=self.device)  # [n, max k]
-        tokens[:, 0] = first_tokens
+        tokens[:, 0] = self.input_ids[:n]
         for j in range(1, num_steps + 1):
             self._replay(bs)
             tokens[:, j] = self.input_ids[:n]
@@ -214,7 +314,7 @@ def _to_host_once(t: torch.Tensor) -> torch.Tensor:
 
 
 def capture_decode_graphs(proposer, block_size: int, max_model_len: int, max_batch_seqs: int,
-                          dtype: torch.dtype, device: torch.device) -> DecodeGraphs | None:
+                          dtype: torch.dtype, device: torch.device, first_step_tokens: int = 0) -> DecodeGraphs | None:
     """At start-up, after the KV pool exists: the proposer's decode graphs, or None when they cannot run."""
     if proposer.model.drafting != "sequential":
         log.info("CUDA graphs: not used by %s drafting (only sequential heads have decode steps)",
@@ -225,6 +325,6 @@ def capture_decode_graphs(proposer, block_size: int, max_model_len: int, max_bat
                     "and the torch references synchronize with the host; decode steps run eagerly")
         return None
     graphs = DecodeGraphs(proposer.model, proposer.kv_layers, block_size, max_model_len, max_batch_seqs, dtype,
-                          device)
+                          device, first_step_tokens)
     graphs.capture()
     return graphs

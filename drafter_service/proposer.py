@@ -282,13 +282,16 @@ class Proposer:
         sp = self._sampling(batch, md)
         meta, seq_lens, block_tables = md.first_step, md.host_seq_lens, md.host_block_tables
         # ---- end step metadata ----
+        out = _Drafts(B, [a.step.top_k_probs for a in batch])
+        # ---- CUDA fast path (cuda_graphs.py): a uniform greedy batch replays the first step from a graph too ----
+        if sp.greedy_only and self.decode_graphs is not None and self.decode_graphs.can_run_first_step(md):
+            return self.decode_graphs.draft_all(md, out)
         hidden_in = self.model.combine_hidden_states(md.hidden_states)
         head_out = self.model.forward(md.input_ids, hidden_in, meta, self.kv_layers)
 
         # -- drafts: only sequences that asked for some (k = 0 is a prefill chunk) --
         ks = [a.num_drafts for a in batch]
         active = [i for i in range(B) if ks[i] > 0]  # batch indices still drafting
-        out = _Drafts(B, [a.step.top_k_probs for a in batch])
         if not active:
             return out
         last_rows = md.draft_rows  # [n] on the device

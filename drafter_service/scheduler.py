@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 class _Pending:
     steps: list[StepInput]
     future: asyncio.Future
+    trace: dict | None = None  # when given: the batch's worker_start / worker_end (time.perf_counter) go here
 
     @property
     def num_tokens(self) -> int:
@@ -48,11 +50,11 @@ class StepScheduler:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="drafter-scheduler")
 
-    async def submit(self, steps: list[StepInput]) -> list[StepOutput]:
+    async def submit(self, steps: list[StepInput], trace: dict | None = None) -> list[StepOutput]:
         if self._stopping:
             raise RuntimeError("the scheduler is stopped")
         fut = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(steps, fut))
+        self._queue.append(_Pending(steps, fut, trace))
         self._wakeup.set()
         return await fut
 
@@ -96,9 +98,9 @@ class StepScheduler:
             steps = [s for p in batch for s in p.steps]
             try:
                 if self.inline:  # experiment knob: run the step on the event-loop thread (no thread hand-off)
-                    outputs = self.proposer.step(steps)
+                    outputs, span = _timed_step(self.proposer, steps)
                 else:
-                    outputs = await loop.run_in_executor(self._executor, self.proposer.step, steps)
+                    outputs, span = await loop.run_in_executor(self._executor, _timed_step, self.proposer, steps)
             except Exception as e:  # the proposer catches its own errors; this is a last resort
                 log.exception("batch failed")
                 for p in batch:
@@ -110,6 +112,8 @@ class StepScheduler:
                 self.requests_merged += len(batch)
             r = 0
             for p in batch:
+                if p.trace is not None:
+                    p.trace["worker_start"], p.trace["worker_end"] = span
                 if not p.future.done():
                     p.future.set_result(outputs[r : r + len(p.steps)])
                 r += len(p.steps)
@@ -121,3 +125,9 @@ class StepScheduler:
         if self._task is not None:
             await self._task
         self._executor.shutdown(wait=True)
+
+
+def _timed_step(proposer: Proposer, steps: list[StepInput]) -> tuple[list[StepOutput], tuple[float, float]]:
+    t0 = time.perf_counter()
+    outputs = proposer.step(steps)
+    return outputs, (t0, time.perf_counter())

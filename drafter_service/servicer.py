@@ -1,9 +1,10 @@
 """The drafter.v1.Drafter gRPC service: decode and validate, hand steps to the scheduler, encode the reply."""
 import asyncio
+import json
 import logging
-import time
 import math
 import os
+import time
 
 import grpc
 import torch
@@ -78,6 +79,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         # Benchmarks only (benchmarks/bench_data_plane.py): decode, check and stage the tensors, then answer with
         # no drafts and without running the head, to time the data plane alone.
         self.ingest_only = False
+        # Diagnostics (scripts/rpc_timeline.py): with DRAFTER_TRACE_RPC=PATH, one JSON line per Propose with the
+        # time.perf_counter() of each phase (enter, parsed, worker_start, worker_end, resumed, replied). On Linux it
+        # is CLOCK_MONOTONIC, shared by the processes of a machine, so a client on the same node can line its own
+        # send/receive times up with these.
+        trace_path = os.environ.get("DRAFTER_TRACE_RPC")
+        self.trace_file = open(trace_path, "a", buffering=1) if trace_path else None
 
     def attach(self, runtime: Runtime, scheduler: StepScheduler) -> None:
         self.runtime, self.scheduler = runtime, scheduler
@@ -145,6 +152,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
         steps = parse_propose(request, rt.limits, read_shm)
         t_parsed = time.perf_counter()
+        trace = {} if self.trace_file is not None else None
         if self.ingest_only:
             if request.hidden_states.WhichOneof("data") == "raw" and steps:
                 # Inline states are still views of the message: move them to the device as the proposer would
@@ -154,10 +162,15 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                     torch.cuda.synchronize(rt.device)
             outputs = [StepOutput() for _ in steps]
         else:
-            outputs = await self.scheduler.submit(steps)
+            outputs = await self.scheduler.submit(steps, trace)
         t_stepped = time.perf_counter()
         response = build_response(outputs, [s.sequence_id for s in request.steps], request.request_id)
-        rt.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, time.perf_counter() - t_stepped)
+        t_replied = time.perf_counter()
+        rt.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, t_replied - t_stepped)
+        if trace is not None:
+            trace.update(request_id=request.request_id, enter=t_enter, parsed=t_parsed, resumed=t_stepped,
+                         replied=t_replied)
+            self.trace_file.write(json.dumps(trace) + "\n")
         return response
 
     async def Propose(self, request, context):

@@ -1,0 +1,143 @@
+"""Where one Propose's time goes, phase by phase: client -> handler -> step worker -> handler -> client.
+
+    python scripts/rpc_timeline.py --preset tiny --device cpu
+    python scripts/rpc_timeline.py --preset llama3-8b --device cuda --out docs/bench/rpc_timeline_h200.json
+
+Starts a drafter (own process, Unix socket) with DRAFTER_TRACE_RPC set, so that it logs the time.perf_counter() of
+each phase of every Propose; on Linux that clock is CLOCK_MONOTONIC, the same in both processes, so the client's
+send/receive times line up with the server's. Runs batch-1 decode steps (m committed tokens, k drafts, fixed
+context) as unary calls and on one ProposeStream, and prints the median of each phase:
+
+  to handler      client's call -> handler entered (client packing, gRPC both sides, the server's event loop)
+  parse           decoding and checking the request
+  to worker       handler -> step worker thread starts the batch (scheduler queue, thread hand-off)
+  worker          Proposer.step
+  to handler      worker done -> handler resumes (thread hand-off back to the event loop)
+  reply           encoding the response
+  to client       handler returns -> client has the parsed result (gRPC both sides, client parsing)
+"""
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+PHASES = [("to handler", "send", "enter"), ("parse", "enter", "parsed"), ("to worker", "parsed", "worker_start"),
+          ("worker", "worker_start", "worker_end"), ("to handler (back)", "worker_end", "resumed"),
+          ("reply", "resumed", "replied"), ("to client", "replied", "recv"), ("total", "send", "recv")]
+
+
+def wait_for(path: pathlib.Path, proc: subprocess.Popen, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the drafter exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError("the drafter did not start")
+        time.sleep(0.1)
+
+
+async def run_client(sock: pathlib.Path, shape: dict, a) -> dict[str, dict[int, tuple[float, float]]]:
+    """request_id -> (send, recv) for each mode."""
+    import grpc
+
+    from drafter_client import DrafterClient
+    from drafter_client.benchmarks import bench_step as b
+    from drafter_client.client import build_request, parse_response
+    from drafter_service.rpc import pb_grpc
+
+    times: dict[str, dict[int, tuple[float, float]]] = {"unary": {}, "stream": {}}
+    async with DrafterClient(f"unix:{sock}", namespace="bench") as c:
+        await c.wait_ready(900)
+        info = await c.get_info()
+        prefill, decode = b.make_steps(1, a.context, a.m, a.k, info.hidden_states_width, shape["vocab_size"], seed=1)
+        assert (await c.propose(prefill)).sequences[0].ok
+    async with grpc.aio.insecure_channel(f"unix:{sock}") as ch:
+        stub = pb_grpc.DrafterStub(ch)
+        rid = 0
+        for _ in range(a.iters):
+            rid += 1
+            t0 = time.perf_counter()
+            req = build_request("bench", decode, request_id=rid)  # packing counts: it is the client's work
+            r = parse_response(await stub.Propose(req))
+            times["unary"][rid] = (t0, time.perf_counter())
+            assert r.sequences[0].ok and r.sequences[0].drafts.numel() == a.k
+        call = stub.ProposeStream()
+        for _ in range(a.iters):
+            rid += 1
+            t0 = time.perf_counter()
+            await call.write(build_request("bench", decode, request_id=rid))
+            r = parse_response(await call.read())
+            times["stream"][rid] = (t0, time.perf_counter())
+            assert r.sequences[0].ok
+        await call.done_writing()
+    return times
+
+
+def main() -> int:
+    from drafter_client.benchmarks import bench_step as b
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="tiny", choices=sorted(b.PRESETS))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--context", type=int, default=None)
+    ap.add_argument("--m", type=int, default=3)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--out", default=None, help="JSON file for the medians")
+    ap.add_argument("server_args", nargs="*", help="extra drafter-serve flags (after --)")
+    a = ap.parse_args()
+    shape = b.PRESETS[a.preset]
+    a.context = a.context or shape["context"]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        head, target = b.write_random_head(tmp / "model", shape, a.context + 64)
+        sock, trace = tmp / "drafter.sock", tmp / "trace.jsonl"
+        env = dict(os.environ, DRAFTER_TRACE_RPC=str(trace), PYTHONPATH=os.pathsep.join(sys.path))
+        dtype = "bfloat16" if a.device.startswith("cuda") else "float32"
+        proc = subprocess.Popen([sys.executable, "-m", "drafter_service.cli", "--model", str(head), "--target-model",
+                                 str(target), "--listen", f"unix:{sock}", "--device", a.device, "--dtype", dtype,
+                                 "--kv-cache-tokens", str(4 * (a.context + 64)), "--max-batch-seqs", "8",
+                                 "--log-level", "WARNING", *a.server_args], env=env)
+        try:
+            wait_for(sock, proc)
+            client_times = asyncio.run(run_client(sock, shape, a))
+        finally:
+            proc.terminate()
+            proc.wait()
+        server = {}
+        for line in trace.read_text().splitlines():
+            rec = json.loads(line)
+            server[rec["request_id"]] = rec
+    result = dict(device=a.device, preset=a.preset, context=a.context, m=a.m, k=a.k, iters=a.iters,
+                  date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
+                  command=" ".join([pathlib.Path(sys.argv[0]).name, *sys.argv[1:]]), modes={})
+    if a.device.startswith("cuda"):
+        import torch
+        result["gpu"] = torch.cuda.get_device_name()
+    print(f"{'phase (median us)':<20} {'unary':>9} {'stream':>9}")
+    for mode, ct in client_times.items():
+        rows = []
+        for rid, (send, recv) in list(ct.items())[10:]:  # the first calls warm up
+            rows.append(dict(server[rid], send=send, recv=recv))
+        result["modes"][mode] = {name: statistics.median((r[end] - r[start]) * 1e6 for r in rows)
+                                 for name, start, end in PHASES}
+    for name, _, _ in PHASES:
+        print(f"{name:<20} {result['modes']['unary'][name]:>9.0f} {result['modes']['stream'][name]:>9.0f}")
+    if a.out:
+        pathlib.Path(a.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The static-buffer steps that cuda_graphs.py captures (first step of a uniform batch, decode steps), run eagerly
+on the CPU: the same code a CUDA graph records, checked in CI against the plain proposer and the naive fp64
+reference. The graphs themselves (capture and replay) are checked on the GPU in test_cuda_fast_path.py.
+
+A uniform batch (every sequence brings the same number m of committed tokens and asks for drafts) runs its first
+step on the static rows, with padding sequences up to the padded batch size; the others run it eagerly. Drafts
+must be identical, and so must the KV pools afterwards (padding rows write nothing).
+"""
+import asyncio
+
+import pytest
+import torch
+
+from conftest import make_config
+from drafter_service.cuda_graphs import DecodeGraphs
+from drafter_service.runtime import build_runtime
+from drafter_service.step_io import StepInput
+from drafter_service.step_metadata import StepMetadata
+from lockstep import ProposerDrafter, run_lockstep
+from naive_eagle import NaiveEagle1
+
+
+def with_static_steps(rt, max_batch_seqs: int = 8, first_step_tokens: int = 8):
+    p = rt.proposer
+    p.decode_graphs = DecodeGraphs(p.model, p.kv_layers, rt.kv.block_size, rt.max_model_len, max_batch_seqs,
+                                   rt.dtype, rt.device, first_step_tokens)
+    return rt
+
+
+@pytest.mark.parametrize("num_seqs,max_model_len", [(1, 1024), (2, 1024), (3, 1024), (2, 72)])
+def test_static_first_and_decode_steps_match_eager_and_naive(tiny_model, tmp_path, num_seqs, max_model_len):
+    naive = NaiveEagle1(*tiny_model)
+    plain = build_runtime(make_config(*tiny_model, tmp_path / "plain", max_model_len=max_model_len))
+    static = with_static_steps(build_runtime(make_config(*tiny_model, tmp_path / "static",
+                                                         max_model_len=max_model_len)))
+    records = asyncio.run(run_lockstep(
+        [ProposerDrafter(plain.proposer), ProposerDrafter(static.proposer)], naive=naive, width=naive.H,
+        vocab=naive.lm_head.shape[0], seed=20 + num_seqs, engine_steps=40, num_seqs=num_seqs,
+        max_model_len=max_model_len, max_k=6, prompts=(1, 2, 7, 16, 17, 40, 60)))
+    assert len(records) >= 30
+    for r in records:
+        assert [a.drafts for a in r.replies] == [r.expected, r.expected], r
+    graphs = static.proposer.decode_graphs
+    # batch 1 is uniform unless a prompt of more than 8 tokens comes in one step; larger batches now and then
+    assert graphs.first_steps_run >= (20 if num_seqs == 1 else 2), graphs.first_steps_run
+    assert graphs.steps_run > graphs.first_steps_run  # non-uniform steps still replay the decode steps
+    torch.testing.assert_close(static.kv.kv, plain.kv.kv, atol=1e-5, rtol=1e-5)
+
+
+def test_which_batches_take_the_static_first_step(tiny_model, tmp_path):
+    rt = with_static_steps(build_runtime(make_config(*tiny_model, tmp_path)), max_batch_seqs=8,
+                           first_step_tokens=4)
+    graphs = rt.proposer.decode_graphs
+    assert graphs.first_sizes == [1, 2, 4, 8]
+    g = torch.Generator().manual_seed(0)
+
+    def md(ms: list[int], ks: list[int]) -> StepMetadata:
+        steps = [StepInput("ns", f"s{i}", 0, torch.randint(0, 512, (m,), generator=g), torch.randn(m, 64), 1, k)
+                 for i, (m, k) in enumerate(zip(ms, ks))]
+        batch = [type("A", (), dict(step=s, seq=type("S", (), dict(block_table=[i]))(), num_drafts=s.num_drafts))()
+                 for i, s in enumerate(steps)]
+        return StepMetadata.build(batch, rt.kv.block_size, rt.device)
+
+    assert graphs.can_run_first_step(md([3], [5]))
+    assert graphs.can_run_first_step(md([2, 2, 2], [1, 4, 2]))  # k may differ: steps_left masks the rows
+    assert graphs.can_run_first_step(md([4] * 8, [2] * 8))
+    assert not graphs.can_run_first_step(md([2, 3], [2, 2]))  # m differs
+    assert not graphs.can_run_first_step(md([5], [2]))  # m > first_step_tokens
+    assert not graphs.can_run_first_step(md([2, 2], [2, 0]))  # a prefill chunk (k = 0) in the batch
+    assert not graphs.can_run_first_step(md([1] * 9, [2] * 9))  # more sequences than the largest size
