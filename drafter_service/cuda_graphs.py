@@ -57,7 +57,6 @@ import torch
 from drafter_kernels import ops
 
 from .models.attention_metadata import AttentionMetadata
-from .sampling import DraftSample
 from .step_metadata import StepMetadata
 
 log = logging.getLogger(__name__)
@@ -244,11 +243,11 @@ class DecodeGraphs:
                 and padded_batch_size(B, self.first_sizes) is not None)
 
     def draft(self, md: StepMetadata, out, first_tokens: torch.Tensor, hidden: torch.Tensor):
-        """Drafts 2..k of every drafting sequence; all drafts 1..k added to ``out`` (the proposer's _Drafts).
+        """Drafts 2..k of every drafting sequence; all drafts 1..k go to ``out`` (the proposer's _Drafts), as host
+        lists per batch index.
 
         first_tokens [n] int64: draft 1 (target vocabulary) and hidden [n, H]: the head's next hidden input, for
-        the n = len(md.active) drafting sequences in md.active order. Column j added to ``out`` holds draft j+1 of
-        the sequences with k > j, like the eager loop's; the tokens are on the host already (one copy).
+        the n = len(md.active) drafting sequences in md.active order.
         """
         n = len(md.active)
         bs = padded_batch_size(n, self.sizes)
@@ -285,21 +284,20 @@ class DecodeGraphs:
 
     def _decode_and_collect(self, md: StepMetadata, out, n: int, bs: int):
         """input_ids/hidden rows [0, n) hold draft 1 and its hidden input: replay the decode steps, copy all drafts
-        to the host once, add them to ``out`` column by column."""
-        ks = torch.tensor([md.num_drafts[i] for i in md.active])  # [n] host
-        num_steps = int(ks.max()) - 1
+        to the host once, give each sequence its first k of them."""
+        ks = [md.num_drafts[i] for i in md.active]
+        num_steps = max(ks) - 1
         tokens = torch.empty(n, num_steps + 1, dtype=torch.int64, device=self.device)  # [n, max k]
         tokens[:, 0] = self.input_ids[:n]
         for j in range(1, num_steps + 1):
             self._replay(bs)
             tokens[:, j] = self.input_ids[:n]
-        tokens = _to_host_once(tokens)  # the step's one device->host synchronization
+        rows = _to_host_once(tokens).tolist()  # the step's one device->host synchronization
         self.steps_run += 1
-
-        active = torch.tensor(md.active)
-        for j in range(num_steps + 1):  # drafts past a sequence's own k are dropped here
-            still = ks > j  # [n]
-            out.add(active[still].tolist(), DraftSample(tokens[still, j], None, None, None))
+        per_seq: list[list[int]] = [[] for _ in md.num_drafts]  # batch index -> drafts; k = 0 sequences: none
+        for r, i in enumerate(md.active):  # drafts past a sequence's own k are dropped here
+            per_seq[i] = rows[r][: ks[r]]
+        out.set_host_tokens(per_seq)
         return out
 
 

@@ -76,12 +76,20 @@ class _Drafts:
         self.batch_size = batch_size
         self.top_k = top_k
         self.columns: list[tuple[list[int], DraftSample]] = []  # (batch index of each row, samples of the rows)
+        self.host_tokens: list[list[int]] | None = None  # greedy graph path: [B] token lists, already on the host
 
     def add(self, rows: list[int], sample: DraftSample) -> None:
         self.columns.append((rows, sample))
 
+    def set_host_tokens(self, tokens: list[list[int]]) -> None:
+        """All drafts of a greedy step at once, per batch index (no log-probs, no top-k)."""
+        assert not self.columns and len(tokens) == self.batch_size
+        self.host_tokens = tokens
+
     def finish(self) -> tuple[list[list[int]], list[list[float]], list[torch.Tensor | None], list[torch.Tensor | None]]:
         B = self.batch_size
+        if self.host_tokens is not None:
+            return self.host_tokens, [[] for _ in range(B)], [None] * B, [None] * B
         tokens: list[list[int]] = [[] for _ in range(B)]
         logprobs: list[list[float]] = [[] for _ in range(B)]
         top_ids: list[list[torch.Tensor]] = [[] for _ in range(B)]

@@ -34,6 +34,7 @@ overwrites a buffer still in flight.
 """
 import functools
 import itertools
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -79,22 +80,83 @@ class StepMetadata:
             block_size=block_size, device=device)
 
 
+SMALL_STEP_ROWS = 64  # up to this many first-step rows, the host buffer is built with plain python lists
+
+
 def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor], hidden_states: list[torch.Tensor],
                         next_tokens: list[int], num_drafts: list[int], block_tables: list[list[int]],
                         temperatures: list[float], seeds: list[int], top_ks: list[int], block_size: int,
                         device: torch.device) -> StepMetadata:
-    """Vectorized over the batch: python walks the lists once to read them; no per-sequence tensor op."""
+    """Packs the host buffer (two ways, same bytes: python lists for a small step, where ~50 small tensor ops would
+    cost more than the lists; vectorized torch above SMALL_STEP_ROWS rows), copies it to the device once."""
+    B = len(start_positions)
+    q_lens = [t.shape[0] for t in token_ids]  # m_i >= 1
+    T, w = sum(q_lens), max(len(t) for t in block_tables)
+    pack = _pack_lists if T <= SMALL_STEP_ROWS else _pack_vectorized
+    host, active, seq_lens = pack(start_positions, token_ids, q_lens, next_tokens, num_drafts, block_tables,
+                                  temperatures, seeds, top_ks, block_size, w)
+    n = len(active)
+    wide_sizes = [T, T, T, B, B, n, n, n]
+    narrow_sizes = [B + 1, B, B * w, B, n, n]
+    num_wide = sum(wide_sizes)  # int64 elements = 2 * num_wide int32 elements
+    if device.type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)  # the step's one metadata host->device copy (a no-op on the CPU)
+
+    ids_d, pos_d, slots_d, seed_d, top_k_d, index_d, rows_d, dpos_d = torch.split(
+        dev[: 2 * num_wide].view(torch.int64), wide_sizes)
+    qsl_d, seq_lens_d, tables_d, temperature_d, dseq_d, dsteps_d = torch.split(dev[2 * num_wide:], narrow_sizes)
+    tables_d = tables_d.view(B, w)
+    host_tables = host[2 * num_wide + 2 * B + 1 : 2 * num_wide + 2 * B + 1 + B * w].view(B, w)
+    return StepMetadata(
+        input_ids=ids_d, hidden_states=_cat_to_device(hidden_states, device),
+        first_step=AttentionMetadata(positions=pos_d, slot_mapping=slots_d, query_start_loc=qsl_d,
+                                     seq_lens=seq_lens_d, block_tables=tables_d, max_query_len=max(q_lens)),
+        temperature=temperature_d.view(torch.float32), seed=seed_d, top_k=top_k_d,
+        draft_rows=rows_d, draft_positions=dpos_d, draft_seq_lens=dseq_d,
+        draft_block_tables=tables_d if n == B else tables_d[index_d],  # [n, w]: a gather on the device
+        draft_steps=dsteps_d, active=active, num_drafts=list(num_drafts),
+        host_seq_lens=seq_lens, host_block_tables=host_tables)
+
+
+def _pack_lists(start_positions, token_ids, q_lens, next_tokens, num_drafts, block_tables, temperatures, seeds,
+                top_ks, block_size, w) -> tuple[torch.Tensor, list[int], list[int]]:
+    """The host buffer of a small step, sequence by sequence in python: (buffer, active, seq_lens)."""
+    ids, pos, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+    for p, toks, m, nxt, table in zip(start_positions, token_ids, q_lens, next_tokens, block_tables):
+        ids += toks.tolist()[1:]  # row t gets x[t+1] ...
+        ids.append(nxt)  # ... and the last row next_token
+        rows = range(p, p + m)
+        pos += rows
+        slots += [table[t // block_size] * block_size + t % block_size for t in rows]
+        qsl.append(qsl[-1] + m)
+        seq_lens.append(p + m)
+        tables += table
+        tables += [0] * (w - len(table))
+    active = [i for i, k in enumerate(num_drafts) if k > 0]
+    draft_seq_lens = [seq_lens[i] for i in active]
+    wide = (ids + pos + slots + list(seeds) + list(top_ks) + active + [qsl[i + 1] - 1 for i in active]
+            + [s - 1 for s in draft_seq_lens])
+    temperature_bits = list(struct.unpack(f"{len(temperatures)}i", struct.pack(f"{len(temperatures)}f", *temperatures)))
+    narrow = qsl + seq_lens + tables + temperature_bits + draft_seq_lens + [num_drafts[i] - 1 for i in active]
+    host = torch.cat([torch.tensor(wide, dtype=torch.int64).view(torch.int32), torch.tensor(narrow, dtype=torch.int32)])
+    return host, active, seq_lens
+
+
+def _pack_vectorized(start_positions, token_ids, q_lens, next_tokens, num_drafts, block_tables, temperatures, seeds,
+                     top_ks, block_size, w) -> tuple[torch.Tensor, list[int], list[int]]:
+    """The host buffer of a large step (prefill), vectorized over the batch: no per-sequence tensor op."""
     B = len(start_positions)
     i64 = torch.int64
     p = torch.tensor(start_positions, dtype=i64)  # [B]
-    q_lens = torch.tensor([t.shape[0] for t in token_ids], dtype=i64)  # [B] m_i >= 1
+    q = torch.tensor(q_lens, dtype=i64)  # [B]
     k = torch.tensor(num_drafts, dtype=i64)  # [B]
     table_lens = torch.tensor([len(t) for t in block_tables], dtype=i64)  # [B]
-    T, w = int(q_lens.sum()), int(table_lens.max())
+    T = int(q.sum())
 
     qsl = torch.zeros(B + 1, dtype=i64)
-    torch.cumsum(q_lens, 0, out=qsl[1:])
-    seq_lens = p + q_lens  # [B]
+    torch.cumsum(q, 0, out=qsl[1:])
+    seq_lens = p + q  # [B]
 
     # block tables [B, w], zero-padded: scatter the concatenated tables under a "column < table length" mask
     tables = torch.zeros(B, w, dtype=i64)
@@ -102,7 +164,7 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
         list(itertools.chain.from_iterable(block_tables)), dtype=i64)
 
     # first-step rows
-    row_seq = torch.repeat_interleave(torch.arange(B), q_lens)  # [T] sequence of each row
+    row_seq = torch.repeat_interleave(torch.arange(B), q)  # [T] sequence of each row
     positions = p[row_seq] + torch.arange(T) - qsl[row_seq]  # [T]
     slots = tables[row_seq, positions // block_size] * block_size + positions % block_size  # [T]
     committed = torch.cat(token_ids).to(i64)  # [T] x[p_i .. p_i+m_i-1], sequence after sequence
@@ -112,7 +174,6 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
 
     # drafting sequences
     draft_index = (k > 0).nonzero().squeeze(1)  # [n]
-    n = draft_index.shape[0]
     draft_rows = qsl[draft_index + 1] - 1
     draft_seq_lens = seq_lens[draft_index]
     draft_positions = draft_seq_lens - 1
@@ -121,29 +182,10 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
     temperature = torch.tensor(temperatures, dtype=torch.float32)
     wide = [input_ids, positions, slots, torch.tensor(seeds, dtype=i64), torch.tensor(top_ks, dtype=i64),
             draft_index, draft_rows, draft_positions]
-    wide_sizes = [T, T, T, B, B, n, n, n]
     narrow = [qsl.to(torch.int32), seq_lens.to(torch.int32), tables.flatten().to(torch.int32),
               temperature.view(torch.int32), draft_seq_lens.to(torch.int32), draft_steps.to(torch.int32)]
-    narrow_sizes = [B + 1, B, B * w, B, n, n]
-    num_wide = sum(wide_sizes)  # int64 elements = 2 * num_wide int32 elements
     host = torch.cat([torch.cat(wide).view(torch.int32), *narrow])
-    if device.type == "cuda":
-        host = host.pin_memory()
-    dev = host.to(device, non_blocking=True)  # the step's one metadata host->device copy (a no-op on the CPU)
-
-    ids_d, pos_d, slots_d, seed_d, top_k_d, index_d, rows_d, dpos_d = torch.split(
-        dev[: 2 * num_wide].view(i64), wide_sizes)
-    qsl_d, seq_lens_d, tables_d, temperature_d, dseq_d, dsteps_d = torch.split(dev[2 * num_wide:], narrow_sizes)
-    tables_d = tables_d.view(B, w)
-    return StepMetadata(
-        input_ids=ids_d, hidden_states=_cat_to_device(hidden_states, device),
-        first_step=AttentionMetadata(positions=pos_d, slot_mapping=slots_d, query_start_loc=qsl_d,
-                                     seq_lens=seq_lens_d, block_tables=tables_d, max_query_len=int(q_lens.max())),
-        temperature=temperature_d.view(torch.float32), seed=seed_d, top_k=top_k_d,
-        draft_rows=rows_d, draft_positions=dpos_d, draft_seq_lens=dseq_d,
-        draft_block_tables=tables_d if n == B else tables_d[index_d],  # [n, w]: a gather on the device
-        draft_steps=dsteps_d, active=draft_index.tolist(), num_drafts=list(num_drafts),
-        host_seq_lens=seq_lens.tolist(), host_block_tables=tables.to(torch.int32))
+    return host, draft_index.tolist(), seq_lens.tolist()
 
 
 def _cat_to_device(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 
 from drafter_service.cli import parse_args
 from drafter_service.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes, padded_batch_size
+from drafter_service import step_metadata
 from drafter_service.step_metadata import build_step_metadata
 
 
@@ -30,7 +31,10 @@ def naive_metadata(starts, token_ids, next_tokens, num_drafts, tables, block_siz
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_step_metadata_matches_per_sequence_reference(seed):
+@pytest.mark.parametrize("packing", ["lists", "vectorized"])
+def test_step_metadata_matches_per_sequence_reference(seed, packing, monkeypatch):
+    """Both ways of packing the host buffer (python lists for small steps, vectorized torch for large ones)."""
+    monkeypatch.setattr(step_metadata, "SMALL_STEP_ROWS", 10**9 if packing == "lists" else 0)
     rng = random.Random(seed)
     block_size = rng.choice([8, 16, 32])
     B = rng.choice([1, 2, 3, 5, 17, 40])
