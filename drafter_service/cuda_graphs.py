@@ -15,6 +15,8 @@ writes only the static buffers below, so a replay needs no host work and no host
   block_tables       [max_bs, W] int32  the sequence's blocks (W = cdiv(max_model_len, block_size))
   steps_left         [max_bs] int32     decode steps the row still needs               minus 1
   draft_ids          [max_bs] int64     -                                              argmax (draft vocabulary)
+  draft_column       [1] int64          j - 1                                          j
+  drafts_out         [max_bs, K] int64  drafts 1..j in columns 0..j-1                  draft j+1 in column j
 
 Rows past their own k (a sequence asked for fewer drafts than the batch's largest k) and padding rows (n <= r < bs)
 keep running in the padded batch, masked: steps_left <= 0 gives slot PADDING_SLOT_ID (no KV write), seq_len 1
@@ -24,7 +26,8 @@ advance_draft_step (admission cuts k to fit), masked rows may: the clamp keeps t
 cache and their slot at -1.
 
 The host copies the drafting rows' inputs into the static buffers with device->device copies, replays the graph
-max(k) - 1 times, and copies all drafts to the host once: the step's only device->host synchronization.
+max(k) - 1 times, and copies drafts_out to the host once (into a pinned buffer of its own): the step's only
+device->host synchronization. (K = --max-draft-tokens.)
 Only greedy steps use the graphs (every sequence at temperature 0, no logprobs, no top-k); the proposer runs the
 others, and batches of more than MAX_GRAPH_BATCH drafting sequences, with its eager decode loop.
 
@@ -87,7 +90,7 @@ class DecodeGraphs:
 
     def __init__(self, model, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  max_model_len: int, max_batch_seqs: int, dtype: torch.dtype, device: torch.device,
-                 first_step_tokens: int = 0):
+                 first_step_tokens: int = 0, max_drafts: int = 16):
         self.model = model
         self.kv_layers = kv_layers
         self.block_size = block_size
@@ -107,6 +110,12 @@ class DecodeGraphs:
             self.steps_left = torch.zeros(max_bs, dtype=torch.int32, **z)
             self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, **z)  # one query row per sequence
             self.draft_ids = torch.zeros(max_bs, dtype=torch.int64, **z)
+            self.max_drafts = max_drafts
+            self.draft_column = torch.zeros(1, dtype=torch.int64, **z)
+            self.drafts_out = torch.zeros(max_bs, max_drafts, dtype=torch.int64, **z)
+            # where drafts_out lands on the host: pinned, so that the copy is asynchronous until the one sync
+            self.drafts_host = (torch.zeros(max_bs, max_drafts, dtype=torch.int64, pin_memory=True)
+                                if device.type == "cuda" else None)
         # first step of uniform batches: padded batch sizes up to MAX_FIRST_STEP_GRAPH_BATCH, m = 1..first_step_tokens
         self.first_sizes = [s for s in self.sizes if s <= MAX_FIRST_STEP_GRAPH_BATCH] if first_step_tokens > 0 else []
         self.first_step_tokens = first_step_tokens if self.first_sizes else 0
@@ -126,9 +135,6 @@ class DecodeGraphs:
         self.capture_bytes = 0
         self.steps_run = 0  # engine steps whose decode steps ran here
         self.first_steps_run = 0  # engine steps whose first step ran here too
-
-    def can_run(self, num_rows: int) -> bool:
-        return padded_batch_size(num_rows, self.sizes) is not None
 
     # ---- the step that is captured ----
 
@@ -153,6 +159,9 @@ class DecodeGraphs:
         draft = ops.argmax(logits, out=self.draft_ids[:bs])  # [bs]
         input_ids.copy_(self.model.draft_to_target(draft))
         hidden.copy_(self.model.next_hidden(head_out))
+        # drafts_out[:, column] = this step's draft (the clamp only matters for the warm-up and capture runs)
+        self.draft_column.add_(1).clamp_(max=self.max_drafts - 1)
+        self.drafts_out[:bs].scatter_(1, self.draft_column.expand(bs, 1), input_ids[:, None])
 
     def _first_step(self, bs: int, m: int) -> None:
         """The first draft step of a uniform batch of bs (padded) sequences with m rows each, on the static rows;
@@ -167,6 +176,8 @@ class DecodeGraphs:
         draft = ops.argmax(self.model.compute_logits(last), out=self.draft_ids[:bs])
         self.input_ids[:bs].copy_(self.model.draft_to_target(draft))
         self.hidden[:bs].copy_(self.model.next_hidden(last))
+        self.drafts_out[:bs, 0] = self.input_ids[:bs]
+        self.draft_column.zero_()
 
     def _replay_first(self, bs: int, m: int) -> None:
         graph = self.first_graphs.get((bs, m))
@@ -226,7 +237,7 @@ class DecodeGraphs:
         buffer_bytes = sum(t.numel() * t.element_size() for t in (
             self.input_ids, self.hidden, self.positions, self.seq_lens, self.slot_mapping, self.block_tables,
             self.steps_left, self.query_start_loc, self.draft_ids, self.fs_input_ids, self.fs_hidden,
-            self.fs_positions, self.fs_slots))
+            self.fs_positions, self.fs_slots, self.drafts_out))
         log.info("captured %d decode CUDA graphs (batch sizes %s) and %d first-step graphs (uniform batches of up to "
                  "%d sequences with 1..%d tokens each) in %.2f s; they hold %.1f MiB of device memory (graph pool, "
                  "kernels, workspaces), plus %.1f MiB of static buffers", len(self.graphs),
@@ -240,7 +251,13 @@ class DecodeGraphs:
         brings the same number m of rows, m <= first_step_tokens, and the batch pads to a captured size."""
         B, T, m = len(md.num_drafts), md.input_ids.shape[0], md.first_step.max_query_len
         return (0 < m <= self.first_step_tokens and len(md.active) == B and T == B * m
-                and padded_batch_size(B, self.first_sizes) is not None)
+                and padded_batch_size(B, self.first_sizes) is not None and max(md.num_drafts) <= self.max_drafts)
+
+    def can_run(self, md: StepMetadata) -> bool:
+        """Whether the decode steps of this (greedy) step can replay the decode graphs."""
+        n = len(md.active)
+        return (padded_batch_size(n, self.sizes) is not None
+                and max(md.num_drafts[i] for i in md.active) <= self.max_drafts)
 
     def draft(self, md: StepMetadata, out, first_tokens: torch.Tensor, hidden: torch.Tensor):
         """Drafts 2..k of every drafting sequence; all drafts 1..k go to ``out`` (the proposer's _Drafts), as host
@@ -255,6 +272,8 @@ class DecodeGraphs:
         self._load_decode_rows(md, n, bs)
         self.input_ids[:n].copy_(first_tokens)
         self.hidden[:n].copy_(hidden)
+        self.drafts_out[:n, 0].copy_(first_tokens)
+        self.draft_column.zero_()
         return self._decode_and_collect(md, out, n, bs)
 
     def draft_all(self, md: StepMetadata, out):
@@ -263,12 +282,13 @@ class DecodeGraphs:
         bs = padded_batch_size(B, self.first_sizes)
         T, R = B * m, bs * m
         self._load_decode_rows(md, B, bs)  # block tables and seq_lens (p + m) serve the first step as well
-        self.seq_lens[B:bs].fill_(m)  # padding sequences: rows at positions 0..m-1 (their slots write nothing)
         self.fs_input_ids[:T].copy_(md.input_ids)
         self.fs_hidden[:T].copy_(md.hidden_states)
         self.fs_positions[:T].copy_(md.first_step.positions)
         self.fs_slots[:T].copy_(md.first_step.slot_mapping)
-        self.fs_slots[T:R].fill_(ops.PADDING_SLOT_ID)
+        if B < bs:  # padding sequences: rows at positions 0..m-1 whose slots write nothing
+            self.seq_lens[B:bs].fill_(m)
+            self.fs_slots[T:R].fill_(ops.PADDING_SLOT_ID)
         self._replay_first(bs, m)
         self.first_steps_run += 1
         return self._decode_and_collect(md, out, B, bs)
@@ -280,19 +300,22 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(md.draft_seq_lens)
         self.block_tables[:n, :w].copy_(md.draft_block_tables)
         self.steps_left[:n].copy_(md.draft_steps)
-        self.steps_left[n:bs].zero_()
+        if n < bs:
+            self.steps_left[n:bs].zero_()
 
     def _decode_and_collect(self, md: StepMetadata, out, n: int, bs: int):
         """input_ids/hidden rows [0, n) hold draft 1 and its hidden input: replay the decode steps, copy all drafts
         to the host once, give each sequence its first k of them."""
         ks = [md.num_drafts[i] for i in md.active]
         num_steps = max(ks) - 1
-        tokens = torch.empty(n, num_steps + 1, dtype=torch.int64, device=self.device)  # [n, max k]
-        tokens[:, 0] = self.input_ids[:n]
-        for j in range(1, num_steps + 1):
-            self._replay(bs)
-            tokens[:, j] = self.input_ids[:n]
-        rows = _to_host_once(tokens).tolist()  # the step's one device->host synchronization
+        for _ in range(num_steps):
+            self._replay(bs)  # each writes its draft into the next column of drafts_out
+        if self.drafts_host is None:  # CPU
+            rows = self.drafts_out[:n, : num_steps + 1].tolist()
+        else:
+            self.drafts_host[:n].copy_(self.drafts_out[:n], non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()  # the step's one device->host synchronization
+            rows = self.drafts_host[:n, : num_steps + 1].tolist()
         self.steps_run += 1
         per_seq: list[list[int]] = [[] for _ in md.num_drafts]  # batch index -> drafts; k = 0 sequences: none
         for r, i in enumerate(md.active):  # drafts past a sequence's own k are dropped here
@@ -301,18 +324,9 @@ class DecodeGraphs:
         return out
 
 
-def _to_host_once(t: torch.Tensor) -> torch.Tensor:
-    """A device tensor copied into pinned host memory, then one stream synchronization (a CPU tensor passes)."""
-    if t.device.type != "cuda":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    torch.cuda.current_stream(t.device).synchronize()
-    return host
-
-
 def capture_decode_graphs(proposer, block_size: int, max_model_len: int, max_batch_seqs: int,
-                          dtype: torch.dtype, device: torch.device, first_step_tokens: int = 0) -> DecodeGraphs | None:
+                          dtype: torch.dtype, device: torch.device, first_step_tokens: int = 0,
+                          max_drafts: int = 16) -> DecodeGraphs | None:
     """At start-up, after the KV pool exists: the proposer's decode graphs, or None when they cannot run."""
     if proposer.model.drafting != "sequential":
         log.info("CUDA graphs: not used by %s drafting (only sequential heads have decode steps)",
@@ -323,6 +337,6 @@ def capture_decode_graphs(proposer, block_size: int, max_model_len: int, max_bat
                     "and the torch references synchronize with the host; decode steps run eagerly")
         return None
     graphs = DecodeGraphs(proposer.model, proposer.kv_layers, block_size, max_model_len, max_batch_seqs, dtype,
-                          device, first_step_tokens)
+                          device, first_step_tokens, max_drafts)
     graphs.capture()
     return graphs

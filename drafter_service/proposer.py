@@ -306,7 +306,7 @@ class Proposer:
         head_last = head_out[last_rows]  # [n, H]
         sample = self._select(self.model.compute_logits(head_last), active, [seq_lens[i] for i in active], sp)
         # ---- CUDA fast path (cuda_graphs.py): greedy decode steps replayed from CUDA graphs, one copy to host ----
-        if sp.greedy_only and self.decode_graphs is not None and self.decode_graphs.can_run(len(active)):
+        if sp.greedy_only and self.decode_graphs is not None and self.decode_graphs.can_run(md):
             return self.decode_graphs.draft(md, out, sample.tokens, self.model.next_hidden(head_last))
         # ---- end CUDA fast path ----
         out.add(active, sample)
