@@ -68,3 +68,45 @@ def test_which_batches_take_the_static_first_step(tiny_model, tmp_path):
     assert not graphs.can_run_first_step(md([5], [2]))  # m > first_step_tokens
     assert not graphs.can_run_first_step(md([2, 2], [2, 0]))  # a prefill chunk (k = 0) in the batch
     assert not graphs.can_run_first_step(md([1] * 9, [2] * 9))  # more sequences than the largest size
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_seqs", [1, 2])
+def test_first_step_graphs_on_cuda_match_naive(tiny_model, tmp_path, num_seqs):
+    """The captured graphs (first step + decode) in fp32 against the naive reference, at batch 1 and 2."""
+    naive = NaiveEagle1(*tiny_model)
+    rt = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32", max_batch_seqs=8))
+    graphs = rt.proposer.decode_graphs
+    assert sorted(graphs.first_graphs) == [(bs, m) for bs in (1, 2, 4, 8) for m in range(1, 9)]
+    records = asyncio.run(run_lockstep([ProposerDrafter(rt.proposer)], naive=naive, width=naive.H,
+                                       vocab=naive.lm_head.shape[0], seed=40 + num_seqs, engine_steps=40,
+                                       num_seqs=num_seqs, max_model_len=1024, max_k=6))
+    for r in records:
+        assert r.replies[0].drafts == r.expected, r
+    assert graphs.first_steps_run >= (20 if num_seqs == 1 else 2), graphs.first_steps_run
+
+
+@pytest.mark.gpu
+def test_padded_uniform_batches_on_cuda_match_cpu(tiny_model, tmp_path):
+    """3 sequences (padded to 4) with the same m every step, m changing between steps: CUDA graphs == CPU."""
+    cpu = build_runtime(make_config(*tiny_model, tmp_path / "cpu"))
+    gpu = build_runtime(make_config(*tiny_model, tmp_path / "gpu", device="cuda", dtype="float32",
+                                    max_batch_seqs=8))
+    g = torch.Generator().manual_seed(3)
+    toks = torch.randint(0, 512, (3, 200), generator=g)
+    hid = torch.randn(3, 200, 64, generator=g)
+
+    def steps(p: int, m: int, k: int) -> list[StepInput]:
+        return [StepInput("ns", f"s{i}", p, toks[i, p : p + m], hid[i, p : p + m], int(toks[i, p + m]), k + i)
+                for i in range(3)]
+
+    batches = [steps(0, 30, 0)]  # prefill, eager
+    p = 30
+    for m in (1, 3, 2, 5, 8, 4, 1):
+        batches.append(steps(p - 1, m, 3))  # re-sends one position, then m - 1 new ones
+        p += m - 1
+    for batch in batches:
+        want = [o.drafts for o in cpu.proposer.step(batch)]
+        got = [o.drafts for o in gpu.proposer.step(batch)]
+        assert got == want
+    assert gpu.proposer.decode_graphs.first_steps_run == len(batches) - 1

@@ -148,7 +148,8 @@ def scrape_server_seconds(metrics_port: int) -> dict[str, float]:
 
 
 async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metrics_port: int | None = None):
-    """Median seconds per step seen by the client, and (when metrics_port) the median of each server-side part."""
+    """Median seconds per step seen by the client with unary Propose calls, (when metrics_port) the median of each
+    server-side part of those, and the median per step on one ProposeStream (client.stream())."""
     from drafter_client import DrafterClient
 
     prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
@@ -168,9 +169,17 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
                 assert after["batches"] == before["batches"] + 1, "one request should be one batch"
                 parts.append({key: after[key] - before[key] for key in after})
         assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
+        stream_times = []
+        async with c.stream() as session:
+            for i in range(iters + 3):
+                t0 = time.perf_counter()
+                await session.send(decode)
+                r = await session.recv()
+                stream_times.append(time.perf_counter() - t0)
+                assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
         await c.release([s.sequence_id for s in decode])
     med = {key: statistics.median(p[key] for p in parts[3:]) for key in parts[0]} if parts else None
-    return statistics.median(times[3:]), med
+    return statistics.median(times[3:]), med, statistics.median(stream_times[3:])
 
 
 def prefill_step(tokens: int, width: int, vocab: int, sequence_id: str = "prefill"):
@@ -286,7 +295,7 @@ def main() -> int:
         try:
             for row in rows:
                 b = row["batch"]
-                t, parts = asyncio.run(bench_sidecar(f"unix:{sock}", b, context, a.m, a.k, a.iters, width,
+                t, parts, t_stream = asyncio.run(bench_sidecar(f"unix:{sock}", b, context, a.m, a.k, a.iters, width,
                                                      shape["vocab_size"], a.metrics_port))
                 # server side: the proposer step alone (worker), and the Propose handler by phase; what the
                 # client sees beyond parse + wait + reply is gRPC transport plus the client's own packing/parsing
@@ -295,10 +304,10 @@ def main() -> int:
                            transport_and_client_ms=(t - parts["parse"] - parts["wait"] - parts["reply"]) * 1e3)
                 fb = floor_bytes(shape, dtype_bytes, b, context, a.m, a.k)
                 payload = b * a.m * width * 2 + b * a.m * 8
-                row.update(sidecar_ms=t * 1e3, floor_ms=fb / bw * 1e3, floor_bytes=fb, payload_bytes=payload,
+                row.update(sidecar_ms=t * 1e3, sidecar_stream_ms=t_stream * 1e3, floor_ms=fb / bw * 1e3, floor_bytes=fb, payload_bytes=payload,
                            sidecar_over_in_process=t * 1e3 / row["in_process_ms"],
                            in_process_over_floor=row["in_process_ms"] / (fb / bw * 1e3))
-                print(f"sidecar batch {b}: {t * 1e3:.2f} ms", flush=True)
+                print(f"sidecar batch {b}: {t * 1e3:.2f} ms (on one stream: {t_stream * 1e3:.2f} ms)", flush=True)
             if prefill:
                 t = asyncio.run(bench_prefill_sidecar(f"unix:{sock}", a.prefill_tokens, a.iters, width,
                                                       shape["vocab_size"]))
@@ -318,12 +327,13 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=2))
     print(f"\n{result['device']}, {a.preset}, {dtype}, context {context}, m={a.m}, k={a.k}, {result['date']}")
     ab = all("in_process_eager_ms" in r for r in rows)
-    print(f"{'batch':>5} {'in-proc ms':>11} {'sidecar ms':>11} {'side/in':>8} {'floor ms':>9} {'in/floor':>9} "
+    print(f"{'batch':>5} {'in-proc ms':>11} {'sidecar ms':>11} {'side/in':>8} {'stream ms':>10} {'floor ms':>9} {'in/floor':>9} "
           f"{'payload KB':>11} {'srv worker':>10} {'srv parse':>9} {'srv wait':>9} {'srv reply':>9} {'transport':>9}"
           + (f" {'eager ms':>9}" if ab else ""))
     for r in rows:
         print(f"{r['batch']:>5} {r['in_process_ms']:>11.2f} {r['sidecar_ms']:>11.2f} "
-              f"{r['sidecar_over_in_process']:>8.2f} {r['floor_ms']:>9.3f} {r['in_process_over_floor']:>9.1f} "
+              f"{r['sidecar_over_in_process']:>8.2f} {r['sidecar_stream_ms']:>10.2f} {r['floor_ms']:>9.3f} "
+              f"{r['in_process_over_floor']:>9.2f} "
               f"{r['payload_bytes'] / 1024:>11.1f} {r['sidecar_worker_ms']:>10.2f} {r['server_parse_ms']:>9.2f} "
               f"{r['server_wait_ms']:>9.2f} {r['server_reply_ms']:>9.2f} {r['transport_and_client_ms']:>9.2f}"
               + (f" {r['in_process_eager_ms']:>9.2f}" if ab else ""))
