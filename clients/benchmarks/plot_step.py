@@ -23,7 +23,9 @@ def main() -> int:
     rows = d["rows"]
     b = [r["batch"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    ax.plot(b, [r["sidecar_ms"] for r in rows], marker="o", label="sidecar (client over UDS)")
+    ax.plot(b, [r["sidecar_ms"] for r in rows], marker="o", label="sidecar (client over UDS, unary)")
+    if all("sidecar_stream_ms" in r for r in rows):
+        ax.plot(b, [r["sidecar_stream_ms"] for r in rows], marker="o", label="sidecar (one ProposeStream)")
     ax.plot(b, [r["in_process_ms"] for r in rows], marker="o",
             label="in-process" + (" (CUDA graphs)" if d.get("cuda_graphs") else ""))
     if all("in_process_eager_ms" in r for r in rows):
