@@ -32,6 +32,7 @@ class Metrics:
     rpc_parse_seconds_sum: float = 0.0  # validate + decode tensors (+ shared-memory copies)
     rpc_wait_seconds_sum: float = 0.0  # queued for the worker + the batch's step + hand-back
     rpc_reply_seconds_sum: float = 0.0  # encode the response
+    shm: object | None = None  # shm_regions.RegionTable when shared memory is on: its totals are exported too
 
     def record_acceptance(self, num_drafts: int, accepted: int) -> None:
         self.drafts_evaluated += num_drafts
@@ -112,6 +113,22 @@ class Metrics:
                "Server time of Propose requests by phase: parse (validate, decode), wait (queue + step), reply.",
                [('{phase="parse"}', self.rpc_parse_seconds_sum), ('{phase="wait"}', self.rpc_wait_seconds_sum),
                 ('{phase="reply"}', self.rpc_reply_seconds_sum)])
+        if self.shm is not None:
+            t = self.shm
+            metric("shm_reads_total", "counter", "Tensors read by reference from shared-memory regions.",
+                   [("", t.reads_total)])
+            metric("shm_read_bytes_total", "counter", "Bytes copied out of shared-memory regions.",
+                   [("", t.read_bytes_total)])
+            metric("shm_read_seconds_total", "counter",
+                   "Seconds spent checking references and copying them into staging tensors.",
+                   [("", t.read_seconds_total)])
+            metric("shm_regions_expired_total", "counter",
+                   "Regions unmapped because their lease expired (client gone without unregistering).",
+                   [("", t.expired_total)])
+            regions = list(t.regions.values())
+            metric("shm_regions", "gauge", "Shared-memory regions registered.", [("", len(regions))])
+            metric("shm_region_bytes", "gauge", "Bytes of the registered shared-memory regions.",
+                   [("", sum(r.byte_size for r in regions))])
         metric("kv_blocks_free", "gauge", "Free KV blocks.", [("", self.kv_blocks_free)])
         metric("kv_blocks_total", "gauge", "KV blocks in the pool.", [("", self.kv_blocks_total)])
         metric("live_sequences", "gauge", "Sequences holding draft-KV.", [("", self.live_sequences)])

@@ -89,6 +89,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def attach(self, runtime: Runtime, scheduler: StepScheduler) -> None:
         self.runtime, self.scheduler = runtime, scheduler
         self.regions = shared_memory_table(runtime)
+        runtime.metrics.shm = self.regions
         if self.regions is not None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_leases(), name="drafter-shm-leases")
 

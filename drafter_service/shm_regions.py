@@ -72,6 +72,12 @@ class RegionTable:
         self.settings = settings
         self.clock = clock
         self.regions: dict[str, Region] = {}
+        # totals for /metrics (metrics.py): references read, their bytes, the seconds spent checking + copying them,
+        # regions whose lease expired (their client went away without unregistering)
+        self.reads_total = 0
+        self.read_bytes_total = 0
+        self.read_seconds_total = 0.0
+        self.expired_total = 0
         self._ingest_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def kinds(self) -> list[int]:
@@ -177,6 +183,7 @@ class RegionTable:
         gone = [r for r in self.regions.values() if r.expires_at <= now]
         for r in gone:
             self._drop(r, f"lease of {r.lease_s:.0f}s expired (client gone?)")
+        self.expired_total += len(gone)
         return [r.name for r in gone]
 
     def close_all(self) -> None:
@@ -194,6 +201,15 @@ class RegionTable:
              to_host: bool = False) -> torch.Tensor:
         """Check the reference and copy its bytes once into a new tensor on the server's device (on the host when
         to_host). ref.byte_size was already checked against shape and dtype (wire.decode_tensor)."""
+        t0 = time.perf_counter()
+        out = self._read(namespace, ref, field, dtype, shape, to_host)
+        self.reads_total += 1
+        self.read_bytes_total += out.numel() * out.element_size()
+        self.read_seconds_total += time.perf_counter() - t0
+        return out
+
+    def _read(self, namespace: str, ref: "pb.SharedMemoryRef", field: str, dtype: torch.dtype, shape: list[int],
+              to_host: bool) -> torch.Tensor:
         r = self.regions.get(ref.region)
         if r is None:
             raise RequestError(grpc.StatusCode.NOT_FOUND,

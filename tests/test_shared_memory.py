@@ -106,6 +106,13 @@ async def test_drafts_through_shared_memory_match_inline_and_naive(shm_server, t
         (region,) = await shm.shared_memory_status()
         assert region.kind == pb.SYSTEM and region.references_read == STEPS and region.device == "cpu"
         assert region.bytes_read == rows * H * 4
+        # the same reads in the Prometheus text (totals over the whole server: other tests' reads count too)
+        text = shm_server.server.runtime.metrics.prometheus_text()
+        values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("drafter_shm_"))
+        assert int(values["drafter_shm_reads_total"]) >= STEPS
+        assert int(values["drafter_shm_read_bytes_total"]) >= rows * H * 4
+        assert float(values["drafter_shm_read_seconds_total"]) > 0
+        assert int(values["drafter_shm_regions"]) >= 1 and int(values["drafter_shm_region_bytes"]) > 0
         await shm.release([s.seq_id for s in seqs])
         await inline.release([s.seq_id for s in seqs])
     assert regions_of(shm_server, "eng-shm") == []  # close() unregistered the ring
@@ -272,6 +279,7 @@ DOOMED_CLIENT = textwrap.dedent("""
 
 
 def test_a_client_that_dies_has_its_regions_reclaimed(shm_server):
+    expired_before = shm_server.server.servicer.regions.expired_total
     proc = subprocess.Popen([sys.executable, "-c", DOOMED_CLIENT, shm_server.uds], stdout=subprocess.PIPE,
                             text=True)
     try:
@@ -287,6 +295,7 @@ def test_a_client_that_dies_has_its_regions_reclaimed(shm_server):
     while regions_of(shm_server, "doomed") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert regions_of(shm_server, "doomed") == [], "a dead client's region outlived its lease"
+    assert shm_server.server.servicer.regions.expired_total == expired_before + 1  # drafter_shm_regions_expired_total
     assert not os.path.exists(f"/dev/shm/{key}")  # and nothing is left in /dev/shm
 
 
