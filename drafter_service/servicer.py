@@ -112,6 +112,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 pass
         if self.regions is not None:
             self.regions.close_all()
+        if self.trace_file is not None:
+            self.trace_file.close()
+            self.trace_file = None
 
     async def _ready(self, context) -> Runtime:
         if self.runtime is None:
@@ -168,7 +171,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         response = build_response(outputs, [s.sequence_id for s in request.steps], request.request_id)
         t_replied = time.perf_counter()
         rt.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, t_replied - t_stepped)
-        if trace is not None:
+        if trace is not None and self.trace_file is not None:  # (closed at shutdown)
             trace.update(request_id=request.request_id, enter=t_enter, parsed=t_parsed, resumed=t_stepped,
                          replied=t_replied)
             self.trace_file.write(json.dumps(trace) + "\n")
