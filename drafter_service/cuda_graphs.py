@@ -86,7 +86,8 @@ def padded_batch_size(n: int, sizes: list[int]) -> int | None:
 
 
 class DecodeGraphs:
-    """Static buffers and one CUDA graph per padded batch size for one greedy decode step."""
+    """Static buffers, one CUDA graph per padded batch size for one greedy decode step, and one per (padded batch
+    size, m) for the first step of a uniform batch."""
 
     def __init__(self, model, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  max_model_len: int, max_batch_seqs: int, dtype: torch.dtype, device: torch.device,
