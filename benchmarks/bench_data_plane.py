@@ -2,7 +2,9 @@
 drafter, inline bytes vs host shared memory vs CUDA IPC (a script, not a test).
 
 What is timed: one ProposeStream round trip per step, from the engine holding the step's hidden states (a host
-tensor on a CPU run, a tensor on --engine-device on a GPU run) to the drafter's reply. The drafter runs in its
+tensor on a CPU run, a tensor on --engine-device on a GPU run) to the drafter's reply. Modes "system+channel" and
+"cuda+channel" send the same descriptors through a shared-memory step channel (docs/step_channel.md) instead of
+the stream: the control plane without gRPC, so what is left is the data plane itself. The drafter runs in its
 own process (a Unix socket, as a sidecar) in ingest-only mode (DrafterServicer.ingest_only): it decodes and
 checks the request and copies the hidden states once into a tensor of its own on its device (references: out of
 the shared memory; inline: out of the message), then answers with no drafts. The draft head never runs, so the
@@ -103,11 +105,16 @@ async def run_width(sock: str, head: str, width: int, modes: list[str], engine_d
     for mode in modes:
         client = DrafterClient(f"unix:{sock}", namespace=f"bench-{mode}", max_message_bytes=512 * 2**20)
         await client.wait_ready(120)
-        if mode != "inline":
-            plane = await client.enable_shared_memory(max_rows, dtype=DTYPE, kind=mode, slots=2,
+        kind, _, channel = mode.partition("+")
+        if kind != "inline":
+            plane = await client.enable_shared_memory(max_rows, dtype=DTYPE, kind=kind, slots=2,
                                                       device=engine_device, width=width)
-            assert plane == mode, plane
-        clients[mode], sessions[mode] = client, client.stream()
+            assert plane == kind, plane
+        if channel:
+            assert await client.open_step_channel(request_bytes=2**20), "no step channel"
+            clients[mode], sessions[mode] = client, client  # client.propose: through the channel
+        else:
+            clients[mode], sessions[mode] = client, client.stream()
     results = []
     try:
         for name, h, seqs, rows in shapes():
@@ -136,7 +143,10 @@ async def run_width(sock: str, head: str, width: int, modes: list[str], engine_d
                       f"{nbytes / med / 1e9:7.2f} GB/s  ({len(times[mode])} steps)", flush=True)
     finally:
         for mode in modes:
-            await sessions[mode].close()
+            if sessions[mode] is not clients[mode]:
+                await sessions[mode].close()
+            else:
+                assert clients[mode].steps_through_grpc == 0, "a step missed the channel"
             if mode != "inline":
                 assert clients[mode].steps_inline == 0, "a step went inline: the ring is too small"
             await clients[mode].close()
@@ -212,7 +222,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", help="the drafter's device: cpu or cuda[:N]")
     ap.add_argument("--engine-device", default=None, help="where the engine's hidden states are "
                     "(default: the drafter's device)")
-    ap.add_argument("--modes", default=None, help="comma list of inline,system,cuda (default: all that apply)")
+    ap.add_argument("--modes", default=None, help="comma list of inline,system,cuda,system+channel,cuda+channel "
+                    "(default: all that apply)")
     ap.add_argument("--budget-s", type=float, default=2.0, help="time per case and mode (at least 5 steps)")
     ap.add_argument("--max-iters", type=int, default=400, help="steps per case and mode, at most")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of the modes per case")
@@ -228,16 +239,18 @@ def main() -> int:
 
     device = torch.device(a.device)
     engine_device = torch.device(a.engine_device) if a.engine_device else device
-    modes = a.modes.split(",") if a.modes else ["inline", "system"] + (["cuda"] if device.type == "cuda" else [])
-    if "cuda" in modes and device.type != "cuda":
+    modes = a.modes.split(",") if a.modes else (["inline", "system", "system+channel"]
+                                                + (["cuda", "cuda+channel"] if device.type == "cuda" else []))
+    if device.type != "cuda" and any(m.startswith("cuda") for m in modes):
         print("CUDA IPC skipped: the drafter is not on CUDA (--device cuda)")
-        modes.remove("cuda")
+        modes = [m for m in modes if not m.startswith("cuda")]
     a.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc)
     meta = dict(device=device_name(engine_device), drafter_device=str(device), engine_device=str(engine_device),
                 date=stamp.isoformat(timespec="seconds"), host=socket.gethostname(), cores=os.cpu_count(),
                 python=platform.python_version(), torch=torch.__version__,
-                grpc=__import__("grpc").__version__, transport="unix socket, one ProposeStream",
+                grpc=__import__("grpc").__version__,
+                transport="unix socket, one ProposeStream; +channel modes: a step channel (unary, shared memory)",
                 method="drafter in ingest-only mode in its own process: decode, check, copy the hidden states once "
                        "onto its device, answer without drafting; time = one stream round trip per step, from the "
                        "engine's tensor to the reply, the modes in alternating rounds; GB/s = payload bytes / "

@@ -1,5 +1,6 @@
 """Async client: one engine step per call (Propose), a streaming session (ProposeStream), Release, GetInfo,
-and the shared-memory data plane (enable_shared_memory; docs/shared_memory.md)."""
+the shared-memory data plane (enable_shared_memory; docs/shared_memory.md) and the shared-memory step channel
+(open_step_channel; docs/step_channel.md)."""
 import asyncio
 import logging
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from drafter_service.rpc import pb, pb_grpc
 from drafter_service.wire import decode_tensor, encode_tensor
 
 from .shm_ring import SharedTensorRef, SlotRing
+from .step_channel import StepChannel, StepChannelClosed, StepChannelError
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +205,10 @@ class DrafterClient:
         self._ring_settings: dict | None = None
         self._own_regions: set[str] = set()  # registered with register_cuda_tensor, unregistered on close
         self._heartbeat: asyncio.Task | None = None
+        # step channel (open_step_channel)
+        self._step_channel: StepChannel | None = None
+        self.steps_through_channel = 0  # propose() calls answered through the step channel
+        self.steps_through_grpc = 0  # ... and through a unary Propose
 
     async def __aenter__(self) -> "DrafterClient":
         return self
@@ -211,6 +217,7 @@ class DrafterClient:
         await self.close()
 
     async def close(self) -> None:
+        self.close_step_channel()
         await self.disable_shared_memory()
         if self._own_regions:
             try:
@@ -262,7 +269,7 @@ class DrafterClient:
         try:
             req = build_request(self.namespace, steps, staged.ref if staged else hidden_states, self._request_id())
             sent = True
-            resp = await self._call(self._stub.Propose, req, timeout)
+            resp = await self._send_step(req, timeout)
             answered = True
         except DrafterError as e:
             answered = e.code in ANSWERED_CODES
@@ -271,6 +278,67 @@ class DrafterClient:
             if staged is not None:
                 staged.done(answered or not sent)
         return parse_response(resp)
+
+    async def _send_step(self, req: "pb.ProposeRequest", timeout: float | None) -> "pb.ProposeResponse":
+        """Through the step channel when one is open and free and the request fits it; else a unary Propose."""
+        ch = self._step_channel
+        if ch is not None and not ch.busy and not ch.closed:
+            payload = req.SerializeToString()
+            if len(payload) <= ch.request_capacity:
+                try:
+                    reply = await ch.call(payload, timeout)
+                except StepChannelClosed:  # not taken: nothing happened; say so and go over gRPC
+                    log.warning("the drafter at %s closed the step channel: steps go over gRPC", self.target)
+                    self._step_channel = None
+                except StepChannelError as e:
+                    self._step_channel = None
+                    raise DrafterError(e.code, e.message) from None
+                else:
+                    self.steps_through_channel += 1
+                    return pb.ProposeResponse.FromString(reply)
+        self.steps_through_grpc += 1
+        return await self._call(self._stub.Propose, req, timeout)
+
+    async def open_step_channel(self, request_bytes: int = 16 * 2**20, reply_bytes: int = 2**20,
+                                socket_path: str | None = None, spin_s: float = 0.05,
+                                poll_s: float = 0.0001) -> bool:
+        """Send propose() steps through a shared-memory step channel (same node only; docs/step_channel.md):
+        the request and reply bytes go through a mailbox the drafter polls instead of a gRPC message each.
+
+        request_bytes / reply_bytes: the largest serialized ProposeRequest / ProposeResponse the channel carries
+        (larger ones, and calls made while the channel is busy with another, go over gRPC). With
+        enable_shared_memory the request holds descriptors only, so a few hundred KiB suffice.
+        socket_path: default GetInfo.step_channel_socket. spin_s / poll_s: while waiting for a reply this client
+        busy-polls (yielding to the event loop) for spin_s, then every poll_s.
+        Returns False (and steps stay on gRPC) when the drafter has no channels or its socket cannot be reached
+        (another node, a container without the socket's volume); raises DrafterError when the drafter refuses."""
+        self.close_step_channel()
+        if socket_path is None:
+            socket_path = (await self.get_info()).step_channel_socket
+            if not socket_path:
+                log.info("the drafter at %s has no step channels: steps go over gRPC", self.target)
+                return False
+        try:
+            ch = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: StepChannel.open(socket_path, self.namespace, request_bytes, reply_bytes, spin_s,
+                                               poll_s))
+        except StepChannelError as e:
+            raise DrafterError(e.code, e.message) from None
+        except OSError as e:
+            log.info("cannot open a step channel at %s (%s): steps go over gRPC", socket_path, e)
+            return False
+        self._step_channel = ch
+        return True
+
+    def close_step_channel(self) -> None:
+        """Back to a unary Propose per step (the drafter closes its end within 0.1 s)."""
+        ch, self._step_channel = self._step_channel, None
+        if ch is not None:
+            ch.close()
+
+    @property
+    def step_channel_open(self) -> bool:
+        return self._step_channel is not None and not self._step_channel.closed
 
     def stream(self) -> "ProposeSession":
         """A bidirectional session: one message per engine step, replies in order. Use ``async with``."""

@@ -44,6 +44,10 @@ class SyncDrafterClient:
         """See DrafterClient.enable_shared_memory."""
         return self._run(self._client.enable_shared_memory(max_step_tokens, **kwargs))
 
+    def open_step_channel(self, **kwargs) -> bool:
+        """See DrafterClient.open_step_channel."""
+        return self._run(self._client.open_step_channel(**kwargs))
+
     @property
     def data_plane(self) -> str:
         return self._client.data_plane

@@ -51,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     ap.add_argument("--shm-dir", default=d.shm_dir, help="where POSIX shared-memory objects are")
     ap.add_argument("--shm-lease-s", type=float, default=d.shm_lease_s,
                     help="a region nobody renewed for this long (client gone) is unmapped")
+    ap.add_argument("--no-step-channels", action="store_true",
+                    help="no shared-memory step channels: every step is a gRPC message (docs/step_channel.md)")
+    ap.add_argument("--step-channel-socket", default=None,
+                    help="Unix socket where clients open step channels (default: the unix --listen path + .steps)")
+    ap.add_argument("--step-channel-spin-s", type=float, default=d.step_channel_spin_s,
+                    help="after a channel request, the step thread busy-polls the channels this long (one core)")
     a = ap.parse_args(argv)
     target = a.target_model
     if target is None and pathlib.Path(a.model).resolve() == BUNDLED_MODEL and BUNDLED_TARGET.is_dir():
@@ -62,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         max_batch_seqs=a.max_batch_seqs, max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port,
         shutdown_grace_s=a.shutdown_grace_s, log_level=a.log_level, shared_memory=not a.no_shared_memory,
         shm_dir=a.shm_dir, shm_lease_s=a.shm_lease_s, cuda_graphs=a.cuda_graphs,
-        first_step_graph_tokens=a.first_step_graph_tokens)
+        first_step_graph_tokens=a.first_step_graph_tokens, step_channels=not a.no_step_channels,
+        step_channel_socket=a.step_channel_socket, step_channel_spin_s=a.step_channel_spin_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,24 @@ class ServerConfig:
     shm_max_lease_s: float = 300.0
     shm_max_regions_per_namespace: int = 64
     shm_max_bytes_per_namespace: int = 16 * 2**30
+    # Step channels (docs/step_channel.md): same-node steps through a shared-memory mailbox the step thread polls
+    step_channels: bool = True
+    step_channel_socket: str | None = None  # None: "<the first unix --listen path>.steps"; no unix listener: off
+    step_channel_spin_s: float = 0.05  # after a channel request the step thread busy-polls (one core) this long
+    step_channel_idle_poll_s: float = 0.0002  # then it polls this often
+    step_channel_max: int = 64  # channels open at once
+    step_channel_max_total_bytes: int = 2**30  # mailbox bytes of all open channels
+
+    def step_channel_path(self) -> str | None:
+        """Where the step-channel socket listens, or None when channels are off."""
+        if not self.step_channels:
+            return None
+        if self.step_channel_socket:
+            return self.step_channel_socket
+        for address in self.listen:
+            if address.startswith("unix:"):
+                return address.removeprefix("unix:").removeprefix("//") + ".steps"
+        return None
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -43,5 +61,7 @@ class ServerConfig:
             raise ValueError("at least one --listen address is needed")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
+        if self.step_channel_spin_s < 0 or self.step_channel_idle_poll_s <= 0:
+            raise ValueError("step_channel_spin_s must be >= 0 and step_channel_idle_poll_s > 0")
         if not 0.0 < self.shm_lease_s <= self.shm_max_lease_s:
             raise ValueError("shm_lease_s must be in (0, shm_max_lease_s]")

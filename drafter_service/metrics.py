@@ -33,6 +33,8 @@ class Metrics:
     rpc_wait_seconds_sum: float = 0.0  # queued for the worker + the batch's step + hand-back
     rpc_reply_seconds_sum: float = 0.0  # encode the response
     shm: object | None = None  # shm_regions.RegionTable when shared memory is on: its totals are exported too
+    channel_requests_total: int = 0  # Propose requests answered through step channels (also in rpc_propose_total)
+    channels: object | None = None  # step_channels.ChannelSet when step channels are on
 
     def record_acceptance(self, num_drafts: int, accepted: int) -> None:
         self.drafts_evaluated += num_drafts
@@ -113,6 +115,11 @@ class Metrics:
                "Server time of Propose requests by phase: parse (validate, decode), wait (queue + step), reply.",
                [('{phase="parse"}', self.rpc_parse_seconds_sum), ('{phase="wait"}', self.rpc_wait_seconds_sum),
                 ('{phase="reply"}', self.rpc_reply_seconds_sum)])
+        if self.channels is not None:
+            metric("step_channel_requests_total", "counter",
+                   "Propose requests that came through shared-memory step channels.",
+                   [("", self.channel_requests_total)])
+            metric("step_channels", "gauge", "Step channels open.", [("", self.channels.open_count())])
         if self.shm is not None:
             t = self.shm
             metric("shm_reads_total", "counter", "Tensors read by reference from shared-memory regions.",

@@ -1,16 +1,21 @@
-"""Continuous batching: steps that arrive while the device is busy are merged into the next batch.
+"""Continuous batching on one step thread: steps that arrive while the device is busy are merged into the next batch.
 
-Every RPC handler submits its request's steps and awaits a future. One worker task takes *everything* queued the
-moment the previous batch finishes (no timer: at low load a lone request runs at once), up to the token and
-sequence budgets, and runs it on a single worker thread so the event loop keeps serving the network.
-Requests are taken in arrival order; a request touching a sequence already in the forming batch waits for the
-next batch, so two steps of one sequence never run out of order. Release goes through the same thread, so it
-never races a step.
+One thread owns the proposer. It takes work from two places:
+  - the gRPC handlers (event-loop thread): submit() queues a request's steps and awaits a future;
+  - the shared-memory step channels (step_channels.py): the thread itself polls their doorbells, so a step that
+    comes through a channel goes from the client's write to the proposer without waking any other thread.
+Each round it takes *everything* queued (no timer: at low load a lone request runs at once), up to the token and
+sequence budgets. Requests are taken in arrival order; a request touching a sequence already in the forming batch
+waits for the next batch, so two steps of one sequence never run out of order. Release and GetInfo's KV numbers
+run on the same thread between batches (run_exclusive), so they never race a step.
+
+Idle policy: with no channel open the thread sleeps until submit() wakes it. With channels open it polls them,
+yielding the GIL between polls, for channel_spin_s after the last channel request (the gap between two engine
+steps), then every channel_idle_poll_s.
 """
 import asyncio
-import concurrent.futures
 import logging
-import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -25,42 +30,95 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Pending:
     steps: list[StepInput]
-    future: asyncio.Future
+    deliver: Callable[[list[StepOutput] | None, BaseException | None], None]  # called on the step thread
     trace: dict | None = None  # when given: the batch's worker_start / worker_end (time.perf_counter) go here
+    dry: bool = False  # answer without running the head (benchmarks' ingest-only mode)
+    cancelled: Callable[[], bool] = lambda: False  # True: nobody waits for it (the RPC was cancelled): skip it
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.steps)
 
 
+@dataclass
+class _Job:
+    fn: Callable
+    args: tuple
+    deliver: Callable  # same signature as _Pending.deliver, with fn's result
+
+
+def _resolve_in(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
+    """A deliver() for the step thread that completes fut on its event loop."""
+
+    def set_result(result, exc):
+        if not fut.done():
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+    def deliver(result, exc=None):
+        try:
+            loop.call_soon_threadsafe(set_result, result, exc)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    return deliver
+
+
 class StepScheduler:
-    def __init__(self, proposer: Proposer, max_batch_tokens: int, max_batch_seqs: int):
+    def __init__(self, proposer: Proposer, max_batch_tokens: int, max_batch_seqs: int,
+                 channel_spin_s: float = 0.05, channel_idle_poll_s: float = 0.0002):
         self.proposer = proposer
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
-        self._queue: deque[_Pending] = deque()
-        self._wakeup = asyncio.Event()
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-step")
-        self._task: asyncio.Task | None = None
+        self.channel_spin_s = channel_spin_s
+        self.channel_idle_poll_s = channel_idle_poll_s
+        self._queue: deque[_Pending] = deque()  # appended by the event loop and by channel polls; taken here
+        self._jobs: deque[_Job] = deque()
+        self._wake = threading.Event()
+        self._channels = None  # step_channels.ChannelSet, when channels are on (attach_channels)
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
-        self.inline = os.environ.get("DRAFTER_STEP_INLINE") == "1"
         self.batches_run = 0
         self.requests_merged = 0  # requests that shared a batch with another
 
+    def attach_channels(self, channels) -> None:
+        self._channels = channels
+        channels.wake = self._wake.set  # a new channel wakes a sleeping thread so that it starts polling
+
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="drafter-scheduler")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="drafter-step", daemon=True)
+        self._thread.start()
 
     async def submit(self, steps: list[StepInput], trace: dict | None = None) -> list[StepOutput]:
         if self._stopping:
             raise RuntimeError("the scheduler is stopped")
-        fut = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(steps, fut, trace))
-        self._wakeup.set()
+        fut = self._loop.create_future()
+        self.enqueue(_Pending(steps, _resolve_in(self._loop, fut), trace, cancelled=fut.cancelled))
         return await fut
+
+    def enqueue(self, pending: _Pending) -> None:
+        self._queue.append(pending)
+        self._wake.set()
 
     async def run_exclusive(self, fn: Callable, *args):
         """Run fn on the step thread, between batches (Release, GetInfo's KV numbers)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        fut = self._loop.create_future()
+        self._jobs.append(_Job(fn, args, _resolve_in(self._loop, fut)))
+        self._wake.set()
+        return await fut
+
+    async def stop(self) -> None:
+        """Finish what is queued, close the channels, then stop the thread."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    # ---- the step thread ----
 
     def _take_batch(self) -> list[_Pending]:
         batch: list[_Pending] = []
@@ -69,7 +127,7 @@ class StepScheduler:
         postponed: deque[_Pending] = deque()
         while self._queue:
             p = self._queue.popleft()
-            if p.future.cancelled():
+            if p.cancelled():
                 continue
             p_keys = {(s.namespace, s.sequence_id) for s in p.steps}
             fits = tokens + p.num_tokens <= self.max_batch_tokens and seqs + len(p.steps) <= self.max_batch_seqs
@@ -83,51 +141,55 @@ class StepScheduler:
         self._queue.extendleft(reversed(postponed))  # keep arrival order for the next round
         return batch
 
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
+    def _run(self) -> None:
+        last_channel_request = 0.0
         while True:
-            if not self._queue:
-                self._wakeup.clear()
-                if self._stopping:
-                    return
-                await self._wakeup.wait()
+            channels = self._channels
+            if channels is not None and channels.poll(self.enqueue):
+                last_channel_request = time.monotonic()
+            while self._jobs:
+                job = self._jobs.popleft()
+                try:
+                    job.deliver(job.fn(*job.args), None)
+                except Exception as e:
+                    job.deliver(None, e)
+            if self._queue:
+                self._run_batch(self._take_batch())
                 continue
-            batch = self._take_batch()
-            if not batch:
-                continue
-            steps = [s for p in batch for s in p.steps]
-            try:
-                if self.inline:  # experiment knob: run the step on the event-loop thread (no thread hand-off)
-                    outputs, span = _timed_step(self.proposer, steps)
-                else:
-                    outputs, span = await loop.run_in_executor(self._executor, _timed_step, self.proposer, steps)
-            except Exception as e:  # the proposer catches its own errors; this is a last resort
-                log.exception("batch failed")
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(e)
-                continue
-            self.batches_run += 1
-            if len(batch) > 1:
-                self.requests_merged += len(batch)
-            r = 0
+            if self._stopping:
+                break
+            if channels is not None and channels.open_count():
+                if time.monotonic() - last_channel_request < self.channel_spin_s:
+                    time.sleep(0)  # yield the GIL to the event loop, then poll again
+                    continue
+                self._wake.wait(self.channel_idle_poll_s)
+            else:
+                self._wake.wait()
+            self._wake.clear()
+        if self._channels is not None:
+            self._channels.close_all("the drafter is shutting down")
+
+    def _run_batch(self, batch: list[_Pending]) -> None:
+        run = [p for p in batch if not p.dry]
+        steps = [s for p in run for s in p.steps]
+        t0 = time.perf_counter()
+        try:
+            outputs = self.proposer.step(steps) if steps else []
+        except Exception as e:  # the proposer catches its own errors; this is a last resort
+            log.exception("batch failed")
             for p in batch:
-                if p.trace is not None:
-                    p.trace["worker_start"], p.trace["worker_end"] = span
-                if not p.future.done():
-                    p.future.set_result(outputs[r : r + len(p.steps)])
-                r += len(p.steps)
-
-    async def stop(self) -> None:
-        """Finish what is queued, then stop the worker."""
-        self._stopping = True
-        self._wakeup.set()
-        if self._task is not None:
-            await self._task
-        self._executor.shutdown(wait=True)
-
-
-def _timed_step(proposer: Proposer, steps: list[StepInput]) -> tuple[list[StepOutput], tuple[float, float]]:
-    t0 = time.perf_counter()
-    outputs = proposer.step(steps)
-    return outputs, (t0, time.perf_counter())
+                p.deliver(None, e)
+            return
+        span = (t0, time.perf_counter())
+        self.batches_run += 1
+        if len(batch) > 1:
+            self.requests_merged += len(batch)
+        r = 0
+        for p in batch:
+            if p.dry:
+                p.deliver([StepOutput() for _ in p.steps], None)
+                continue
+            if p.trace is not None:
+                p.trace["worker_start"], p.trace["worker_end"] = span
+            p.deliver(outputs[r : r + len(p.steps)], None)
+            r += len(p.steps)

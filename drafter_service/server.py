@@ -6,8 +6,10 @@ thread, then SERVING. SIGTERM/SIGINT: health NOT_SERVING, stop taking RPCs, let 
 """
 import asyncio
 import logging
+import os
 import pathlib
 import signal
+import socket
 import stat
 
 import grpc
@@ -19,6 +21,7 @@ from .rpc import pb, pb_grpc
 from .runtime import Runtime, build_runtime
 from .scheduler import StepScheduler
 from .servicer import DrafterServicer
+from .step_channels import ChannelLimits, ChannelSet
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ class DrafterServer:
         self.server: grpc.aio.Server | None = None
         self.runtime: Runtime | None = None
         self.scheduler: StepScheduler | None = None
+        self.channels: ChannelSet | None = None
         self.bound_addresses: list[str] = []
         self._metrics_server: asyncio.AbstractServer | None = None
         self._runtime_ref: list = []
@@ -97,12 +101,32 @@ class DrafterServer:
         self.runtime = await asyncio.get_running_loop().run_in_executor(None, build_runtime, cfg)
         self._runtime_ref.append(self.runtime)
         rt = self.runtime
-        self.scheduler = StepScheduler(rt.proposer, rt.limits.max_request_tokens, cfg.max_batch_seqs)
-        self.scheduler.start()
+        self.scheduler = StepScheduler(rt.proposer, rt.limits.max_request_tokens, cfg.max_batch_seqs,
+                                       cfg.step_channel_spin_s, cfg.step_channel_idle_poll_s)
         self.servicer.attach(rt, self.scheduler)
+        self.channels = self._step_channels(cfg)
+        self.scheduler.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving")
+
+    def _step_channels(self, cfg: ServerConfig) -> ChannelSet | None:
+        path = cfg.step_channel_path()
+        if path is None:
+            return None
+        if not (hasattr(os, "memfd_create") and hasattr(socket, "send_fds")):
+            log.warning("step channels off: they need Linux (memfd, SCM_RIGHTS)")
+            return None
+        channels = ChannelSet(
+            socket_path=path, limits=ChannelLimits(max_channels=cfg.step_channel_max,
+                                                   max_area_bytes=cfg.max_message_bytes,
+                                                   max_total_bytes=cfg.step_channel_max_total_bytes),
+            decode=self.servicer.decode_propose, encode=self.servicer.encode_propose, metrics=self.runtime.metrics)
+        self.scheduler.attach_channels(channels)
+        channels.start()
+        self.servicer.step_channel_socket = path
+        self.runtime.metrics.channels = channels
+        return channels
 
     async def stop(self, grace_s: float | None = None) -> None:
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
@@ -110,6 +134,8 @@ class DrafterServer:
         await self.health.enter_graceful_shutdown()
         if self.server is not None:
             await self.server.stop(grace)
+        if self.channels is not None:
+            self.channels.stop()  # no new channels; the step thread closes the open ones as it ends
         if self.scheduler is not None:
             await self.scheduler.stop()
         await self.servicer.close()
@@ -140,7 +166,6 @@ async def serve(config: ServerConfig) -> int:
 
 
 def run(config: ServerConfig) -> int:
-    import os
     import sys
 
     if os.environ.get("DRAFTER_GIL_SWITCH_INTERVAL_S"):  # experiment knob (see docs/performance.md)

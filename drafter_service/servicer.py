@@ -14,7 +14,7 @@ from .rpc import pb, pb_grpc
 from .runtime import Runtime
 from .scheduler import StepScheduler
 from .shm_regions import RegionTable, ShmSettings
-from .step_io import StepOutput
+from .step_io import StepInput, StepOutput
 from .validation import (HIDDEN_DTYPES, TOKEN_DTYPES, RequestError, check_namespace, check_sequence_id,
                          parse_propose)
 from .wire import encode_tensor
@@ -79,6 +79,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         # Benchmarks only (benchmarks/bench_data_plane.py): decode, check and stage the tensors, then answer with
         # no drafts and without running the head, to time the data plane alone.
         self.ingest_only = False
+        self.step_channel_socket = ""  # where step channels open (server.py), "" when they are off
         # Diagnostics (scripts/rpc_timeline.py): with DRAFTER_TRACE_RPC=PATH, one JSON line per Propose with the
         # time.perf_counter() of each phase (enter, parsed, worker_start, worker_end, resumed, replied). On Linux it
         # is CLOCK_MONOTONIC, shared by the processes of a machine, so a client on the same node can line its own
@@ -141,12 +142,14 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             kv_free_tokens=free_blocks * rt.kv.block_size, max_message_bytes=rt.config.max_message_bytes,
             shared_memory_supported=self.regions is not None,
             shared_memory_kinds=self.regions.kinds() if self.regions is not None else [],
-            shared_memory_lease_seconds=math.ceil(rt.config.shm_lease_s) if self.regions is not None else 0)
+            shared_memory_lease_seconds=math.ceil(rt.config.shm_lease_s) if self.regions is not None else 0,
+            step_channel_socket=self.step_channel_socket)
 
-    async def _propose(self, request) -> "pb.ProposeResponse":
-        """One engine step; raises RequestError for a request that is malformed as a whole."""
+    def decode_propose(self, request) -> tuple[list[StepInput], bool]:
+        """Check and decode one engine step (a Propose, a ProposeStream message or a step-channel request; runs on
+        the event loop or on the step thread). Returns the steps, and whether to answer without running the head
+        (ingest-only benchmarks). Raises RequestError for a request that is malformed as a whole."""
         rt = self.runtime
-        t_enter = time.perf_counter()
         read_shm = None
         if self.regions is not None:
             regions, namespace = self.regions, request.namespace
@@ -155,20 +158,27 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 return regions.read(namespace, ref, field, dtype, shape, to_host)
 
         steps = parse_propose(request, rt.limits, read_shm)
+        if self.ingest_only and request.hidden_states.WhichOneof("data") == "raw" and steps:
+            # Inline states are still views of the message: move them to the device as the proposer would
+            # (one copy), so that both data planes end with the bytes in a tensor of their own there.
+            torch.cat([s.hidden_states for s in steps]).to(rt.device)
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize(rt.device)
+        return steps, self.ingest_only
+
+    def encode_propose(self, outputs: list[StepOutput], request) -> "pb.ProposeResponse":
+        return build_response(outputs, [s.sequence_id for s in request.steps], request.request_id)
+
+    async def _propose(self, request) -> "pb.ProposeResponse":
+        """One engine step; raises RequestError for a request that is malformed as a whole."""
+        rt = self.runtime
+        t_enter = time.perf_counter()
+        steps, dry = self.decode_propose(request)
         t_parsed = time.perf_counter()
         trace = {} if self.trace_file is not None else None
-        if self.ingest_only:
-            if request.hidden_states.WhichOneof("data") == "raw" and steps:
-                # Inline states are still views of the message: move them to the device as the proposer would
-                # (one copy), so that both data planes end with the bytes in a tensor of their own there.
-                torch.cat([s.hidden_states for s in steps]).to(rt.device)
-                if rt.device.type == "cuda":
-                    torch.cuda.synchronize(rt.device)
-            outputs = [StepOutput() for _ in steps]
-        else:
-            outputs = await self.scheduler.submit(steps, trace)
+        outputs = [StepOutput() for _ in steps] if dry else await self.scheduler.submit(steps, trace)
         t_stepped = time.perf_counter()
-        response = build_response(outputs, [s.sequence_id for s in request.steps], request.request_id)
+        response = self.encode_propose(outputs, request)
         t_replied = time.perf_counter()
         rt.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, t_replied - t_stepped)
         if trace is not None and self.trace_file is not None:  # (closed at shutdown)

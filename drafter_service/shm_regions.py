@@ -13,12 +13,15 @@ Lifecycle (docs/shared_memory.md):
                           that dies holding regions loses them within one lease.
   UnregisterSharedMemory  unmaps at once; so does the server's shutdown.
 
-Everything here runs on the event loop thread (RPC handlers and the lease sweeper), so a region is never
-unmapped in the middle of a copy.
+Register, unregister, status and the lease sweeper run on the event loop thread; reads run there (Propose) and on
+the step thread (step-channel requests, step_channels.py). One lock serializes them (@_locked), so a region is
+never unmapped in the middle of a copy.
 """
+import functools
 import logging
 import math
 import re
+import threading
 import time
 from dataclasses import dataclass
 
@@ -33,6 +36,15 @@ log = logging.getLogger(__name__)
 
 NAME_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 OFFSET_ALIGNMENT = 8  # region starts: every tensor dtype's element size divides it
+
+
+def _locked(method):
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 @dataclass
@@ -79,6 +91,7 @@ class RegionTable:
         self.read_seconds_total = 0.0
         self.expired_total = 0
         self._ingest_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._lock = threading.RLock()  # see the module docstring
 
     def kinds(self) -> list[int]:
         if self.device.type != "cuda":
@@ -89,6 +102,7 @@ class RegionTable:
 
     # ---- register / unregister / status ----
 
+    @_locked
     def register(self, req: "pb.RegisterSharedMemoryRequest") -> Region:
         s = self.settings
         check_namespace(req.namespace)
@@ -162,6 +176,7 @@ class RegionTable:
                 found.append(r)
         return found, missing
 
+    @_locked
     def unregister(self, namespace: str, names: list[str]) -> tuple[list[str], list[str]]:
         check_namespace(namespace)
         found, missing = self._owned(namespace, names)
@@ -169,6 +184,7 @@ class RegionTable:
             self._drop(r, "unregistered")
         return [r.name for r in found], missing
 
+    @_locked
     def status(self, namespace: str, names: list[str]) -> list[Region]:
         """The namespace's regions, renewed (this is the client's heartbeat)."""
         check_namespace(namespace)
@@ -178,6 +194,7 @@ class RegionTable:
             r.expires_at = now + r.lease_s
         return found
 
+    @_locked
     def expire(self) -> list[str]:
         now = self.clock()
         gone = [r for r in self.regions.values() if r.expires_at <= now]
@@ -186,6 +203,7 @@ class RegionTable:
         self.expired_total += len(gone)
         return [r.name for r in gone]
 
+    @_locked
     def close_all(self) -> None:
         for r in list(self.regions.values()):
             self._drop(r, "server shutting down")
@@ -197,6 +215,7 @@ class RegionTable:
 
     # ---- a tensor passed by reference ----
 
+    @_locked
     def read(self, namespace: str, ref: "pb.SharedMemoryRef", field: str, dtype: torch.dtype, shape: list[int],
              to_host: bool = False) -> torch.Tensor:
         """Check the reference and copy its bytes once into a new tensor on the server's device (on the host when

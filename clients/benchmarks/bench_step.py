@@ -149,7 +149,8 @@ def scrape_server_seconds(metrics_port: int) -> dict[str, float]:
 
 async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metrics_port: int | None = None):
     """Median seconds per step seen by the client with unary Propose calls, (when metrics_port) the median of each
-    server-side part of those, and the median per step on one ProposeStream (client.stream())."""
+    server-side part of those, the median per step on one ProposeStream (client.stream()), and the median per
+    step through a shared-memory step channel (client.open_step_channel(); None where it cannot be opened)."""
     from drafter_client import DrafterClient
 
     prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
@@ -177,9 +178,19 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
                 r = await session.recv()
                 stream_times.append(time.perf_counter() - t0)
                 assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
+        channel_times = []
+        if await c.open_step_channel():
+            for i in range(iters + 3):
+                t0 = time.perf_counter()
+                r = await c.propose(decode)
+                channel_times.append(time.perf_counter() - t0)
+                assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
+            assert c.steps_through_channel == iters + 3, "every step should have gone through the channel"
+            c.close_step_channel()
         await c.release([s.sequence_id for s in decode])
     med = {key: statistics.median(p[key] for p in parts[3:]) for key in parts[0]} if parts else None
-    return statistics.median(times[3:]), med, statistics.median(stream_times[3:])
+    t_channel = statistics.median(channel_times[3:]) if channel_times else None
+    return statistics.median(times[3:]), med, statistics.median(stream_times[3:]), t_channel
 
 
 def prefill_step(tokens: int, width: int, vocab: int, sequence_id: str = "prefill"):
@@ -206,17 +217,22 @@ def bench_prefill_in_process(rt, tokens, iters, width, vocab) -> float:
     return statistics.median(times[2:])
 
 
-async def bench_prefill_sidecar(target, tokens, iters, width, vocab) -> float:
+async def bench_prefill_sidecar(target, tokens, iters, width, vocab, channel: bool = False) -> float:
+    """Median seconds of one prompt step with its states inline: a unary Propose, or (channel) a step channel
+    whose request area holds the whole message."""
     from drafter_client import DrafterClient
 
     step = prefill_step(tokens, width, vocab)
     async with DrafterClient(target, namespace="bench") as c:
+        if channel:
+            assert await c.open_step_channel(request_bytes=tokens * width * 2 + tokens * 8 + 2**20)
         times = []
         for _ in range(iters + 2):
             t0 = time.perf_counter()
             r = await c.propose([step])
             times.append(time.perf_counter() - t0)
             assert r.sequences[0].ok, r.sequences[0].message
+        assert c.steps_through_channel == (iters + 2 if channel else 0)
         await c.release(["prefill"])
     return statistics.median(times[2:])
 
@@ -295,7 +311,7 @@ def main() -> int:
         try:
             for row in rows:
                 b = row["batch"]
-                t, parts, t_stream = asyncio.run(bench_sidecar(f"unix:{sock}", b, context, a.m, a.k, a.iters, width,
+                t, parts, t_stream, t_channel = asyncio.run(bench_sidecar(f"unix:{sock}", b, context, a.m, a.k, a.iters, width,
                                                      shape["vocab_size"], a.metrics_port))
                 # server side: the proposer step alone (worker), and the Propose handler by phase; what the
                 # client sees beyond parse + wait + reply is gRPC transport plus the client's own packing/parsing
@@ -304,14 +320,21 @@ def main() -> int:
                            transport_and_client_ms=(t - parts["parse"] - parts["wait"] - parts["reply"]) * 1e3)
                 fb = floor_bytes(shape, dtype_bytes, b, context, a.m, a.k)
                 payload = b * a.m * width * 2 + b * a.m * 8
-                row.update(sidecar_ms=t * 1e3, sidecar_stream_ms=t_stream * 1e3, floor_ms=fb / bw * 1e3, floor_bytes=fb, payload_bytes=payload,
-                           sidecar_over_in_process=t * 1e3 / row["in_process_ms"],
+                row.update(sidecar_ms=t * 1e3, sidecar_stream_ms=t_stream * 1e3, floor_ms=fb / bw * 1e3,
+                           floor_bytes=fb, payload_bytes=payload, sidecar_over_in_process=t * 1e3 / row["in_process_ms"],
                            in_process_over_floor=row["in_process_ms"] / (fb / bw * 1e3))
-                print(f"sidecar batch {b}: {t * 1e3:.2f} ms (on one stream: {t_stream * 1e3:.2f} ms)", flush=True)
+                if t_channel is not None:
+                    row.update(sidecar_channel_ms=t_channel * 1e3,
+                               channel_over_in_process=t_channel * 1e3 / row["in_process_ms"])
+                print(f"sidecar batch {b}: {t * 1e3:.2f} ms (on one stream: {t_stream * 1e3:.2f} ms, through a step "
+                      f"channel: {t_channel * 1e3 if t_channel else float('nan'):.2f} ms)", flush=True)
             if prefill:
                 t = asyncio.run(bench_prefill_sidecar(f"unix:{sock}", a.prefill_tokens, a.iters, width,
                                                       shape["vocab_size"]))
                 prefill.update(sidecar_ms=t * 1e3, sidecar_gbps=prefill["hidden_bytes"] / t / 1e9)
+                t = asyncio.run(bench_prefill_sidecar(f"unix:{sock}", a.prefill_tokens, a.iters, width,
+                                                      shape["vocab_size"], channel=True))
+                prefill.update(channel_ms=t * 1e3, channel_gbps=prefill["hidden_bytes"] / t / 1e9)
         finally:
             server.terminate()
             server.wait(60)
@@ -327,12 +350,15 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=2))
     print(f"\n{result['device']}, {a.preset}, {dtype}, context {context}, m={a.m}, k={a.k}, {result['date']}")
     ab = all("in_process_eager_ms" in r for r in rows)
-    print(f"{'batch':>5} {'in-proc ms':>11} {'sidecar ms':>11} {'side/in':>8} {'stream ms':>10} {'floor ms':>9} {'in/floor':>9} "
+    print(f"{'batch':>5} {'in-proc ms':>11} {'sidecar ms':>11} {'side/in':>8} {'stream ms':>10} {'channel ms':>10} "
+          f"{'chan/in':>8} {'floor ms':>9} {'in/floor':>9} "
           f"{'payload KB':>11} {'srv worker':>10} {'srv parse':>9} {'srv wait':>9} {'srv reply':>9} {'transport':>9}"
           + (f" {'eager ms':>9}" if ab else ""))
     for r in rows:
         print(f"{r['batch']:>5} {r['in_process_ms']:>11.2f} {r['sidecar_ms']:>11.2f} "
-              f"{r['sidecar_over_in_process']:>8.2f} {r['sidecar_stream_ms']:>10.2f} {r['floor_ms']:>9.3f} "
+              f"{r['sidecar_over_in_process']:>8.2f} {r['sidecar_stream_ms']:>10.2f} "
+              f"{r.get('sidecar_channel_ms', float('nan')):>10.2f} {r.get('channel_over_in_process', float('nan')):>8.2f} "
+              f"{r['floor_ms']:>9.3f} "
               f"{r['in_process_over_floor']:>9.2f} "
               f"{r['payload_bytes'] / 1024:>11.1f} {r['sidecar_worker_ms']:>10.2f} {r['server_parse_ms']:>9.2f} "
               f"{r['server_wait_ms']:>9.2f} {r['server_reply_ms']:>9.2f} {r['transport_and_client_ms']:>9.2f}"
@@ -340,7 +366,8 @@ def main() -> int:
     if prefill:
         print(f"prefill of {prefill['tokens']} tokens ({prefill['hidden_bytes'] / 2**20:.1f} MiB of hidden states, "
               f"inline bytes): in-process {prefill['in_process_ms']:.1f} ms ({prefill['in_process_gbps']:.2f} GB/s), "
-              f"sidecar {prefill['sidecar_ms']:.1f} ms ({prefill['sidecar_gbps']:.2f} GB/s)")
+              f"sidecar {prefill['sidecar_ms']:.1f} ms ({prefill['sidecar_gbps']:.2f} GB/s), through a step channel "
+              f"{prefill['channel_ms']:.1f} ms ({prefill['channel_gbps']:.2f} GB/s)")
     print(f"wrote {out}")
     return 0
 

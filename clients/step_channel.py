@@ -1,0 +1,182 @@
+"""The client's end of a shared-memory step channel (docs/step_channel.md; the drafter's end is
+drafter_service/step_channels.py, the mailbox layout drafter_service/mailbox.py).
+
+A channel carries the same ProposeRequest / ProposeResponse bytes a unary Propose would, through a mailbox the
+drafter polls: no gRPC message, no thread of gRPC's or of the drafter's to wake. The waiting side spins: the
+drafter's step thread for --step-channel-spin-s after each request, this client while it waits for a reply
+(spin_s, then it polls every poll_s). One request at a time per channel.
+"""
+import asyncio
+import json
+import mmap
+import os
+import socket
+import time
+
+import grpc
+
+from drafter_service.mailbox import CLOSED, Mailbox
+
+LIVENESS_PERIOD_S = 0.05  # while waiting: how often to check that the drafter still holds the channel's socket
+
+
+class StepChannelClosed(Exception):
+    """The drafter closed the channel without taking the request: nothing was done, send it another way."""
+
+
+class StepChannelError(Exception):
+    """Opening refused, or the drafter went away mid-request; ``code`` is a grpc.StatusCode."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class StepChannel:
+    def __init__(self, conn: socket.socket, mm: mmap.mmap, spin_s: float, poll_s: float):
+        self.conn = conn
+        self.mm = mm
+        self.box = Mailbox(mm)
+        self.spin_s = spin_s
+        self.poll_s = poll_s
+        self.busy = False
+        self.closed = False
+        self._seq = self.box.doorbell(self.box.request)
+
+    @property
+    def request_capacity(self) -> int:
+        return self.box.request.capacity
+
+    @classmethod
+    def open(cls, socket_path: str, namespace: str, request_bytes: int, reply_bytes: int, spin_s: float = 0.05,
+             poll_s: float = 0.0001, timeout_s: float = 5.0) -> "StepChannel":
+        """Connect, say hello, map the mailbox the drafter sends back (blocking; a few hundred microseconds).
+        Raises OSError when the socket cannot be reached (another node, a container without the socket's volume),
+        StepChannelError when the drafter refuses."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.settimeout(timeout_s)
+            conn.connect(socket_path)
+            conn.sendall(json.dumps({"version": 1, "namespace": namespace, "request_bytes": request_bytes,
+                                     "reply_bytes": reply_bytes}).encode() + b"\n")
+            data, fds, _, _ = socket.recv_fds(conn, 4096, 1)
+            try:
+                answer = json.loads(data)
+                if not answer.get("ok"):
+                    raise StepChannelError(getattr(grpc.StatusCode, answer.get("code", "UNKNOWN"),
+                                                   grpc.StatusCode.UNKNOWN), answer.get("message", ""))
+                if len(fds) != 1:
+                    raise StepChannelError(grpc.StatusCode.INTERNAL, "the drafter's answer carried no mailbox")
+                size = os.fstat(fds[0]).st_size
+                mm = mmap.mmap(fds[0], size)
+            finally:
+                for fd in fds:
+                    os.close(fd)  # the mapping keeps the memory
+            conn.settimeout(None)
+            return cls(conn, mm, spin_s, poll_s)
+        except BaseException:
+            conn.close()
+            raise
+
+    def close(self) -> None:
+        """Tell the drafter (it closes its end within 0.1 s) and unmap."""
+        if self.closed:
+            return
+        self.closed = True
+        self.conn.close()
+        self.box.release()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+
+    # ---- one request ----
+
+    def _send(self, payload: bytes) -> int:
+        if self.box.state == CLOSED:
+            raise StepChannelClosed("the drafter closed this channel")
+        self._seq += 1
+        self.box.write(self.box.request, self._seq, payload)
+        return self._seq
+
+    def _reply(self, seq: int) -> bytes | None:
+        """The reply to seq, or None while it is not there; raises when it never will be."""
+        box = self.box
+        if box.doorbell(box.reply) == seq:
+            reply = box.read(box.reply, seq)
+            if reply is not None:
+                return reply
+        if box.state == CLOSED and box.doorbell(box.reply) != seq:
+            if box.taken_seq != seq:
+                raise StepChannelClosed("the drafter closed this channel before taking the request")
+            raise StepChannelError(grpc.StatusCode.UNAVAILABLE,
+                                   "the drafter closed the step channel while working on the request")
+        return None
+
+    def _drafter_gone(self) -> bool:
+        try:
+            return self.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def _begin(self, payload: bytes, timeout: float | None) -> tuple[int, float]:
+        if self.closed or self.busy:
+            raise RuntimeError("the step channel is closed or busy")
+        self.busy = True
+        try:
+            seq = self._send(payload)
+        except BaseException:
+            self.busy = False
+            raise
+        return seq, (time.monotonic() + timeout if timeout is not None else float("inf"))
+
+    def _check_waiting(self, started: float, deadline: float, now: float) -> None:
+        if now > deadline:
+            # The reply may still come: this channel cannot be reused safely.
+            self.busy = False
+            self.close()
+            raise StepChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply through the step channel in time")
+        if now - started > LIVENESS_PERIOD_S and self._drafter_gone():
+            self.busy = False
+            self.close()
+            raise StepChannelError(grpc.StatusCode.UNAVAILABLE, "the drafter went away (step channel closed)")
+
+    async def call(self, payload: bytes, timeout: float | None = None) -> bytes:
+        """Send one serialized ProposeRequest, return the serialized ProposeResponse."""
+        seq, deadline = self._begin(payload, timeout)
+        started = last_check = time.monotonic()
+        try:
+            while (reply := self._reply(seq)) is None:
+                now = time.monotonic()
+                if now - last_check > LIVENESS_PERIOD_S:
+                    last_check = now
+                    self._check_waiting(started, deadline, now)
+                # spin (yielding to the loop's other tasks), then poll
+                await asyncio.sleep(0 if now - started < self.spin_s else self.poll_s)
+        except StepChannelClosed:
+            self.busy = False
+            self.close()
+            raise
+        self.busy = False
+        return reply
+
+    def call_blocking(self, payload: bytes, timeout: float | None = None) -> bytes:
+        """call() for a thread without an event loop."""
+        seq, deadline = self._begin(payload, timeout)
+        started = last_check = time.monotonic()
+        try:
+            while (reply := self._reply(seq)) is None:
+                now = time.monotonic()
+                if now - last_check > LIVENESS_PERIOD_S:
+                    last_check = now
+                    self._check_waiting(started, deadline, now)
+                time.sleep(0 if now - started < self.spin_s else self.poll_s)
+        except StepChannelClosed:
+            self.busy = False
+            self.close()
+            raise
+        self.busy = False
+        return reply

@@ -1,0 +1,127 @@
+"""The step channel's mailbox: one shared-memory segment, a request doorbell and a reply doorbell.
+
+The drafter creates the segment (a memfd sealed against shrinking and growing, so that no client can truncate it
+under the drafter's mapping and crash it with SIGBUS) and hands its file descriptor to the client over a Unix
+socket (step_channels.py). Both map it read-write. One request is in flight at a time.
+
+  offset  field (u64 little-endian)  written by
+  0       magic "DRFTSTP1"           drafter
+  8       request_capacity           drafter
+  16      reply_capacity             drafter
+  64      request_seq                client: bumped (+1) after the request's bytes, length and crc are written
+  72      request_len                client
+  80      request_crc                client: crc32 over request_seq (8 bytes LE) then the request bytes
+  128     state                      drafter: 1 open, 2 closed (it takes no more requests)
+  136     taken_seq                  drafter: the last request_seq it read
+  192     reply_seq                  drafter: the request_seq it answers, bumped after the reply is written
+  200     reply_len                  drafter
+  208     reply_crc                  drafter: crc32 over reply_seq then the reply bytes
+  4096    request area               [request_capacity] bytes: a serialized drafter.v1.ProposeRequest
+  4096 + request_capacity            [reply_capacity] bytes: a serialized drafter.v1.ProposeResponse
+
+The doorbell words sit on their own cache lines. The crc covers the sequence number, so a reader that sees a new
+doorbell before the bytes behind it (weakly ordered CPUs) finds a mismatch and reads again, instead of taking
+the previous message for the new one.
+"""
+import mmap
+import zlib
+from dataclasses import dataclass
+
+MAGIC = int.from_bytes(b"DRFTSTP1", "little")
+HEADER_BYTES = 4096
+OPEN, CLOSED = 1, 2
+
+# word indices (offset // 8)
+_MAGIC, _REQUEST_CAPACITY, _REPLY_CAPACITY = 0, 1, 2
+_REQUEST_SEQ, _REQUEST_LEN, _REQUEST_CRC = 8, 9, 10
+_STATE, _TAKEN_SEQ = 16, 17
+_REPLY_SEQ, _REPLY_LEN, _REPLY_CRC = 24, 25, 26
+
+
+def _crc(seq: int, payload) -> int:
+    return zlib.crc32(payload, zlib.crc32(seq.to_bytes(8, "little")))
+
+
+@dataclass
+class _Area:
+    seq: int  # word index of the doorbell
+    length: int
+    crc: int
+    start: int  # byte offset of the area
+    capacity: int
+
+
+class Mailbox:
+    """Typed access to a mapped mailbox (mm: a read-write mmap of the whole segment)."""
+
+    def __init__(self, mm: mmap.mmap):
+        self.mm = mm
+        self.words = memoryview(mm)[:HEADER_BYTES].cast("Q")
+        if self.words[_MAGIC] != MAGIC:
+            raise ValueError("not a drafter step-channel mailbox (bad magic)")
+        req_cap, rep_cap = self.words[_REQUEST_CAPACITY], self.words[_REPLY_CAPACITY]
+        if HEADER_BYTES + req_cap + rep_cap > len(mm):
+            raise ValueError("mailbox capacities exceed the segment")
+        self.request = _Area(_REQUEST_SEQ, _REQUEST_LEN, _REQUEST_CRC, HEADER_BYTES, req_cap)
+        self.reply = _Area(_REPLY_SEQ, _REPLY_LEN, _REPLY_CRC, HEADER_BYTES + req_cap, rep_cap)
+
+    @staticmethod
+    def segment_bytes(request_capacity: int, reply_capacity: int) -> int:
+        return HEADER_BYTES + request_capacity + reply_capacity
+
+    @classmethod
+    def initialize(cls, mm: mmap.mmap, request_capacity: int, reply_capacity: int) -> "Mailbox":
+        words = memoryview(mm)[:HEADER_BYTES].cast("Q")
+        words[_REQUEST_CAPACITY], words[_REPLY_CAPACITY] = request_capacity, reply_capacity
+        words[_STATE] = OPEN
+        words[_MAGIC] = MAGIC
+        words.release()
+        return cls(mm)
+
+    def release(self) -> None:
+        """Drop the views into the mapping (before mm.close())."""
+        self.words.release()
+
+    # ---- state ----
+
+    @property
+    def state(self) -> int:
+        return self.words[_STATE]
+
+    def close(self) -> None:
+        self.words[_STATE] = CLOSED
+
+    @property
+    def taken_seq(self) -> int:
+        return self.words[_TAKEN_SEQ]
+
+    # ---- messages ----
+
+    def doorbell(self, area: _Area) -> int:
+        return self.words[area.seq]
+
+    def write(self, area: _Area, seq: int, payload: bytes) -> None:
+        """Write payload, its length and crc, then ring the doorbell with seq."""
+        n = len(payload)
+        if n > area.capacity:
+            raise ValueError(f"{n} bytes do not fit the {area.capacity}-byte area")
+        self.mm[area.start : area.start + n] = payload
+        self.words[area.length] = n
+        self.words[area.crc] = _crc(seq, payload)
+        self.words[area.seq] = seq
+
+    def read(self, area: _Area, seq: int) -> bytes | None:
+        """The message behind doorbell seq, or None while its bytes do not match their crc yet (or the length is
+        out of bounds: the writer is not done, or wrote garbage)."""
+        n = self.words[area.length]
+        if n > area.capacity:
+            return None
+        payload = self.mm[area.start : area.start + n]  # a copy: the writer may reuse the area after this
+        if _crc(seq, payload) != self.words[area.crc]:
+            return None
+        return payload
+
+    def take(self, seq: int) -> None:
+        """Drafter: mark request seq as read (a client that sees state CLOSED and taken_seq != its seq resends
+        the request elsewhere: it was never looked at)."""
+        self.words[_TAKEN_SEQ] = seq

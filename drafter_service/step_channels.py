@@ -1,0 +1,357 @@
+"""Shared-memory step channels (docs/step_channel.md): engine steps on one node without a gRPC message each.
+
+Opening: a client connects to the drafter's channel socket (GetInfo.step_channel_socket) and sends a hello, one
+JSON line {"version": 1, "namespace": ..., "request_bytes": ..., "reply_bytes": ...}. The drafter creates a
+mailbox (mailbox.py) in a memfd sealed against resizing, and answers with one JSON line ({"ok": true, capacities}
+or {"ok": false, "code": "INVALID_ARGUMENT", "message": ...}) carrying the memfd (SCM_RIGHTS). The connection
+stays open for the channel's lifetime: when the client closes it, or dies, the drafter closes the channel and
+unmaps the mailbox. Nothing is left in /dev/shm.
+
+Serving: the step thread (scheduler.py) polls every open mailbox. A new request is copied out of the mailbox,
+parsed and checked exactly as a Propose is (DrafterServicer.decode_propose: the same limits, the same shared-
+memory references), and queued with the gRPC requests; its reply is written back on the step thread. A request
+malformed as a whole gets a ProposeResponse with ``error`` set (the code a Propose would have failed with), and
+one whose namespace is not the channel's gets PERMISSION_DENIED.
+
+Threads: an acceptor thread handles hellos; everything else about an open channel happens on the step thread.
+"""
+import fcntl
+import json
+import logging
+import mmap
+import os
+import pathlib
+import socket
+import stat
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from .mailbox import Mailbox
+from .rpc import pb
+from .scheduler import _Pending
+from .step_io import StepInput, StepOutput
+from .validation import RequestError, check_namespace
+
+log = logging.getLogger(__name__)
+
+HELLO_MAX_BYTES = 4096
+HELLO_TIMEOUT_S = 2.0
+MIN_AREA_BYTES = 4096
+LIVENESS_PERIOD_S = 0.1  # how often the step thread checks that each channel's client is still connected
+STUCK_REQUEST_S = 1.0  # a doorbell whose bytes never match their crc is answered with an error after this
+
+
+@dataclass
+class Channel:
+    id: int
+    namespace: str
+    conn: socket.socket  # the client's connection: its end is the channel's end
+    fd: int
+    mm: mmap.mmap
+    box: Mailbox
+    taken: int = 0  # the last request_seq read
+    unreadable_since: float | None = None  # a doorbell rang but its bytes do not check out (yet)
+    checked_at: float = 0.0
+    closed: bool = False
+    requests: int = 0
+
+
+@dataclass
+class ChannelLimits:
+    max_channels: int  # open at once, all namespaces
+    max_area_bytes: int  # request or reply area, each (the gRPC message limit)
+    max_total_bytes: int  # mailbox bytes of all open channels
+
+
+@dataclass
+class ChannelSet:
+    socket_path: str
+    limits: ChannelLimits
+    # request -> (steps, dry): DrafterServicer.decode_propose (raises RequestError)
+    decode: Callable[["pb.ProposeRequest"], tuple[list[StepInput], bool]]
+    # (outputs, request) -> reply message: servicer.build_response
+    encode: Callable[[list[StepOutput], "pb.ProposeRequest"], "pb.ProposeResponse"]
+    metrics: object  # metrics.Metrics
+    wake: Callable[[], None] = lambda: None  # set by the scheduler: wakes the step thread
+    _open: list[Channel] = field(default_factory=list)  # step thread only
+    _new: deque = field(default_factory=deque)  # acceptor -> step thread
+    _listener: socket.socket | None = None
+    _acceptor: threading.Thread | None = None
+    _next_id: int = 1
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # open count / bytes, read by the acceptor
+    _count: int = 0
+    _bytes: int = 0
+
+    # ---- acceptor (its own thread) ----
+
+    def start(self) -> None:
+        path = pathlib.Path(self.socket_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() or path.is_symlink():
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                raise ValueError(f"--step-channel-socket {path} exists and is not a socket")
+            path.unlink()  # a stale socket from a previous run
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(path))
+        self._listener.listen(16)
+        self._acceptor = threading.Thread(target=self._accept_loop, name="drafter-channels", daemon=True)
+        self._acceptor.start()
+        log.info("step channels on %s", path)
+
+    def stop(self) -> None:
+        """Stop accepting (the step thread closes the open channels when it ends)."""
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+            self._listener = None
+            pathlib.Path(self.socket_path).unlink(missing_ok=True)
+        if self._acceptor is not None:
+            self._acceptor.join(timeout=5)
+
+    def _accept_loop(self) -> None:
+        while self._listener is not None:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # the listener was closed: stop
+                return
+            try:
+                self._open_channel(conn)
+            except Exception:
+                log.exception("opening a step channel")
+                conn.close()
+
+    def _open_channel(self, conn: socket.socket) -> None:
+        conn.settimeout(HELLO_TIMEOUT_S)
+        try:
+            hello = self._read_hello(conn)
+            namespace, req_bytes, rep_bytes = self._check_hello(hello)
+        except RequestError as e:
+            self.metrics.record_rpc_error(e.code.name)
+            _send_line(conn, {"ok": False, "code": e.code.name, "message": e.message})
+            conn.close()
+            return
+        except (OSError, ValueError) as e:  # timeout, reset, not JSON
+            log.info("step-channel hello refused: %s", e)
+            conn.close()
+            return
+        size = Mailbox.segment_bytes(req_bytes, rep_bytes)
+        with self._lock:
+            if self._count >= self.limits.max_channels or self._bytes + size > self.limits.max_total_bytes:
+                _send_line(conn, {"ok": False, "code": "RESOURCE_EXHAUSTED", "message":
+                                  f"{self._count} step channels of {self._bytes} bytes are open; at most "
+                                  f"{self.limits.max_channels} channels and {self.limits.max_total_bytes} bytes: "
+                                  "use gRPC, or close channels"})
+                conn.close()
+                return
+            self._count += 1
+            self._bytes += size
+        try:
+            fd = os.memfd_create("drafter-step-channel", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            mm = mmap.mmap(fd, size)
+            box = Mailbox.initialize(mm, req_bytes, rep_bytes)
+            ch = Channel(id=self._next_id, namespace=namespace, conn=conn, fd=fd, mm=mm, box=box)
+            self._next_id += 1
+            socket.send_fds(conn, [_line({"ok": True, "channel": ch.id, "request_capacity": req_bytes,
+                                          "reply_capacity": rep_bytes})], [fd])
+            conn.settimeout(None)
+        except BaseException:
+            with self._lock:
+                self._count -= 1
+                self._bytes -= size
+            raise
+        log.info("namespace %r opened step channel %d (%d + %d bytes)", namespace, ch.id, req_bytes, rep_bytes)
+        self._new.append(ch)
+        self.wake()
+
+    @staticmethod
+    def _read_hello(conn: socket.socket) -> dict:
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = conn.recv(HELLO_MAX_BYTES - len(data))
+            if not chunk:
+                raise ValueError("connection closed before the hello ended")
+            data += chunk
+            if len(data) >= HELLO_MAX_BYTES and not data.endswith(b"\n"):
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"hello: longer than {HELLO_MAX_BYTES} bytes")
+        try:
+            hello = json.loads(data)
+        except ValueError:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "hello: not one JSON object") from None
+        if not isinstance(hello, dict):
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "hello: not one JSON object")
+        return hello
+
+    def _check_hello(self, hello: dict) -> tuple[str, int, int]:
+        if hello.get("version") != 1:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"hello.version {hello.get('version')!r}: this drafter speaks version 1")
+        namespace = hello.get("namespace", "")
+        if not isinstance(namespace, str):
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "hello.namespace: not a string")
+        check_namespace(namespace)
+        sizes = []
+        for key in ("request_bytes", "reply_bytes"):
+            v = hello.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or not MIN_AREA_BYTES <= v <= self.limits.max_area_bytes:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"hello.{key} {v!r}: an integer from {MIN_AREA_BYTES} to "
+                                   f"{self.limits.max_area_bytes} (the drafter's --max-message-bytes)")
+            sizes.append(v)
+        return namespace, sizes[0], sizes[1]
+
+    # ---- the step thread ----
+
+    def open_count(self) -> int:
+        return len(self._open) + len(self._new)
+
+    def poll(self, enqueue: Callable[[_Pending], None]) -> bool:
+        """Take every channel's new request (queued with enqueue, or answered at once when malformed); True when
+        there was any."""
+        while self._new:
+            self._open.append(self._new.popleft())
+        if not self._open:
+            return False
+        found = False
+        now = None
+        for ch in self._open:
+            box = ch.box
+            seq = box.doorbell(box.request)
+            if seq != ch.taken:
+                payload = box.read(box.request, seq)
+                if payload is None:
+                    now = now or time.monotonic()
+                    if ch.unreadable_since is None:
+                        ch.unreadable_since = now
+                    elif now - ch.unreadable_since > STUCK_REQUEST_S:
+                        self._take(ch, seq)
+                        self._reply_error(ch, seq, 0, RequestError(
+                            grpc.StatusCode.INVALID_ARGUMENT, "request: its bytes do not match request_crc (or "
+                            "request_len exceeds the request area) a second after the doorbell rang"))
+                    continue
+                self._take(ch, seq)
+                found = True
+                self._handle(ch, seq, payload, enqueue)
+        now = now or time.monotonic()
+        for ch in self._open:
+            if now - ch.checked_at > LIVENESS_PERIOD_S:
+                ch.checked_at = now
+                if not _still_connected(ch.conn):
+                    self._close(ch, "the client closed the channel")
+        if any(ch.closed for ch in self._open):
+            self._open = [ch for ch in self._open if not ch.closed]
+        return found
+
+    def _take(self, ch: Channel, seq: int) -> None:
+        ch.taken = seq
+        ch.unreadable_since = None
+        ch.requests += 1
+        ch.box.take(seq)
+
+    def _handle(self, ch: Channel, seq: int, payload: bytes, enqueue) -> None:
+        t_enter = time.perf_counter()
+        request_id = 0
+        try:
+            try:
+                request = pb.ProposeRequest.FromString(payload)
+            except DecodeError:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   "request: not a serialized drafter.v1.ProposeRequest") from None
+            request_id = request.request_id
+            if request.namespace != ch.namespace:
+                raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                                   f"namespace {request.namespace!r}: this channel was opened by namespace "
+                                   f"{ch.namespace!r}")
+            steps, dry = self.decode(request)
+        except RequestError as e:
+            self._reply_error(ch, seq, request_id, e)
+            return
+        t_parsed = time.perf_counter()
+
+        def deliver(outputs, exc):
+            t_stepped = time.perf_counter()
+            if exc is not None:
+                self._reply_error(ch, seq, request_id, RequestError(grpc.StatusCode.INTERNAL, f"step failed: {exc}"))
+                return
+            try:
+                reply = self.encode(outputs, request).SerializeToString()
+                if len(reply) > ch.box.reply.capacity:
+                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"reply: {len(reply)} bytes; this channel's reply area holds "
+                                       f"{ch.box.reply.capacity}: open it with a larger reply_bytes")
+            except RequestError as e:
+                self._reply_error(ch, seq, request_id, e)
+                return
+            self._write(ch, seq, reply)
+            self.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, time.perf_counter() - t_stepped)
+            self.metrics.channel_requests_total += 1
+
+        enqueue(_Pending(steps, deliver, dry=dry))
+
+    def _reply_error(self, ch: Channel, seq: int, request_id: int, e: RequestError) -> None:
+        self.metrics.record_rpc_error(e.code.name)
+        reply = pb.ProposeResponse(request_id=request_id, error=pb.Status(code=e.code.value[0], message=e.message))
+        self._write(ch, seq, reply.SerializeToString())
+
+    def _write(self, ch: Channel, seq: int, reply: bytes) -> None:
+        if not ch.closed:
+            ch.box.write(ch.box.reply, seq, reply)
+
+    def _close(self, ch: Channel, why: str) -> None:
+        if ch.closed:
+            return
+        ch.closed = True
+        size = Mailbox.segment_bytes(ch.box.request.capacity, ch.box.reply.capacity)
+        ch.box.close()
+        ch.box.release()
+        try:
+            ch.mm.close()
+        except BufferError:  # a view still alive: unmapped when collected
+            pass
+        os.close(ch.fd)
+        ch.conn.close()
+        with self._lock:
+            self._count -= 1
+            self._bytes -= size
+        log.info("step channel %d of namespace %r closed after %d requests: %s", ch.id, ch.namespace, ch.requests,
+                 why)
+
+    def close_all(self, why: str) -> None:
+        while self._new:
+            self._open.append(self._new.popleft())
+        for ch in self._open:
+            self._close(ch, why)
+        self._open = []
+
+
+def _line(obj: dict) -> bytes:
+    return json.dumps(obj).encode() + b"\n"
+
+
+def _send_line(conn: socket.socket, obj: dict) -> None:
+    try:
+        conn.sendall(_line(obj))
+    except OSError:
+        pass
+
+
+def _still_connected(conn: socket.socket) -> bool:
+    """False when the client closed its end (or sent anything: a client says goodbye by closing)."""
+    try:
+        data = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False  # b"": the client closed its end; any bytes: it said goodbye. Both end the channel.

@@ -1,0 +1,257 @@
+"""Shared-memory step channels (docs/step_channel.md): the same ProposeRequest / ProposeResponse bytes as a unary
+Propose, through a mailbox the drafter's step thread polls.
+
+Drafts through a channel equal the gRPC path and the naive reference (inline states and states in shared memory);
+a malformed request, another namespace's request, garbage and bytes that never match their crc get an error
+reply naming the problem, and the channel stays usable; hellos the drafter refuses say why; a client cannot
+shrink the mailbox; a client that goes away (closes, or is killed) has its channel reclaimed; a channel the
+drafter closes sends the client back to gRPC without losing the step.
+"""
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import pytest
+import torch
+
+from conftest import ServerThread, make_config
+from drafter_client import DrafterClient, DrafterError, SequenceStep
+from drafter_client.client import build_request, parse_response
+from drafter_client.step_channel import StepChannel, StepChannelError
+from drafter_service.mailbox import Mailbox
+from drafter_service.rpc import pb
+from fake_engine import FakeSequence
+from naive_eagle import NaiveEagle1
+
+H, V = 64, 512
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def ch_server(tiny_model, tmp_path_factory):
+    head, target = tiny_model
+    with ServerThread(make_config(head, target, tmp_path_factory.mktemp("chan"))) as s:
+        yield s
+
+
+def open_channels(server: ServerThread) -> int:
+    return server.server.channels.open_count()
+
+
+def wait_until(cond, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def step(sid, p=0, m=4, nxt=1, k=3):
+    return SequenceStep(sid, p, list(range(10, 10 + m)), torch.randn(m, H), nxt, k)
+
+
+async def test_drafts_through_the_channel_match_grpc_and_naive(ch_server, tiny_model):
+    naive = NaiveEagle1(*tiny_model)
+    rng = random.Random(5)
+    async with DrafterClient(ch_server.uds, namespace="eng-ch") as fast, \
+            DrafterClient(ch_server.uds, namespace="eng-grpc") as slow, \
+            DrafterClient(ch_server.uds, namespace="eng-ch-shm") as both:
+        info = await fast.get_info()
+        assert info.step_channel_socket == ch_server.server.config.step_channel_path()
+        assert await fast.open_step_channel()
+        assert await both.open_step_channel(request_bytes=4096)  # descriptors only: the smallest area will do
+        assert await both.enable_shared_memory(max_step_tokens=256, dtype=torch.float32) == "system"
+        assert open_channels(ch_server) == 2
+        seqs = {c: [FakeSequence(f"s{i}", prompt, H, V, random.Random(i), chunk)
+                    for i, (prompt, chunk) in enumerate([(40, None), (95, 16), (7, None)])]
+                for c in ("fast", "slow", "both")}
+        checked = 0
+        for n in range(STEPS):
+            ks = [rng.randint(1, 6) for _ in range(3)]
+            replies = {}
+            for name, client in (("fast", fast), ("slow", slow), ("both", both)):
+                replies[name] = await client.propose([s.next_step(k) for s, k in zip(seqs[name], ks)])
+            for i in range(3):
+                a, b, c = (replies[x].sequences[i] for x in ("fast", "slow", "both"))
+                assert a.ok and b.ok and c.ok, (a, b, c)
+                assert a.drafts.tolist() == b.drafts.tolist() == c.drafts.tolist()
+                assert a.committed_length == b.committed_length == c.committed_length
+                s = seqs["fast"][i]
+                if a.drafts.numel():
+                    assert a.drafts.tolist() == naive.drafts(s.tokens, s.hidden, a.drafts.numel())
+                    checked += 1
+                for x in ("fast", "slow", "both"):
+                    seqs[x][i].last_drafts = replies[x].sequences[i].drafts.tolist()
+        assert checked >= 40
+        assert fast.steps_through_channel == STEPS and fast.steps_through_grpc == 0
+        assert both.steps_through_channel == STEPS and both.steps_by_reference == STEPS
+        assert slow.steps_through_channel == 0 and slow.steps_through_grpc == STEPS
+        text = ch_server.server.runtime.metrics.prometheus_text()
+        values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("drafter_step_channel"))
+        assert int(values["drafter_step_channel_requests_total"]) >= 2 * STEPS
+        assert int(values["drafter_step_channels"]) == 2
+        for c in (fast, slow, both):
+            await c.release([f"s{i}" for i in range(3)])
+    wait_until(lambda: open_channels(ch_server) == 0)  # close() closed them; the drafter noticed
+
+
+async def test_bad_requests_get_error_replies_and_the_channel_stays_usable(ch_server):
+    async with DrafterClient(ch_server.uds, namespace="bad-ch") as c:
+        assert await c.open_step_channel()
+        # the same message a unary Propose fails with
+        bad = SequenceStep("b", 0, [1, 2, 3], torch.randn(2, H), 1, 2)
+        with pytest.raises(DrafterError) as e:
+            await c.propose([bad])
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "hidden_states" in e.value.message
+        assert c.steps_through_channel == 1 and c.step_channel_open  # answered through the channel
+        ch = c._step_channel
+
+        async def raw(payload: bytes) -> "pb.ProposeResponse":
+            return pb.ProposeResponse.FromString(await ch.call(payload, timeout=10))
+
+        # another namespace's request
+        other = build_request("someone-else", [step("x")], request_id=7)
+        r = await raw(other.SerializeToString())
+        assert r.error.code == grpc.StatusCode.PERMISSION_DENIED.value[0] and "someone-else" in r.error.message
+        assert r.request_id == 7
+        # garbage
+        r = await raw(b"\xff" * 100)
+        assert r.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "ProposeRequest" in r.error.message
+        # a doorbell whose bytes never match their crc: answered after a second
+        box = ch.box
+        ch._seq += 1
+        box.mm[box.request.start : box.request.start + 4] = b"abcd"
+        box.words[box.request.length] = 4
+        box.words[box.request.crc] = 12345
+        box.words[box.request.seq] = ch._seq
+        t0 = time.monotonic()
+        while box.doorbell(box.reply) != ch._seq:
+            await asyncio.sleep(0.01)
+            assert time.monotonic() - t0 < 5
+        r = pb.ProposeResponse.FromString(box.read(box.reply, ch._seq))
+        assert r.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "request_crc" in r.error.message
+        # still usable
+        ok = await c.propose([step("fine")])
+        assert ok.sequences[0].ok and ok.sequences[0].drafts.numel() == 3
+        assert c.steps_through_channel == 2
+        # a request larger than the request area goes over gRPC
+        c.close_step_channel()
+        assert await c.open_step_channel(request_bytes=4096)
+        big = await c.propose([step("big", m=40)])  # 40 x 64 x 4 bytes inline
+        assert big.sequences[0].ok and c.steps_through_grpc == 1
+        await c.release(["fine", "big"])
+
+
+def hello(path: str, message: bytes) -> tuple[dict | None, list[int]]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(message)
+        data, fds, _, _ = socket.recv_fds(s, 4096, 1)
+        return (json.loads(data) if data else None), fds
+
+
+def test_refused_hellos_say_why(ch_server):
+    path = ch_server.server.config.step_channel_path()
+    cases = [({"version": 2, "namespace": "a", "request_bytes": 4096, "reply_bytes": 4096}, "FAILED_PRECONDITION",
+              "version"),
+             ({"version": 1, "namespace": "a", "request_bytes": 2**40, "reply_bytes": 4096}, "INVALID_ARGUMENT",
+              "hello.request_bytes"),
+             ({"version": 1, "namespace": "a", "request_bytes": 4096, "reply_bytes": "x"}, "INVALID_ARGUMENT",
+              "hello.reply_bytes"),
+             ({"version": 1, "namespace": "n" * 3000, "request_bytes": 4096, "reply_bytes": 4096}, "INVALID_ARGUMENT",
+              "namespace")]
+    for body, code, fragment in cases:
+        answer, fds = hello(path, json.dumps(body).encode() + b"\n")
+        assert fds == [] and answer["ok"] is False and answer["code"] == code and fragment in answer["message"], answer
+    answer, fds = hello(path, b"not json\n")
+    assert answer["code"] == "INVALID_ARGUMENT" and fds == []
+    with pytest.raises(StepChannelError) as e:
+        StepChannel.open(path, "a", 2**40, 4096)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    wait_until(lambda: open_channels(ch_server) == 0)  # (channels of earlier tests go within 0.1 s)
+
+
+def test_a_client_cannot_resize_the_mailbox(ch_server):
+    path = ch_server.server.config.step_channel_path()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        s.sendall(json.dumps({"version": 1, "namespace": "rs", "request_bytes": 4096,
+                              "reply_bytes": 4096}).encode() + b"\n")
+        data, (fd,), _, _ = socket.recv_fds(s, 4096, 1)
+        assert json.loads(data)["ok"]
+        size = os.fstat(fd).st_size
+        assert size == Mailbox.segment_bytes(4096, 4096)
+        for new_size in (0, size - 4096, size * 2):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, new_size)
+        os.close(fd)
+        wait_until(lambda: open_channels(ch_server) == 1)
+    wait_until(lambda: open_channels(ch_server) == 0)  # the connection closed: the channel went
+
+
+def test_a_killed_client_loses_its_channel(ch_server):
+    code = textwrap.dedent(f"""
+        import sys, time
+        from drafter_client.step_channel import StepChannel
+        ch = StepChannel.open({ch_server.server.config.step_channel_path()!r}, "killed", 4096, 4096)
+        print("open", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "open"
+        wait_until(lambda: open_channels(ch_server) == 1)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        wait_until(lambda: open_channels(ch_server) == 0, 2.0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+async def test_a_channel_the_drafter_closes_sends_steps_back_to_grpc(ch_server):
+    async with DrafterClient(ch_server.tcp, namespace="closed-ch") as c:
+        assert not await c.open_step_channel(socket_path="/nonexistent/drafter.steps")  # unreachable: gRPC
+        path = ch_server.server.config.step_channel_path()
+        assert await c.open_step_channel(socket_path=path)
+        assert (await c.propose([step("c")])).sequences[0].ok
+        ch_server.call(lambda: ch_server.server.channels.close_all("test"))
+        r = await c.propose([step("c", p=4, m=1)])  # not taken by the closed channel: resent over gRPC
+        assert r.sequences[0].ok and r.sequences[0].committed_length == 5
+        assert c.steps_through_channel == 1 and c.steps_through_grpc == 1 and not c.step_channel_open
+        await c.release(["c"])
+
+
+async def test_concurrent_steps_share_the_channel_and_grpc(ch_server):
+    async with DrafterClient(ch_server.uds, namespace="conc-ch") as c:
+        assert await c.open_step_channel()
+        rs = await asyncio.gather(*(c.propose([step(f"q{i}")]) for i in range(6)))
+        assert all(r.sequences[0].ok and r.sequences[0].drafts.numel() == 3 for r in rs)
+        assert c.steps_through_channel >= 1 and c.steps_through_channel + c.steps_through_grpc == 6
+        await c.release([f"q{i}" for i in range(6)])
+
+
+def test_sync_client_uses_the_channel(ch_server):
+    from drafter_client.sync import SyncDrafterClient
+
+    with SyncDrafterClient(ch_server.uds, namespace="sync-ch") as c:
+        assert c.open_step_channel()
+        r = c.propose([step("y")])
+        assert r.sequences[0].ok and c._client.steps_through_channel == 1
+        c.release(["y"])
+
+
+def test_parse_response_of_a_channel_reply_matches_grpc(ch_server):
+    """Error replies raise the same DrafterError a failed unary Propose does."""
+    resp = pb.ProposeResponse(error=pb.Status(code=grpc.StatusCode.NOT_FOUND.value[0], message="nope"))
+    with pytest.raises(DrafterError) as e:
+        parse_response(resp)
+    assert e.value.code == grpc.StatusCode.NOT_FOUND and e.value.message == "nope"
