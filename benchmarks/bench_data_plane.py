@@ -49,7 +49,7 @@ DTYPE = torch.bfloat16
 # ---- the drafter, in its own process ----
 
 def serve_ingest_only(model_dir: str, target_dir: str, sock: str, width: int, device: str, threads: int,
-                      ready) -> None:
+                      metrics_port: int, ready) -> None:
     from drafter_service.config import ServerConfig
     from drafter_service.server import DrafterServer
 
@@ -58,7 +58,7 @@ def serve_ingest_only(model_dir: str, target_dir: str, sock: str, width: int, de
     async def main():
         cfg = ServerConfig(model=model_dir, target_model=target_dir, listen=[f"unix:{sock}"], device=device,
                            dtype="float32", kv_cache_tokens=4096, max_batch_tokens=PREFILL_TOKENS,
-                           max_message_bytes=512 * 2**20, log_level="WARNING")
+                           max_message_bytes=512 * 2**20, log_level="WARNING", metrics_port=metrics_port)
         server = DrafterServer(cfg)
         await server.start()
         server.servicer.ingest_only = True
@@ -74,6 +74,15 @@ def serve_ingest_only(model_dir: str, target_dir: str, sock: str, width: int, de
 def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def server_shm_totals(metrics_port: int) -> tuple[float, float]:
+    """(references read, seconds spent checking + copying them) from the drafter's /metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    v = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return float(v.get("drafter_shm_reads_total", 0)), float(v.get("drafter_shm_read_seconds_total", 0))
 
 
 async def time_steps(session, steps, hidden, n: int) -> list[float]:
@@ -96,7 +105,7 @@ def shapes() -> list[tuple[str, str, int, int]]:
 
 
 async def run_width(sock: str, head: str, width: int, modes: list[str], engine_device: torch.device,
-                    budget_s: float, max_iters: int, rounds: int) -> list[dict]:
+                    budget_s: float, max_iters: int, rounds: int, metrics_port: int) -> list[dict]:
     """Every case runs all modes in alternating rounds, so that a busy machine slows them alike."""
     from drafter_client import DrafterClient, SequenceStep
 
@@ -125,22 +134,40 @@ async def run_width(sock: str, head: str, width: int, modes: list[str], engine_d
             m = rows // seqs
             steps = [SequenceStep(f"s{i}", 0, torch.randint(0, 500, (m,)), None, 1, 0) for i in range(seqs)]
             times: dict[str, list[float]] = {mode: [] for mode in modes}
+            # data movement alone (shared-memory modes): the client's copy into the slot + the drafter's checks and
+            # copy out of it, summed over every step of the case (warm-up included) -> mean per step
+            moved = {mode: [0.0, 0] for mode in modes}
+
+            async def timed(mode: str, n: int) -> list[float]:
+                c = clients[mode]
+                staging0, (reads0, read_s0) = c.staging_seconds, server_shm_totals(metrics_port)
+                ts = await time_steps(sessions[mode], steps, hidden, n)
+                reads1, read_s1 = server_shm_totals(metrics_port)
+                assert mode == "inline" or reads1 - reads0 == n, "one reference read per step"
+                moved[mode][0] += c.staging_seconds - staging0 + read_s1 - read_s0
+                moved[mode][1] += n
+                return ts
+
             for mode in modes:  # warm-up, and a first estimate of the step time
-                await time_steps(sessions[mode], steps, hidden, 3)
-                times[mode] += await time_steps(sessions[mode], steps, hidden, 2)
+                await timed(mode, 3)
+                times[mode] += await timed(mode, 2)
             per_round = {mode: max(1, min(max_iters // rounds, int(budget_s / rounds / statistics.median(times[mode]))))
                          for mode in modes}
             for _ in range(rounds):
                 for mode in modes:
-                    times[mode] += await time_steps(sessions[mode], steps, hidden, per_round[mode])
+                    times[mode] += await timed(mode, per_round[mode])
             for mode in modes:
                 med = statistics.median(times[mode])
                 results.append(dict(mode=mode, case=name, head=head, sequences=seqs, rows=rows, width=width,
                                     bytes=nbytes, iters=len(times[mode]), median_ms=med * 1e3,
                                     p10_ms=percentile(times[mode], 0.1) * 1e3,
-                                    p90_ms=percentile(times[mode], 0.9) * 1e3, gb_per_s=nbytes / med / 1e9))
-                print(f"  {mode:7s} {name:24s} {nbytes / 2**20:8.2f} MiB  {med * 1e3:9.3f} ms  "
-                      f"{nbytes / med / 1e9:7.2f} GB/s  ({len(times[mode])} steps)", flush=True)
+                                    p90_ms=percentile(times[mode], 0.9) * 1e3, gb_per_s=nbytes / med / 1e9,
+                                    data_movement_ms=None if mode == "inline" else
+                                    moved[mode][0] / moved[mode][1] * 1e3))
+                dm = results[-1]["data_movement_ms"]
+                print(f"  {mode:14s} {name:24s} {nbytes / 2**20:8.2f} MiB  {med * 1e3:9.3f} ms  "
+                      f"{nbytes / med / 1e9:7.2f} GB/s  ({len(times[mode])} steps)"
+                      + (f"  data movement {dm:.3f} ms" if dm is not None else ""), flush=True)
     finally:
         for mode in modes:
             if sessions[mode] is not clients[mode]:
@@ -230,6 +257,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads in each process (1: a memcpy needs no more, and OpenMP spinning "
                          "on a small shared machine makes copies stall)")
+    ap.add_argument("--metrics-port", type=int, default=9478, help="the drafter's metrics port (scraped for the "
+                    "time its shared-memory reads take)")
     ap.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "bench")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -271,13 +300,14 @@ def main() -> int:
             sock = os.path.join(tmp, f"{head}.sock")
             ready = ctx.Event()
             proc = ctx.Process(target=serve_ingest_only, args=(str(head_dir), str(target_dir), sock, width,
-                                                               str(device), a.threads, ready), daemon=True)
+                                                               str(device), a.threads, a.metrics_port, ready),
+                               daemon=True)
             proc.start()
             try:
                 if not ready.wait(300):
                     raise RuntimeError("the drafter did not start")
                 results += asyncio.run(run_width(sock, head, width, modes, engine_device, a.budget_s, a.max_iters,
-                                                 a.rounds))
+                                                 a.rounds, a.metrics_port))
             finally:
                 proc.terminate()
                 proc.join(30)
@@ -291,7 +321,9 @@ def main() -> int:
         nbytes = next(iter(row.values()))["bytes"]
         cells = " ".join(f"{row[m]['median_ms']:11.3f} {row[m]['gb_per_s']:12.2f}" if m in row else " " * 24
                          for m in modes)
-        print(f"{name:26s} {nbytes / 2**20:8.2f} {cells}")
+        moved = " ".join(f"{m}: {row[m]['data_movement_ms']:.3f}" for m in modes
+                         if m in row and row[m]["data_movement_ms"] is not None)
+        print(f"{name:26s} {nbytes / 2**20:8.2f} {cells}   data movement ms (client copy + drafter read): {moved}")
 
     tag = f"{'cuda' if engine_device.type == 'cuda' else 'cpu'}_{stamp.strftime('%Y%m%d-%H%M%S')}"
     meta["load_average_at_end"] = os.getloadavg()

@@ -3,6 +3,7 @@ the shared-memory data plane (enable_shared_memory; docs/shared_memory.md) and t
 (open_step_channel; docs/step_channel.md)."""
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -107,20 +108,27 @@ def build_request(namespace: str, steps: list[SequenceStep],
                   request_id: int = 0) -> "pb.ProposeRequest":
     """Pack a batch into one ProposeRequest: all token ids in one tensor, all hidden states in another (inline
     bytes, or a reference into a registered shared-memory region)."""
-    ids = [torch.as_tensor(s.token_ids, dtype=torch.int64).reshape(-1) for s in steps]
+    if all(isinstance(s.token_ids, list) for s in steps):  # plain lists: one tensor for the whole batch
+        counts = [len(s.token_ids) for s in steps]
+        flat_ids = torch.tensor([t for s in steps for t in s.token_ids], dtype=torch.int64)
+    else:
+        ids = [torch.as_tensor(s.token_ids, dtype=torch.int64).reshape(-1) for s in steps]
+        counts = [t.numel() for t in ids]
+        flat_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)
     if isinstance(hidden_states, SharedTensorRef):
         hidden_pb = hidden_states.to_pb()
     else:
         hidden_pb = encode_tensor(hidden_states if hidden_states is not None else pack_hidden(steps))
+    greedy = pb.SamplingParams()  # the default: left unset in the message
     req = pb.ProposeRequest(
         namespace=namespace, request_id=request_id,
-        steps=[pb.SequenceStep(sequence_id=s.sequence_id, start_position=s.start_position, num_tokens=t.numel(),
+        steps=[pb.SequenceStep(sequence_id=s.sequence_id, start_position=s.start_position, num_tokens=n,
                                next_token=int(s.next_token), num_drafts=s.num_drafts,
-                               sampling=pb.SamplingParams(temperature=s.temperature, seed=s.seed,
-                                                          return_logprobs=s.return_logprobs,
-                                                          top_k_probs=s.top_k_probs))
-               for s, t in zip(steps, ids)])
-    req.token_ids.CopyFrom(encode_tensor(torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)))
+                               sampling=greedy if not (s.temperature or s.seed or s.return_logprobs or s.top_k_probs)
+                               else pb.SamplingParams(temperature=s.temperature, seed=s.seed,
+                                                      return_logprobs=s.return_logprobs, top_k_probs=s.top_k_probs))
+               for s, n in zip(steps, counts)])
+    req.token_ids.CopyFrom(encode_tensor(flat_ids))
     req.hidden_states.CopyFrom(hidden_pb)
     return req
 
@@ -149,15 +157,22 @@ def parse_response(resp: "pb.ProposeResponse") -> ProposeResult:
     if resp.HasField("draft_top_k_ids"):
         top_ids = decode_tensor(resp.draft_top_k_ids, "draft_top_k_ids", (pb.INT64,), 2).clone()
         top_probs = decode_tensor(resp.draft_top_k_probs, "draft_top_k_probs", (pb.FLOAT32,), 2).clone()
-    seqs, r = [], 0
-    for res in resp.results:
-        k = res.num_drafts
+    results = resp.results
+    counts = [res.num_drafts for res in results]
+    if sum(counts) != flat.numel():
+        raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply's num_drafts add up to {sum(counts)}, but it holds "
+                                                     f"{flat.numel()} draft ids")
+    drafts = flat.split(counts)
+    lps = lps.split(counts) if lps is not None else [None] * len(counts)
+    top_ids = top_ids.split(counts) if top_ids is not None else [None] * len(counts)
+    top_probs = top_probs.split(counts) if top_probs is not None else [None] * len(counts)
+    seqs = []
+    for res, d, lp, ti, tp in zip(results, drafts, lps, top_ids, top_probs):
+        status = res.status
         seqs.append(SequenceDrafts(
-            sequence_id=res.sequence_id, code=res.status.code, message=res.status.message, drafts=flat[r : r + k],
-            logprobs=None if lps is None else lps[r : r + k], accepted_drafts=res.accepted_drafts,
-            committed_length=res.committed_length, top_k_ids=None if top_ids is None else top_ids[r : r + k],
-            top_k_probs=None if top_probs is None else top_probs[r : r + k]))
-        r += k
+            sequence_id=res.sequence_id, code=status.code, message=status.message, drafts=d, logprobs=lp,
+            accepted_drafts=res.accepted_drafts, committed_length=res.committed_length, top_k_ids=ti,
+            top_k_probs=tp))
     return ProposeResult(sequences=seqs, draft_token_ids=flat, request_id=resp.request_id)
 
 
@@ -201,6 +216,7 @@ class DrafterClient:
         self.data_plane = "inline"  # "system" or "cuda" while a ring is registered
         self.steps_by_reference = 0  # steps whose hidden states went through the ring
         self.steps_inline = 0  # steps sent inline (no ring, step larger than a slot, or every slot busy)
+        self.staging_seconds = 0.0  # time spent copying steps' hidden states into ring slots (the client's copy)
         self._ring: SlotRing | None = None
         self._ring_settings: dict | None = None
         self._own_regions: set[str] = set()  # registered with register_cuda_tensor, unregistered on close
@@ -229,8 +245,6 @@ class DrafterClient:
 
     async def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Block until the server's health says SERVING (the model is loaded)."""
-        import time
-
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -471,8 +485,10 @@ class DrafterClient:
         if slot is None:
             self.steps_inline += 1
             return None
+        t0 = time.perf_counter()
         try:
             ref = ring.write(slot, parts)
+            self.staging_seconds += time.perf_counter() - t0
         except BaseException:
             ring.release(slot)
             raise

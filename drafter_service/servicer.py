@@ -29,8 +29,10 @@ def build_response(outputs: list[StepOutput], sequence_ids: list[str], request_i
     any_logprobs = False
     for sid, o in zip(sequence_ids, outputs):
         results.append(pb.SequenceResult(
+            sequence_id=sid, num_drafts=len(o.drafts), accepted_drafts=o.accepted_drafts,
+            committed_length=o.committed_length) if o.code == 0 and not o.message else pb.SequenceResult(
             sequence_id=sid, status=pb.Status(code=o.code, message=o.message), num_drafts=len(o.drafts),
-            accepted_drafts=o.accepted_drafts, committed_length=o.committed_length))
+            accepted_drafts=o.accepted_drafts, committed_length=o.committed_length))  # (status OK: left unset)
         drafts += o.drafts
         if o.logprobs:
             any_logprobs = True

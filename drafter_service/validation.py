@@ -63,30 +63,21 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
     if n > limits.max_request_seqs:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"steps has {n} sequences; at most {limits.max_request_seqs} per request")
+    # One pass over the steps, each field read once (protobuf attribute access is the cost at large batches); the
+    # precise error is worked out only for a step that fails the combined check (_step_error).
     seen: set[str] = set()
-    total = 0
+    fields = []  # (sequence_id, start_position, num_tokens, next_token, num_drafts, temperature, seed, logprobs, N)
+    max_k, vocab, max_n = limits.max_draft_tokens, limits.vocab_size, limits.max_top_k_probs
     for i, s in enumerate(req.steps):
-        f = f"steps[{i}]"
-        check_sequence_id(s.sequence_id, f"{f}.sequence_id")
-        if s.sequence_id in seen:
-            raise invalid(f"{f}.sequence_id {s.sequence_id!r} appears twice in one request")
-        seen.add(s.sequence_id)
-        if s.start_position < 0:
-            raise invalid(f"{f}.start_position is {s.start_position}; positions are >= 0")
-        if s.num_tokens < 1:
-            raise invalid(f"{f}.num_tokens is 0; a step carries at least one committed token")
-        if s.num_drafts > limits.max_draft_tokens:
-            raise invalid(f"{f}.num_drafts is {s.num_drafts}; this server drafts at most "
-                          f"{limits.max_draft_tokens} (GetInfo.max_draft_tokens)")
-        if not 0 <= s.next_token < limits.vocab_size:
-            raise invalid(f"{f}.next_token {s.next_token} is outside the vocabulary [0, {limits.vocab_size})")
-        t = s.sampling.temperature
-        if not math.isfinite(t) or t < 0:
-            raise invalid(f"{f}.sampling.temperature is {t}; must be finite and >= 0")
-        if s.sampling.top_k_probs > limits.max_top_k_probs:
-            raise invalid(f"{f}.sampling.top_k_probs is {s.sampling.top_k_probs}; at most {limits.max_top_k_probs} "
-                          "(GetInfo.max_top_k_probs)")
-        total += s.num_tokens
+        sid, p, m, nxt, k = s.sequence_id, s.start_position, s.num_tokens, s.next_token, s.num_drafts
+        sp = s.sampling
+        t, top_n = sp.temperature, sp.top_k_probs
+        if (not 0 < len(sid) <= MAX_ID_LEN or sid in seen or p < 0 or m < 1 or k > max_k or not 0 <= nxt < vocab
+                or not 0 <= t < math.inf or top_n > max_n):
+            _step_error(i, s, seen, limits)
+        seen.add(sid)
+        fields.append((sid, p, m, nxt, k, t, sp.seed, sp.return_logprobs, top_n))
+    total = sum(f[2] for f in fields)
     if total > limits.max_request_tokens:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"the steps carry {total} committed tokens; at most {limits.max_request_tokens} per "
@@ -110,13 +101,33 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
         if bad.numel():
             r = int(bad[0, 0])
             raise invalid(f"token_ids[{r}] = {int(token_ids[r])} is outside the vocabulary [0, {limits.vocab_size})")
-    steps, row = [], 0
-    for s in req.steps:
-        m = s.num_tokens
-        steps.append(StepInput(
-            namespace=req.namespace, sequence_id=s.sequence_id, start_position=s.start_position,
-            token_ids=token_ids[row : row + m], hidden_states=hidden[row : row + m], next_token=s.next_token,
-            num_drafts=s.num_drafts, temperature=s.sampling.temperature, seed=s.sampling.seed,
-            return_logprobs=s.sampling.return_logprobs, top_k_probs=s.sampling.top_k_probs))
-        row += m
-    return steps
+    sizes = [f[2] for f in fields]
+    ns = req.namespace
+    return [StepInput(namespace=ns, sequence_id=sid, start_position=p, token_ids=tok, hidden_states=hid,
+                      next_token=nxt, num_drafts=k, temperature=t, seed=seed, return_logprobs=lp, top_k_probs=top_n)
+            for (sid, p, m, nxt, k, t, seed, lp, top_n), tok, hid
+            in zip(fields, token_ids.split(sizes), hidden.split(sizes))]
+
+
+def _step_error(i: int, s: "pb.SequenceStep", seen: set[str], limits: Limits) -> None:
+    """Raise the RequestError naming what is wrong with steps[i] (which failed parse_propose's combined check)."""
+    f = f"steps[{i}]"
+    check_sequence_id(s.sequence_id, f"{f}.sequence_id")
+    if s.sequence_id in seen:
+        raise invalid(f"{f}.sequence_id {s.sequence_id!r} appears twice in one request")
+    if s.start_position < 0:
+        raise invalid(f"{f}.start_position is {s.start_position}; positions are >= 0")
+    if s.num_tokens < 1:
+        raise invalid(f"{f}.num_tokens is 0; a step carries at least one committed token")
+    if s.num_drafts > limits.max_draft_tokens:
+        raise invalid(f"{f}.num_drafts is {s.num_drafts}; this server drafts at most "
+                      f"{limits.max_draft_tokens} (GetInfo.max_draft_tokens)")
+    if not 0 <= s.next_token < limits.vocab_size:
+        raise invalid(f"{f}.next_token {s.next_token} is outside the vocabulary [0, {limits.vocab_size})")
+    t = s.sampling.temperature
+    if not math.isfinite(t) or t < 0:
+        raise invalid(f"{f}.sampling.temperature is {t}; must be finite and >= 0")
+    if s.sampling.top_k_probs > limits.max_top_k_probs:
+        raise invalid(f"{f}.sampling.top_k_probs is {s.sampling.top_k_probs}; at most {limits.max_top_k_probs} "
+                      "(GetInfo.max_top_k_probs)")
+    raise AssertionError(f"{f} failed the combined check but none of the precise ones")  # keep the two in sync
