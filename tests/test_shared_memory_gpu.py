@@ -135,7 +135,8 @@ def test_cuda_ipc_and_pinned_host_drafts_match_inline_between_processes(tiny_mod
     assert out["naive_mismatches"] == [], "the CUDA server's drafts differ from the naive reference"
     ((ipc_kind, ipc_device, _, ipc_reads), (host_kind, host_device, host_pinned, host_reads),
      (own_kind, own_device, _, own_reads)) = out["regions"]
-    assert ipc_kind == 2 and ipc_device == engine_device and ipc_reads == 20  # CUDA_IPC, read on the engine's GPU
-    assert own_kind == 2 and own_device == engine_device and own_reads == 20
+    # CUDA_IPC, addressed from the drafter's GPU (cuda:0) also when the memory is a peer GPU's (cuda_driver.ipc_open)
+    assert ipc_kind == 2 and ipc_device == "cuda:0" and ipc_reads == 20
+    assert own_kind == 2 and own_device == "cuda:0" and own_reads == 20
     assert host_kind == 1 and host_device == "cpu" and host_reads == 20  # SYSTEM
     assert host_pinned, "cuMemHostRegister(READ_ONLY) refused the read-only mapping: host-to-device copies are pageable"

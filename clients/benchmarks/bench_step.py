@@ -178,19 +178,24 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
                 r = await session.recv()
                 stream_times.append(time.perf_counter() - t0)
                 assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
-        channel_times = []
+        channel_times, channel_parts = [], None
         if await c.open_step_channel():
             for i in range(iters + 3):
+                if i == 3 and metrics_port:  # after the warm-up; not between steps (a scrape costs the server time)
+                    before = scrape_server_seconds(metrics_port)
                 t0 = time.perf_counter()
                 r = await c.propose(decode)
                 channel_times.append(time.perf_counter() - t0)
                 assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
+            if metrics_port:  # server-side means over the timed channel steps
+                after = scrape_server_seconds(metrics_port)
+                channel_parts = {key: (after[key] - before[key]) / iters for key in after}
             assert c.steps_through_channel == iters + 3, "every step should have gone through the channel"
             c.close_step_channel()
         await c.release([s.sequence_id for s in decode])
     med = {key: statistics.median(p[key] for p in parts[3:]) for key in parts[0]} if parts else None
     t_channel = statistics.median(channel_times[3:]) if channel_times else None
-    return statistics.median(times[3:]), med, statistics.median(stream_times[3:]), t_channel
+    return statistics.median(times[3:]), med, statistics.median(stream_times[3:]), t_channel, channel_parts
 
 
 def prefill_step(tokens: int, width: int, vocab: int, sequence_id: str = "prefill"):
@@ -311,7 +316,7 @@ def main() -> int:
         try:
             for row in rows:
                 b = row["batch"]
-                t, parts, t_stream, t_channel = asyncio.run(bench_sidecar(f"unix:{sock}", b, context, a.m, a.k, a.iters, width,
+                t, parts, t_stream, t_channel, ch_parts = asyncio.run(bench_sidecar(f"unix:{sock}", b, context, a.m, a.k, a.iters, width,
                                                      shape["vocab_size"], a.metrics_port))
                 # server side: the proposer step alone (worker), and the Propose handler by phase; what the
                 # client sees beyond parse + wait + reply is gRPC transport plus the client's own packing/parsing
@@ -326,6 +331,12 @@ def main() -> int:
                 if t_channel is not None:
                     row.update(sidecar_channel_ms=t_channel * 1e3,
                                channel_over_in_process=t_channel * 1e3 / row["in_process_ms"])
+                    if ch_parts:  # means per channel step, server side: the proposer step, and parse/wait/reply
+                        row.update(channel_worker_ms=ch_parts["worker"] * 1e3, channel_parse_ms=ch_parts["parse"] * 1e3,
+                                   channel_wait_ms=ch_parts["wait"] * 1e3, channel_reply_ms=ch_parts["reply"] * 1e3)
+                        print(f"  channel, server side (mean): worker {ch_parts['worker'] * 1e3:.3f} ms, parse "
+                              f"{ch_parts['parse'] * 1e3:.3f}, wait {ch_parts['wait'] * 1e3:.3f}, reply "
+                              f"{ch_parts['reply'] * 1e3:.3f}", flush=True)
                 print(f"sidecar batch {b}: {t * 1e3:.2f} ms (on one stream: {t_stream * 1e3:.2f} ms, through a step "
                       f"channel: {t_channel * 1e3 if t_channel else float('nan'):.2f} ms)", flush=True)
             if prefill:
