@@ -144,8 +144,9 @@ class StepChannel:
             self.close()
             raise StepChannelError(grpc.StatusCode.UNAVAILABLE, "the drafter went away (step channel closed)")
 
-    async def call(self, payload: bytes, timeout: float | None = None) -> bytes:
-        """Send one serialized ProposeRequest, return the serialized ProposeResponse."""
+    def _wait(self, payload: bytes, timeout: float | None):
+        """Send payload, then poll for the reply: a generator that yields how long to sleep before the next poll
+        and returns the reply (call() and call_blocking() drive it with their own sleep)."""
         seq, deadline = self._begin(payload, timeout)
         started = last_check = time.monotonic()
         try:
@@ -154,29 +155,33 @@ class StepChannel:
                 if now - last_check > LIVENESS_PERIOD_S:
                     last_check = now
                     self._check_waiting(started, deadline, now)
-                # spin (yielding to the loop's other tasks), then poll
-                await asyncio.sleep(0 if now - started < self.spin_s else self.poll_s)
-        except StepChannelClosed:
+                yield 0 if now - started < self.spin_s else self.poll_s  # spin, then poll
+        except BaseException:  # the channel's state is unknown (or closed): nobody uses it again
             self.busy = False
             self.close()
             raise
         self.busy = False
         return reply
 
+    async def call(self, payload: bytes, timeout: float | None = None) -> bytes:
+        """Send one serialized ProposeRequest, return the serialized ProposeResponse. Cancelled mid-wait, the
+        channel closes (its reply would come later)."""
+        waiting = self._wait(payload, timeout)
+        try:
+            while True:
+                await asyncio.sleep(next(waiting))  # 0: yield to the loop's other tasks, then poll again
+        except StopIteration as done:
+            return done.value
+        finally:
+            waiting.close()  # (a no-op once finished; on cancellation it closes the channel)
+
     def call_blocking(self, payload: bytes, timeout: float | None = None) -> bytes:
         """call() for a thread without an event loop."""
-        seq, deadline = self._begin(payload, timeout)
-        started = last_check = time.monotonic()
+        waiting = self._wait(payload, timeout)
         try:
-            while (reply := self._reply(seq)) is None:
-                now = time.monotonic()
-                if now - last_check > LIVENESS_PERIOD_S:
-                    last_check = now
-                    self._check_waiting(started, deadline, now)
-                time.sleep(0 if now - started < self.spin_s else self.poll_s)
-        except StepChannelClosed:
-            self.busy = False
-            self.close()
-            raise
-        self.busy = False
-        return reply
+            while True:
+                time.sleep(next(waiting))
+        except StopIteration as done:
+            return done.value
+        finally:
+            waiting.close()
