@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Pending:
+class PendingRequest:
     steps: list[StepInput]
     deliver: Callable[[list[StepOutput] | None, BaseException | None], None]  # called on the step thread
     trace: dict | None = None  # when given: the batch's worker_start / worker_end (time.perf_counter) go here
@@ -44,7 +44,7 @@ class _Pending:
 class _Job:
     fn: Callable
     args: tuple
-    deliver: Callable  # same signature as _Pending.deliver, with fn's result
+    deliver: Callable  # same signature as PendingRequest.deliver, with fn's result
 
 
 def _resolve_in(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
@@ -74,7 +74,7 @@ class StepScheduler:
         self.max_batch_seqs = max_batch_seqs
         self.channel_spin_s = channel_spin_s
         self.channel_idle_poll_s = channel_idle_poll_s
-        self._queue: deque[_Pending] = deque()  # appended by the event loop and by channel polls; taken here
+        self._queue: deque[PendingRequest] = deque()  # appended by the event loop and by channel polls; taken here
         self._jobs: deque[_Job] = deque()
         self._wake = threading.Event()
         self._channels = None  # step_channels.ChannelSet, when channels are on (attach_channels)
@@ -97,10 +97,10 @@ class StepScheduler:
         if self._stopping:
             raise RuntimeError("the scheduler is stopped")
         fut = self._loop.create_future()
-        self.enqueue(_Pending(steps, _resolve_in(self._loop, fut), trace, cancelled=fut.cancelled))
+        self.enqueue(PendingRequest(steps, _resolve_in(self._loop, fut), trace, cancelled=fut.cancelled))
         return await fut
 
-    def enqueue(self, pending: _Pending) -> None:
+    def enqueue(self, pending: PendingRequest) -> None:
         self._queue.append(pending)
         self._wake.set()
 
@@ -120,11 +120,11 @@ class StepScheduler:
 
     # ---- the step thread ----
 
-    def _take_batch(self) -> list[_Pending]:
-        batch: list[_Pending] = []
+    def _take_batch(self) -> list[PendingRequest]:
+        batch: list[PendingRequest] = []
         keys: set[tuple[str, str]] = set()
         tokens = seqs = 0
-        postponed: deque[_Pending] = deque()
+        postponed: deque[PendingRequest] = deque()
         while self._queue:
             p = self._queue.popleft()
             if p.cancelled():
@@ -169,7 +169,7 @@ class StepScheduler:
         if self._channels is not None:
             self._channels.close_all("the drafter is shutting down")
 
-    def _run_batch(self, batch: list[_Pending]) -> None:
+    def _run_batch(self, batch: list[PendingRequest]) -> None:
         run = [p for p in batch if not p.dry]
         steps = [s for p in run for s in p.steps]
         t0 = time.perf_counter()

@@ -34,7 +34,7 @@ from google.protobuf.message import DecodeError
 
 from .mailbox import Mailbox
 from .rpc import pb
-from .scheduler import _Pending
+from .scheduler import PendingRequest
 from .step_io import StepInput, StepOutput
 from .validation import RequestError, check_namespace
 
@@ -216,7 +216,7 @@ class ChannelSet:
     def open_count(self) -> int:
         return len(self._open) + len(self._new)
 
-    def poll(self, enqueue: Callable[[_Pending], None]) -> bool:
+    def poll(self, enqueue: Callable[[PendingRequest], None]) -> bool:
         """Take every channel's new request (queued with enqueue, or answered at once when malformed); True when
         there was any."""
         while self._new:
@@ -297,7 +297,7 @@ class ChannelSet:
             self.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, time.perf_counter() - t_stepped)
             self.metrics.channel_requests_total += 1
 
-        enqueue(_Pending(steps, deliver, dry=dry))
+        enqueue(PendingRequest(steps, deliver, dry=dry))
 
     def _reply_error(self, ch: Channel, seq: int, request_id: int, e: RequestError) -> None:
         self.metrics.record_rpc_error(e.code.name)
