@@ -114,7 +114,7 @@ def build_request(namespace: str, steps: list[SequenceStep],
     else:
         ids = [torch.as_tensor(s.token_ids, dtype=torch.int64).reshape(-1) for s in steps]
         counts = [t.numel() for t in ids]
-        flat_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)
+        flat_ids = (ids[0] if len(ids) == 1 else torch.cat(ids)) if ids else torch.empty(0, dtype=torch.int64)
     if isinstance(hidden_states, SharedTensorRef):
         hidden_pb = hidden_states.to_pb()
     else:
@@ -143,6 +143,8 @@ def hidden_parts(steps: list[SequenceStep], hidden_states: torch.Tensor | None) 
 
 
 def pack_hidden(steps: list[SequenceStep]) -> torch.Tensor:
+    if len(steps) == 1 and steps[0].hidden_states is not None:
+        return steps[0].hidden_states
     return torch.cat(hidden_parts(steps, None)) if steps else torch.empty(0, 0)
 
 
@@ -162,7 +164,7 @@ def parse_response(resp: "pb.ProposeResponse") -> ProposeResult:
     if sum(counts) != flat.numel():
         raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply's num_drafts add up to {sum(counts)}, but it holds "
                                                      f"{flat.numel()} draft ids")
-    drafts = flat.split(counts)
+    drafts = [flat] if len(counts) == 1 else flat.split(counts)
     lps = lps.split(counts) if lps is not None else [None] * len(counts)
     top_ids = top_ids.split(counts) if top_ids is not None else [None] * len(counts)
     top_probs = top_probs.split(counts) if top_probs is not None else [None] * len(counts)
@@ -187,10 +189,6 @@ class _Staged:
     def done(self, answered: bool) -> None:
         """answered: the drafter replied (or never got the request), so it reads the slot no more."""
         (self.ring.release if answered else self.ring.retire)(self.slot)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _status_code(code: int) -> grpc.StatusCode:
@@ -396,7 +394,7 @@ class DrafterClient:
             kinds.append(pb.SYSTEM)
         else:
             kinds = [pb.SYSTEM if kind == "system" else pb.CUDA_IPC]
-        slot_bytes = max_step_tokens * (width or info.hidden_states_width) * _itemsize(dtype)
+        slot_bytes = max_step_tokens * (width or info.hidden_states_width) * dtype.itemsize
         for k in kinds:
             what = pb.SharedMemoryKind.Name(k)
             try:

@@ -48,7 +48,7 @@ class SharedTensorRef:
         n = 1
         for d in self.shape:
             n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
     def to_pb(self) -> "pb.Tensor":
         return pb.Tensor(dtype=WIRE_DTYPE[self.dtype], shape=list(self.shape),
@@ -200,7 +200,7 @@ class SlotRing:
         """Copy parts (each [rows, W], one dtype) one after another into the slot; one copy per part."""
         dtype, width = parts[0].dtype, parts[0].shape[-1]
         rows = sum(p.shape[0] for p in parts)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         offset = slot * self.slot_bytes
         dst = self.store.bytes[offset : offset + rows * width * itemsize].view(dtype).view(rows, width)
         r = 0

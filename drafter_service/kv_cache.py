@@ -55,4 +55,4 @@ class KVCache:
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * num_kv_heads * head_dim * dtype.itemsize

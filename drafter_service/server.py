@@ -5,6 +5,7 @@ thread, then SERVING. SIGTERM/SIGINT: health NOT_SERVING, stop taking RPCs, let 
 --shutdown-grace-s), exit 0.
 """
 import asyncio
+import gc
 import logging
 import os
 import pathlib
@@ -100,6 +101,9 @@ class DrafterServer:
         log.info("listening on %s (loading the model; health NOT_SERVING)", ", ".join(self.bound_addresses))
         self.runtime = await asyncio.get_running_loop().run_in_executor(None, build_runtime, cfg)
         self._runtime_ref.append(self.runtime)
+        # What lives as long as the process (modules, the model, CUDA graphs) leaves the collector's reach: a
+        # collection that a step triggers then walks only what steps allocate, not the whole heap.
+        gc.freeze()
         rt = self.runtime
         self.scheduler = StepScheduler(rt.proposer, rt.limits.max_request_tokens, cfg.max_batch_seqs,
                                        cfg.step_channel_spin_s, cfg.step_channel_idle_poll_s)

@@ -17,7 +17,7 @@ from .shm_regions import RegionTable, ShmSettings
 from .step_io import StepInput, StepOutput
 from .validation import (HIDDEN_DTYPES, TOKEN_DTYPES, RequestError, check_namespace, check_sequence_id,
                          parse_propose)
-from .wire import encode_tensor
+from .wire import encode_float32s, encode_int64s, encode_tensor
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +40,9 @@ def build_response(outputs: list[StepOutput], sequence_ids: list[str], request_i
         else:
             logprobs += [0.0] * len(o.drafts)
     resp = pb.ProposeResponse(results=results, request_id=request_id,
-                              draft_token_ids=encode_tensor(torch.tensor(drafts, dtype=torch.int64)))
+                              draft_token_ids=encode_int64s(drafts))
     if any_logprobs:
-        resp.draft_logprobs.CopyFrom(encode_tensor(torch.tensor(logprobs, dtype=torch.float32)))
+        resp.draft_logprobs.CopyFrom(encode_float32s(logprobs))
     width = max((o.top_k_ids.shape[1] for o in outputs if o.top_k_ids is not None), default=0)
     if width:  # [sum k, N], rows of sequences that asked for fewer (or none) padded with -1 / 0
         ids = torch.full((len(drafts), width), -1, dtype=torch.int64)

@@ -237,7 +237,7 @@ class RegionTable:
         if r.namespace != namespace:
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
                                f"{field}.shm.region {ref.region!r} belongs to another namespace")
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         nbytes = math.prod(shape) * itemsize
         if ref.offset % itemsize:
             raise invalid(f"{field}.shm.offset {ref.offset} is not a multiple of the {itemsize}-byte element size")

@@ -96,17 +96,34 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
         raise invalid(f"hidden_states has {hidden.shape[1]} columns; this model takes "
                       f"{limits.hidden_states_width} (GetInfo.hidden_states_width)")
     token_ids = token_ids.to(torch.int64)
-    if total:
-        bad = ((token_ids < 0) | (token_ids >= limits.vocab_size)).nonzero()
-        if bad.numel():
-            r = int(bad[0, 0])
-            raise invalid(f"token_ids[{r}] = {int(token_ids[r])} is outside the vocabulary [0, {limits.vocab_size})")
-    sizes = [f[2] for f in fields]
+    _check_vocabulary(token_ids, vocab)
+    if n == 1:  # (the common decode step at batch 1: no split)
+        per_step = [(token_ids, hidden)]
+    else:
+        sizes = [f[2] for f in fields]
+        per_step = zip(token_ids.split(sizes), hidden.split(sizes))
     ns = req.namespace
     return [StepInput(namespace=ns, sequence_id=sid, start_position=p, token_ids=tok, hidden_states=hid,
                       next_token=nxt, num_drafts=k, temperature=t, seed=seed, return_logprobs=lp, top_k_probs=top_n)
-            for (sid, p, m, nxt, k, t, seed, lp, top_n), tok, hid
-            in zip(fields, token_ids.split(sizes), hidden.split(sizes))]
+            for (sid, p, m, nxt, k, t, seed, lp, top_n), (tok, hid) in zip(fields, per_step)]
+
+
+SMALL_CHECK_TOKENS = 64  # up to this many token ids, the range check runs in python (cheaper than tensor ops)
+
+
+def _check_vocabulary(token_ids: torch.Tensor, vocab: int) -> None:
+    """Raise naming the first token id outside [0, vocab) (token_ids: [T] int64 on the host)."""
+    if token_ids.shape[0] <= SMALL_CHECK_TOKENS:
+        ids = token_ids.tolist()
+        if not ids or (min(ids) >= 0 and max(ids) < vocab):
+            return
+        r = next(r for r, t in enumerate(ids) if not 0 <= t < vocab)
+    else:
+        bad = ((token_ids < 0) | (token_ids >= vocab)).nonzero()
+        if not bad.numel():
+            return
+        r = int(bad[0, 0])
+    raise invalid(f"token_ids[{r}] = {int(token_ids[r])} is outside the vocabulary [0, {vocab})")
 
 
 def _step_error(i: int, s: "pb.SequenceStep", seen: set[str], limits: Limits) -> None:

@@ -3,6 +3,7 @@
 decode_tensor validates everything a client controls (dtype, rank, shape, byte length) before any tensor op,
 and raises WireError naming the field.
 """
+import array
 import math
 import sys
 import warnings
@@ -49,7 +50,7 @@ def decode_tensor(t: "pb.Tensor", field: str, allowed: tuple[int, ...], rank: in
         raise WireError(f"{field}.shm: this server does not accept shared-memory references "
                         "(GetInfo.shared_memory_supported is false); send raw bytes")
     dtype = TORCH_DTYPE[t.dtype]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     expected = math.prod(shape) * itemsize
     if which == "shm":
         if t.shm.byte_size != expected:
@@ -62,6 +63,15 @@ def decode_tensor(t: "pb.Tensor", field: str, allowed: tuple[int, ...], rank: in
     if expected == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(raw, dtype=dtype).view(shape)
+
+
+def encode_int64s(values: list[int]) -> "pb.Tensor":
+    """A python list as an int64 [n] tensor message, without building a torch tensor (small replies)."""
+    return pb.Tensor(dtype=pb.INT64, shape=[len(values)], raw=array.array("q", values).tobytes())
+
+
+def encode_float32s(values: list[float]) -> "pb.Tensor":
+    return pb.Tensor(dtype=pb.FLOAT32, shape=[len(values)], raw=array.array("f", values).tobytes())
 
 
 def encode_tensor(x: torch.Tensor) -> "pb.Tensor":
