@@ -1,5 +1,5 @@
 """Plot a bench_step JSON: ms per engine step against batch size for the in-process proposer (with and without
-CUDA graphs when measured), the sidecar, and the floor.
+CUDA graphs when measured), the sidecar (unary, stream, step channel when measured), and the floor.
 
     python -m drafter_client.benchmarks.plot_step docs/bench/step_llama3-8b_h200_graphs_ab.json --out docs/step_h200.png
 """
@@ -26,6 +26,8 @@ def main() -> int:
     ax.plot(b, [r["sidecar_ms"] for r in rows], marker="o", label="sidecar (client over UDS, unary)")
     if all("sidecar_stream_ms" in r for r in rows):
         ax.plot(b, [r["sidecar_stream_ms"] for r in rows], marker="o", label="sidecar (one ProposeStream)")
+    if all("sidecar_channel_ms" in r for r in rows):
+        ax.plot(b, [r["sidecar_channel_ms"] for r in rows], marker="o", label="sidecar (step channel)")
     ax.plot(b, [r["in_process_ms"] for r in rows], marker="o",
             label="in-process" + (" (CUDA graphs)" if d.get("cuda_graphs") else ""))
     if all("in_process_eager_ms" in r for r in rows):
