@@ -125,7 +125,8 @@ class DrafterServer:
             socket_path=path, limits=ChannelLimits(max_channels=cfg.step_channel_max,
                                                    max_area_bytes=cfg.max_message_bytes,
                                                    max_total_bytes=cfg.step_channel_max_total_bytes),
-            decode=self.servicer.decode_propose, encode=self.servicer.encode_propose, metrics=self.runtime.metrics)
+            decode=self.servicer.decode_propose, encode=self.servicer.encode_propose, metrics=self.runtime.metrics,
+            trace_file=self.servicer.trace_file)
         self.scheduler.attach_channels(channels)
         channels.start()
         self.servicer.step_channel_socket = path

@@ -79,6 +79,9 @@ class ChannelSet:
     encode: Callable[[list[StepOutput], "pb.ProposeRequest"], "pb.ProposeResponse"]
     metrics: object  # metrics.Metrics
     wake: Callable[[], None] = lambda: None  # set by the scheduler: wakes the step thread
+    # Diagnostics (scripts/rpc_timeline.py): a text file that gets one JSON line per channel request with the
+    # time.perf_counter() of each phase (seen, enter, parsed, worker_start, worker_end, resumed, replied).
+    trace_file: object = None
     _open: list[Channel] = field(default_factory=list)  # step thread only
     _new: deque = field(default_factory=deque)  # acceptor -> step thread
     _listener: socket.socket | None = None
@@ -229,6 +232,7 @@ class ChannelSet:
             box = ch.box
             seq = box.doorbell(box.request)
             if seq != ch.taken:
+                t_seen = time.perf_counter()
                 payload = box.read(box.request, seq)
                 if payload is None:
                     now = now or time.monotonic()
@@ -242,7 +246,7 @@ class ChannelSet:
                     continue
                 self._take(ch, seq)
                 found = True
-                self._handle(ch, seq, payload, enqueue)
+                self._handle(ch, seq, payload, enqueue, t_seen)
         now = now or time.monotonic()
         for ch in self._open:
             if now - ch.checked_at > LIVENESS_PERIOD_S:
@@ -259,7 +263,7 @@ class ChannelSet:
         ch.requests += 1
         ch.box.take(seq)
 
-    def _handle(self, ch: Channel, seq: int, payload: bytes, enqueue) -> None:
+    def _handle(self, ch: Channel, seq: int, payload: bytes, enqueue, t_seen: float) -> None:
         t_enter = time.perf_counter()
         request_id = 0
         try:
@@ -278,6 +282,7 @@ class ChannelSet:
             self._reply_error(ch, seq, request_id, e)
             return
         t_parsed = time.perf_counter()
+        trace = {} if self.trace_file is not None else None
 
         def deliver(outputs, exc):
             t_stepped = time.perf_counter()
@@ -294,10 +299,15 @@ class ChannelSet:
                 self._reply_error(ch, seq, request_id, e)
                 return
             self._write(ch, seq, reply)
-            self.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, time.perf_counter() - t_stepped)
+            t_replied = time.perf_counter()
+            self.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, t_replied - t_stepped)
             self.metrics.channel_requests_total += 1
+            if trace is not None and self.trace_file is not None:
+                trace.update(request_id=request_id, seen=t_seen, enter=t_enter, parsed=t_parsed, resumed=t_stepped,
+                             replied=t_replied)
+                self.trace_file.write(json.dumps(trace) + "\n")
 
-        enqueue(PendingRequest(steps, deliver, dry=dry))
+        enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry))
 
     def _reply_error(self, ch: Channel, seq: int, request_id: int, e: RequestError) -> None:
         self.metrics.record_rpc_error(e.code.name)

@@ -6,9 +6,12 @@
 Starts a drafter (own process, Unix socket) with DRAFTER_TRACE_RPC set, so that it logs the time.perf_counter() of
 each phase of every Propose; on Linux that clock is CLOCK_MONOTONIC, the same in both processes, so the client's
 send/receive times line up with the server's. Runs batch-1 decode steps (m committed tokens, k drafts, fixed
-context) as unary calls and on one ProposeStream, and prints the median of each phase:
+context) as unary calls, on one ProposeStream and through a step channel (docs/step_channel.md), and prints the
+median of each phase:
 
-  to handler      client's call -> handler entered (client packing, gRPC both sides, the server's event loop)
+  to handler      client's call -> handler entered (client packing, gRPC both sides, the server's event loop;
+                  for the channel: packing, the mailbox write, the step thread's poll, reading the request)
+  noticed         (channel only) client's call -> the step thread sees the doorbell
   parse           decoding and checking the request
   to worker       handler -> step worker thread starts the batch (scheduler queue, thread hand-off)
   worker          Proposer.step
@@ -32,9 +35,10 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-PHASES = [("to handler", "send", "enter"), ("parse", "enter", "parsed"), ("to worker", "parsed", "worker_start"),
+PHASES = [("to handler", "send", "enter"), ("noticed", "send", "seen"), ("parse", "enter", "parsed"), ("to worker", "parsed", "worker_start"),
           ("worker", "worker_start", "worker_end"), ("to handler (back)", "worker_end", "resumed"),
           ("reply", "resumed", "replied"), ("to client", "replied", "recv"), ("total", "send", "recv")]
+MODES = ("unary", "stream", "channel")
 
 
 def wait_for(path: pathlib.Path, proc: subprocess.Popen, timeout: float = 900) -> None:
@@ -56,15 +60,23 @@ async def run_client(sock: pathlib.Path, shape: dict, a) -> dict[str, dict[int, 
     from drafter_client.client import build_request, parse_response
     from drafter_service.rpc import pb_grpc
 
-    times: dict[str, dict[int, tuple[float, float]]] = {"unary": {}, "stream": {}}
+    times: dict[str, dict[int, tuple[float, float]]] = {mode: {} for mode in MODES}
     async with DrafterClient(f"unix:{sock}", namespace="bench") as c:
         await c.wait_ready(900)
         info = await c.get_info()
         prefill, decode = b.make_steps(1, a.context, a.m, a.k, info.hidden_states_width, shape["vocab_size"], seed=1)
         assert (await c.propose(prefill)).sequences[0].ok
+        if await c.open_step_channel():
+            for _ in range(a.iters):
+                t0 = time.perf_counter()
+                r = await c.propose(decode)  # packing and parsing count: they are the client's work
+                times["channel"][r.request_id] = (t0, time.perf_counter())
+                assert r.sequences[0].ok and r.sequences[0].drafts.numel() == a.k
+            assert c.steps_through_channel == a.iters
+            c.close_step_channel()
     async with grpc.aio.insecure_channel(f"unix:{sock}") as ch:
         stub = pb_grpc.DrafterStub(ch)
-        rid = 0
+        rid = 10**6  # (apart from the request ids the DrafterClient above gave its steps)
         for _ in range(a.iters):
             rid += 1
             t0 = time.perf_counter()
@@ -81,7 +93,29 @@ async def run_client(sock: pathlib.Path, shape: dict, a) -> dict[str, dict[int, 
             times["stream"][rid] = (t0, time.perf_counter())
             assert r.sequences[0].ok
         await call.done_writing()
+    # the client's own packing and parsing, alone (part of "to handler" and "to client" above)
+    from drafter_service.rpc import pb
+    reply_bytes = build_reply(a.k)
+    pack, unpack = [], []
+    for _ in range(a.iters):
+        t0 = time.perf_counter()
+        build_request("bench", decode, request_id=1).SerializeToString()
+        t1 = time.perf_counter()
+        parse_response(pb.ProposeResponse.FromString(reply_bytes))
+        t2 = time.perf_counter()
+        pack.append(t1 - t0)
+        unpack.append(t2 - t1)
+    times["client packing us"] = statistics.median(pack) * 1e6
+    times["client parsing us"] = statistics.median(unpack) * 1e6
     return times
+
+
+def build_reply(k: int) -> bytes:
+    """A serialized one-sequence ProposeResponse with k drafts (what the drafter answers a batch-1 step)."""
+    from drafter_service.servicer import build_response
+    from drafter_service.step_io import StepOutput
+
+    return build_response([StepOutput(drafts=list(range(k)), committed_length=1)], ["b0"], 1).SerializeToString()
 
 
 def main() -> int:
@@ -125,15 +159,22 @@ def main() -> int:
     if a.device.startswith("cuda"):
         import torch
         result["gpu"] = torch.cuda.get_device_name()
-    print(f"{'phase (median us)':<20} {'unary':>9} {'stream':>9}")
-    for mode, ct in client_times.items():
+    result["client packing us"] = client_times.pop("client packing us")
+    result["client parsing us"] = client_times.pop("client parsing us")
+    modes = [m for m in MODES if client_times[m]]
+    for mode in modes:
         rows = []
-        for rid, (send, recv) in list(ct.items())[10:]:  # the first calls warm up
+        for rid, (send, recv) in list(client_times[mode].items())[10:]:  # the first calls warm up
             rows.append(dict(server[rid], send=send, recv=recv))
         result["modes"][mode] = {name: statistics.median((r[end] - r[start]) * 1e6 for r in rows)
-                                 for name, start, end in PHASES}
-    for name, _, _ in PHASES:
-        print(f"{name:<20} {result['modes']['unary'][name]:>9.0f} {result['modes']['stream'][name]:>9.0f}")
+                                 for name, start, end in PHASES if start in rows[0] and end in rows[0]}
+        totals = sorted((r["recv"] - r["send"]) * 1e6 for r in rows)
+        result["modes"][mode]["total p90"] = totals[int(0.9 * (len(totals) - 1))]
+    print(f"{'phase (median us)':<20}" + "".join(f" {m:>9}" for m in modes))
+    for name in [p[0] for p in PHASES] + ["total p90"]:
+        print(f"{name:<20}" + "".join(f" {result['modes'][m].get(name, float('nan')):>9.0f}" for m in modes))
+    print(f"client alone: packing + serializing the request {result['client packing us']:.0f} us, parsing the reply "
+          f"{result['client parsing us']:.0f} us")
     if a.out:
         pathlib.Path(a.out).write_text(json.dumps(result, indent=1))
     return 0
