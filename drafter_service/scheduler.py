@@ -10,11 +10,15 @@ waits for the next batch, so two steps of one sequence never run out of order. R
 run on the same thread between batches (run_exclusive), so they never race a step.
 
 Idle policy: with no channel open the thread sleeps until submit() wakes it. With channels open it polls them,
-yielding the GIL between polls, for channel_spin_s after the last channel request (the gap between two engine
-steps), then every channel_idle_poll_s.
+yielding the GIL between polls (time.sleep(0): the event loop can take it), for channel_spin_s after the last
+channel request (the gap between two engine steps), then every channel_idle_poll_s. The thread's timer slack is
+1 ns (Linux): with the default 50 us slack each time.sleep(0) lasts ~70 us, which is how late a request would be
+noticed.
 """
 import asyncio
+import ctypes
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -64,6 +68,19 @@ def _resolve_in(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
             pass
 
     return deliver
+
+
+PR_SET_TIMERSLACK = 29  # linux/prctl.h
+
+
+def tighten_timer_slack() -> bool:
+    """Set the calling thread's timer slack to 1 ns (Linux; best effort: False where it could not)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 class StepScheduler:
@@ -142,6 +159,7 @@ class StepScheduler:
         return batch
 
     def _run(self) -> None:
+        tighten_timer_slack()
         last_channel_request = 0.0
         while True:
             channels = self._channels
