@@ -7,7 +7,7 @@ Starts a drafter (own process, Unix socket) with DRAFTER_TRACE_RPC set, so that 
 each phase of every Propose; on Linux that clock is CLOCK_MONOTONIC, the same in both processes, so the client's
 send/receive times line up with the server's. Runs batch-1 decode steps (m committed tokens, k drafts, fixed
 context) as unary calls, on one ProposeStream and through a step channel (docs/step_channel.md), and prints the
-median of each phase:
+median and 90th percentile of each phase:
 
   to handler      client's call -> handler entered (client packing, gRPC both sides, the server's event loop;
                   for the channel: packing, the mailbox write, the step thread's poll, reading the request)
@@ -166,13 +166,15 @@ def main() -> int:
         rows = []
         for rid, (send, recv) in list(client_times[mode].items())[10:]:  # the first calls warm up
             rows.append(dict(server[rid], send=send, recv=recv))
-        result["modes"][mode] = {name: statistics.median((r[end] - r[start]) * 1e6 for r in rows)
-                                 for name, start, end in PHASES if start in rows[0] and end in rows[0]}
-        totals = sorted((r["recv"] - r["send"]) * 1e6 for r in rows)
-        result["modes"][mode]["total p90"] = totals[int(0.9 * (len(totals) - 1))]
-    print(f"{'phase (median us)':<20}" + "".join(f" {m:>9}" for m in modes))
-    for name in [p[0] for p in PHASES] + ["total p90"]:
-        print(f"{name:<20}" + "".join(f" {result['modes'][m].get(name, float('nan')):>9.0f}" for m in modes))
+        phases = [(name, sorted((r[end] - r[start]) * 1e6 for r in rows))
+                  for name, start, end in PHASES if start in rows[0] and end in rows[0]]
+        result["modes"][mode] = {name: statistics.median(v) for name, v in phases}
+        result["p90"] = result.get("p90", {})
+        result["p90"][mode] = {name: v[int(0.9 * (len(v) - 1))] for name, v in phases}
+    print(f"{'phase (us)':<20}" + "".join(f" {m + ' p50':>12} {m + ' p90':>12}" for m in modes))
+    for name in [p[0] for p in PHASES]:
+        print(f"{name:<20}" + "".join(f" {result['modes'][m].get(name, float('nan')):>12.0f} "
+                                      f"{result['p90'][m].get(name, float('nan')):>12.0f}" for m in modes))
     print(f"client alone: packing + serializing the request {result['client packing us']:.0f} us, parsing the reply "
           f"{result['client parsing us']:.0f} us")
     if a.out:
