@@ -163,7 +163,8 @@ class StepScheduler:
         last_channel_request = 0.0
         while True:
             channels = self._channels
-            if channels is not None and channels.poll(self.enqueue):
+            # (the step thread queues its own finds: no need to wake itself)
+            if channels is not None and channels.poll(self._queue.append):
                 last_channel_request = time.monotonic()
             while self._jobs:
                 job = self._jobs.popleft()
