@@ -1,0 +1,91 @@
+"""parse_propose on random requests: both ways of checking token ids (python lists up to SMALL_CHECK_TOKENS, tensor
+ops above) name the same first bad id, and good requests decode to exactly what the client packed."""
+import ctypes
+import random
+import sys
+import threading
+
+import pytest
+import torch
+
+from drafter_client import SequenceStep
+from drafter_client.client import build_request
+from drafter_service.rpc import pb
+from drafter_service.scheduler import tighten_timer_slack
+from drafter_service.validation import SMALL_CHECK_TOKENS, Limits, RequestError, parse_propose
+from drafter_service.wire import decode_tensor, encode_float32s, encode_int64s
+
+W, V = 16, 1000
+LIMITS = Limits(hidden_states_width=W, vocab_size=V, max_draft_tokens=8, max_request_tokens=4096,
+                max_request_seqs=64)
+
+
+def random_steps(rng: random.Random, n: int, total: int) -> list[SequenceStep]:
+    cuts = sorted(rng.sample(range(1, total), n - 1)) if n > 1 else []
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+    return [SequenceStep(f"s{i}", rng.randrange(100), [rng.randrange(V) for _ in range(m)],
+                         torch.randn(m, W).to(torch.bfloat16), rng.randrange(V), rng.randrange(6))
+            for i, m in enumerate(sizes)]
+
+
+def parse(steps):
+    return parse_propose(pb.ProposeRequest.FromString(build_request("ns", steps).SerializeToString()), LIMITS)
+
+
+@pytest.mark.parametrize("total", [1, 3, SMALL_CHECK_TOKENS, SMALL_CHECK_TOKENS + 1, 300])
+def test_good_requests_decode_to_what_was_packed(total):
+    rng = random.Random(total)
+    for n in sorted({1, min(total, 2), min(total, 7)}):
+        steps = random_steps(rng, n, total)
+        got = parse(steps)
+        assert [g.sequence_id for g in got] == [s.sequence_id for s in steps]
+        for g, s in zip(got, steps):
+            assert g.token_ids.tolist() == s.token_ids and g.token_ids.dtype == torch.int64
+            assert torch.equal(g.hidden_states, s.hidden_states)
+            assert (g.start_position, g.next_token, g.num_drafts) == (s.start_position, s.next_token, s.num_drafts)
+
+
+@pytest.mark.parametrize("total", [2, SMALL_CHECK_TOKENS, SMALL_CHECK_TOKENS + 1, 300])
+def test_the_first_bad_token_id_is_named_on_both_paths(total):
+    rng = random.Random(1000 + total)
+    for trial in range(6):
+        steps = random_steps(rng, min(total, 3), total)
+        flat = [t for s in steps for t in s.token_ids]
+        bad_rows = sorted(rng.sample(range(total), min(total, rng.randint(1, 3))))
+        for r in bad_rows:
+            flat[r] = rng.choice([-1 - rng.randrange(5), V + rng.randrange(5)])
+        it = iter(flat)
+        for s in steps:
+            s.token_ids = [next(it) for _ in s.token_ids]
+        with pytest.raises(RequestError) as e:
+            parse(steps)
+        first = bad_rows[0]
+        assert e.value.message == f"token_ids[{first}] = {flat[first]} is outside the vocabulary [0, {V})"
+
+
+def test_list_encoders_match_the_tensor_encoding():
+    ids = [0, 5, -1, 2**62, 128255]
+    probs = [0.0, -1.5, 3.25e-8, float("-inf")]
+    assert decode_tensor(encode_int64s(ids), "x", (pb.INT64,), 1).tolist() == ids
+    assert decode_tensor(encode_float32s(probs), "x", (pb.FLOAT32,), 1).tolist() == torch.tensor(probs).tolist()
+    assert decode_tensor(encode_int64s([]), "x", (pb.INT64,), 1).shape == (0,)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_TIMERSLACK) is Linux")
+def test_timer_slack_is_tightened_for_the_calling_thread_only():
+    def slack() -> int:  # prctl(PR_GET_TIMERSLACK): the calling thread's timer slack in ns
+        return ctypes.CDLL(None).prctl(30, 0, 0, 0, 0)
+
+    main_before = slack()
+    seen = {}
+
+    def step_thread():
+        seen["before"] = slack()
+        seen["ok"] = tighten_timer_slack()
+        seen["after"] = slack()
+
+    t = threading.Thread(target=step_thread)
+    t.start()
+    t.join()
+    assert seen == {"before": main_before, "ok": True, "after": 1}
+    assert slack() == main_before > 1
