@@ -114,7 +114,10 @@ def build_request(namespace: str, steps: list[SequenceStep],
     else:
         ids = [torch.as_tensor(s.token_ids, dtype=torch.int64).reshape(-1) for s in steps]
         counts = [t.numel() for t in ids]
-        flat_ids = (ids[0] if len(ids) == 1 else torch.cat(ids)) if ids else torch.empty(0, dtype=torch.int64)
+        if len(ids) == 1:
+            flat_ids = ids[0]
+        else:
+            flat_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)
     if isinstance(hidden_states, SharedTensorRef):
         hidden_pb = hidden_states.to_pb()
     else:

@@ -12,7 +12,7 @@ run on the same thread between batches (run_exclusive), so they never race a ste
 Idle policy: with no channel open the thread sleeps until submit() wakes it. With channels open it polls them,
 yielding the GIL between polls (time.sleep(0): the event loop can take it), for channel_spin_s after the last
 channel request (the gap between two engine steps), then every channel_idle_poll_s. The thread's timer slack is
-1 ns (Linux): with the default 50 us slack each time.sleep(0) lasts ~70 us, which is how late a request would be
+1 ns (Linux): with the default 50 us slack each time.sleep(0) lasts 50-75 us, about how late a request would be
 noticed.
 """
 import asyncio

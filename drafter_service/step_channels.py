@@ -302,7 +302,7 @@ class ChannelSet:
             t_replied = time.perf_counter()
             self.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, t_replied - t_stepped)
             self.metrics.channel_requests_total += 1
-            if trace is not None and self.trace_file is not None:
+            if trace is not None:
                 trace.update(request_id=request_id, seen=t_seen, enter=t_enter, parsed=t_parsed, resumed=t_stepped,
                              replied=t_replied)
                 self.trace_file.write(json.dumps(trace) + "\n")
