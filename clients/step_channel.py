@@ -15,7 +15,7 @@ import time
 
 import grpc
 
-from drafter_service.mailbox import CLOSED, Mailbox
+from drafter_service.mailbox import CLOSED, VERSION, Mailbox
 
 LIVENESS_PERIOD_S = 0.05  # while waiting: how often to check that the drafter still holds the channel's socket
 
@@ -58,7 +58,7 @@ class StepChannel:
         try:
             conn.settimeout(timeout_s)
             conn.connect(socket_path)
-            conn.sendall(json.dumps({"version": 1, "namespace": namespace, "request_bytes": request_bytes,
+            conn.sendall(json.dumps({"version": VERSION, "namespace": namespace, "request_bytes": request_bytes,
                                      "reply_bytes": reply_bytes}).encode() + b"\n")
             data, fds, _, _ = socket.recv_fds(conn, 4096, 1)
             try:

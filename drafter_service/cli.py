@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                     help="Unix socket where clients open step channels (default: the unix --listen path + .steps)")
     ap.add_argument("--step-channel-spin-s", type=float, default=d.step_channel_spin_s,
                     help="after a channel request, the step thread busy-polls the channels this long (one core)")
+    ap.add_argument("--step-channel-checksums", choices=("auto", "on", "off"), default="auto",
+                    help="crc32 over every step-channel message (auto: only on CPUs that may reorder stores, i.e. "
+                         "not x86-64; docs/step_channel.md)")
     a = ap.parse_args(argv)
     target = a.target_model
     if target is None and pathlib.Path(a.model).resolve() == BUNDLED_MODEL and BUNDLED_TARGET.is_dir():
@@ -69,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         shutdown_grace_s=a.shutdown_grace_s, log_level=a.log_level, shared_memory=not a.no_shared_memory,
         shm_dir=a.shm_dir, shm_lease_s=a.shm_lease_s, cuda_graphs=a.cuda_graphs,
         first_step_graph_tokens=a.first_step_graph_tokens, step_channels=not a.no_step_channels,
-        step_channel_socket=a.step_channel_socket, step_channel_spin_s=a.step_channel_spin_s)
+        step_channel_socket=a.step_channel_socket, step_channel_spin_s=a.step_channel_spin_s,
+        step_channel_checksums={"auto": None, "on": True, "off": False}[a.step_channel_checksums])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,37 +5,50 @@ under the drafter's mapping and crash it with SIGBUS) and hands its file descrip
 socket (step_channels.py). Both map it read-write. One request is in flight at a time.
 
   offset  field (u64 little-endian)  written by
-  0       magic "DRFTSTP1"           drafter
+  0       magic "DRFTSTP2"           drafter
   8       request_capacity           drafter
   16      reply_capacity             drafter
+  24      flags                      drafter: bit 0 CHECKSUMS (crcs are written and checked; else both crcs are 0)
   64      request_seq                client: bumped (+1) after the request's bytes, length and crc are written
   72      request_len                client
-  80      request_crc                client: crc32 over request_seq (8 bytes LE) then the request bytes
+  80      request_crc                client: crc32 over request_seq (8 bytes LE) then the request bytes, or 0
   128     state                      drafter: 1 open, 2 closed (it takes no more requests)
   136     taken_seq                  drafter: the last request_seq it read
   192     reply_seq                  drafter: the request_seq it answers, bumped after the reply is written
   200     reply_len                  drafter
-  208     reply_crc                  drafter: crc32 over reply_seq then the reply bytes
+  208     reply_crc                  drafter: crc32 over reply_seq then the reply bytes, or 0
   4096    request area               [request_capacity] bytes: a serialized drafter.v1.ProposeRequest
   4096 + request_capacity            [reply_capacity] bytes: a serialized drafter.v1.ProposeResponse
 
-The doorbell words sit on their own cache lines. The crc covers the sequence number, so a reader that sees a new
-doorbell before the bytes behind it (weakly ordered CPUs) finds a mismatch and reads again, instead of taking
-the previous message for the new one.
+The doorbell words sit on their own cache lines. A writer stores the bytes, then the length (and crc), then the
+doorbell. On x86-64 that order is the order every other core sees (stores are not reordered with other stores,
+and glibc's memcpy fences its non-temporal stores), so a reader that sees the new doorbell sees the bytes behind
+it. On weakly ordered CPUs (ARM, POWER) it may not: there the drafter turns CHECKSUMS on, the crc covers the
+sequence number, and a reader that sees a new doorbell before the bytes finds a mismatch and reads again instead
+of taking the previous message for the new one. (The crc costs ~0.25 ms per MiB on each side, which is why it is
+not paid where the hardware already orders the stores.)
 """
 import mmap
+import platform
 import zlib
 from dataclasses import dataclass
 
-MAGIC = int.from_bytes(b"DRFTSTP1", "little")
+VERSION = 2  # of the step-channel hello and this layout (2: the flags word; crcs only with CHECKSUMS)
+MAGIC = int.from_bytes(b"DRFTSTP2", "little")
 HEADER_BYTES = 4096
 OPEN, CLOSED = 1, 2
+CHECKSUMS = 1  # flags bit
 
 # word indices (offset // 8)
-_MAGIC, _REQUEST_CAPACITY, _REPLY_CAPACITY = 0, 1, 2
+_MAGIC, _REQUEST_CAPACITY, _REPLY_CAPACITY, _FLAGS = 0, 1, 2, 3
 _REQUEST_SEQ, _REQUEST_LEN, _REQUEST_CRC = 8, 9, 10
 _STATE, _TAKEN_SEQ = 16, 17
 _REPLY_SEQ, _REPLY_LEN, _REPLY_CRC = 24, 25, 26
+
+
+def checksums_needed() -> bool:
+    """False where the CPU makes stores visible in program order (x86-64): the doorbell cannot overtake the bytes."""
+    return platform.machine().lower() not in ("x86_64", "amd64")
 
 
 def _crc(seq: int, payload) -> int:
@@ -58,7 +71,8 @@ class Mailbox:
         self.mm = mm
         self.words = memoryview(mm)[:HEADER_BYTES].cast("Q")
         if self.words[_MAGIC] != MAGIC:
-            raise ValueError("not a drafter step-channel mailbox (bad magic)")
+            raise ValueError("not a drafter step-channel mailbox of this version (bad magic)")
+        self.checksums = bool(self.words[_FLAGS] & CHECKSUMS)
         req_cap, rep_cap = self.words[_REQUEST_CAPACITY], self.words[_REPLY_CAPACITY]
         if HEADER_BYTES + req_cap + rep_cap > len(mm):
             raise ValueError("mailbox capacities exceed the segment")
@@ -70,9 +84,10 @@ class Mailbox:
         return HEADER_BYTES + request_capacity + reply_capacity
 
     @classmethod
-    def initialize(cls, mm: mmap.mmap, request_capacity: int, reply_capacity: int) -> "Mailbox":
+    def initialize(cls, mm: mmap.mmap, request_capacity: int, reply_capacity: int, checksums: bool) -> "Mailbox":
         words = memoryview(mm)[:HEADER_BYTES].cast("Q")
         words[_REQUEST_CAPACITY], words[_REPLY_CAPACITY] = request_capacity, reply_capacity
+        words[_FLAGS] = CHECKSUMS if checksums else 0
         words[_STATE] = OPEN
         words[_MAGIC] = MAGIC
         words.release()
@@ -101,23 +116,23 @@ class Mailbox:
         return self.words[area.seq]
 
     def write(self, area: _Area, seq: int, payload: bytes) -> None:
-        """Write payload, its length and crc, then ring the doorbell with seq."""
+        """Write payload, its length and crc (0 without CHECKSUMS), then ring the doorbell with seq."""
         n = len(payload)
         if n > area.capacity:
             raise ValueError(f"{n} bytes do not fit the {area.capacity}-byte area")
         self.mm[area.start : area.start + n] = payload
         self.words[area.length] = n
-        self.words[area.crc] = _crc(seq, payload)
+        self.words[area.crc] = _crc(seq, payload) if self.checksums else 0
         self.words[area.seq] = seq
 
     def read(self, area: _Area, seq: int) -> bytes | None:
-        """The message behind doorbell seq, or None while its bytes do not match their crc yet (or the length is
-        out of bounds: the writer is not done, or wrote garbage)."""
+        """The message behind doorbell seq, or None while its bytes do not match their crc yet (with CHECKSUMS) or
+        the length is out of bounds (the writer is not done, or wrote garbage)."""
         n = self.words[area.length]
         if n > area.capacity:
             return None
         payload = self.mm[area.start : area.start + n]  # a copy: the writer may reuse the area after this
-        if _crc(seq, payload) != self.words[area.crc]:
+        if self.checksums and _crc(seq, payload) != self.words[area.crc]:
             return None
         return payload
 

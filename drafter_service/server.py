@@ -22,6 +22,7 @@ from .rpc import pb, pb_grpc
 from .runtime import Runtime, build_runtime
 from .scheduler import StepScheduler
 from .servicer import DrafterServicer
+from .mailbox import checksums_needed
 from .step_channels import ChannelLimits, ChannelSet
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,8 @@ class DrafterServer:
                                                    max_area_bytes=cfg.max_message_bytes,
                                                    max_total_bytes=cfg.step_channel_max_total_bytes),
             decode=self.servicer.decode_propose, encode=self.servicer.encode_propose, metrics=self.runtime.metrics,
-            trace_file=self.servicer.trace_file)
+            trace_file=self.servicer.trace_file,
+            checksums=checksums_needed() if cfg.step_channel_checksums is None else cfg.step_channel_checksums)
         self.scheduler.attach_channels(channels)
         channels.start()
         self.servicer.step_channel_socket = path

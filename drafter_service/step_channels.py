@@ -1,7 +1,7 @@
 """Shared-memory step channels (docs/step_channel.md): engine steps on one node without a gRPC message each.
 
 Opening: a client connects to the drafter's channel socket (GetInfo.step_channel_socket) and sends a hello, one
-JSON line {"version": 1, "namespace": ..., "request_bytes": ..., "reply_bytes": ...}. The drafter creates a
+JSON line {"version": 2, "namespace": ..., "request_bytes": ..., "reply_bytes": ...}. The drafter creates a
 mailbox (mailbox.py) in a memfd sealed against resizing, and answers with one JSON line ({"ok": true, capacities}
 or {"ok": false, "code": "INVALID_ARGUMENT", "message": ...}) carrying the memfd (SCM_RIGHTS). The connection
 stays open for the channel's lifetime: when the client closes it, or dies, the drafter closes the channel and
@@ -32,7 +32,7 @@ from typing import Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from .mailbox import Mailbox
+from .mailbox import VERSION, Mailbox, checksums_needed
 from .rpc import pb
 from .scheduler import PendingRequest
 from .step_io import StepInput, StepOutput
@@ -44,7 +44,7 @@ HELLO_MAX_BYTES = 4096
 HELLO_TIMEOUT_S = 2.0
 MIN_AREA_BYTES = 4096
 LIVENESS_PERIOD_S = 0.1  # how often the step thread checks that each channel's client is still connected
-STUCK_REQUEST_S = 1.0  # a doorbell whose bytes never match their crc is answered with an error after this
+STUCK_REQUEST_S = 1.0  # a doorbell whose bytes never check out is answered with an error after this
 
 
 @dataclass
@@ -78,6 +78,7 @@ class ChannelSet:
     # (outputs, request) -> reply message: servicer.build_response
     encode: Callable[[list[StepOutput], "pb.ProposeRequest"], "pb.ProposeResponse"]
     metrics: object  # metrics.Metrics
+    checksums: bool = field(default_factory=checksums_needed)  # mailboxes with CHECKSUMS (mailbox.py)
     wake: Callable[[], None] = lambda: None  # set by the scheduler: wakes the step thread
     # Diagnostics (scripts/rpc_timeline.py): a text file that gets one JSON line per channel request with the
     # time.perf_counter() of each phase (seen, enter, parsed, worker_start, worker_end, resumed, replied).
@@ -162,7 +163,7 @@ class ChannelSet:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             mm = mmap.mmap(fd, size)
-            box = Mailbox.initialize(mm, req_bytes, rep_bytes)
+            box = Mailbox.initialize(mm, req_bytes, rep_bytes, self.checksums)
             ch = Channel(id=self._next_id, namespace=namespace, conn=conn, fd=fd, mm=mm, box=box)
             self._next_id += 1
             socket.send_fds(conn, [_line({"ok": True, "channel": ch.id, "request_capacity": req_bytes,
@@ -197,9 +198,10 @@ class ChannelSet:
         return hello
 
     def _check_hello(self, hello: dict) -> tuple[str, int, int]:
-        if hello.get("version") != 1:
+        if hello.get("version") != VERSION:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"hello.version {hello.get('version')!r}: this drafter speaks version 1")
+                               f"hello.version {hello.get('version')!r}: this drafter speaks version {VERSION} "
+                               "(client and drafter releases must match)")
         namespace = hello.get("namespace", "")
         if not isinstance(namespace, str):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "hello.namespace: not a string")

@@ -35,10 +35,13 @@ H, V = 64, 512
 STEPS = 24
 
 
-@pytest.fixture(scope="module")
-def ch_server(tiny_model, tmp_path_factory):
+@pytest.fixture(scope="module", params=[True, False], ids=["checksums", "no-checksums"])
+def ch_server(request, tiny_model, tmp_path_factory):
+    """A drafter whose mailboxes carry crcs, and one whose do not (the default on x86-64: mailbox.py)."""
     head, target = tiny_model
-    with ServerThread(make_config(head, target, tmp_path_factory.mktemp("chan"))) as s:
+    cfg = make_config(head, target, tmp_path_factory.mktemp("chan"))
+    cfg.step_channel_checksums = request.param
+    with ServerThread(cfg) as s:
         yield s
 
 
@@ -124,11 +127,13 @@ async def test_bad_requests_get_error_replies_and_the_channel_stays_usable(ch_se
         # garbage
         r = await raw(b"\xff" * 100)
         assert r.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "ProposeRequest" in r.error.message
-        # a doorbell whose bytes never match their crc: answered after a second
+        # a doorbell whose bytes never check out (a crc that never matches; without crcs, a length past the
+        # request area): answered after a second
         box = ch.box
+        assert box.checksums == ch_server.server.config.step_channel_checksums
         ch._seq += 1
         box.mm[box.request.start : box.request.start + 4] = b"abcd"
-        box.words[box.request.length] = 4
+        box.words[box.request.length] = 4 if box.checksums else box.request.capacity + 1
         box.words[box.request.crc] = 12345
         box.words[box.request.seq] = ch._seq
         t0 = time.monotonic()
@@ -160,13 +165,13 @@ def hello(path: str, message: bytes) -> tuple[dict | None, list[int]]:
 
 def test_refused_hellos_say_why(ch_server):
     path = ch_server.server.config.step_channel_path()
-    cases = [({"version": 2, "namespace": "a", "request_bytes": 4096, "reply_bytes": 4096}, "FAILED_PRECONDITION",
-              "version"),
-             ({"version": 1, "namespace": "a", "request_bytes": 2**40, "reply_bytes": 4096}, "INVALID_ARGUMENT",
+    cases = [({"version": 1, "namespace": "a", "request_bytes": 4096, "reply_bytes": 4096}, "FAILED_PRECONDITION",
+              "speaks version 2"),
+             ({"version": 2, "namespace": "a", "request_bytes": 2**40, "reply_bytes": 4096}, "INVALID_ARGUMENT",
               "hello.request_bytes"),
-             ({"version": 1, "namespace": "a", "request_bytes": 4096, "reply_bytes": "x"}, "INVALID_ARGUMENT",
+             ({"version": 2, "namespace": "a", "request_bytes": 4096, "reply_bytes": "x"}, "INVALID_ARGUMENT",
               "hello.reply_bytes"),
-             ({"version": 1, "namespace": "n" * 3000, "request_bytes": 4096, "reply_bytes": 4096}, "INVALID_ARGUMENT",
+             ({"version": 2, "namespace": "n" * 3000, "request_bytes": 4096, "reply_bytes": 4096}, "INVALID_ARGUMENT",
               "namespace")]
     for body, code, fragment in cases:
         answer, fds = hello(path, json.dumps(body).encode() + b"\n")
@@ -183,7 +188,7 @@ def test_a_client_cannot_resize_the_mailbox(ch_server):
     path = ch_server.server.config.step_channel_path()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(path)
-        s.sendall(json.dumps({"version": 1, "namespace": "rs", "request_bytes": 4096,
+        s.sendall(json.dumps({"version": 2, "namespace": "rs", "request_bytes": 4096,
                               "reply_bytes": 4096}).encode() + b"\n")
         data, (fd,), _, _ = socket.recv_fds(s, 4096, 1)
         assert json.loads(data)["ok"]

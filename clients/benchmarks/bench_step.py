@@ -260,6 +260,9 @@ def main() -> int:
                     help="CUDA: decode steps from CUDA graphs (in-process and sidecar)")
     ap.add_argument("--graphs-ab", action="store_true",
                     help="CUDA: also time the in-process proposer with --no-cuda-graphs (column eager ms)")
+    ap.add_argument("--drafter-flag", action="append", default=[],
+                    help="an extra drafter-serve flag for the sidecar runs, e.g. --drafter-flag=--step-channel-"
+                         "checksums=on (repeatable)")
     ap.add_argument("--out", default="bench_out/bench_step.json")
     a = ap.parse_args()
     shape = PRESETS[a.preset]
@@ -311,7 +314,8 @@ def main() -> int:
         cmd = [sys.executable, "-m", "drafter_service.cli", "--model", str(head), "--target-model", str(target),
                "--listen", f"unix:{sock}", "--device", a.device, "--dtype", dtype, "--kv-cache-tokens",
                str(kv_tokens), "--max-model-len", str(max_len), "--max-batch-seqs", "4096", "--log-level", "WARNING",
-               "--cuda-graphs" if a.cuda_graphs else "--no-cuda-graphs", "--metrics-port", str(a.metrics_port)]
+               "--cuda-graphs" if a.cuda_graphs else "--no-cuda-graphs", "--metrics-port", str(a.metrics_port),
+               *a.drafter_flag]
         server = subprocess.Popen(cmd)
         try:
             for row in rows:
@@ -352,7 +356,7 @@ def main() -> int:
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
     result = dict(benchmark="bench_step", date=datetime.datetime.now().isoformat(timespec="seconds"),
                   device=f"{device.type}: {dev_name}, {os.cpu_count()} cores", torch=torch.__version__,
-                  command=" ".join(shlex.quote(x) for x in sys.argv), preset=a.preset, shape=shape, dtype=dtype,
+                  command=" ".join(shlex.quote(x) for x in sys.argv), drafter_flags=a.drafter_flag, preset=a.preset, shape=shape, dtype=dtype,
                   context=context, m=a.m, k=a.k, iters=a.iters,
                   cuda_graphs=a.cuda_graphs and device.type == "cuda", bandwidth_gbps=bw / 1e9, rows=rows,
                   prefill=prefill)
