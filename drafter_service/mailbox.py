@@ -25,7 +25,7 @@ doorbell. On x86-64 that order is the order every other core sees (stores are no
 and glibc's memcpy fences its non-temporal stores), so a reader that sees the new doorbell sees the bytes behind
 it. On weakly ordered CPUs (ARM, POWER) it may not: there the drafter turns CHECKSUMS on, the crc covers the
 sequence number, and a reader that sees a new doorbell before the bytes finds a mismatch and reads again instead
-of taking the previous message for the new one. (The crc costs ~0.25 ms per MiB on each side, which is why it is
+of taking the previous message for the new one. (zlib's crc32 costs 0.2-0.25 ms per MiB on each side, which is why it is
 not paid where the hardware already orders the stores.)
 """
 import mmap

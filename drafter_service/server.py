@@ -18,11 +18,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .config import ServerConfig
+from .mailbox import checksums_needed
 from .rpc import pb, pb_grpc
 from .runtime import Runtime, build_runtime
 from .scheduler import StepScheduler
 from .servicer import DrafterServicer
-from .mailbox import checksums_needed
 from .step_channels import ChannelLimits, ChannelSet
 
 log = logging.getLogger(__name__)

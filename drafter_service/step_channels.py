@@ -32,7 +32,7 @@ from typing import Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from .mailbox import VERSION, Mailbox, checksums_needed
+from .mailbox import VERSION, Mailbox
 from .rpc import pb
 from .scheduler import PendingRequest
 from .step_io import StepInput, StepOutput
@@ -78,7 +78,7 @@ class ChannelSet:
     # (outputs, request) -> reply message: servicer.build_response
     encode: Callable[[list[StepOutput], "pb.ProposeRequest"], "pb.ProposeResponse"]
     metrics: object  # metrics.Metrics
-    checksums: bool = field(default_factory=checksums_needed)  # mailboxes with CHECKSUMS (mailbox.py)
+    checksums: bool  # mailboxes with CHECKSUMS (mailbox.py; the server: --step-channel-checksums)
     wake: Callable[[], None] = lambda: None  # set by the scheduler: wakes the step thread
     # Diagnostics (scripts/rpc_timeline.py): a text file that gets one JSON line per channel request with the
     # time.perf_counter() of each phase (seen, enter, parsed, worker_start, worker_end, resumed, replied).

@@ -356,8 +356,8 @@ def main() -> int:
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
     result = dict(benchmark="bench_step", date=datetime.datetime.now().isoformat(timespec="seconds"),
                   device=f"{device.type}: {dev_name}, {os.cpu_count()} cores", torch=torch.__version__,
-                  command=" ".join(shlex.quote(x) for x in sys.argv), drafter_flags=a.drafter_flag, preset=a.preset, shape=shape, dtype=dtype,
-                  context=context, m=a.m, k=a.k, iters=a.iters,
+                  command=" ".join(shlex.quote(x) for x in sys.argv), drafter_flags=a.drafter_flag, preset=a.preset,
+                  shape=shape, dtype=dtype, context=context, m=a.m, k=a.k, iters=a.iters,
                   cuda_graphs=a.cuda_graphs and device.type == "cuda", bandwidth_gbps=bw / 1e9, rows=rows,
                   prefill=prefill)
     out = pathlib.Path(a.out)
