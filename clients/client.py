@@ -2,6 +2,7 @@
 the shared-memory data plane (enable_shared_memory; docs/shared_memory.md) and the shared-memory step channel
 (open_step_channel; docs/step_channel.md)."""
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -296,23 +297,76 @@ class DrafterClient:
 
     async def _send_step(self, req: "pb.ProposeRequest", timeout: float | None) -> "pb.ProposeResponse":
         """Through the step channel when one is open and free and the request fits it; else a unary Propose."""
-        ch = self._step_channel
-        if ch is not None and not ch.busy and not ch.closed:
-            payload = req.SerializeToString()
-            if len(payload) <= ch.request_capacity:
-                try:
-                    reply = await ch.call(payload, timeout)
-                except StepChannelClosed:  # not taken: nothing happened; say so and go over gRPC
-                    log.warning("the drafter at %s closed the step channel: steps go over gRPC", self.target)
-                    self._step_channel = None
-                except StepChannelError as e:
-                    self._step_channel = None
-                    raise DrafterError(e.code, e.message) from None
-                else:
-                    self.steps_through_channel += 1
-                    return pb.ProposeResponse.FromString(reply)
+        ch, payload = self._claim_channel(req)
+        if ch is not None:
+            reply = None
+            with self._channel_errors():
+                reply = await ch.call(payload, timeout)
+            if reply is not None:
+                self.steps_through_channel += 1
+                return pb.ProposeResponse.FromString(reply)
         self.steps_through_grpc += 1
         return await self._call(self._stub.Propose, req, timeout)
+
+    def _claim_channel(self, req: "pb.ProposeRequest") -> "tuple[StepChannel | None, bytes]":
+        """(the claimed step channel, the request's bytes) when req can go through it now; else (None, b"")."""
+        ch = self._step_channel
+        if ch is None or not ch.try_claim():
+            return None, b""
+        payload = req.SerializeToString()
+        if len(payload) > ch.request_capacity:
+            ch.unclaim()
+            return None, b""
+        return ch, payload
+
+    @contextlib.contextmanager
+    def _channel_errors(self):
+        """Around a channel call: a channel the drafter closed before taking the request is dropped and the step
+        goes over gRPC (nothing happened); a failed call drops it and raises the DrafterError of a unary call."""
+        try:
+            yield
+        except StepChannelClosed:
+            log.warning("the drafter at %s closed the step channel: steps go over gRPC", self.target)
+            self._step_channel = None
+        except StepChannelError as e:
+            self._step_channel = None
+            raise DrafterError(e.code, e.message) from None
+
+    def propose_blocking(self, steps: list[SequenceStep], hidden_states: "torch.Tensor | SharedTensorRef | None" = None,
+                         timeout: float | None = None) -> ProposeResult | None:
+        """propose() through the open step channel on the calling thread: no event loop and no thread hand-off
+        (SyncDrafterClient's fast path). Returns None, having done nothing, when the step cannot go through the
+        channel now (none open, another call holds it, the request is larger than its area, or the drafter
+        closed it before taking the request): then call propose()."""
+        ch = self._step_channel
+        if ch is None or not ch.try_claim():
+            return None
+        staged = None
+        called = sent = answered = False
+        try:
+            staged = self._stage(steps, hidden_states)
+            req = build_request(self.namespace, steps, staged.ref if staged else hidden_states, self._request_id())
+            payload = req.SerializeToString()
+            if len(payload) > ch.request_capacity:
+                return None
+            called = sent = True  # (the call releases the claim, however it ends)
+            reply = None
+            with self._channel_errors():
+                reply = ch.call_blocking(payload, timeout)
+            if reply is None:  # the drafter closed the channel before taking the request
+                sent = False
+                return None
+            answered = True
+        except DrafterError as e:
+            answered = e.code in ANSWERED_CODES
+            raise
+        finally:
+            if not called:
+                ch.unclaim()
+            if staged is not None:
+                staged.done(answered or not sent)
+        self.steps_through_channel += 1
+        return parse_response(pb.ProposeResponse.FromString(reply))
 
     async def open_step_channel(self, request_bytes: int = 16 * 2**20, reply_bytes: int = 2**20,
                                 socket_path: str | None = None, spin_s: float = 0.05,

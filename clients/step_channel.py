@@ -4,18 +4,22 @@ drafter_service/step_channels.py, the mailbox layout drafter_service/mailbox.py)
 A channel carries the same ProposeRequest / ProposeResponse bytes a unary Propose would, through a mailbox the
 drafter polls: no gRPC message, no thread of gRPC's or of the drafter's to wake. The waiting side spins: the
 drafter's step thread for --step-channel-spin-s after each request, this client while it waits for a reply
-(spin_s, then it polls every poll_s). One request at a time per channel.
+(spin_s, then it polls every poll_s). One request at a time per channel: a caller claims the channel
+(try_claim) and the call releases it when it ends; the claim is a lock, so that an event loop and another thread
+(SyncDrafterClient's blocking path) can share a channel.
 """
 import asyncio
 import json
 import mmap
 import os
 import socket
+import threading
 import time
 
 import grpc
 
 from drafter_service.mailbox import CLOSED, VERSION, Mailbox
+from drafter_service.timer_slack import get_timer_slack, set_timer_slack
 
 LIVENESS_PERIOD_S = 0.05  # while waiting: how often to check that the drafter still holds the channel's socket
 
@@ -40,13 +44,30 @@ class StepChannel:
         self.box = Mailbox(mm)
         self.spin_s = spin_s
         self.poll_s = poll_s
-        self.busy = False
         self.closed = False
+        self._claim = threading.Lock()  # held from try_claim() until the call's end
         self._seq = self.box.doorbell(self.box.request)
 
     @property
     def request_capacity(self) -> int:
         return self.box.request.capacity
+
+    @property
+    def busy(self) -> bool:
+        return self._claim.locked()
+
+    def try_claim(self) -> bool:
+        """Take the channel for one call (call() or call_blocking() releases it); False when it is closed or in
+        use. A claim not followed by a call is given back with unclaim()."""
+        if self.closed or not self._claim.acquire(blocking=False):
+            return False
+        if self.closed:  # closed meanwhile
+            self._claim.release()
+            return False
+        return True
+
+    def unclaim(self) -> None:
+        self._claim.release()
 
     @classmethod
     def open(cls, socket_path: str, namespace: str, request_bytes: int, reply_bytes: int, spin_s: float = 0.05,
@@ -122,34 +143,22 @@ class StepChannel:
         except OSError:
             return True
 
-    def _begin(self, payload: bytes, timeout: float | None) -> tuple[int, float]:
-        if self.closed or self.busy:
-            raise RuntimeError("the step channel is closed or busy")
-        self.busy = True
-        try:
-            seq = self._send(payload)
-        except BaseException:
-            self.busy = False
-            raise
-        return seq, (time.monotonic() + timeout if timeout is not None else float("inf"))
-
     def _check_waiting(self, started: float, deadline: float, now: float) -> None:
-        if now > deadline:
-            # The reply may still come: this channel cannot be reused safely.
-            self.busy = False
-            self.close()
+        if now > deadline:  # the reply may still come: this channel cannot be reused safely (closed below)
             raise StepChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply through the step channel in time")
         if now - started > LIVENESS_PERIOD_S and self._drafter_gone():
-            self.busy = False
-            self.close()
             raise StepChannelError(grpc.StatusCode.UNAVAILABLE, "the drafter went away (step channel closed)")
 
     def _wait(self, payload: bytes, timeout: float | None):
         """Send payload, then poll for the reply: a generator that yields how long to sleep before the next poll
-        and returns the reply (call() and call_blocking() drive it with their own sleep)."""
-        seq, deadline = self._begin(payload, timeout)
-        started = last_check = time.monotonic()
+        and returns the reply (call() and call_blocking() drive it with their own sleep). The caller holds the
+        claim; it is released when this ends, however it ends."""
+        if not self.busy:
+            raise RuntimeError("claim the step channel first (try_claim)")
         try:
+            seq = self._send(payload)
+            deadline = time.monotonic() + timeout if timeout is not None else float("inf")
+            started = last_check = time.monotonic()
             while (reply := self._reply(seq)) is None:
                 now = time.monotonic()
                 if now - last_check > LIVENESS_PERIOD_S:
@@ -157,10 +166,10 @@ class StepChannel:
                     self._check_waiting(started, deadline, now)
                 yield 0 if now - started < self.spin_s else self.poll_s  # spin, then poll
         except BaseException:  # the channel's state is unknown (or closed): nobody uses it again
-            self.busy = False
             self.close()
             raise
-        self.busy = False
+        finally:
+            self._claim.release()
         return reply
 
     async def call(self, payload: bytes, timeout: float | None = None) -> bytes:
@@ -176,8 +185,13 @@ class StepChannel:
             waiting.close()  # (a no-op once finished; on cancellation it closes the channel)
 
     def call_blocking(self, payload: bytes, timeout: float | None = None) -> bytes:
-        """call() for a thread without an event loop."""
+        """call() on the calling thread, without an event loop. Its spin sleeps with time.sleep(0), which lets other
+        threads take the GIL; for the call, the thread's timer slack is 1 ns (Linux; restored after), or each of
+        those sleeps would last the default 50 us slack and more."""
         waiting = self._wait(payload, timeout)
+        slack = get_timer_slack()
+        if slack is not None:
+            set_timer_slack(1)
         try:
             while True:
                 time.sleep(next(waiting))
@@ -185,3 +199,5 @@ class StepChannel:
             return done.value
         finally:
             waiting.close()
+            if slack is not None:
+                set_timer_slack(slack)

@@ -1,4 +1,9 @@
-"""Blocking wrapper for engines that do not run asyncio: an event loop on a private thread."""
+"""Blocking wrapper for engines that do not run asyncio: an event loop on a private thread.
+
+With a step channel open, propose() runs on the calling thread (DrafterClient.propose_blocking): the request goes
+through the channel and the calling thread polls for the reply, without handing the step to the loop's thread and
+waiting to be woken (two thread wake-ups per step). Otherwise it runs on the loop. propose() calls are serialized.
+"""
 import asyncio
 import threading
 
@@ -13,6 +18,7 @@ class SyncDrafterClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="drafter-client", daemon=True)
         self._thread.start()
         self._client: DrafterClient = self._run(self._make(target, namespace, kwargs))
+        self._propose_lock = threading.Lock()  # one step at a time (the shared-memory ring is not thread-safe)
 
     @staticmethod
     async def _make(target, namespace, kwargs) -> DrafterClient:
@@ -35,7 +41,11 @@ class SyncDrafterClient:
 
     def propose(self, steps: list[SequenceStep], hidden_states: torch.Tensor | None = None,
                 timeout: float | None = None) -> ProposeResult:
-        return self._run(self._client.propose(steps, hidden_states, timeout))
+        with self._propose_lock:
+            result = self._client.propose_blocking(steps, hidden_states, timeout)  # through the step channel
+            if result is None:
+                result = self._run(self._client.propose(steps, hidden_states, timeout))
+            return result
 
     def release(self, sequence_ids: list[str], timeout: float | None = None) -> ReleaseResult:
         return self._run(self._client.release(sequence_ids, timeout))

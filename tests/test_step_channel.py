@@ -117,7 +117,10 @@ async def test_bad_requests_get_error_replies_and_the_channel_stays_usable(ch_se
         ch = c._step_channel
 
         async def raw(payload: bytes) -> "pb.ProposeResponse":
-            return pb.ProposeResponse.FromString(await ch.call(payload, timeout=10))
+            assert ch.try_claim() and not ch.try_claim()  # one call at a time
+            reply = await ch.call(payload, timeout=10)
+            assert not ch.busy  # the call gave the claim back
+            return pb.ProposeResponse.FromString(reply)
 
         # another namespace's request
         other = build_request("someone-else", [step("x")], request_id=7)
@@ -244,14 +247,47 @@ async def test_concurrent_steps_share_the_channel_and_grpc(ch_server):
         await c.release([f"q{i}" for i in range(6)])
 
 
-def test_sync_client_uses_the_channel(ch_server):
+def test_sync_client_steps_through_the_channel_on_the_calling_thread(ch_server, tiny_model):
+    """With a channel open, SyncDrafterClient.propose() never hands the step to its event loop; drafts equal a
+    gRPC-only client's (and the naive reference's) over many steps, with shared-memory slots recycled; the
+    caller's timer slack is left as it was; a channel the drafter closes sends the next step over gRPC."""
     from drafter_client.sync import SyncDrafterClient
+    from drafter_service.timer_slack import get_timer_slack
 
-    with SyncDrafterClient(ch_server.uds, namespace="sync-ch") as c:
-        assert c.open_step_channel()
-        r = c.propose([step("y")])
-        assert r.sequences[0].ok and c._client.steps_through_channel == 1
-        c.release(["y"])
+    naive = NaiveEagle1(*tiny_model)
+    rng = random.Random(11)
+    slack = get_timer_slack()
+    with SyncDrafterClient(ch_server.uds, namespace="sync-ch") as fast, \
+            SyncDrafterClient(ch_server.uds, namespace="sync-grpc") as slow:
+        assert fast.open_step_channel(request_bytes=4096)
+        assert fast.enable_shared_memory(max_step_tokens=128, dtype=torch.float32, slots=2) == "system"
+
+        async def not_on_the_loop(*args, **kwargs):
+            raise AssertionError("propose() went to the event loop although the channel was free")
+
+        loop_propose, fast._client.propose = fast._client.propose, not_on_the_loop
+        seqs = {c: [FakeSequence(f"s{i}", prompt, H, V, random.Random(i), None) for i, prompt in enumerate((30, 9))]
+                for c in ("fast", "slow")}
+        for n in range(12):  # 12 steps through a 2-slot ring: every slot reused
+            ks = [rng.randint(1, 5) for _ in range(2)]
+            a = fast.propose([s.next_step(k) for s, k in zip(seqs["fast"], ks)])
+            b = slow.propose([s.next_step(k) for s, k in zip(seqs["slow"], ks)])
+            for i in range(2):
+                x, y = a.sequences[i], b.sequences[i]
+                assert x.ok and y.ok and x.drafts.tolist() == y.drafts.tolist()
+                s = seqs["fast"][i]
+                assert x.drafts.tolist() == naive.drafts(s.tokens, s.hidden, x.drafts.numel())
+                seqs["fast"][i].last_drafts = x.drafts.tolist()
+                seqs["slow"][i].last_drafts = y.drafts.tolist()
+        client = fast._client
+        assert client.steps_through_channel == 12 and client.steps_by_reference == 12 and client.steps_inline == 0
+        assert get_timer_slack() == slack
+        fast._client.propose = loop_propose
+        ch_server.call(lambda: ch_server.server.channels.close_all("test"))
+        r = fast.propose([seqs["fast"][0].next_step(2)])  # not taken by the closed channel: over gRPC
+        assert r.sequences[0].ok and client.steps_through_grpc == 1 and not client.step_channel_open
+        fast.release(["s0", "s1"])
+        slow.release(["s0", "s1"])
 
 
 def test_parse_response_of_a_channel_reply_matches_grpc(ch_server):
