@@ -13,7 +13,6 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,11 +39,11 @@ def own_cpu() -> int:
         return int(f.read().rsplit(")", 1)[1].split()[36])
 
 
-async def one_run(sock: pathlib.Path, server_pid: int, shape: dict, a) -> dict:
+async def one_run(address: str, server_pid: int, shape: dict, a) -> dict:
     from drafter_client import DrafterClient
     from drafter_client.benchmarks import bench_step as b
 
-    async with DrafterClient(f"unix:{sock}", namespace="placement") as c:
+    async with DrafterClient(address, namespace="placement") as c:
         await c.wait_ready(900)
         info = await c.get_info()
         prefill, decode = b.make_steps(1, a.context, a.m, a.k, info.hidden_states_width, shape["vocab_size"], seed=1)
@@ -72,6 +71,7 @@ async def one_run(sock: pathlib.Path, server_pid: int, shape: dict, a) -> dict:
 
 def main() -> int:
     from drafter_client.benchmarks import bench_step as b
+    from drafter_client.sidecar_process import SidecarProcess
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="tiny", choices=sorted(b.PRESETS))
@@ -89,19 +89,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         head, target = b.write_random_head(tmp / "model", shape, a.context + 64)
-        dtype = "bfloat16" if a.device.startswith("cuda") else "float32"
+        flags = ["--dtype", "bfloat16" if a.device.startswith("cuda") else "float32", "--kv-cache-tokens",
+                 str(4 * (a.context + 64)), "--max-batch-seqs", "8", "--log-level", "WARNING"]
         for run in range(a.runs):
-            sock = tmp / f"drafter{run}.sock"
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-            proc = subprocess.Popen([sys.executable, "-m", "drafter_service.cli", "--model", str(head),
-                                     "--target-model", str(target), "--listen", f"unix:{sock}", "--device", a.device,
-                                     "--dtype", dtype, "--kv-cache-tokens", str(4 * (a.context + 64)),
-                                     "--max-batch-seqs", "8", "--log-level", "WARNING"], env=env)
-            try:
-                r = asyncio.run(one_run(sock, proc.pid, shape, a))
-            finally:
-                proc.terminate()
-                proc.wait()
+            with SidecarProcess(head, target, a.device, flags, ready_timeout_s=900,
+                                env={"PYTHONPATH": os.pathsep.join(sys.path)}) as sidecar:
+                r = asyncio.run(one_run(sidecar.address, sidecar.proc.pid, shape, a))
             result["runs"].append(r)
             print(f"run {run}: {r['median_ms']:.3f} ms/step; client on cpus {r['client_cpus']}, drafter step thread "
                   f"on {r['step_thread_cpus']}, same cpu in {r['same_cpu_samples']}/{r['samples']} samples",

@@ -27,7 +27,6 @@ import os
 import pathlib
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,17 +40,7 @@ PHASES = [("to handler", "send", "enter"), ("noticed", "send", "seen"), ("parse"
 MODES = ("unary", "stream", "channel")
 
 
-def wait_for(path: pathlib.Path, proc: subprocess.Popen, timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"the drafter exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError("the drafter did not start")
-        time.sleep(0.1)
-
-
-async def run_client(sock: pathlib.Path, shape: dict, a) -> dict[str, dict[int, tuple[float, float]]]:
+async def run_client(address: str, shape: dict, a) -> dict[str, dict[int, tuple[float, float]]]:
     """request_id -> (send, recv) for each mode."""
     import grpc
 
@@ -61,7 +50,7 @@ async def run_client(sock: pathlib.Path, shape: dict, a) -> dict[str, dict[int, 
     from drafter_service.rpc import pb_grpc
 
     times: dict[str, dict[int, tuple[float, float]]] = {mode: {} for mode in MODES}
-    async with DrafterClient(f"unix:{sock}", namespace="bench") as c:
+    async with DrafterClient(address, namespace="bench") as c:
         await c.wait_ready(900)
         info = await c.get_info()
         prefill, decode = b.make_steps(1, a.context, a.m, a.k, info.hidden_states_width, shape["vocab_size"], seed=1)
@@ -74,7 +63,7 @@ async def run_client(sock: pathlib.Path, shape: dict, a) -> dict[str, dict[int, 
                 assert r.sequences[0].ok and r.sequences[0].drafts.numel() == a.k
             assert c.steps_through_channel == a.iters
             c.close_step_channel()
-    async with grpc.aio.insecure_channel(f"unix:{sock}") as ch:
+    async with grpc.aio.insecure_channel(address) as ch:
         stub = pb_grpc.DrafterStub(ch)
         rid = 10**6  # (apart from the request ids the DrafterClient above gave its steps)
         for _ in range(a.iters):
@@ -120,6 +109,7 @@ def build_reply(k: int) -> bytes:
 
 def main() -> int:
     from drafter_client.benchmarks import bench_step as b
+    from drafter_client.sidecar_process import SidecarProcess
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="tiny", choices=sorted(b.PRESETS))
@@ -136,19 +126,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         head, target = b.write_random_head(tmp / "model", shape, a.context + 64)
-        sock, trace = tmp / "drafter.sock", tmp / "trace.jsonl"
-        env = dict(os.environ, DRAFTER_TRACE_RPC=str(trace), PYTHONPATH=os.pathsep.join(sys.path))
-        dtype = "bfloat16" if a.device.startswith("cuda") else "float32"
-        proc = subprocess.Popen([sys.executable, "-m", "drafter_service.cli", "--model", str(head), "--target-model",
-                                 str(target), "--listen", f"unix:{sock}", "--device", a.device, "--dtype", dtype,
-                                 "--kv-cache-tokens", str(4 * (a.context + 64)), "--max-batch-seqs", "8",
-                                 "--log-level", "WARNING", *a.server_args], env=env)
-        try:
-            wait_for(sock, proc)
-            client_times = asyncio.run(run_client(sock, shape, a))
-        finally:
-            proc.terminate()
-            proc.wait()
+        trace = tmp / "trace.jsonl"
+        flags = ["--dtype", "bfloat16" if a.device.startswith("cuda") else "float32", "--kv-cache-tokens",
+                 str(4 * (a.context + 64)), "--max-batch-seqs", "8", "--log-level", "WARNING", *a.server_args]
+        with SidecarProcess(head, target, a.device, flags, ready_timeout_s=900,
+                            env={"DRAFTER_TRACE_RPC": str(trace), "PYTHONPATH": os.pathsep.join(sys.path)}) as sidecar:
+            client_times = asyncio.run(run_client(sidecar.address, shape, a))
         server = {}
         for line in trace.read_text().splitlines():
             rec = json.loads(line)

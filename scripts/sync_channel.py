@@ -17,7 +17,6 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ MODES = ("async", "sync", "sync, loop")
 def main() -> int:
     from drafter_client import DrafterClient
     from drafter_client.benchmarks import bench_step as b
+    from drafter_client.sidecar_process import SidecarProcess
     from drafter_client.sync import SyncDrafterClient
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -48,14 +48,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         head, target = b.write_random_head(tmp / "model", shape, context + 64)
-        sock = tmp / "drafter.sock"
-        proc = subprocess.Popen([sys.executable, "-m", "drafter_service.cli", "--model", str(head), "--target-model",
-                                 str(target), "--listen", f"unix:{sock}", "--device", a.device, "--dtype",
-                                 "bfloat16" if a.device.startswith("cuda") else "float32", "--kv-cache-tokens",
-                                 str(8 * (context + 64)), "--max-batch-seqs", "8", "--log-level", "WARNING"],
-                                env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-        try:
-            with SyncDrafterClient(f"unix:{sock}", namespace="sync") as sync:
+        flags = ["--dtype", "bfloat16" if a.device.startswith("cuda") else "float32", "--kv-cache-tokens",
+                 str(8 * (context + 64)), "--max-batch-seqs", "8", "--log-level", "WARNING"]
+        with SidecarProcess(head, target, a.device, flags, ready_timeout_s=900,
+                            env={"PYTHONPATH": os.pathsep.join(sys.path)}) as sidecar:
+            with SyncDrafterClient(sidecar.address, namespace="sync") as sync:
                 sync.wait_ready(900)
                 width = sync.get_info().hidden_states_width
                 prefill, decode = b.make_steps(1, context, a.m, a.k, width, shape["vocab_size"], seed=1)
@@ -76,7 +73,7 @@ def main() -> int:
                         client.__dict__.pop("propose_blocking", None)
 
                 async def async_steps() -> None:
-                    async with DrafterClient(f"unix:{sock}", namespace="async") as c:
+                    async with DrafterClient(sidecar.address, namespace="async") as c:
                         assert (await c.propose(prefill)).sequences[0].ok
                         assert await c.open_step_channel()
                         for i in range(a.iters + 10):
@@ -93,9 +90,6 @@ def main() -> int:
                     sync_steps(on_loop=True)
                     print(f"round {r + 1}/{a.rounds} done", flush=True)
                 assert client.steps_through_channel == 2 * a.rounds * (a.iters + 10)
-        finally:
-            proc.terminate()
-            proc.wait()
     result = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), preset=a.preset, device=a.device,
                   m=a.m, k=a.k, context=context, iters=a.iters, rounds=a.rounds,
                   command=" ".join([pathlib.Path(sys.argv[0]).name, *sys.argv[1:]]),
