@@ -147,10 +147,13 @@ def scrape_server_seconds(metrics_port: int) -> dict[str, float]:
             "reply": float(v['drafter_rpc_propose_seconds_sum{phase="reply"}'])}
 
 
-async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metrics_port: int | None = None):
+async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metrics_port: int | None = None,
+                        device: torch.device | None = None):
     """Median seconds per step seen by the client with unary Propose calls, (when metrics_port) the median of each
-    server-side part of those, the median per step on one ProposeStream (client.stream()), and the median per
-    step through a shared-memory step channel (client.open_step_channel(); None where it cannot be opened)."""
+    server-side part of those, the median per step on one ProposeStream (client.stream()), the median per step
+    through a shared-memory step channel (client.open_step_channel(); None where it cannot be opened), and (device
+    a GPU) the median per step through the channel with the hidden states on that GPU, passed by CUDA IPC
+    reference (enable_shared_memory(kind="cuda"): the engine's copy into a slot, then a descriptor)."""
     from drafter_client import DrafterClient
 
     prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
@@ -178,7 +181,7 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
                 r = await session.recv()
                 stream_times.append(time.perf_counter() - t0)
                 assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
-        channel_times, channel_parts = [], None
+        channel_times, channel_parts, channel_ipc_times = [], None, []
         if await c.open_step_channel():
             for i in range(iters + 3):
                 if i == 3 and metrics_port:  # after the warm-up; not between steps (a scrape costs the server time)
@@ -191,11 +194,24 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
                 after = scrape_server_seconds(metrics_port)
                 channel_parts = {key: (after[key] - before[key]) / iters for key in after}
             assert c.steps_through_channel == iters + 3, "every step should have gone through the channel"
+            if device is not None and device.type == "cuda":
+                on_gpu = [dataclasses.replace(s, hidden_states=s.hidden_states.to(device)) for s in decode]
+                plane = await c.enable_shared_memory(batch * m, dtype=torch.bfloat16, kind="cuda", device=device)
+                assert plane == "cuda", plane
+                for i in range(iters + 3):
+                    t0 = time.perf_counter()
+                    r = await c.propose(on_gpu)
+                    channel_ipc_times.append(time.perf_counter() - t0)
+                    assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
+                assert c.steps_by_reference == iters + 3
+                await c.disable_shared_memory()
             c.close_step_channel()
         await c.release([s.sequence_id for s in decode])
     med = {key: statistics.median(p[key] for p in parts[3:]) for key in parts[0]} if parts else None
     t_channel = statistics.median(channel_times[3:]) if channel_times else None
-    return statistics.median(times[3:]), med, statistics.median(stream_times[3:]), t_channel, channel_parts
+    t_channel_ipc = statistics.median(channel_ipc_times[3:]) if channel_ipc_times else None
+    return (statistics.median(times[3:]), med, statistics.median(stream_times[3:]), t_channel, channel_parts,
+            t_channel_ipc)
 
 
 def prefill_step(tokens: int, width: int, vocab: int, sequence_id: str = "prefill"):
@@ -320,8 +336,8 @@ def main() -> int:
         try:
             for row in rows:
                 b = row["batch"]
-                t, parts, t_stream, t_channel, ch_parts = asyncio.run(bench_sidecar(f"unix:{sock}", b, context, a.m, a.k, a.iters, width,
-                                                     shape["vocab_size"], a.metrics_port))
+                t, parts, t_stream, t_channel, ch_parts, t_ipc = asyncio.run(bench_sidecar(
+                    f"unix:{sock}", b, context, a.m, a.k, a.iters, width, shape["vocab_size"], a.metrics_port, device))
                 # server side: the proposer step alone (worker), and the Propose handler by phase; what the
                 # client sees beyond parse + wait + reply is gRPC transport plus the client's own packing/parsing
                 row.update(sidecar_worker_ms=parts["worker"] * 1e3, server_parse_ms=parts["parse"] * 1e3,
@@ -335,6 +351,9 @@ def main() -> int:
                 if t_channel is not None:
                     row.update(sidecar_channel_ms=t_channel * 1e3,
                                channel_over_in_process=t_channel * 1e3 / row["in_process_ms"])
+                if t_ipc is not None:
+                    row.update(sidecar_channel_cuda_ipc_ms=t_ipc * 1e3,
+                               channel_cuda_ipc_over_in_process=t_ipc * 1e3 / row["in_process_ms"])
                     if ch_parts:  # means per channel step, server side: the proposer step, and parse/wait/reply
                         row.update(channel_worker_ms=ch_parts["worker"] * 1e3, channel_parse_ms=ch_parts["parse"] * 1e3,
                                    channel_wait_ms=ch_parts["wait"] * 1e3, channel_reply_ms=ch_parts["reply"] * 1e3)
@@ -342,7 +361,8 @@ def main() -> int:
                               f"{ch_parts['parse'] * 1e3:.3f}, wait {ch_parts['wait'] * 1e3:.3f}, reply "
                               f"{ch_parts['reply'] * 1e3:.3f}", flush=True)
                 print(f"sidecar batch {b}: {t * 1e3:.2f} ms (on one stream: {t_stream * 1e3:.2f} ms, through a step "
-                      f"channel: {t_channel * 1e3 if t_channel else float('nan'):.2f} ms)", flush=True)
+                      f"channel: {t_channel * 1e3 if t_channel else float('nan'):.2f} ms, channel + CUDA IPC: "
+                      f"{t_ipc * 1e3 if t_ipc else float('nan'):.2f} ms)", flush=True)
             if prefill:
                 t = asyncio.run(bench_prefill_sidecar(f"unix:{sock}", a.prefill_tokens, a.iters, width,
                                                       shape["vocab_size"]))
@@ -366,14 +386,14 @@ def main() -> int:
     print(f"\n{result['device']}, {a.preset}, {dtype}, context {context}, m={a.m}, k={a.k}, {result['date']}")
     ab = all("in_process_eager_ms" in r for r in rows)
     print(f"{'batch':>5} {'in-proc ms':>11} {'sidecar ms':>11} {'side/in':>8} {'stream ms':>10} {'channel ms':>10} "
-          f"{'chan/in':>8} {'floor ms':>9} {'in/floor':>9} "
+          f"{'chan/in':>8} {'ch+IPC ms':>10} {'floor ms':>9} {'in/floor':>9} "
           f"{'payload KB':>11} {'srv worker':>10} {'srv parse':>9} {'srv wait':>9} {'srv reply':>9} {'transport':>9}"
           + (f" {'eager ms':>9}" if ab else ""))
     for r in rows:
         print(f"{r['batch']:>5} {r['in_process_ms']:>11.2f} {r['sidecar_ms']:>11.2f} "
               f"{r['sidecar_over_in_process']:>8.2f} {r['sidecar_stream_ms']:>10.2f} "
               f"{r.get('sidecar_channel_ms', float('nan')):>10.2f} {r.get('channel_over_in_process', float('nan')):>8.2f} "
-              f"{r['floor_ms']:>9.3f} "
+              f"{r.get('sidecar_channel_cuda_ipc_ms', float('nan')):>10.2f} {r['floor_ms']:>9.3f} "
               f"{r['in_process_over_floor']:>9.2f} "
               f"{r['payload_bytes'] / 1024:>11.1f} {r['sidecar_worker_ms']:>10.2f} {r['server_parse_ms']:>9.2f} "
               f"{r['server_wait_ms']:>9.2f} {r['server_reply_ms']:>9.2f} {r['transport_and_client_ms']:>9.2f}"

@@ -28,6 +28,9 @@ def main() -> int:
         ax.plot(b, [r["sidecar_stream_ms"] for r in rows], marker="o", label="sidecar (one ProposeStream)")
     if all("sidecar_channel_ms" in r for r in rows):
         ax.plot(b, [r["sidecar_channel_ms"] for r in rows], marker="o", label="sidecar (step channel)")
+    if all("sidecar_channel_cuda_ipc_ms" in r for r in rows):
+        ax.plot(b, [r["sidecar_channel_cuda_ipc_ms"] for r in rows], marker="o",
+                label="sidecar (step channel, states by CUDA IPC)")
     ax.plot(b, [r["in_process_ms"] for r in rows], marker="o",
             label="in-process" + (" (CUDA graphs)" if d.get("cuda_graphs") else ""))
     if all("in_process_eager_ms" in r for r in rows):
