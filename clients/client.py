@@ -119,10 +119,6 @@ def build_request(namespace: str, steps: list[SequenceStep],
             flat_ids = ids[0]
         else:
             flat_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)
-    if isinstance(hidden_states, SharedTensorRef):
-        hidden_pb = hidden_states.to_pb()
-    else:
-        hidden_pb = encode_tensor(hidden_states if hidden_states is not None else pack_hidden(steps))
     greedy = pb.SamplingParams()  # the default: left unset in the message
     req = pb.ProposeRequest(
         namespace=namespace, request_id=request_id,
@@ -132,8 +128,11 @@ def build_request(namespace: str, steps: list[SequenceStep],
                                else pb.SamplingParams(temperature=s.temperature, seed=s.seed,
                                                       return_logprobs=s.return_logprobs, top_k_probs=s.top_k_probs))
                for s, n in zip(steps, counts)])
-    req.token_ids.CopyFrom(encode_tensor(flat_ids))
-    req.hidden_states.CopyFrom(hidden_pb)
+    encode_tensor(flat_ids, into=req.token_ids)
+    if isinstance(hidden_states, SharedTensorRef):
+        req.hidden_states.CopyFrom(hidden_states.to_pb())  # (a descriptor: small)
+    else:
+        encode_tensor(hidden_states if hidden_states is not None else pack_hidden(steps), into=req.hidden_states)
     return req
 
 

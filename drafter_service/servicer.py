@@ -39,10 +39,10 @@ def build_response(outputs: list[StepOutput], sequence_ids: list[str], request_i
             logprobs += o.logprobs
         else:
             logprobs += [0.0] * len(o.drafts)
-    resp = pb.ProposeResponse(results=results, request_id=request_id,
-                              draft_token_ids=encode_int64s(drafts))
+    resp = pb.ProposeResponse(results=results, request_id=request_id)
+    encode_int64s(drafts, into=resp.draft_token_ids)
     if any_logprobs:
-        resp.draft_logprobs.CopyFrom(encode_float32s(logprobs))
+        encode_float32s(logprobs, into=resp.draft_logprobs)
     width = max((o.top_k_ids.shape[1] for o in outputs if o.top_k_ids is not None), default=0)
     if width:  # [sum k, N], rows of sequences that asked for fewer (or none) padded with -1 / 0
         ids = torch.full((len(drafts), width), -1, dtype=torch.int64)
@@ -53,8 +53,8 @@ def build_response(outputs: list[StepOutput], sequence_ids: list[str], request_i
                 ids[r : r + len(o.drafts), : o.top_k_ids.shape[1]] = o.top_k_ids
                 probs[r : r + len(o.drafts), : o.top_k_probs.shape[1]] = o.top_k_probs
             r += len(o.drafts)
-        resp.draft_top_k_ids.CopyFrom(encode_tensor(ids))
-        resp.draft_top_k_probs.CopyFrom(encode_tensor(probs))
+        encode_tensor(ids, into=resp.draft_top_k_ids)
+        encode_tensor(probs, into=resp.draft_top_k_probs)
     return resp
 
 

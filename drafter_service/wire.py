@@ -65,16 +65,29 @@ def decode_tensor(t: "pb.Tensor", field: str, allowed: tuple[int, ...], rank: in
     return torch.frombuffer(raw, dtype=dtype).view(shape)
 
 
-def encode_int64s(values: list[int]) -> "pb.Tensor":
+# The encoders fill ``into`` (a Tensor field of the message being built, e.g. req.hidden_states) when given, else a
+# new Tensor: filling the field in place spares an intermediate message and a CopyFrom of its bytes.
+
+
+def _fill(into: "pb.Tensor | None", dtype: int, shape, raw: bytes) -> "pb.Tensor":
+    t = pb.Tensor() if into is None else into
+    t.dtype = dtype
+    del t.shape[:]
+    t.shape.extend(shape)
+    t.raw = raw
+    return t
+
+
+def encode_int64s(values: list[int], into: "pb.Tensor | None" = None) -> "pb.Tensor":
     """A python list as an int64 [n] tensor message, without building a torch tensor (small replies)."""
-    return pb.Tensor(dtype=pb.INT64, shape=[len(values)], raw=array.array("q", values).tobytes())
+    return _fill(into, pb.INT64, [len(values)], array.array("q", values).tobytes())
 
 
-def encode_float32s(values: list[float]) -> "pb.Tensor":
-    return pb.Tensor(dtype=pb.FLOAT32, shape=[len(values)], raw=array.array("f", values).tobytes())
+def encode_float32s(values: list[float], into: "pb.Tensor | None" = None) -> "pb.Tensor":
+    return _fill(into, pb.FLOAT32, [len(values)], array.array("f", values).tobytes())
 
 
-def encode_tensor(x: torch.Tensor) -> "pb.Tensor":
+def encode_tensor(x: torch.Tensor, into: "pb.Tensor | None" = None) -> "pb.Tensor":
     if x.dtype not in WIRE_DTYPE:
         raise TypeError(f"dtype {x.dtype} has no wire encoding")
     x = x.detach().contiguous().cpu()
@@ -82,4 +95,4 @@ def encode_tensor(x: torch.Tensor) -> "pb.Tensor":
         raw = x.view(torch.int16).numpy().tobytes()
     else:
         raw = x.numpy().tobytes()
-    return pb.Tensor(dtype=WIRE_DTYPE[x.dtype], shape=list(x.shape), raw=raw)
+    return _fill(into, WIRE_DTYPE[x.dtype], x.shape, raw)
