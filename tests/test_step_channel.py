@@ -296,3 +296,37 @@ def test_parse_response_of_a_channel_reply_matches_grpc(ch_server):
     with pytest.raises(DrafterError) as e:
         parse_response(resp)
     assert e.value.code == grpc.StatusCode.NOT_FOUND and e.value.message == "nope"
+
+
+def test_a_channel_claim_is_exclusive_across_threads_and_freed_by_every_ending():
+    """try_claim is a lock: one caller at a time whichever thread it is on; a call that fails gives the claim
+    back and closes the channel, after which nobody can claim it."""
+    import mmap as mmap_module
+    import threading
+
+    mm = mmap_module.mmap(-1, Mailbox.segment_bytes(4096, 4096))
+    Mailbox.initialize(mm, 4096, 4096, checksums=False).release()
+    ours, drafter_end = socket.socketpair()
+    ch = StepChannel(ours, mm, spin_s=0.0, poll_s=0.001)
+    got = []
+    barrier = threading.Barrier(8)
+
+    def contend():
+        barrier.wait()
+        got.append(ch.try_claim())
+
+    threads = [threading.Thread(target=contend) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got.count(True) == 1 and ch.busy
+    ch.unclaim()
+    assert not ch.busy and ch.try_claim()
+    with pytest.raises(StepChannelError) as e:  # no reply ever comes: the deadline passes
+        ch.call_blocking(b"request", timeout=0.2)
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert not ch.busy and ch.closed and not ch.try_claim()
+    with pytest.raises(RuntimeError):  # a call needs a claim
+        ch.call_blocking(b"request", timeout=0.2)
+    drafter_end.close()
