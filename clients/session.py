@@ -5,7 +5,7 @@ from collections import deque
 import grpc
 import torch
 
-from .client import DrafterError, ProposeResult, SequenceStep, build_request, parse_response
+from drafter_client.messages import DrafterError, ProposeResult, SequenceStep, build_request, parse_response
 
 
 class ProposeSession:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter_service.rpc import pb
-from drafter_service.wire import WIRE_DTYPE
+from drafter_client.protocol import pb
+from drafter_client.protocol.wire import WIRE_DTYPE
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class HostSegment:
         self.device = torch.device("cpu")
         self._pinned_on: int | None = None
         if pin_device is not None and pin_device.type == "cuda":
-            from drafter_service import cuda_driver
+            from drafter_client.protocol import cuda_driver
 
             index = pin_device.index if pin_device.index is not None else torch.cuda.current_device()
             try:
@@ -111,7 +111,7 @@ class HostSegment:
         if self.bytes is None:
             return
         if self._pinned_on is not None:
-            from drafter_service import cuda_driver
+            from drafter_client.protocol import cuda_driver
 
             try:
                 cuda_driver.host_unregister(self._pinned_on, self.bytes.data_ptr())
@@ -128,7 +128,7 @@ class CudaBuffer:
     kind = pb.CUDA_IPC
 
     def __init__(self, nbytes: int, device: torch.device):
-        from drafter_service import cuda_driver
+        from drafter_client.protocol import cuda_driver
 
         self.nbytes = nbytes
         self.index = device.index if device.index is not None else torch.cuda.current_device()
@@ -153,7 +153,7 @@ class CudaBuffer:
     def close(self) -> None:
         if self.bytes is None:
             return
-        from drafter_service import cuda_driver
+        from drafter_client.protocol import cuda_driver
 
         torch.cuda.synchronize(self.device)
         self.bytes = None

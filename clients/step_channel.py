@@ -1,5 +1,5 @@
 """The client's end of a shared-memory step channel (docs/step_channel.md; the drafter's end is
-drafter_service/step_channels.py, the mailbox layout drafter_service/mailbox.py).
+drafter_service/transport/step_channels.py, the mailbox layout clients/protocol/mailbox.py).
 
 A channel carries the same ProposeRequest / ProposeResponse bytes a unary Propose would, through a mailbox the
 drafter polls: no gRPC message, no thread of gRPC's or of the drafter's to wake. The waiting side spins: the
@@ -18,8 +18,8 @@ import time
 
 import grpc
 
-from drafter_service.mailbox import CLOSED, VERSION, Mailbox
-from drafter_service.timer_slack import get_timer_slack, set_timer_slack
+from drafter_client.protocol.mailbox import CLOSED, VERSION, Mailbox
+from drafter_client.protocol.timer_slack import get_timer_slack, set_timer_slack
 
 LIVENESS_PERIOD_S = 0.05  # while waiting: how often to check that the drafter still holds the channel's socket
 

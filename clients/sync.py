@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from .client import DrafterClient, ProposeResult, ReleaseResult, SequenceStep
+from drafter_client.client import DrafterClient, ProposeResult, ReleaseResult, SequenceStep
 
 
 class SyncDrafterClient:

@@ -4,8 +4,9 @@ import logging
 import pathlib
 import sys
 
-from .config import ServerConfig
-from .loader import ModelLoadError
+from drafter_client.cli_help import HelpFormatter
+from drafter_service.config import ServerConfig
+from drafter_service.loader import ModelLoadError
 
 BUNDLED_MODEL = pathlib.Path(__file__).resolve().parent.parent / "models" / "eagle1"
 BUNDLED_TARGET = pathlib.Path(__file__).resolve().parent.parent / "models" / "target"
@@ -14,7 +15,7 @@ BUNDLED_TARGET = pathlib.Path(__file__).resolve().parent.parent / "models" / "ta
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
     d = ServerConfig(model="")
     ap = argparse.ArgumentParser(prog="drafter-serve", description="EAGLE drafter sidecar (gRPC).",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--model", default=str(BUNDLED_MODEL), help="EAGLE head directory (Hugging Face layout)")
     ap.add_argument("--target-model", default=None,
                     help="target model directory; embed_tokens / lm_head are read from it when the head lacks them "
@@ -25,7 +26,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="model and KV dtype (default: bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--block-size", type=int, default=d.block_size, help="KV block size in tokens")
-    ap.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
+    ap.add_argument("--kv-cache-tokens", type=int, default=None,
+                    help="KV pool size in tokens (default: on CUDA, what --gpu-memory-fraction of device memory "
+                         "leaves after the weights; on CPU 131072)")
     ap.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction,
                     help="with no --kv-cache-tokens on CUDA: fraction of device memory for weights + KV pool")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the head's max_position_embeddings")
@@ -45,7 +48,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                     help="Prometheus text on http://0.0.0.0:PORT/metrics (0 = off)")
     ap.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
                     help="on SIGTERM, how long in-flight steps may take")
-    ap.add_argument("--log-level", default=d.log_level)
+    ap.add_argument("--log-level", default=d.log_level, type=str.upper,
+                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="logging threshold")
     ap.add_argument("--no-shared-memory", action="store_true",
                     help="refuse shared-memory regions; tensors travel inline only (docs/shared_memory.md)")
     ap.add_argument("--shm-dir", default=d.shm_dir, help="where POSIX shared-memory objects are")
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"drafter-serve: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .server import run
+    from drafter_service.server import run
 
     try:
         return run(cfg)

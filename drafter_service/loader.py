@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .models.eagle1 import Eagle1Head
-from .models.eagle3 import Eagle3Head
-from .models.llama_layer import LlamaDims
-from .models.multi_layer_eagle import MultiLayerEagleHead
+from drafter_service.models.eagle1 import Eagle1Head
+from drafter_service.models.eagle3 import Eagle3Head
+from drafter_service.models.llama_layer import LlamaDims
+from drafter_service.models.multi_layer_eagle import MultiLayerEagleHead
 
 log = logging.getLogger(__name__)
 

@@ -4,14 +4,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import __version__
-from .config import ServerConfig
-from .cuda_graphs import capture_decode_graphs
-from .kv_cache import KVCache
-from .loader import DTYPES, load_head
-from .metrics import Metrics
-from .proposer import Proposer
-from .validation import Limits
+from drafter_service import __version__
+from drafter_service.config import ServerConfig
+from drafter_service.engine.cuda_graphs import capture_decode_graphs
+from drafter_service.engine.kv_cache import KVCache
+from drafter_service.loader import DTYPES, load_head
+from drafter_service.metrics import Metrics
+from drafter_service.engine.proposer import Proposer
+from drafter_service.transport.validation import Limits
 
 log = logging.getLogger(__name__)
 

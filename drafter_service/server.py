@@ -17,13 +17,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from .config import ServerConfig
-from .mailbox import checksums_needed
-from .rpc import pb, pb_grpc
-from .runtime import Runtime, build_runtime
-from .scheduler import StepScheduler
-from .servicer import DrafterServicer
-from .step_channels import ChannelLimits, ChannelSet
+from drafter_service.config import ServerConfig
+from drafter_client.protocol.mailbox import checksums_needed
+from drafter_client.protocol import pb, pb_grpc
+from drafter_service.runtime import Runtime, build_runtime
+from drafter_service.engine.scheduler import StepScheduler
+from drafter_service.transport.servicer import DrafterServicer
+from drafter_service.transport.step_channels import ChannelLimits, ChannelSet
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ Total output rows: T_in + B * (P - 1) with shift, T_in + B * P without.
 """
 import torch
 
-from ._triton_shim import tl, triton
+from drafter_kernels._triton_shim import tl, triton
 
 
 def _window_start(query_start: int, request: int, num_padding_slots: int, shift_input_ids: bool) -> int:

@@ -9,8 +9,8 @@ Rows ``B <= i < len(out_slot_mapping)`` are CUDA-graph padding: their slot is PA
 """
 import torch
 
-from ._triton_shim import tl, triton
-from .kv_write import PADDING_SLOT_ID
+from drafter_kernels._triton_shim import tl, triton
+from drafter_kernels.kv_write import PADDING_SLOT_ID
 
 
 def advance_draft_step_ref(

@@ -6,7 +6,7 @@ Cache layout (one layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``; 
 """
 import torch
 
-from ._triton_shim import tl, triton
+from drafter_kernels._triton_shim import tl, triton
 
 PADDING_SLOT_ID = -1
 

@@ -9,17 +9,17 @@ import os
 
 import torch
 
-from ._triton_shim import HAS_TRITON
-from .copy_expand_inputs import copy_and_expand_inputs_ref, copy_and_expand_inputs_triton
-from .draft_step import advance_draft_step_ref, advance_draft_step_triton
-from .kv_write import PADDING_SLOT_ID, write_kv_ref, write_kv_triton
-from .paged_attention import paged_attention_ref, paged_attention_triton
-from .prepare_inputs_padded import prepare_inputs_padded_ref, prepare_inputs_padded_triton
-from .prepare_next_token_padded import prepare_next_token_padded_ref, prepare_next_token_padded_triton
-from .rms_norm import rms_norm_ref, rms_norm_triton
-from .rope import apply_rope_ref, apply_rope_triton
-from .sampling import argmax_ref, argmax_triton, gumbel_sample_ref, gumbel_sample_triton
-from .shift_and_cache import shift_and_cache_ref, shift_and_cache_triton, shift_cache_store_window
+from drafter_kernels._triton_shim import HAS_TRITON
+from drafter_kernels.copy_expand_inputs import copy_and_expand_inputs_ref, copy_and_expand_inputs_triton
+from drafter_kernels.draft_step import advance_draft_step_ref, advance_draft_step_triton
+from drafter_kernels.kv_write import PADDING_SLOT_ID, write_kv_ref, write_kv_triton
+from drafter_kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from drafter_kernels.prepare_inputs_padded import prepare_inputs_padded_ref, prepare_inputs_padded_triton
+from drafter_kernels.prepare_next_token_padded import prepare_next_token_padded_ref, prepare_next_token_padded_triton
+from drafter_kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from drafter_kernels.rope import apply_rope_ref, apply_rope_triton
+from drafter_kernels.sampling import argmax_ref, argmax_triton, gumbel_sample_ref, gumbel_sample_triton
+from drafter_kernels.shift_and_cache import shift_and_cache_ref, shift_and_cache_triton, shift_cache_store_window
 
 
 def use_triton(tensor: torch.Tensor) -> bool:

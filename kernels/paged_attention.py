@@ -9,7 +9,7 @@ GQA: query head h reads KV head ``h // (Hq // Hkv)``.
 
 import torch
 
-from ._triton_shim import DEFAULT_SM_COUNT, device_sm_count, tl, triton
+from drafter_kernels._triton_shim import DEFAULT_SM_COUNT, device_sm_count, tl, triton
 
 
 def paged_attention_ref(

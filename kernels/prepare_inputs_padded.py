@@ -8,7 +8,7 @@ to sample from is its last row minus the rejected ones: ``query_start_loc[r + 1]
 """
 import torch
 
-from ._triton_shim import tl, triton
+from drafter_kernels._triton_shim import tl, triton
 
 
 def prepare_inputs_padded_ref(

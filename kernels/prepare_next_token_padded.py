@@ -7,7 +7,7 @@ highest column, or ``backup_next_token_ids[r]`` when none is valid or the reques
 """
 import torch
 
-from ._triton_shim import tl, triton
+from drafter_kernels._triton_shim import tl, triton
 
 
 def prepare_next_token_padded_ref(

@@ -5,7 +5,7 @@ next residual. Without: returns ``(rms_norm(x) * weight, None)``. Statistics in 
 """
 import torch
 
-from ._triton_shim import tl, triton
+from drafter_kernels._triton_shim import tl, triton
 
 
 def rms_norm_ref(

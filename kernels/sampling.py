@@ -14,7 +14,7 @@ Optionally both return ``log_softmax(logits / T)`` at the chosen id (T = 1 for g
 
 import torch
 
-from ._triton_shim import DEFAULT_SM_COUNT, device_sm_count, tl, triton
+from drafter_kernels._triton_shim import DEFAULT_SM_COUNT, device_sm_count, tl, triton
 
 PHILOX_ROUND_A = 0xD2511F53
 PHILOX_ROUND_B = 0xCD9E8D57

@@ -15,7 +15,7 @@ Rows of dst outside every window and cache rows ``>= B`` are not touched.
 """
 import torch
 
-from ._triton_shim import tl, triton
+from drafter_kernels._triton_shim import tl, triton
 
 
 def shift_cache_store_window(

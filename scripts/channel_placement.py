@@ -71,7 +71,7 @@ async def one_run(address: str, server_pid: int, shape: dict, a) -> dict:
 
 def main() -> int:
     from drafter_client.benchmarks import bench_step as b
-    from drafter_client.sidecar_process import SidecarProcess
+    from drafter_client.engine.sidecar_process import SidecarProcess
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="tiny", choices=sorted(b.PRESETS))

@@ -1,10 +1,10 @@
-"""Regenerate drafter_service/rpc/*_pb2*.py from proto/ (needs grpcio-tools==1.84.0, the test extra).
+"""Regenerate clients/protocol/*_pb2*.py from proto/ (needs grpcio-tools==1.84.0, the test extra).
 
 The gencode is committed so that the server imports without grpcio-tools. It is produced by grpcio-tools 1.84
 (protobuf 7.35 gencode), so it imports on grpcio >= 1.84 and protobuf 7.x. tests/test_proto_gencode.py checks
 that the committed files match what this script produces.
 
-    python scripts/gen_proto.py            # rewrite drafter_service/rpc/
+    python scripts/gen_proto.py            # rewrite clients/protocol/
     python scripts/gen_proto.py --out DIR  # write elsewhere (the test uses this)
 """
 import argparse
@@ -15,7 +15,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
 PROTOS = ["drafter/v1/drafter.proto"]
-DEFAULT_OUT = ROOT / "drafter_service" / "rpc"
+DEFAULT_OUT = ROOT / "clients" / "protocol"
 
 
 def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:

@@ -20,7 +20,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 ECHO_SERVER = r'''
 import asyncio, sys, grpc
-from drafter_service.rpc import pb, pb_grpc
+from drafter_client.protocol import pb, pb_grpc
 class Echo(pb_grpc.DrafterServicer):
     async def GetInfo(self, request, context):
         return pb.GetInfoResponse(model_name="echo")
@@ -57,7 +57,7 @@ async def main() -> int:
 
     from checkpoints import write_eagle1
     from drafter_client import DrafterClient, SequenceStep
-    from drafter_service.rpc import pb, pb_grpc
+    from drafter_client.protocol import pb, pb_grpc
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

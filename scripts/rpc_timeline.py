@@ -47,7 +47,7 @@ async def run_client(address: str, shape: dict, a) -> dict[str, dict[int, tuple[
     from drafter_client import DrafterClient
     from drafter_client.benchmarks import bench_step as b
     from drafter_client.client import build_request, parse_response
-    from drafter_service.rpc import pb_grpc
+    from drafter_client.protocol import pb_grpc
 
     times: dict[str, dict[int, tuple[float, float]]] = {mode: {} for mode in MODES}
     async with DrafterClient(address, namespace="bench") as c:
@@ -83,7 +83,7 @@ async def run_client(address: str, shape: dict, a) -> dict[str, dict[int, tuple[
             assert r.sequences[0].ok
         await call.done_writing()
     # the client's own packing and parsing, alone (part of "to handler" and "to client" above)
-    from drafter_service.rpc import pb
+    from drafter_client.protocol import pb
     reply_bytes = build_reply(a.k)
     pack, unpack = [], []
     for _ in range(a.iters):
@@ -101,15 +101,15 @@ async def run_client(address: str, shape: dict, a) -> dict[str, dict[int, tuple[
 
 def build_reply(k: int) -> bytes:
     """A serialized one-sequence ProposeResponse with k drafts (what the drafter answers a batch-1 step)."""
-    from drafter_service.servicer import build_response
-    from drafter_service.step_io import StepOutput
+    from drafter_service.transport.servicer import build_response
+    from drafter_service.engine.step_io import StepOutput
 
     return build_response([StepOutput(drafts=list(range(k)), committed_length=1)], ["b0"], 1).SerializeToString()
 
 
 def main() -> int:
     from drafter_client.benchmarks import bench_step as b
-    from drafter_client.sidecar_process import SidecarProcess
+    from drafter_client.engine.sidecar_process import SidecarProcess
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="tiny", choices=sorted(b.PRESETS))

@@ -32,9 +32,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from drafter_client.benchmarks import bench_step as b  # noqa: E402
 from drafter_client.client import build_request  # noqa: E402
 from drafter_service.config import ServerConfig  # noqa: E402
-from drafter_service.rpc import pb  # noqa: E402
+from drafter_client.protocol import pb  # noqa: E402
 from drafter_service.runtime import build_runtime  # noqa: E402
-from drafter_service.validation import parse_propose  # noqa: E402
+from drafter_service.transport.validation import parse_propose  # noqa: E402
 
 WARMUP = 10
 

@@ -30,7 +30,7 @@ MODES = ("async", "sync", "sync, loop")
 def main() -> int:
     from drafter_client import DrafterClient
     from drafter_client.benchmarks import bench_step as b
-    from drafter_client.sidecar_process import SidecarProcess
+    from drafter_client.engine.sidecar_process import SidecarProcess
     from drafter_client.sync import SyncDrafterClient
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

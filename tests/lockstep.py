@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter_service.step_io import OUT_OF_RANGE, StepInput
+from drafter_service.engine.step_io import OUT_OF_RANGE, StepInput
 from fake_engine import FakeSequence
 
 

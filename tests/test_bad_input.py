@@ -5,7 +5,7 @@ import torch
 
 from drafter_client import DrafterClient, DrafterError, SequenceStep
 from drafter_client.client import build_request
-from drafter_service.rpc import pb, pb_grpc
+from drafter_client.protocol import pb, pb_grpc
 
 H, V = 64, 512
 

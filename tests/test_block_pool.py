@@ -1,8 +1,8 @@
 """Block allocator and per-sequence block tables."""
 import random
 
-from drafter_service.kv_cache import BlockPool
-from drafter_service.sequence import Sequence, SequenceTable
+from drafter_service.engine.kv_cache import BlockPool
+from drafter_service.engine.sequence import Sequence, SequenceTable
 
 
 def test_allocate_free_all_or_nothing():

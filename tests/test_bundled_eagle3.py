@@ -13,10 +13,10 @@ import pathlib
 import pytest
 import torch
 
-from drafter_service.kv_cache import KVCache
+from drafter_service.engine.kv_cache import KVCache
 from drafter_service.loader import load_head
-from drafter_service.proposer import Proposer
-from drafter_service.step_io import StepInput
+from drafter_service.engine.proposer import Proposer
+from drafter_service.engine.step_io import StepInput
 
 MODELS = pathlib.Path(__file__).resolve().parent.parent / "models"
 TEXT = '''

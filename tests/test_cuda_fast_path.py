@@ -18,7 +18,7 @@ import torch
 from checkpoints import write_eagle3
 from conftest import ServerThread, make_config
 from drafter_client import DrafterClient
-from drafter_service.cuda_graphs import graph_batch_sizes
+from drafter_service.engine.cuda_graphs import graph_batch_sizes
 from drafter_service.runtime import build_runtime
 from lockstep import ClientDrafter, ProposerDrafter, run_lockstep
 from naive_eagle import NaiveEagle1

@@ -14,7 +14,7 @@ import torch
 from checkpoints import write_eagle3
 from conftest import make_config
 from drafter_client import SequenceStep
-from drafter_service.cuda_graphs import DecodeGraphs
+from drafter_service.engine.cuda_graphs import DecodeGraphs
 from drafter_service.runtime import build_runtime
 from lockstep import ProposerDrafter, run_lockstep
 from naive_eagle import NaiveEagle1

@@ -1,7 +1,7 @@
 """`drafter-demo` end to end, short: the sidecar as a child process, the engine, the report, SIGTERM at the end."""
 import importlib.util
 
-from drafter_client.demo import main
+from drafter_client.engine.demo import main
 
 
 def test_demo_runs_and_stops_the_sidecar(tmp_path, capsys):

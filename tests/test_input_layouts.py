@@ -3,8 +3,8 @@ its agreement with the kernels' one-slot-count version) and shift-and-cache (mul
 kernels' shift_and_cache)."""
 import torch
 
-from drafter_service.multi_layer_inputs import shift_and_cache
-from drafter_service.parallel_inputs import copy_and_expand_inputs_ref
+from drafter_service.engine.multi_layer_inputs import shift_and_cache
+from drafter_service.engine.parallel_inputs import copy_and_expand_inputs_ref
 
 PTD, PAD = -2, 0
 

@@ -15,7 +15,7 @@ import torch
 
 from checkpoints import write_eagle3, write_multi_layer
 from conftest import ServerThread, make_config
-from drafter_service.sampling import gumbel_sample, seed_to_int64
+from drafter_service.engine.sampling import gumbel_sample, seed_to_int64
 from fake_engine import FakeSequence, drive_engine
 from naive_eagle3 import NaiveEagle3, NaiveMultiLayer
 

@@ -8,9 +8,9 @@ import torch
 
 from drafter_client import SequenceStep
 from drafter_client.client import build_request
-from drafter_service.rpc import pb
-from drafter_service.validation import SMALL_CHECK_TOKENS, Limits, RequestError, parse_propose
-from drafter_service.wire import decode_tensor, encode_float32s, encode_int64s
+from drafter_client.protocol import pb
+from drafter_service.transport.validation import SMALL_CHECK_TOKENS, Limits, RequestError, parse_propose
+from drafter_client.protocol.wire import decode_tensor, encode_float32s, encode_int64s
 
 W, V = 16, 1000
 LIMITS = Limits(hidden_states_width=W, vocab_size=V, max_draft_tokens=8, max_request_tokens=4096,

@@ -28,14 +28,14 @@ def test_committed_gencode_matches_proto(tmp_path):
         sys.path.pop(0)
     assert written
     for new in written:
-        committed = ROOT / "drafter_service" / "rpc" / new.name
+        committed = ROOT / "clients" / "protocol" / new.name
         assert committed.read_text() == new.read_text(), f"{committed} is stale: run python scripts/gen_proto.py"
 
 
 def test_gencode_requires_only_grpcio_184():
-    text = (ROOT / "drafter_service" / "rpc" / "drafter_pb2_grpc.py").read_text()
+    text = (ROOT / "clients" / "protocol" / "drafter_pb2_grpc.py").read_text()
     assert "GRPC_GENERATED_VERSION = '1.84.0'" in text
-    from drafter_service.rpc import pb, pb_grpc
+    from drafter_client.protocol import pb, pb_grpc
 
     assert pb.DESCRIPTOR.package == "drafter.v1"
     assert set(pb.DESCRIPTOR.services_by_name["Drafter"].methods_by_name) >= {

@@ -19,9 +19,9 @@ import torch
 from conftest import ServerThread, make_config
 from drafter_client import DrafterClient
 from drafter_client.benchmarks.prompts import DEMO, HELDOUT_LIKE
-from drafter_client.reference_engine import ReferenceEngine, SpecConfig
-from drafter_client.target import TargetModel
-from drafter_client.verify import point_mass, verify_greedy, verify_sampling
+from drafter_client.engine.reference_engine import ReferenceEngine, SpecConfig
+from drafter_client.engine.target import TargetModel
+from drafter_client.engine.verify import point_mass, verify_greedy, verify_sampling
 
 MODELS = pathlib.Path(__file__).resolve().parent.parent / "models"
 # k = 3, greedy, HELDOUT_LIKE, 64 new tokens, CPU fp32 (docs/demo.md states these floors and the measured values)

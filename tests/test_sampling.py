@@ -10,7 +10,7 @@ by a wide margin at S = 40000), and the total-variation distance below 0.02.
 import pytest
 import torch
 
-from drafter_service.sampling import gumbel_sample, sample_drafts, seed_to_int64
+from drafter_service.engine.sampling import gumbel_sample, sample_drafts, seed_to_int64
 
 S = 40000
 # 1 - 1e-4 quantiles of chi-square(df) (scipy.stats.chi2.ppf(0.9999, df))

@@ -21,7 +21,7 @@ from conftest import ServerThread, make_config
 from drafter_client import DrafterClient, DrafterError, SequenceStep, SharedTensorRef
 from drafter_client.client import build_request
 from drafter_client.shm_ring import HostSegment
-from drafter_service.rpc import pb
+from drafter_client.protocol import pb
 from fake_engine import FakeSequence
 from naive_eagle import NaiveEagle1
 

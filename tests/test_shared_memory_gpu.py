@@ -27,7 +27,7 @@ TESTS_DIR = str(pathlib.Path(__file__).resolve().parent)
 
 EXPORTER = textwrap.dedent("""
     import sys, torch
-    from drafter_service import cuda_driver
+    from drafter_client.protocol import cuda_driver
     n = 1 << 20
     ptr = cuda_driver.mem_alloc(0, n)
     buf = cuda_driver.device_bytes(ptr, n, 0)
@@ -41,7 +41,7 @@ EXPORTER = textwrap.dedent("""
 
 
 def test_cuda_driver_ipc_roundtrip_between_processes():
-    from drafter_service import cuda_driver
+    from drafter_client.protocol import cuda_driver
 
     child = subprocess.Popen([sys.executable, "-c", EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)

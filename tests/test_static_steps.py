@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import make_config
-from drafter_service.cuda_graphs import DecodeGraphs
+from drafter_service.engine.cuda_graphs import DecodeGraphs
 from drafter_service.runtime import build_runtime
-from drafter_service.step_io import StepInput
-from drafter_service.step_metadata import StepMetadata
+from drafter_service.engine.step_io import StepInput
+from drafter_service.engine.step_metadata import StepMetadata
 from lockstep import ProposerDrafter, run_lockstep
 from naive_eagle import NaiveEagle1
 

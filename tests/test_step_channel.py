@@ -26,8 +26,8 @@ from conftest import ServerThread, make_config
 from drafter_client import DrafterClient, DrafterError, SequenceStep
 from drafter_client.client import build_request, parse_response
 from drafter_client.step_channel import StepChannel, StepChannelError
-from drafter_service.mailbox import Mailbox
-from drafter_service.rpc import pb
+from drafter_client.protocol.mailbox import Mailbox
+from drafter_client.protocol import pb
 from fake_engine import FakeSequence
 from naive_eagle import NaiveEagle1
 
@@ -252,7 +252,7 @@ def test_sync_client_steps_through_the_channel_on_the_calling_thread(ch_server, 
     gRPC-only client's (and the naive reference's) over many steps, with shared-memory slots recycled; the
     caller's timer slack is left as it was; a channel the drafter closes sends the next step over gRPC."""
     from drafter_client.sync import SyncDrafterClient
-    from drafter_service.timer_slack import get_timer_slack
+    from drafter_client.protocol.timer_slack import get_timer_slack
 
     naive = NaiveEagle1(*tiny_model)
     rng = random.Random(11)

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from drafter_service.cli import parse_args
-from drafter_service.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes, padded_batch_size
-from drafter_service import step_metadata
-from drafter_service.step_metadata import build_step_metadata
+from drafter_service.engine.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes, padded_batch_size
+from drafter_service.engine import step_metadata
+from drafter_service.engine.step_metadata import build_step_metadata
 
 
 def naive_metadata(starts, token_ids, next_tokens, num_drafts, tables, block_size):

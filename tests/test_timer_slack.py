@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from drafter_service.timer_slack import get_timer_slack, set_timer_slack
+from drafter_client.protocol.timer_slack import get_timer_slack, set_timer_slack
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_TIMERSLACK) is Linux")
 

@@ -1,4 +1,7 @@
-"""Benchmark scripts (client side): bench_step, acceptance, and the plots of their JSON."""
+"""Benchmark scripts (client side): bench_step, acceptance, and the plots of their JSON.
+
+May import drafter_client, drafter_client.engine and drafter_service (bench_step runs the proposer in-process in
+the same run as the sidecar, to compare them); matplotlib only for the plots."""
 import sys
 
 

@@ -22,11 +22,11 @@ import sys
 
 import torch
 
-from ..client import DrafterClient
-from ..reference_engine import ReferenceEngine, SpecConfig
-from ..sidecar_process import MODELS, SidecarProcess
-from ..target import TargetModel
-from .prompts import HELDOUT_LIKE, stdlib_heldout_prefixes
+from drafter_client.client import DrafterClient
+from drafter_client.engine.reference_engine import ReferenceEngine, SpecConfig
+from drafter_client.engine.sidecar_process import MODELS, SidecarProcess
+from drafter_client.engine.target import TargetModel
+from drafter_client.benchmarks.prompts import HELDOUT_LIKE, stdlib_heldout_prefixes
 
 
 def conditional(per_position: list[float]) -> list[float]:

@@ -112,7 +112,7 @@ def make_steps(batch: int, context: int, m: int, k: int, width: int, vocab: int,
 
 
 def to_inputs(steps):
-    from drafter_service.step_io import StepInput
+    from drafter_service.engine.step_io import StepInput
 
     return [StepInput("bench", s.sequence_id, s.start_position, torch.as_tensor(s.token_ids, dtype=torch.int64),
                       s.hidden_states, int(s.next_token), s.num_drafts) for s in steps]

@@ -14,8 +14,8 @@ import torch
 from drafter_kernels import ops
 from drafter_kernels.rope import build_cos_sin_cache
 
-from .attention_metadata import AttentionMetadata
-from .llama_layer import LlamaAttention, LlamaDims, LlamaMLP, linear
+from drafter_service.models.attention_metadata import AttentionMetadata
+from drafter_service.models.llama_layer import LlamaAttention, LlamaDims, LlamaMLP, linear
 
 
 class Eagle1Head:

@@ -16,15 +16,15 @@ With ``norm_before_residual`` in the config the residual is hidden_norm(hidden) 
 Weights (keys after loading): fc.weight, midlayer.{input_layernorm, hidden_norm, post_attention_layernorm}.weight,
 midlayer.self_attn.{q,k,v,o}_proj.weight, midlayer.mlp.{gate,up,down}_proj.weight, norm.weight,
 lm_head.weight [V_draft, H], d2t [V_draft] (absent when V_draft = V), embed_tokens.weight [V, H] (the head's or
-the target's). P-EAGLE heads add mask_hidden [3 * H_target] (see drafter_service/parallel_inputs.py).
+the target's). P-EAGLE heads add mask_hidden [3 * H_target] (see drafter_service/engine/parallel_inputs.py).
 """
 import torch
 
 from drafter_kernels import ops
 from drafter_kernels.rope import build_cos_sin_cache
 
-from .attention_metadata import AttentionMetadata
-from .llama_layer import LlamaAttention, LlamaDims, LlamaMLP, linear
+from drafter_service.models.attention_metadata import AttentionMetadata
+from drafter_service.models.llama_layer import LlamaAttention, LlamaDims, LlamaMLP, linear
 
 
 class Eagle3Head:

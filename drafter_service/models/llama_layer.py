@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from drafter_kernels import ops
 
-from .attention_metadata import AttentionMetadata
+from drafter_service.models.attention_metadata import AttentionMetadata
 
 
 @dataclass

@@ -4,7 +4,7 @@ Every layer runs over the same rows (the committed positions of the step): row t
 x[t+1+j] and the output of layer j-1 at row t (layer 0: the target's final hidden state h[t]), so each layer has
 its own KV cache over the committed positions and the drafts need no positions of their own. Where x[t+1+j] is
 not committed yet (the last j rows) it is the draft of layer j-1, j-2, ...; those rows are recomputed at the
-next step (drafter_service/multi_layer_inputs.py).
+next step (drafter_service/engine/multi_layer_inputs.py).
 
 Layer j (the MTP layer layout of vLLM, Llama blocks):
     x   = eh_proj(cat(enorm(embed(token)), hnorm(hidden)))            eh_proj: [H, 2H]
@@ -22,8 +22,8 @@ import torch
 from drafter_kernels import ops
 from drafter_kernels.rope import build_cos_sin_cache
 
-from .attention_metadata import AttentionMetadata
-from .llama_layer import LlamaAttention, LlamaDims, LlamaMLP, linear
+from drafter_service.models.attention_metadata import AttentionMetadata
+from drafter_service.models.llama_layer import LlamaAttention, LlamaDims, LlamaMLP, linear
 
 
 class _MtpLayer:

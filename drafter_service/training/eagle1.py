@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import MLP, Attention, RMSNorm, rope_cos_sin
+from drafter_service.training.layers import MLP, Attention, RMSNorm, rope_cos_sin
 
 P_WEIGHT = 0.1  # EAGLE-1: loss = smooth_l1(features) + 0.1 * cross-entropy(tokens)
 INPUT_NOISE = 0.2  # EAGLE-1: uniform noise of width 0.2 on the input features during training

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import MLP, Attention, RMSNorm, rope_cos_sin
+from drafter_service.training.layers import MLP, Attention, RMSNorm, rope_cos_sin
 
 STEP_DECAY = 0.8  # EAGLE-3: weight of the unroll step j is 0.8 ** j
 

@@ -11,10 +11,10 @@ from collections.abc import Callable
 import torch
 from transformers import LlamaForCausalLM
 
-from .eagle1 import Eagle1Head
-from .eagle3 import Eagle3Head
-from .features import target_features
-from .loop import autocast
+from drafter_service.training.eagle1 import Eagle1Head
+from drafter_service.training.eagle3 import Eagle3Head
+from drafter_service.training.features import target_features
+from drafter_service.training.loop import autocast
 
 
 @torch.no_grad()

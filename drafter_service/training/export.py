@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
-from .eagle1 import Eagle1Head
-from .eagle3 import Eagle3Head
-from .presets import Preset
+from drafter_service.training.eagle1 import Eagle1Head
+from drafter_service.training.eagle3 import Eagle3Head
+from drafter_service.training.presets import Preset
 
 WEIGHT_DTYPE = torch.bfloat16
 SIZE_BUDGET_BYTES = 30_000_000

@@ -5,7 +5,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .progress import Progress
+from drafter_service.training.progress import Progress
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:

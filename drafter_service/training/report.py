@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from .progress import fmt_seconds
+from drafter_service.training.progress import fmt_seconds
 
 LAYOUTS = {
     "target": "transformers LlamaForCausalLM (config.json, model.safetensors, generation_config.json) with a byte-level "

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from .presets import Preset
+from drafter_service.training.presets import Preset
 
 
 def target_config(p: Preset, vocab_size: int, eos_id: int) -> LlamaConfig:

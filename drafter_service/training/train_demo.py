@@ -19,20 +19,20 @@ import tokenizers
 import torch
 import transformers
 
-from .corpus import load_corpus
-from .data import batches, steps_for_epochs, to_windows
-from .eagle1 import Eagle1Head, eagle1_loss
-from .eagle3 import Eagle3Head, draft_vocab_from_counts, eagle3_loss
-from .evaluate import eval_prefixes, greedy_acceptance, heldout_perplexity
-from .export import (SIZE_BUDGET_BYTES, check_size_budget, dir_bytes, estimate_bytes, round_to_bf16, save_eagle1,
+from drafter_service.training.corpus import load_corpus
+from drafter_service.training.data import batches, steps_for_epochs, to_windows
+from drafter_service.training.eagle1 import Eagle1Head, eagle1_loss
+from drafter_service.training.eagle3 import Eagle3Head, draft_vocab_from_counts, eagle3_loss
+from drafter_service.training.evaluate import eval_prefixes, greedy_acceptance, heldout_perplexity
+from drafter_service.training.export import (SIZE_BUDGET_BYTES, check_size_budget, dir_bytes, estimate_bytes, round_to_bf16, save_eagle1,
                      save_eagle3, save_target)
-from .features import target_features
-from .loop import train
-from .presets import PRESETS, Preset
-from .progress import fmt_seconds, say
-from .report import write_model_card, write_report
-from .target import build_target, lm_loss, target_config
-from .tokenizer import EOS, encode_documents, save_tokenizer, train_tokenizer
+from drafter_service.training.features import target_features
+from drafter_service.training.loop import train
+from drafter_service.training.presets import PRESETS, Preset
+from drafter_service.training.progress import fmt_seconds, say
+from drafter_service.training.report import write_model_card, write_report
+from drafter_service.training.target import build_target, lm_loss, target_config
+from drafter_service.training.tokenizer import EOS, encode_documents, save_tokenizer, train_tokenizer
 
 MODEL_DIRS = ("target", "eagle1", "eagle3")
 

@@ -1,7 +1,7 @@
 """Per-sequence drafter state, keyed by (client namespace, sequence id)."""
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockPool
+from drafter_service.engine.kv_cache import BlockPool
 
 
 @dataclass

@@ -15,18 +15,20 @@ import sys
 
 import torch
 
-from .benchmarks.prompts import DEMO
-from .client import DrafterClient, DrafterError
-from .reference_engine import GenerationResult, ReferenceEngine, SpecConfig, StepInfo
-from .sidecar_process import MODELS, SidecarError, SidecarProcess
-from .target import TargetModel
+from drafter_client.benchmarks.prompts import DEMO
+from drafter_client.cli_help import HelpFormatter
+from drafter_client.client import DrafterClient, DrafterError
+from drafter_client.engine.reference_engine import GenerationResult, ReferenceEngine, SpecConfig, StepInfo
+from drafter_client.engine.sidecar_process import MODELS, SidecarError, SidecarProcess
+from drafter_client.engine.target import TargetModel
 
 HEADS = {"eagle1": "EAGLE-1", "eagle3": "EAGLE-3"}
+DEFAULT_CHART = pathlib.Path("out") / "drafter-demo" / "acceptance.png"  # out/ is in .gitignore
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="drafter-demo", description=__doc__.split("\n\n")[1],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--head", choices=sorted(HEADS), default="eagle1", help="bundled draft head (models/HEAD)")
     ap.add_argument("--models", default=str(MODELS), help="directory holding target/ and the heads")
     ap.add_argument("-k", "--num-drafts", type=int, default=3, help="drafts per sequence per step")
@@ -36,7 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for several; default: 3 code "
                                                                      "prompts)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present) for both processes")
-    ap.add_argument("--chart", default="drafter-demo-acceptance.png", help="PNG to write; '' for none")
+    ap.add_argument("--chart", default=str(DEFAULT_CHART),
+                    help="PNG of acceptance by draft position (its folder is made); '' for none")
     return ap.parse_args(argv)
 
 
@@ -81,9 +84,11 @@ def write_chart(path: str, per_position: list[float], title: str) -> str:
     ax.set_ylim(0, 1)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
     plt.close(fig)
-    return f"chart: {path}"
+    return f"chart: {out.resolve()}"
 
 
 async def run_engine(args: argparse.Namespace, address: str, device: str, target_dir: pathlib.Path) -> None:
@@ -102,6 +107,7 @@ async def run_engine(args: argparse.Namespace, address: str, device: str, target
               f"{target_dir} on {device}; {len(ids)} prompts in one batch, k = {cfg.num_drafts}, "
               f"{'greedy' if cfg.temperature == 0 else f'temperature {cfg.temperature}'}, "
               f"{cfg.max_new_tokens} new tokens each")
+        args.target_parameters = sum(p.numel() for p in target.model.parameters())
         engine = ReferenceEngine(target, drafter, info)
         warm = dataclasses.replace(cfg, max_new_tokens=4)  # first calls pay one-time costs: keep them out of timing
         await engine.generate(ids, warm)
@@ -130,7 +136,9 @@ def report(args, prompts: list[str], tokenizer, spec: GenerationResult, plain: G
     for name, r in (("speculative", spec), ("plain", plain)):
         print(f"{name:12s} {r.num_tokens:5d} tokens in {r.elapsed_s:6.2f} s = {r.tokens_per_s:7.1f} tok/s, "
               f"{r.target_forwards} target forwards")
-    print(f"speedup: {spec.tokens_per_s / plain.tokens_per_s:.2f}x")
+    speedup = spec.tokens_per_s / plain.tokens_per_s
+    print(f"speedup: {speedup:.2f}x")
+    explain_speed(spec, plain, acc.mean_acceptance_length, cfg.num_drafts, args.target_parameters)
     if cfg.temperature == 0:
         same = spec.tokens == plain.tokens
         print(f"speculative output identical to plain greedy decoding: {'yes' if same else 'NO'}")
@@ -138,6 +146,25 @@ def report(args, prompts: list[str], tokenizer, spec: GenerationResult, plain: G
         title = (f"{HEADS[args.head]} head, k = {cfg.num_drafts}: mean acceptance length "
                  f"{acc.mean_acceptance_length:.2f}")
         print(write_chart(args.chart, acc.per_position_acceptance, title))
+
+
+def explain_speed(spec: GenerationResult, plain: GenerationResult, acceptance_length: float, k: int,
+                  target_parameters: int) -> None:
+    """Where a step's time goes, and, when speculation lost, why."""
+    plain_ms = plain.elapsed_s / plain.target_forwards * 1e3
+    spec_steps = max(1, spec.target_forwards - 1)
+    wait_ms = spec.draft_wait_s / spec_steps * 1e3
+    target_ms = (spec.elapsed_s - spec.draft_wait_s) / spec.target_forwards * 1e3
+    print(f"per step: plain {plain_ms:.1f} ms for 1 token; speculative {target_ms:.1f} ms of target work over "
+          f"{k + 1} tokens + {wait_ms:.1f} ms waiting for drafts, for {acceptance_length:.2f} tokens")
+    if spec.tokens_per_s < plain.tokens_per_s:
+        print(f"why speculation is slower here: speculative decoding pays when one target forward costs far more "
+              f"than a draft round trip and verifying {k + 1} tokens costs about as much as decoding 1 (a large "
+              f"target on a GPU is memory-bound). This target has only {target_parameters / 1e6:.1f}M "
+              f"parameters: a forward is compute- and overhead-bound, so verifying {k + 1} tokens costs "
+              f"{target_ms / plain_ms:.1f}x one token, and the drafter's round trip ({wait_ms:.1f} ms) is "
+              f"{wait_ms / plain_ms:.1f}x a plain step. With a real target (billions of parameters) both ratios "
+              f"fall toward 1 and 0 (docs/performance.md).")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .client import DrafterClient, ProposeResult, SequenceStep
-from .target import TargetModel
-from .verify import sample, verify_greedy, verify_sampling
+from drafter_client.client import DrafterClient, ProposeResult, SequenceStep
+from drafter_client.engine.target import TargetModel
+from drafter_client.engine.verify import sample, verify_greedy, verify_sampling
 
 
 @dataclass
@@ -73,6 +73,7 @@ class GenerationResult:
     elapsed_s: float  # wall time, prefill included
     target_forwards: int  # prefill included
     acceptance: AcceptanceStats | None  # None for plain decoding
+    draft_wait_s: float = 0.0  # of elapsed_s: time spent waiting for the drafter's replies (speculative only)
 
     @property
     def num_tokens(self) -> int:
@@ -230,9 +231,12 @@ class ReferenceEngine:
             on_step(StepInfo(0, [len(s.generated) for s in seqs], {}, time.perf_counter() - t0))
         session = self.drafter.stream() if self.use_stream else None
         registered = {st.sequence_id for st in steps}  # sequences the drafter holds, until released
+        draft_wait_s = 0.0
         try:
             while live:
+                t_ask = time.perf_counter()
                 reply = await (session.propose(steps) if session else self.drafter.propose(steps))
+                draft_wait_s += time.perf_counter() - t_ask
                 drafts = self._drafts(reply, live)
                 # one target forward over [pending token, drafts] for every live sequence
                 tokens = torch.tensor([[s.tokens[-1]] + d.tolist() + [s.tokens[-1]] * (k - d.numel())
@@ -278,7 +282,7 @@ class ReferenceEngine:
                 await session.close()
             if registered:
                 await self.drafter.release(sorted(registered))
-        return GenerationResult([s.generated for s in seqs], time.perf_counter() - t0, forwards, stats)
+        return GenerationResult([s.generated for s in seqs], time.perf_counter() - t0, forwards, stats, draft_wait_s)
 
     @staticmethod
     def _drafts(reply: ProposeResult, live: list[_Seq]) -> list[torch.Tensor]:

@@ -35,16 +35,16 @@ import torch
 
 from drafter_kernels import ops
 
-from .kv_cache import KVCache
-from .metrics import Metrics
-from .models.attention_metadata import AttentionMetadata
-from .multi_layer_inputs import ShiftCache, shift_and_cache
-from .parallel_inputs import copy_and_expand_inputs_ref
-from .sampling import DraftSample, sample_drafts, seed_to_int64
-from .sequence import Sequence, SequenceTable
-from .step_io import (FAILED_PRECONDITION, INTERNAL, NOT_FOUND, OUT_OF_RANGE, RESOURCE_EXHAUSTED, StepInput,
+from drafter_service.engine.kv_cache import KVCache
+from drafter_service.metrics import Metrics
+from drafter_service.models.attention_metadata import AttentionMetadata
+from drafter_service.engine.multi_layer_inputs import ShiftCache, shift_and_cache
+from drafter_service.engine.parallel_inputs import copy_and_expand_inputs_ref
+from drafter_service.engine.sampling import DraftSample, sample_drafts, seed_to_int64
+from drafter_service.engine.sequence import Sequence, SequenceTable
+from drafter_service.engine.step_io import (FAILED_PRECONDITION, INTERNAL, NOT_FOUND, OUT_OF_RANGE, RESOURCE_EXHAUSTED, StepInput,
                       StepOutput)
-from .step_metadata import StepMetadata
+from drafter_service.engine.step_metadata import StepMetadata
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from .rpc import pb
+from drafter_client.protocol import pb
 
 assert sys.byteorder == "little", "the wire format is little-endian; big-endian hosts are not supported"
 

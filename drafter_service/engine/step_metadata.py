@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .models.attention_metadata import AttentionMetadata
-from .sampling import seed_to_int64
+from drafter_service.models.attention_metadata import AttentionMetadata
+from drafter_service.engine.sampling import seed_to_int64
 
 
 @dataclass

@@ -13,9 +13,9 @@ from typing import Callable
 import grpc
 import torch
 
-from .rpc import pb
-from .step_io import StepInput
-from .wire import WireError, decode_tensor
+from drafter_client.protocol import pb
+from drafter_service.engine.step_io import StepInput
+from drafter_client.protocol.wire import WireError, decode_tensor
 
 HIDDEN_DTYPES = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
 TOKEN_DTYPES = (pb.INT32, pb.INT64)

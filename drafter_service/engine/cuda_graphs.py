@@ -59,8 +59,8 @@ import torch
 
 from drafter_kernels import ops
 
-from .models.attention_metadata import AttentionMetadata
-from .step_metadata import StepMetadata
+from drafter_service.models.attention_metadata import AttentionMetadata
+from drafter_service.engine.step_metadata import StepMetadata
 
 log = logging.getLogger(__name__)
 

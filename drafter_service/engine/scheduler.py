@@ -23,9 +23,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from .proposer import Proposer
-from .step_io import StepInput, StepOutput
-from .timer_slack import set_timer_slack
+from drafter_service.engine.proposer import Proposer
+from drafter_service.engine.step_io import StepInput, StepOutput
+from drafter_client.protocol.timer_slack import set_timer_slack
 
 log = logging.getLogger(__name__)
 

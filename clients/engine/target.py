@@ -11,10 +11,15 @@ What the drafter wants from the target (``drafter_features``): for EAGLE-1 the f
 norm, what lm_head consumes) = the last entry of HF's ``output_hidden_states``; for EAGLE-3 the states entering
 the target layers ``GetInfo.target_layer_ids``, concatenated = HF ``hidden_states[i]`` for each id i.
 """
+import inspect
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, LlamaForCausalLM, PreTrainedModel
+
+# transformers renamed the forward's ``past_key_values`` to ``cache`` (the old name is deprecated, removed in 5.40);
+# pass whichever the installed version takes. The DynamicCache is ours and updated in place by the forward.
+_CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
 @dataclass
@@ -63,9 +68,8 @@ class TargetModel:
 
     @torch.inference_mode()
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> Forward:
-        out = self.model(input_ids=tokens, position_ids=positions, attention_mask=self.mask,
-                         past_key_values=self.cache, use_cache=True, output_hidden_states=True)
-        self.cache = out.past_key_values
+        out = self.model(input_ids=tokens, position_ids=positions, attention_mask=self.mask, use_cache=True,
+                         output_hidden_states=True, **{_CACHE_KWARG: self.cache})
         return Forward(logits=out.logits.float(), features=drafter_features(out.hidden_states,
                                                                             self.feature_layer_ids))
 

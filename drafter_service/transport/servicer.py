@@ -9,15 +9,15 @@ import time
 import grpc
 import torch
 
-from . import __version__
-from .rpc import pb, pb_grpc
-from .runtime import Runtime
-from .scheduler import StepScheduler
-from .shm_regions import RegionTable, ShmSettings
-from .step_io import StepInput, StepOutput
-from .validation import (HIDDEN_DTYPES, TOKEN_DTYPES, RequestError, check_namespace, check_sequence_id,
+from drafter_service import __version__
+from drafter_client.protocol import pb, pb_grpc
+from drafter_service.runtime import Runtime
+from drafter_service.engine.scheduler import StepScheduler
+from drafter_service.transport.shm_regions import RegionTable, ShmSettings
+from drafter_service.engine.step_io import StepInput, StepOutput
+from drafter_service.transport.validation import (HIDDEN_DTYPES, TOKEN_DTYPES, RequestError, check_namespace, check_sequence_id,
                          parse_propose)
-from .wire import encode_float32s, encode_int64s, encode_tensor
+from drafter_client.protocol.wire import encode_float32s, encode_int64s, encode_tensor
 
 log = logging.getLogger(__name__)
 

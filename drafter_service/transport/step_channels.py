@@ -32,11 +32,11 @@ from typing import Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from .mailbox import VERSION, Mailbox
-from .rpc import pb
-from .scheduler import PendingRequest
-from .step_io import StepInput, StepOutput
-from .validation import RequestError, check_namespace
+from drafter_client.protocol.mailbox import VERSION, Mailbox
+from drafter_client.protocol import pb
+from drafter_service.engine.scheduler import PendingRequest
+from drafter_service.engine.step_io import StepInput, StepOutput
+from drafter_service.transport.validation import RequestError, check_namespace
 
 log = logging.getLogger(__name__)
 

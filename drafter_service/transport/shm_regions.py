@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from .rpc import pb
-from .shm_mapping import Mapping, open_cuda, open_system
-from .validation import RequestError, check_namespace, invalid
+from drafter_client.protocol import pb
+from drafter_service.transport.shm_mapping import Mapping, open_cuda, open_system
+from drafter_service.transport.validation import RequestError, check_namespace, invalid
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class RegionTable:
     def kinds(self) -> list[int]:
         if self.device.type != "cuda":
             return [pb.SYSTEM]
-        from . import cuda_driver
+        from drafter_client.protocol import cuda_driver
 
         return [pb.SYSTEM, pb.CUDA_IPC] if cuda_driver.available() else [pb.SYSTEM]
 

@@ -23,7 +23,7 @@ from typing import Callable
 import grpc
 import torch
 
-from .validation import RequestError, invalid
+from drafter_service.transport.validation import RequestError, invalid
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def open_system(key: str, offset: int, byte_size: int, shm_dir: str, pin_device:
     whole = torch.frombuffer(mm, dtype=torch.uint8)  # read-only buffer: never written
     pinned = False
     if pin_device is not None and pin_device.type == "cuda":
-        from . import cuda_driver
+        from drafter_client.protocol import cuda_driver
 
         try:
             cuda_driver.host_register(pin_device.index or 0, whole.data_ptr(), end, read_only=True)
@@ -104,7 +104,7 @@ def open_system(key: str, offset: int, byte_size: int, shm_dir: str, pin_device:
     def close() -> None:
         nonlocal whole
         if pinned:
-            from . import cuda_driver
+            from drafter_client.protocol import cuda_driver
 
             try:
                 cuda_driver.host_unregister(pin_device.index or 0, whole.data_ptr())
@@ -127,7 +127,7 @@ def open_cuda(handle: bytes, offset: int, byte_size: int, server_device: torch.d
         raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                            f"cuda: this drafter runs on {server_device}; CUDA IPC regions need a drafter on a GPU "
                            "(GetInfo.shared_memory_kinds); register host shared memory instead")
-    from . import cuda_driver
+    from drafter_client.protocol import cuda_driver
 
     if len(handle) != cuda_driver.IPC_HANDLE_BYTES:
         raise invalid(f"cuda.ipc_handle has {len(handle)} bytes; a cudaIpcMemHandle_t has "

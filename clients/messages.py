@@ -1,0 +1,165 @@
+"""The messages of one engine step as the client library shows them (SequenceStep in, ProposeResult out), and
+their packing into / out of the protocol's ProposeRequest / ProposeResponse. Shared by the unary client
+(client.py), the stream session (session.py) and the step channel path; imports only the protocol."""
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from drafter_client.protocol import pb
+from drafter_client.protocol.wire import decode_tensor, encode_tensor
+from drafter_client.shm_ring import SharedTensorRef
+
+
+class DrafterError(Exception):
+    """A request the drafter refused as a whole; ``code`` is the grpc.StatusCode, ``message`` names the field."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class SequenceStep:
+    """One sequence's part of an engine step.
+
+    token_ids: the committed tokens x[p .. p+m-1] the target just processed ([m] ints).
+    hidden_states: their target hidden states [m, GetInfo.hidden_states_width] (fp32/fp16/bf16, any device);
+        may be None when the caller passes the whole batch's states packed to ``propose(hidden_states=...)``.
+    next_token: x[p+m], the bonus token (or the first token of the next prefill chunk).
+    num_drafts: k, 0 for a prefill chunk.
+    """
+
+    sequence_id: str
+    start_position: int
+    token_ids: torch.Tensor | list[int]
+    hidden_states: torch.Tensor | None
+    next_token: int
+    num_drafts: int
+    temperature: float = 0.0
+    seed: int = 0
+    return_logprobs: bool = False
+    top_k_probs: int = 0  # N > 0: the reply describes each draft's distribution by its top N (docs/sampling.md)
+
+
+@dataclass
+class SequenceDrafts:
+    sequence_id: str
+    code: int  # 0 = OK; otherwise a gRPC status code number (5 unknown sequence, 8 pool full, 9 gap, 11 too long)
+    message: str
+    drafts: torch.Tensor  # [k] int64 target token ids (empty when code != 0)
+    logprobs: torch.Tensor | None  # [k] float32 when asked for
+    accepted_drafts: int  # how many of the previous step's drafts the engine committed
+    committed_length: int
+    top_k_ids: torch.Tensor | None = None  # [k, N] int64 target ids of q's top N (-1 padding), when asked for
+    top_k_probs: torch.Tensor | None = None  # [k, N] float32 their probabilities under q
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0
+
+
+@dataclass
+class ProposeResult:
+    sequences: list[SequenceDrafts]
+    draft_token_ids: torch.Tensor  # [sum k] all drafts, in step order
+    request_id: int = 0
+
+    def padded(self, fill: int = -1) -> torch.Tensor:
+        """Drafts as [B, max k] int64, short rows filled with ``fill``."""
+        k = max((s.drafts.numel() for s in self.sequences), default=0)
+        out = torch.full((len(self.sequences), k), fill, dtype=torch.int64)
+        for i, s in enumerate(self.sequences):
+            out[i, : s.drafts.numel()] = s.drafts
+        return out
+
+
+@dataclass
+class ReleaseResult:
+    released: int
+    not_found: list[str] = field(default_factory=list)
+
+
+def build_request(namespace: str, steps: list[SequenceStep],
+                  hidden_states: "torch.Tensor | SharedTensorRef | None" = None,
+                  request_id: int = 0) -> "pb.ProposeRequest":
+    """Pack a batch into one ProposeRequest: all token ids in one tensor, all hidden states in another (inline
+    bytes, or a reference into a registered shared-memory region)."""
+    if all(isinstance(s.token_ids, list) for s in steps):  # plain lists: one tensor for the whole batch
+        counts = [len(s.token_ids) for s in steps]
+        flat_ids = torch.tensor([t for s in steps for t in s.token_ids], dtype=torch.int64)
+    else:
+        ids = [torch.as_tensor(s.token_ids, dtype=torch.int64).reshape(-1) for s in steps]
+        counts = [t.numel() for t in ids]
+        if len(ids) == 1:
+            flat_ids = ids[0]
+        else:
+            flat_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)
+    greedy = pb.SamplingParams()  # the default: left unset in the message
+    req = pb.ProposeRequest(
+        namespace=namespace, request_id=request_id,
+        steps=[pb.SequenceStep(sequence_id=s.sequence_id, start_position=s.start_position, num_tokens=n,
+                               next_token=int(s.next_token), num_drafts=s.num_drafts,
+                               sampling=greedy if not (s.temperature or s.seed or s.return_logprobs or s.top_k_probs)
+                               else pb.SamplingParams(temperature=s.temperature, seed=s.seed,
+                                                      return_logprobs=s.return_logprobs, top_k_probs=s.top_k_probs))
+               for s, n in zip(steps, counts)])
+    encode_tensor(flat_ids, into=req.token_ids)
+    if isinstance(hidden_states, SharedTensorRef):
+        req.hidden_states.CopyFrom(hidden_states.to_pb())  # (a descriptor: small)
+    else:
+        encode_tensor(hidden_states if hidden_states is not None else pack_hidden(steps), into=req.hidden_states)
+    return req
+
+
+def hidden_parts(steps: list[SequenceStep], hidden_states: torch.Tensor | None) -> list[torch.Tensor]:
+    """The batch's hidden states as the tensors the caller gave: the packed one, or one per step."""
+    if hidden_states is not None:
+        return [hidden_states]
+    if any(s.hidden_states is None for s in steps):
+        raise ValueError("pass hidden_states per step or packed for the whole batch, not a mix")
+    return [s.hidden_states for s in steps]
+
+
+def pack_hidden(steps: list[SequenceStep]) -> torch.Tensor:
+    if len(steps) == 1 and steps[0].hidden_states is not None:
+        return steps[0].hidden_states
+    return torch.cat(hidden_parts(steps, None)) if steps else torch.empty(0, 0)
+
+
+def parse_response(resp: "pb.ProposeResponse") -> ProposeResult:
+    if resp.HasField("error") and resp.error.code != 0:
+        raise DrafterError(_status_code(resp.error.code), resp.error.message)
+    flat = decode_tensor(resp.draft_token_ids, "draft_token_ids", (pb.INT64,), 1).clone()
+    lps = None
+    if resp.HasField("draft_logprobs"):
+        lps = decode_tensor(resp.draft_logprobs, "draft_logprobs", (pb.FLOAT32,), 1).clone()
+    top_ids = top_probs = None
+    if resp.HasField("draft_top_k_ids"):
+        top_ids = decode_tensor(resp.draft_top_k_ids, "draft_top_k_ids", (pb.INT64,), 2).clone()
+        top_probs = decode_tensor(resp.draft_top_k_probs, "draft_top_k_probs", (pb.FLOAT32,), 2).clone()
+    results = resp.results
+    counts = [res.num_drafts for res in results]
+    if sum(counts) != flat.numel():
+        raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply's num_drafts add up to {sum(counts)}, but it holds "
+                                                     f"{flat.numel()} draft ids")
+    drafts = [flat] if len(counts) == 1 else flat.split(counts)
+    lps = lps.split(counts) if lps is not None else [None] * len(counts)
+    top_ids = top_ids.split(counts) if top_ids is not None else [None] * len(counts)
+    top_probs = top_probs.split(counts) if top_probs is not None else [None] * len(counts)
+    seqs = []
+    for res, d, lp, ti, tp in zip(results, drafts, lps, top_ids, top_probs):
+        status = res.status
+        seqs.append(SequenceDrafts(
+            sequence_id=res.sequence_id, code=status.code, message=status.message, drafts=d, logprobs=lp,
+            accepted_drafts=res.accepted_drafts, committed_length=res.committed_length, top_k_ids=ti,
+            top_k_probs=tp))
+    return ProposeResult(sequences=seqs, draft_token_ids=flat, request_id=resp.request_id)
+
+
+def _status_code(code: int) -> grpc.StatusCode:
+    for c in grpc.StatusCode:
+        if c.value[0] == code:
+            return c
+    return grpc.StatusCode.UNKNOWN
