@@ -17,7 +17,8 @@ and wire format, shared with the server); engine/ (reference engine, demo; needs
 benchmarks/. This package may import grpc, protobuf, torch, numpy and drafter_client.protocol: never
 drafter_service, transformers, matplotlib, tokenizers or uvloop (tests/test_layout.py checks it).
 """
-from drafter_client.client import DrafterClient, DrafterError, ProposeResult, ReleaseResult, SequenceDrafts, SequenceStep
+from drafter_client.client import DrafterClient
+from drafter_client.messages import DrafterError, ProposeResult, ReleaseResult, SequenceDrafts, SequenceStep
 from drafter_client.session import ProposeSession
 from drafter_client.shm_ring import SharedTensorRef
 from drafter_client.sync import SyncDrafterClient

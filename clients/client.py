@@ -85,6 +85,7 @@ class DrafterClient:
         await self.close()
 
     async def close(self) -> None:
+        """Close the step channel, unregister the shared-memory ring and this client's regions, close the channel."""
         self.close_step_channel()
         await self.disable_shared_memory()
         if self._own_regions:
@@ -117,6 +118,7 @@ class DrafterClient:
             raise DrafterError(e.code(), e.details() or "") from None
 
     async def get_info(self, timeout: float | None = None) -> "pb.GetInfoResponse":
+        """The drafter's model, method, limits and data planes (GetInfo)."""
         return await self._call(self._stub.GetInfo, pb.GetInfoRequest(), timeout)
 
     def _request_id(self) -> int:
@@ -257,6 +259,7 @@ class DrafterClient:
 
     @property
     def step_channel_open(self) -> bool:
+        """True while propose() can go through an open step channel."""
         return self._step_channel is not None and not self._step_channel.closed
 
     def stream(self) -> "ProposeSession":
@@ -264,6 +267,7 @@ class DrafterClient:
         return ProposeSession(self, self._stub.ProposeStream())
 
     async def release(self, sequence_ids: list[str], timeout: float | None = None) -> ReleaseResult:
+        """Free these sequences' drafter state (KV blocks); ids the drafter does not hold come back in not_found."""
         r = await self._call(self._stub.Release, pb.ReleaseRequest(namespace=self.namespace,
                                                                    sequence_ids=list(sequence_ids)), timeout)
         return ReleaseResult(released=r.released, not_found=list(r.not_found))

@@ -57,6 +57,7 @@ class SequenceDrafts:
 
     @property
     def ok(self) -> bool:
+        """True when the drafter drafted for this sequence (code 0)."""
         return self.code == 0
 
 
@@ -123,12 +124,15 @@ def hidden_parts(steps: list[SequenceStep], hidden_states: torch.Tensor | None) 
 
 
 def pack_hidden(steps: list[SequenceStep]) -> torch.Tensor:
+    """The steps' hidden states as one [sum m, W] tensor (the step's own tensor, uncopied, for a single step)."""
     if len(steps) == 1 and steps[0].hidden_states is not None:
         return steps[0].hidden_states
     return torch.cat(hidden_parts(steps, None)) if steps else torch.empty(0, 0)
 
 
 def parse_response(resp: "pb.ProposeResponse") -> ProposeResult:
+    """Decode a ProposeResponse into a ProposeResult (drafts split per sequence); raises DrafterError for a
+    request-level error in the reply, INTERNAL when its draft counts do not add up."""
     if resp.HasField("error") and resp.error.code != 0:
         raise DrafterError(_status_code(resp.error.code), resp.error.message)
     flat = decode_tensor(resp.draft_token_ids, "draft_token_ids", (pb.INT64,), 1).clone()

@@ -27,6 +27,7 @@ class ProposeSession:
         await self.close()
 
     async def send(self, steps: list[SequenceStep], hidden_states: torch.Tensor | None = None) -> int:
+        """Write one step's request on the stream; returns its request id. Raises DrafterError when the stream broke."""
         staged = self._client._stage(steps, hidden_states)
         try:
             req = build_request(self._client.namespace, steps, staged.ref if staged else hidden_states,
@@ -44,6 +45,7 @@ class ProposeSession:
         return req.request_id
 
     async def recv(self) -> ProposeResult:
+        """The reply to the oldest unanswered send(); raises DrafterError for a refused request or a closed stream."""
         try:
             resp = await self._call.read()
         except grpc.aio.AioRpcError as e:
@@ -73,6 +75,7 @@ class ProposeSession:
             return await self.recv()
 
     async def close(self) -> None:
+        """End the stream (half-close, then cancel); slots of unanswered messages are retired."""
         try:
             await self._call.done_writing()
         except grpc.aio.AioRpcError:

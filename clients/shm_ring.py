@@ -45,21 +45,25 @@ class SharedTensorRef:
 
     @property
     def byte_size(self) -> int:
+        """Bytes the referenced tensor spans in the region."""
         n = 1
         for d in self.shape:
             n *= d
         return n * self.dtype.itemsize
 
     def to_pb(self) -> "pb.Tensor":
+        """The protocol Tensor that carries this reference (a descriptor, no bytes)."""
         return pb.Tensor(dtype=WIRE_DTYPE[self.dtype], shape=list(self.shape),
                          shm=pb.SharedMemoryRef(region=self.region, offset=self.offset, byte_size=self.byte_size))
 
 
 def align(n: int, to: int = SLOT_ALIGNMENT) -> int:
+    """n rounded up to a multiple of ``to``."""
     return (n + to - 1) // to * to
 
 
 class HostSegment:
+    """A POSIX shared-memory segment under /dev/shm, mapped read-write here (and pinned for a GPU when asked)."""
     kind = pb.SYSTEM
 
     def __init__(self, nbytes: int, pin_device: torch.device | None = None, shm_dir: str = SHM_DIR):
@@ -90,6 +94,7 @@ class HostSegment:
         self._unlinked = False
 
     def register_request(self, name: str, namespace: str, lease_seconds: int) -> "pb.RegisterSharedMemoryRequest":
+        """The RegisterSharedMemory request that lets the drafter map this segment."""
         return pb.RegisterSharedMemoryRequest(namespace=namespace, name=name, byte_size=self.nbytes,
                                               system=pb.SystemSharedMemory(key=self.key, offset=0),
                                               lease_seconds=lease_seconds)
@@ -99,6 +104,7 @@ class HostSegment:
         self.unlink()
 
     def unlink(self) -> None:
+        """Remove the segment's name from /dev/shm (mappings stay valid)."""
         if not self._unlinked:
             self._unlinked = True
             try:
@@ -107,6 +113,7 @@ class HostSegment:
                 pass
 
     def close(self) -> None:
+        """Unlink, unpin and unmap the segment."""
         self.unlink()
         if self.bytes is None:
             return
@@ -125,6 +132,7 @@ class HostSegment:
 
 
 class CudaBuffer:
+    """A cudaMalloc'd device buffer the drafter opens by CUDA IPC handle."""
     kind = pb.CUDA_IPC
 
     def __init__(self, nbytes: int, device: torch.device):
@@ -142,15 +150,18 @@ class CudaBuffer:
             raise
 
     def register_request(self, name: str, namespace: str, lease_seconds: int) -> "pb.RegisterSharedMemoryRequest":
+        """The RegisterSharedMemory request carrying this buffer's IPC handle."""
         return pb.RegisterSharedMemoryRequest(namespace=namespace, name=name, byte_size=self.nbytes,
                                               cuda=pb.CudaSharedMemory(ipc_handle=self.handle, offset=0,
                                                                        device_id=self.index),
                                               lease_seconds=lease_seconds)
 
     def registered(self) -> None:
+        """Nothing to do: an IPC buffer has no name to drop."""
         pass
 
     def close(self) -> None:
+        """Wait for pending copies on the device, then free the buffer."""
         if self.bytes is None:
             return
         from drafter_client.protocol import cuda_driver
@@ -161,6 +172,8 @@ class CudaBuffer:
 
 
 class SlotRing:
+    """Fixed-size slots in one shared region: a step's hidden states are copied into a free slot and sent by
+    reference; the slot is free again once the reply came (or retired when the call ended without one)."""
     def __init__(self, name: str, store: "HostSegment | CudaBuffer", slot_bytes: int, num_slots: int):
         self.name = name  # the region's name on the drafter
         self.store = store
@@ -181,17 +194,21 @@ class SlotRing:
 
     @property
     def free_slots(self) -> int:
+        """Slots free for the next step."""
         return len(self._free)
 
     def acquire(self, nbytes: int) -> int | None:
+        """A free slot for nbytes, or None (too large for a slot, or every slot waits for its reply)."""
         if nbytes > self.slot_bytes or not self._free:
             return None
         return self._free.popleft()
 
     def release(self, slot: int) -> None:
+        """The slot's call was answered: it may be reused."""
         self._free.append(slot)
 
     def retire(self, slot: int) -> None:
+        """The slot's call ended without a reply (the drafter may still read it): never reuse it."""
         self.retired.add(slot)
         log.warning("shared-memory slot %d of %r retired: its call ended without a reply (%d of %d slots left)",
                     slot, self.name, self.num_slots - len(self.retired), self.num_slots)
@@ -212,4 +229,5 @@ class SlotRing:
         return SharedTensorRef(self.name, offset, dtype, (rows, width))
 
     def close(self) -> None:
+        """Free the region (host segment or CUDA buffer)."""
         self.store.close()

@@ -38,6 +38,8 @@ class StepChannelError(Exception):
 
 
 class StepChannel:
+    """The client's end of a same-node step channel: a shared-memory mailbox the drafter's step thread polls,
+    plus the Unix-socket connection whose lifetime is the channel's (docs/step_channel.md)."""
     def __init__(self, conn: socket.socket, mm: mmap.mmap, spin_s: float, poll_s: float):
         self.conn = conn
         self.mm = mm
@@ -50,10 +52,12 @@ class StepChannel:
 
     @property
     def request_capacity(self) -> int:
+        """The largest serialized request (bytes) the mailbox carries."""
         return self.box.request.capacity
 
     @property
     def busy(self) -> bool:
+        """True while a call holds the channel."""
         return self._claim.locked()
 
     def try_claim(self) -> bool:
@@ -67,6 +71,7 @@ class StepChannel:
         return True
 
     def unclaim(self) -> None:
+        """Give back a claim that was not followed by a call."""
         self._claim.release()
 
     @classmethod

@@ -13,6 +13,7 @@ from drafter_client.client import DrafterClient, ProposeResult, ReleaseResult, S
 
 
 class SyncDrafterClient:
+    """DrafterClient's calls as blocking methods, for engines without asyncio (same arguments and results)."""
     def __init__(self, target: str, namespace: str = "", **kwargs):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="drafter-client", daemon=True)
@@ -34,13 +35,17 @@ class SyncDrafterClient:
         self.close()
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Block until the drafter's health says SERVING; TimeoutError after timeout_s."""
         self._run(self._client.wait_ready(timeout_s))
 
     def get_info(self, timeout: float | None = None):
+        """See DrafterClient.get_info."""
         return self._run(self._client.get_info(timeout))
 
     def propose(self, steps: list[SequenceStep], hidden_states: torch.Tensor | None = None,
                 timeout: float | None = None) -> ProposeResult:
+        """One engine step (see DrafterClient.propose): through the step channel on the calling thread when one is
+        open and free, else a unary Propose on the client's loop."""
         with self._propose_lock:
             result = self._client.propose_blocking(steps, hidden_states, timeout)  # through the step channel
             if result is None:
@@ -48,6 +53,7 @@ class SyncDrafterClient:
             return result
 
     def release(self, sequence_ids: list[str], timeout: float | None = None) -> ReleaseResult:
+        """See DrafterClient.release."""
         return self._run(self._client.release(sequence_ids, timeout))
 
     def enable_shared_memory(self, max_step_tokens: int, **kwargs) -> str:
@@ -60,9 +66,11 @@ class SyncDrafterClient:
 
     @property
     def data_plane(self) -> str:
+        """"inline", "system" or "cuda": how hidden states travel now (see DrafterClient.enable_shared_memory)."""
         return self._client.data_plane
 
     def close(self) -> None:
+        """Close the client and stop its loop thread."""
         if self._loop.is_running():
             self._run(self._client.close())
             self._loop.call_soon_threadsafe(self._loop.stop)
