@@ -3,6 +3,7 @@ proposer called in-process, with the floor (bytes a step must read over measured
 
     python -m drafter_client.benchmarks.bench_step --preset small --device cpu          # minutes on a laptop CPU
     python -m drafter_client.benchmarks.bench_step --preset llama3-8b --device cuda     # the GPU table
+    python -m drafter_client.benchmarks.bench_step --preset llama3-8b-eagle3 --device cuda   # EAGLE-3 head
     ... --device cuda --graphs-ab      # also the in-process proposer with --no-cuda-graphs, in the same run
 
 The head has random weights of the preset's shape (written once to a temp dir as a Hugging Face checkpoint, which
@@ -32,11 +33,18 @@ PRESETS = {
     # name: head shape (Llama), target vocab, dtype, default context
     "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=512, context=256),
+    "tiny-eagle3": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                        vocab_size=512, draft_vocab_size=256, method="eagle3", context=256),
     "small": dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4,
                   vocab_size=32000, context=512),
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                       vocab_size=128256, context=1024),
+    # EAGLE-3 head of Llama-3.1-8B (as yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): the target sends 3 x 4096 columns per
+    # token (its states entering layers 2, 16, 29), the head drafts over a 32000-token draft vocabulary (d2t).
+    "llama3-8b-eagle3": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                             vocab_size=128256, draft_vocab_size=32000, method="eagle3", context=1024),
 }
+CONFIG_SKIP = ("context", "method")  # preset keys that are not config.json fields
 
 
 def write_random_head(root: pathlib.Path, shape: dict, max_len: int, seed: int = 0) -> tuple[pathlib.Path, pathlib.Path]:
@@ -48,19 +56,35 @@ def write_random_head(root: pathlib.Path, shape: dict, max_len: int, seed: int =
     def w(*s):
         return (torch.randn(*s, generator=g) * s[-1] ** -0.5).to(torch.bfloat16)
 
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1, rms_norm_eps=1e-5,
-               rope_theta=500000.0, max_position_embeddings=max_len, tie_word_embeddings=False,
-               **{k: v for k, v in shape.items() if k != "context"})
+    eagle3 = shape.get("method") == "eagle3"
+    cfg = dict(architectures=["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLM"], model_type="llama",
+               num_hidden_layers=1, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=max_len,
+               tie_word_embeddings=False, **{k: v for k, v in shape.items() if k not in CONFIG_SKIP})
     head, target = root / "head", root / "target"
     head.mkdir(parents=True)
     target.mkdir(parents=True)
+
+    def ones():  # (a fresh tensor each: safetensors refuses tensors that share memory)
+        return torch.ones(H, dtype=torch.bfloat16)
+
+    layer = {"self_attn.o_proj.weight": w(H, q), "post_attention_layernorm.weight": ones(),
+             "mlp.gate_proj.weight": w(I, H), "mlp.up_proj.weight": w(I, H), "mlp.down_proj.weight": w(H, I)}
+    if eagle3:
+        cfg["eagle_config"] = dict(eagle_aux_hidden_state_layer_ids=[2, 16, 29], use_aux_hidden_state=True)
+        Vd = shape["draft_vocab_size"]
+        # draft id i -> target id i + d2t[i]: Vd distinct target ids spread over the target vocabulary
+        d2t = torch.randperm(V, generator=g)[:Vd].sort().values - torch.arange(Vd)
+        layer.update({"self_attn.q_proj.weight": w(q, 2 * H), "self_attn.k_proj.weight": w(kv, 2 * H),
+                      "self_attn.v_proj.weight": w(kv, 2 * H), "input_layernorm.weight": ones(),
+                      "hidden_norm.weight": ones()})
+        weights = {"fc.weight": w(H, 3 * H), "norm.weight": ones(), "lm_head.weight": w(Vd, H), "d2t": d2t,
+                   **{f"midlayer.{k}": v for k, v in layer.items()}}
+    else:
+        layer.update({"self_attn.q_proj.weight": w(q, H), "self_attn.k_proj.weight": w(kv, H),
+                      "self_attn.v_proj.weight": w(kv, H)})
+        weights = {"fc.weight": w(H, 2 * H), **{f"layers.0.{k}": v for k, v in layer.items()}}
     (head / "config.json").write_text(json.dumps(cfg))
-    save_file({"fc.weight": w(H, 2 * H), "layers.0.self_attn.q_proj.weight": w(q, H),
-               "layers.0.self_attn.k_proj.weight": w(kv, H), "layers.0.self_attn.v_proj.weight": w(kv, H),
-               "layers.0.self_attn.o_proj.weight": w(H, q),
-               "layers.0.post_attention_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
-               "layers.0.mlp.gate_proj.weight": w(I, H), "layers.0.mlp.up_proj.weight": w(I, H),
-               "layers.0.mlp.down_proj.weight": w(H, I)}, str(head / "model.safetensors"))
+    save_file(weights, str(head / "model.safetensors"))
     (target / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=32)))
     save_file({"model.embed_tokens.weight": w(V, H), "lm_head.weight": w(V, H)}, str(target / "model.safetensors"))
     return head, target
@@ -85,14 +109,20 @@ def measure_bandwidth(device: torch.device) -> float:
 
 def floor_bytes(shape: dict, dtype_bytes: int, batch: int, context: int, m: int, k: int) -> int:
     """Bytes one engine step must read at least: per forward (1 + (k-1) decode), the head's weights once, the
-    lm_head once, and the KV it attends over; plus the hidden states in."""
+    lm_head once, and the KV it attends over; plus the hidden states in. EAGLE-1: fc [H, 2H] in every forward,
+    q/k/v over H. EAGLE-3: fc [H, 3H] only in the first forward (decode steps reuse the head's own state), q/k/v
+    over 2H, lm_head over the draft vocabulary, 3H columns of hidden states per token."""
     H, I, V = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     hd = H // shape["num_attention_heads"]
     q, kvd = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
-    layer = H * 2 * H + q * H + 2 * kvd * H + H * q + 3 * H * I
     kv_per_token = 2 * kvd
-    per_forward = (layer + V * H) * dtype_bytes
     kv_read = sum(batch * (context + j) * kv_per_token * dtype_bytes for j in range(k))
+    if shape.get("method") == "eagle3":
+        layer = q * 2 * H + 2 * kvd * 2 * H + H * q + 3 * H * I
+        per_forward = (layer + shape["draft_vocab_size"] * H) * dtype_bytes
+        return k * per_forward + H * 3 * H * dtype_bytes + kv_read + batch * m * 3 * H * dtype_bytes
+    layer = H * 2 * H + q * H + 2 * kvd * H + H * q + 3 * H * I
+    per_forward = (layer + V * H) * dtype_bytes
     return k * per_forward + kv_read + batch * m * H * dtype_bytes
 
 
