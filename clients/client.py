@@ -11,6 +11,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from drafter_client.auth import bearer_metadata
 from drafter_client.messages import (DrafterError, ProposeResult, ReleaseResult, SequenceDrafts, SequenceStep,
                                      build_request, hidden_parts, parse_response)
 from drafter_client.protocol import pb, pb_grpc
@@ -55,12 +56,22 @@ class _Staged:
 class DrafterClient:
     """Async client over TCP (``host:port``) or a Unix socket (``unix:/path``). One per engine process."""
 
-    def __init__(self, target: str, namespace: str = "", max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+    def __init__(self, target: str, namespace: str = "", max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 credentials: "grpc.ChannelCredentials | None" = None, token: str | None = None):
+        """target: ``host:port`` or ``unix:/path``; namespace: this engine's sequences and regions live under it.
+        credentials: TLS channel credentials (drafter_client.auth.tls_credentials) for a TLS listener; token: a
+        bearer token sent with every call and in step-channel hellos (drafter --auth-token-file)."""
         self.target = target
         self.namespace = namespace
-        self._channel = grpc.aio.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes)])
+        self._token = token
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        # call metadata of every Drafter call (health checks go without: probes need no token)
+        self._metadata = bearer_metadata(token)
+        if credentials is not None:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
         self._stub = pb_grpc.DrafterStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._next_request_id = 1
@@ -113,7 +124,7 @@ class DrafterClient:
 
     async def _call(self, rpc, request, timeout: float | None):
         try:
-            return await rpc(request, timeout=timeout)
+            return await rpc(request, timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
             raise DrafterError(e.code(), e.details() or "") from None
 
@@ -242,7 +253,7 @@ class DrafterClient:
         try:
             ch = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: StepChannel.open(socket_path, self.namespace, request_bytes, reply_bytes, spin_s,
-                                               poll_s))
+                                               poll_s, token=self._token))
         except StepChannelError as e:
             raise DrafterError(e.code, e.message) from None
         except OSError as e:
@@ -264,7 +275,7 @@ class DrafterClient:
 
     def stream(self) -> "ProposeSession":
         """A bidirectional session: one message per engine step, replies in order. Use ``async with``."""
-        return ProposeSession(self, self._stub.ProposeStream())
+        return ProposeSession(self, self._stub.ProposeStream(metadata=self._metadata))
 
     async def release(self, sequence_ids: list[str], timeout: float | None = None) -> ReleaseResult:
         """Free these sequences' drafter state (KV blocks); ids the drafter does not hold come back in not_found."""
@@ -422,6 +433,7 @@ class DrafterClient:
             await asyncio.sleep(period)
             try:
                 r = await self._stub.SharedMemoryStatus(pb.SharedMemoryStatusRequest(namespace=self.namespace),
+                                                        metadata=self._metadata,
                                                         timeout=period)
             except grpc.aio.AioRpcError as e:
                 log.warning("shared-memory heartbeat to %s failed: %s", self.target, e.code().name)

@@ -76,16 +76,20 @@ class StepChannel:
 
     @classmethod
     def open(cls, socket_path: str, namespace: str, request_bytes: int, reply_bytes: int, spin_s: float = 0.05,
-             poll_s: float = 0.0001, timeout_s: float = 5.0) -> "StepChannel":
-        """Connect, say hello, map the mailbox the drafter sends back (blocking; a few hundred microseconds).
+             poll_s: float = 0.0001, timeout_s: float = 5.0, token: str | None = None) -> "StepChannel":
+        """Connect, say hello (with the bearer token when the drafter wants one), map the mailbox the drafter sends
+        back (blocking; a few hundred microseconds).
         Raises OSError when the socket cannot be reached (another node, a container without the socket's volume),
         StepChannelError when the drafter refuses."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.settimeout(timeout_s)
             conn.connect(socket_path)
-            conn.sendall(json.dumps({"version": VERSION, "namespace": namespace, "request_bytes": request_bytes,
-                                     "reply_bytes": reply_bytes}).encode() + b"\n")
+            hello = {"version": VERSION, "namespace": namespace, "request_bytes": request_bytes,
+                     "reply_bytes": reply_bytes}
+            if token:
+                hello["token"] = token
+            conn.sendall(json.dumps(hello).encode() + b"\n")
             data, fds, _, _ = socket.recv_fds(conn, 4096, 1)
             try:
                 answer = json.loads(data)

@@ -64,6 +64,20 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     ap.add_argument("--step-channel-checksums", choices=("auto", "on", "off"), default="auto",
                     help="crc32 over every step-channel message (auto: only on CPUs that may reorder stores, i.e. "
                          "not x86-64; docs/step_channel.md)")
+    sec = ap.add_argument_group("identity and isolation (docs/deployment.md, Security)")
+    sec.add_argument("--tls-cert", default=None, help="PEM certificate: the TCP listeners serve TLS")
+    sec.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    sec.add_argument("--tls-client-ca", default=None,
+                     help="PEM CA: clients must present a certificate it signed (mutual TLS)")
+    sec.add_argument("--auth-token-file", default=None,
+                     help="bearer tokens, one a line '<token> <namespace>[,<namespace>...]' ('*': any); every "
+                          "Drafter call then needs 'authorization: Bearer <token>' and may only use its namespaces")
+    sec.add_argument("--namespace-from-client-cert", action="store_true",
+                     help="with mutual TLS: a client may only use the namespaces its certificate names (CN, SANs)")
+    sec.add_argument("--socket-group", default=None,
+                     help="group owning the Unix sockets (mode 0660: owner and group only; default: the "
+                          "process's group)")
+    sec.add_argument("--reflection", action="store_true", help="serve gRPC server reflection (off by default)")
     a = ap.parse_args(argv)
     target = a.target_model
     if target is None and pathlib.Path(a.model).resolve() == BUNDLED_MODEL and BUNDLED_TARGET.is_dir():
@@ -77,7 +91,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         shm_dir=a.shm_dir, shm_lease_s=a.shm_lease_s, cuda_graphs=a.cuda_graphs,
         first_step_graph_tokens=a.first_step_graph_tokens, step_channels=not a.no_step_channels,
         step_channel_socket=a.step_channel_socket, step_channel_spin_s=a.step_channel_spin_s,
-        step_channel_checksums={"auto": None, "on": True, "off": False}[a.step_channel_checksums])
+        step_channel_checksums={"auto": None, "on": True, "off": False}[a.step_channel_checksums],
+        tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca, auth_token_file=a.auth_token_file,
+        namespace_from_client_cert=a.namespace_from_client_cert, socket_group=a.socket_group,
+        reflection=a.reflection)
 
 
 def main(argv: list[str] | None = None) -> int:

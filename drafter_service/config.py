@@ -39,6 +39,14 @@ class ServerConfig:
     step_channel_checksums: bool | None = None  # crc32 over every message; None: only on weakly ordered CPUs
     step_channel_max: int = 64  # channels open at once
     step_channel_max_total_bytes: int = 2**30  # mailbox bytes of all open channels
+    # Identity and isolation (transport/auth.py, docs/deployment.md "Security")
+    tls_cert: str | None = None  # PEM server certificate (chain) for the TCP listeners
+    tls_key: str | None = None  # PEM private key of tls_cert
+    tls_client_ca: str | None = None  # PEM CA: clients must present a certificate it signed (mutual TLS)
+    auth_token_file: str | None = None  # bearer tokens, one a line: "<token> <namespace>[,<namespace>...]"
+    namespace_from_client_cert: bool = False  # TLS clients may use only the namespaces their certificate names
+    socket_group: str | None = None  # group of the Unix sockets (mode 0660); None: the process's group
+    reflection: bool = False  # grpc server reflection (grpcurl without the .proto)
 
     def step_channel_path(self) -> str | None:
         """Where the step-channel socket listens, or None when channels are off."""
@@ -64,5 +72,11 @@ class ServerConfig:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
         if self.step_channel_spin_s < 0 or self.step_channel_idle_poll_s <= 0:
             raise ValueError("step_channel_spin_s must be >= 0 and step_channel_idle_poll_s > 0")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS)")
+        if self.namespace_from_client_cert and not self.tls_client_ca:
+            raise ValueError("--namespace-from-client-cert needs --tls-client-ca (client certificates)")
         if not 0.0 < self.shm_lease_s <= self.shm_max_lease_s:
             raise ValueError("shm_lease_s must be in (0, shm_max_lease_s]")

@@ -22,6 +22,8 @@ from drafter_client.protocol.mailbox import checksums_needed
 from drafter_client.protocol import pb, pb_grpc
 from drafter_service.runtime import Runtime, build_runtime
 from drafter_service.engine.scheduler import StepScheduler
+from drafter_service.transport.auth import (AuthInterceptor, Authorizer, load_tokens, restrict_socket,
+                                            server_credentials)
 from drafter_service.transport.servicer import DrafterServicer
 from drafter_service.transport.step_channels import ChannelLimits, ChannelSet
 
@@ -81,22 +83,39 @@ class DrafterServer:
         opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
-        self.server = grpc.aio.server(options=opts)
+        authorizer = Authorizer(tokens=load_tokens(cfg.auth_token_file) if cfg.auth_token_file else None,
+                                namespace_from_cert=cfg.namespace_from_client_cert)
+        self.servicer.authorizer = authorizer
+        interceptors = [AuthInterceptor(authorizer)] if authorizer.enabled else []
+        self.server = grpc.aio.server(options=opts, interceptors=interceptors)
         pb_grpc.add_DrafterServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME],
-                                            self.server)
+        if cfg.reflection:
+            reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                                self.server)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        tls = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
         for address in cfg.listen:
             if address.startswith("unix:"):
                 _prepare_unix_socket(address)
-            port = self.server.add_insecure_port(address)
+                port = self.server.add_insecure_port(address)  # (file permissions guard it: restrict_socket)
+            elif tls is not None:
+                port = self.server.add_secure_port(address, tls)
+            else:
+                port = self.server.add_insecure_port(address)
             if not address.startswith("unix:") and port == 0:
                 raise OSError(f"--listen {address}: could not bind")
             bound = address if address.startswith("unix:") else f"{address.rsplit(':', 1)[0]}:{port}"
             self.bound_addresses.append(bound)
-        await self.server.start()
+        old_umask = os.umask(0o117)  # the sockets are created 0660 from the start (no window with a wider mode)
+        try:
+            await self.server.start()
+        finally:
+            os.umask(old_umask)
+        for address in self.bound_addresses:
+            if address.startswith("unix:"):
+                restrict_socket(address.removeprefix("unix:").removeprefix("//"), cfg.socket_group)
         if cfg.metrics_port:
             self._metrics_server = await _serve_metrics(cfg.metrics_port, self._runtime_ref)
         log.info("listening on %s (loading the model; health NOT_SERVING)", ", ".join(self.bound_addresses))
@@ -127,6 +146,7 @@ class DrafterServer:
                                                    max_area_bytes=cfg.max_message_bytes,
                                                    max_total_bytes=cfg.step_channel_max_total_bytes),
             decode=self.servicer.decode_propose, encode=self.servicer.encode_propose, metrics=self.runtime.metrics,
+            authorizer=self.servicer.authorizer, socket_group=cfg.socket_group,
             trace_file=self.servicer.trace_file,
             checksums=checksums_needed() if cfg.step_channel_checksums is None else cfg.step_channel_checksums)
         self.scheduler.attach_channels(channels)

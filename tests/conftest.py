@@ -74,6 +74,7 @@ def tiny_model(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
 def make_config(head, target, tmp_path, **kw) -> ServerConfig:
     sock = pathlib.Path(tmp_path) / "drafter.sock"
     args = dict(model=str(head), target_model=str(target), listen=["127.0.0.1:0", f"unix:{sock}"], device="cpu",
+                reflection=True,  # (off by default; the lifecycle test lists services by reflection)
                 dtype="float32", kv_cache_tokens=16384, max_draft_tokens=8)
     args.update(kw)
     return ServerConfig(**args)

@@ -82,6 +82,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         # no drafts and without running the head, to time the data plane alone.
         self.ingest_only = False
         self.step_channel_socket = ""  # where step channels open (server.py), "" when they are off
+        self.authorizer = None  # auth.Authorizer (server.py); the AuthInterceptor applies it to every call
         # Diagnostics (scripts/rpc_timeline.py): with DRAFTER_TRACE_RPC=PATH, one JSON line per Propose with the
         # time.perf_counter() of each phase (enter, parsed, worker_start, worker_end, resumed, replied). On Linux it
         # is CLOCK_MONOTONIC, shared by the processes of a machine, so a client on the same node can line its own

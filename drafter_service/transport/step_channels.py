@@ -36,6 +36,7 @@ from drafter_client.protocol.mailbox import VERSION, Mailbox
 from drafter_client.protocol import pb
 from drafter_service.engine.scheduler import PendingRequest
 from drafter_service.engine.step_io import StepInput, StepOutput
+from drafter_service.transport.auth import ANY, AuthError, restrict_socket
 from drafter_service.transport.validation import RequestError, check_namespace
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class ChannelSet:
     metrics: object  # metrics.Metrics
     checksums: bool  # mailboxes with CHECKSUMS (mailbox.py; the server: --step-channel-checksums)
     wake: Callable[[], None] = lambda: None  # set by the scheduler: wakes the step thread
+    authorizer: object = None  # auth.Authorizer: with tokens, a hello must carry one that allows its namespace
+    socket_group: str | None = None  # the channel socket's group (mode 0660)
     # Diagnostics (scripts/rpc_timeline.py): a text file that gets one JSON line per channel request with the
     # time.perf_counter() of each phase (seen, enter, parsed, worker_start, worker_end, resumed, replied).
     trace_file: object = None
@@ -103,6 +106,7 @@ class ChannelSet:
             path.unlink()  # a stale socket from a previous run
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(str(path))
+        restrict_socket(str(path), self.socket_group)  # before listen(): nobody connects with a wider mode
         self._listener.listen(16)
         self._acceptor = threading.Thread(target=self._accept_loop, name="drafter-channels", daemon=True)
         self._acceptor.start()
@@ -206,6 +210,13 @@ class ChannelSet:
         if not isinstance(namespace, str):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "hello.namespace: not a string")
         check_namespace(namespace)
+        if self.authorizer is not None and self.authorizer.tokens is not None:
+            token = hello.get("token")
+            try:
+                allowed = self.authorizer.namespaces_for_token(token if isinstance(token, str) else None)
+                self.authorizer.check(None if ANY in allowed else allowed, namespace)
+            except AuthError as e:
+                raise RequestError(e.code, f"hello.token: {e.message}") from None
         sizes = []
         for key in ("request_bytes", "reply_bytes"):
             v = hello.get(key)
