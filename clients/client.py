@@ -283,6 +283,12 @@ class DrafterClient:
                                                                    sequence_ids=list(sequence_ids)), timeout)
         return ReleaseResult(released=r.released, not_found=list(r.not_found))
 
+    async def drain(self, grace_seconds: float = 0.0, timeout: float | None = None) -> "pb.DrainResponse":
+        """Ask the drafter to drain (rollouts, preStop): it takes no new sequences, live ones keep drafting until
+        released or grace_seconds (0: its --shutdown-grace-s) pass, then it exits. Needs a '*' token when the
+        drafter checks tokens."""
+        return await self._call(self._stub.Drain, pb.DrainRequest(grace_seconds=grace_seconds), timeout)
+
     # ---- the shared-memory data plane (docs/shared_memory.md) ----
 
     async def enable_shared_memory(self, max_step_tokens: int, dtype: torch.dtype = torch.bfloat16,

@@ -77,6 +77,8 @@ class DrafterServer:
         self.bound_addresses: list[str] = []
         self._metrics_server: asyncio.AbstractServer | None = None
         self._runtime_ref: list = []
+        self.drained = asyncio.Event()  # set when a Drain is over (serve() then stops the server)
+        self._drain_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -128,6 +130,7 @@ class DrafterServer:
         self.scheduler = StepScheduler(rt.proposer, rt.limits.max_request_tokens, cfg.max_batch_seqs,
                                        cfg.step_channel_spin_s, cfg.step_channel_idle_poll_s)
         self.servicer.attach(rt, self.scheduler)
+        self.servicer.on_drain = self.drain
         self.channels = self._step_channels(cfg)
         self.scheduler.start()
         for name in ("", SERVICE_NAME):
@@ -155,10 +158,40 @@ class DrafterServer:
         self.runtime.metrics.channels = channels
         return channels
 
+    async def drain(self, grace_s: float | None = None) -> tuple[int, float]:
+        """Health NOT_SERVING, no new sequences (per-sequence UNAVAILABLE); live sequences keep drafting until
+        released or grace_s (default --shutdown-grace-s) passes, then ``drained`` is set. Returns (live sequences
+        now, grace in force). A second call changes nothing."""
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        proposer = self.runtime.proposer
+
+        def start_draining() -> int:
+            proposer.draining = True
+            return len(proposer.table)
+
+        live = await self.scheduler.run_exclusive(start_draining)
+        if self._drain_task is None:
+            log.info("drain: health NOT_SERVING, no new sequences, %d live ones may finish (grace %.0fs)", live, grace)
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._drain_task = asyncio.ensure_future(self._wait_drained(grace))
+        return live, grace
+
+    async def _wait_drained(self, grace: float) -> None:
+        deadline = asyncio.get_running_loop().time() + grace
+        while asyncio.get_running_loop().time() < deadline:
+            if await self.scheduler.run_exclusive(lambda: len(self.runtime.proposer.table)) == 0:
+                break
+            await asyncio.sleep(0.1)
+        log.info("drain over")
+        self.drained.set()
+
     async def stop(self, grace_s: float | None = None) -> None:
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         log.info("shutting down: health NOT_SERVING, finishing in-flight steps (grace %.0fs)", grace)
         await self.health.enter_graceful_shutdown()
+        if self._drain_task is not None:
+            self._drain_task.cancel()
         if self.server is not None:
             await self.server.stop(grace)
         if self.channels is not None:
@@ -185,7 +218,8 @@ async def serve(config: ServerConfig) -> int:
     if start in done and start.exception() is not None:
         await server.stop(0)
         raise start.exception()
-    await stop.wait()
+    drained = asyncio.ensure_future(server.drained.wait())
+    await asyncio.wait({asyncio.ensure_future(stop.wait()), drained}, return_when=asyncio.FIRST_COMPLETED)
     if not start.done():
         start.cancel()
     await server.stop()

@@ -162,6 +162,11 @@ async def test_bearer_tokens_are_bound_to_namespaces(tiny_model, tokens_file, tm
             assert await a.open_step_channel(request_bytes=1 << 16, reply_bytes=1 << 16)
             r = await a.propose([step("s", 0)])
             assert r.sequences[0].ok and a.steps_through_channel == 1
+            with pytest.raises(DrafterError) as e:  # Drain is for operators: a '*' token
+                await a.drain(1.0)
+            assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+        async with DrafterClient(s.uds, namespace="ops", token=TOKEN_ANY) as ops:
+            assert (await ops.drain(1.0)).grace_seconds == 1.0
 
 
 def test_sockets_are_owner_and_group_only_and_group_is_settable(tiny_model, tmp_path):

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from checkpoints import write_eagle1
-from drafter_client import DrafterClient, SequenceStep, SyncDrafterClient
+from drafter_client import DrafterClient, DrafterError, SequenceStep, SyncDrafterClient
 
 H = 64
 
@@ -108,6 +108,44 @@ async def test_sigterm_finishes_in_flight_steps_then_exits_0(tmp_path):
         assert proc.returncode == 0, out
         assert "shutting down" in out and "stopped" in out
         assert not sock.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+async def test_drain_refuses_new_sequences_lets_live_ones_finish_then_exits_0(tiny_model, tmp_path):
+    """Drain: health NOT_SERVING at once, a new sequence gets UNAVAILABLE, a live one keeps drafting; once it is
+    released the process stops by itself with exit code 0."""
+    head, target = tiny_model
+    sock = tmp_path / "d.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "drafter_service.cli", "--model", str(head), "--target-model",
+                             str(target), "--listen", f"unix:{sock}", "--device", "cpu", "--kv-cache-tokens", "4096"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), text=True)
+    try:
+        async with DrafterClient(f"unix:{sock}", namespace="e") as c:
+            deadline = time.monotonic() + 60
+            while not sock.exists() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await c.wait_ready(60)
+            r = await c.propose([SequenceStep("live", 0, [1, 2, 3], torch.randn(3, H), 4, 2)])
+            assert r.sequences[0].ok
+            d = await c.drain(grace_seconds=30)
+            assert d.live_sequences == 1 and d.grace_seconds == 30
+            health = health_pb2_grpc.HealthStub(c._channel)
+            r = await health.Check(health_pb2.HealthCheckRequest(service="drafter.v1.Drafter"))
+            assert r.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            r = await c.propose([SequenceStep("new", 0, [1, 2, 3], torch.randn(3, H), 4, 2),
+                                 SequenceStep("live", 3, [4], torch.randn(1, H), 5, 2)])
+            assert r.sequences[0].code == grpc.StatusCode.UNAVAILABLE.value[0] and "draining" in r.sequences[0].message
+            assert r.sequences[1].ok and r.sequences[1].drafts.numel() == 2
+            with pytest.raises(DrafterError) as e:
+                await c.drain(grace_seconds=float("nan"))
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert (await c.release(["live"])).released == 1
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        assert "drain over" in out and "stopped" in out
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -151,6 +151,20 @@ class ReleaseResponse(_message.Message):
     not_found: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, released: _Optional[int] = ..., not_found: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class DrainRequest(_message.Message):
+    __slots__ = ("grace_seconds",)
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    grace_seconds: float
+    def __init__(self, grace_seconds: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("live_sequences", "grace_seconds")
+    LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    live_sequences: int
+    grace_seconds: float
+    def __init__(self, live_sequences: _Optional[int] = ..., grace_seconds: _Optional[float] = ...) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -69,6 +69,11 @@ class DrafterStub:
                 request_serializer=drafter_dot_v1_dot_drafter__pb2.SharedMemoryStatusRequest.SerializeToString,
                 response_deserializer=drafter_dot_v1_dot_drafter__pb2.SharedMemoryStatusResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/drafter.v1.Drafter/Drain',
+                request_serializer=drafter_dot_v1_dot_drafter__pb2.DrainRequest.SerializeToString,
+                response_deserializer=drafter_dot_v1_dot_drafter__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -125,6 +130,15 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Graceful drain (a preStop hook, a rollout): health NOT_SERVING at once, new sequences get a per-sequence
+        UNAVAILABLE, live sequences keep drafting until they are released or grace_seconds pass, then the server
+        stops (in-flight steps finish) and the process exits 0. Answers at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +176,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.SharedMemoryStatus,
                     request_deserializer=drafter_dot_v1_dot_drafter__pb2.SharedMemoryStatusRequest.FromString,
                     response_serializer=drafter_dot_v1_dot_drafter__pb2.SharedMemoryStatusResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=drafter_dot_v1_dot_drafter__pb2.DrainRequest.FromString,
+                    response_serializer=drafter_dot_v1_dot_drafter__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +372,33 @@ class Drafter:
             '/drafter.v1.Drafter/SharedMemoryStatus',
             drafter_dot_v1_dot_drafter__pb2.SharedMemoryStatusRequest.SerializeToString,
             drafter_dot_v1_dot_drafter__pb2.SharedMemoryStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/drafter.v1.Drafter/Drain',
+            drafter_dot_v1_dot_drafter__pb2.DrainRequest.SerializeToString,
+            drafter_dot_v1_dot_drafter__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,8 +42,8 @@ from drafter_service.engine.multi_layer_inputs import ShiftCache, shift_and_cach
 from drafter_service.engine.parallel_inputs import copy_and_expand_inputs_ref
 from drafter_service.engine.sampling import DraftSample, sample_drafts, seed_to_int64
 from drafter_service.engine.sequence import Sequence, SequenceTable
-from drafter_service.engine.step_io import (FAILED_PRECONDITION, INTERNAL, NOT_FOUND, OUT_OF_RANGE, RESOURCE_EXHAUSTED, StepInput,
-                      StepOutput)
+from drafter_service.engine.step_io import (FAILED_PRECONDITION, INTERNAL, NOT_FOUND, OUT_OF_RANGE,
+                                            RESOURCE_EXHAUSTED, UNAVAILABLE, StepInput, StepOutput)
 from drafter_service.engine.step_metadata import StepMetadata
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,7 @@ class Proposer:
         self.metrics = metrics or Metrics()
         self.kv_layers = [kv.layer(i) for i in range(model.num_kv_layers)]
         self.decode_graphs = None  # cuda_graphs.DecodeGraphs: set by runtime.py on CUDA with --cuda-graphs
+        self.draining = False  # Drain / SIGTERM: new sequences get UNAVAILABLE, live ones keep drafting
 
     # ---- admission: per-sequence checks and block reservation; nothing is changed for a refused sequence ----
 
@@ -139,6 +140,10 @@ class Proposer:
         seq = self.table.get(s.namespace, s.sequence_id)
         is_new = seq is None
         if is_new:
+            if self.draining:
+                out.code, out.message = UNAVAILABLE, ("the drafter is draining: it takes no new sequences (start "
+                                                      "this one on another drafter)")
+                return None
             if p != 0:
                 out.code, out.message = NOT_FOUND, (
                     f"unknown sequence {s.sequence_id!r} in namespace {s.namespace!r}: a new sequence starts at "

@@ -11,6 +11,7 @@ RESOURCE_EXHAUSTED = 8
 FAILED_PRECONDITION = 9
 OUT_OF_RANGE = 11
 INTERNAL = 13
+UNAVAILABLE = 14  # the drafter is draining: a new sequence must go elsewhere
 
 
 @dataclass

@@ -146,8 +146,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
+            admin = details.method == DRAFTER_METHOD_PREFIX + "Drain"
+
             async def unary(request, context):
                 allowed = await allowed_or_abort(context)
+                if admin and allowed is not None:
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, "Drain needs a token for any namespace "
+                                                                           "('*')")
                 await check_or_abort(allowed, request, context)
                 return await inner(request, context)
 

@@ -83,6 +83,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.ingest_only = False
         self.step_channel_socket = ""  # where step channels open (server.py), "" when they are off
         self.authorizer = None  # auth.Authorizer (server.py); the AuthInterceptor applies it to every call
+        self.on_drain = None  # async (grace_s) -> (live sequences, grace in force): server.py's DrafterServer.drain
         # Diagnostics (scripts/rpc_timeline.py): with DRAFTER_TRACE_RPC=PATH, one JSON line per Propose with the
         # time.perf_counter() of each phase (enter, parsed, worker_start, worker_end, resumed, replied). On Linux it
         # is CLOCK_MONOTONIC, shared by the processes of a machine, so a client on the same node can line its own
@@ -223,6 +224,15 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             await reader
         finally:
             reader.cancel()
+
+    async def Drain(self, request, context):
+        await self._ready(context)
+        grace = request.grace_seconds
+        if not (grace >= 0 and grace <= 24 * 3600):  # (also refuses NaN)
+            await self._fail(context, RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                                   f"grace_seconds {grace!r}: from 0 to 86400"))
+        live, grace = await self.on_drain(grace or None)
+        return pb.DrainResponse(live_sequences=live, grace_seconds=grace)
 
     async def Release(self, request, context):
         rt = await self._ready(context)
