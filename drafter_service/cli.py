@@ -7,6 +7,7 @@ import sys
 from drafter_client.cli_help import HelpFormatter
 from drafter_service.config import ServerConfig
 from drafter_service.loader import ModelLoadError
+from drafter_service.logs import setup_logging
 
 BUNDLED_MODEL = pathlib.Path(__file__).resolve().parent.parent / "models" / "eagle1"
 BUNDLED_TARGET = pathlib.Path(__file__).resolve().parent.parent / "models" / "target"
@@ -45,11 +46,14 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                          "size and m, captured at start-up); 0 = run every first step eagerly")
     ap.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message size limit")
     ap.add_argument("--metrics-port", type=int, default=d.metrics_port,
-                    help="Prometheus text on http://0.0.0.0:PORT/metrics (0 = off)")
+                    help="Prometheus metrics on http://[::]:PORT/metrics, IPv6 and IPv4 (0 = off; docs/deployment.md)")
     ap.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
                     help="on SIGTERM, how long in-flight steps may take")
     ap.add_argument("--log-level", default=d.log_level, type=str.upper,
                     choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="logging threshold")
+    ap.add_argument("--log-format", default=d.log_format, choices=["text", "json"],
+                    help="text: human-readable lines; json: one JSON object per line (time, level, logger, message, "
+                         "namespace and request_id where known)")
     ap.add_argument("--no-shared-memory", action="store_true",
                     help="refuse shared-memory regions; tensors travel inline only (docs/shared_memory.md)")
     ap.add_argument("--shm-dir", default=d.shm_dir, help="where POSIX shared-memory objects are")
@@ -94,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         step_channel_checksums={"auto": None, "on": True, "off": False}[a.step_channel_checksums],
         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca, auth_token_file=a.auth_token_file,
         namespace_from_client_cert=a.namespace_from_client_cert, socket_group=a.socket_group,
-        reflection=a.reflection)
+        reflection=a.reflection, log_format=a.log_format)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"drafter-serve: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(cfg.log_level, cfg.log_format)
     from drafter_service.server import run
 
     try:

@@ -21,9 +21,10 @@ class ServerConfig:
     # m <= this of committed tokens) is replayed from a graph too; one graph per (padded batch, m); 0 = never
     first_step_graph_tokens: int = 8
     max_message_bytes: int = 256 * 1024 * 1024
-    metrics_port: int = 0  # Prometheus text exposition on http://0.0.0.0:PORT/metrics; 0 = off
+    metrics_port: int = 0  # Prometheus metrics on http://[::]:PORT/metrics (IPv6 and IPv4); 0 = off
     shutdown_grace_s: float = 30.0
     log_level: str = "INFO"
+    log_format: str = "text"  # "text" (human-readable lines) or "json" (one object per line; logs.py)
     # Shared-memory data plane (docs/shared_memory.md)
     shared_memory: bool = True  # accept RegisterSharedMemory and Tensor.shm references
     shm_dir: str = "/dev/shm"  # where POSIX shared-memory objects are (the container's /dev/shm mount)

@@ -15,6 +15,7 @@ from drafter_service.runtime import Runtime
 from drafter_service.engine.scheduler import StepScheduler
 from drafter_service.transport.shm_regions import RegionTable, ShmSettings
 from drafter_service.engine.step_io import StepInput, StepOutput
+from drafter_service.logs import request_context
 from drafter_service.transport.validation import (HIDDEN_DTYPES, TOKEN_DTYPES, RequestError, check_namespace, check_sequence_id,
                          parse_propose)
 from drafter_client.protocol.wire import encode_float32s, encode_int64s, encode_tensor
@@ -127,6 +128,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return self.runtime
 
     async def _fail(self, context, e: RequestError):
+        log.info("refused: %s: %s", e.code.name, e.message)
         self.runtime.metrics.record_rpc_error(e.code.name)
         await context.abort(e.code, e.message)
 
@@ -175,6 +177,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     async def _propose(self, request) -> "pb.ProposeResponse":
         """One engine step; raises RequestError for a request that is malformed as a whole."""
+        request_context.set((request.namespace, request.request_id))  # (this call's task only: log lines carry it)
         rt = self.runtime
         t_enter = time.perf_counter()
         steps, dry = self.decode_propose(request)
