@@ -1,6 +1,10 @@
 """Async client: one engine step per call (Propose), a streaming session (ProposeStream), Release, GetInfo,
 the shared-memory data plane (enable_shared_memory; docs/shared_memory.md) and the shared-memory step channel
-(open_step_channel; docs/step_channel.md)."""
+(open_step_channel; docs/step_channel.md).
+
+The drafter is an accelerator, never a dependency: every propose() has a deadline (step_timeout_s), a sick drafter
+(no reply in time, UNAVAILABLE, a server fault) gives a "no drafts" result instead of an exception, and a circuit
+breaker (breaker.py) stops calling it for a backoff after a failure (docs/protocol.md, "When the drafter is sick")."""
 import asyncio
 import contextlib
 import logging
@@ -9,11 +13,13 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_client.auth import bearer_metadata
-from drafter_client.messages import (DrafterError, ProposeResult, ReleaseResult, SequenceDrafts, SequenceStep,
-                                     build_request, hidden_parts, parse_response)
+from drafter_client.breaker import CircuitBreaker
+from drafter_client.messages import (FAULT_CODES, DrafterError, ProposeResult, ReleaseResult, SequenceDrafts,
+                                     SequenceStep, build_request, fallback_result, hidden_parts, parse_response)
 from drafter_client.protocol import pb, pb_grpc
 from drafter_client.session import ProposeSession
 from drafter_client.shm_ring import SharedTensorRef, SlotRing
@@ -26,6 +32,12 @@ __all__ = ["DrafterClient", "DrafterError", "ProposeResult", "ReleaseResult", "S
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+DEFAULT_STEP_TIMEOUT_S = 0.5  # propose()'s deadline: past it the step goes on without drafts
+# gRPC's reconnect backoff grows to 120 s while the drafter is down: capped at 1 s, a restarted drafter is reached
+# again within about a second.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+REOPEN_RETRY_S = 5.0  # after a failed attempt to reopen the step channel, the next one waits this long
+MAX_DEFERRED_RELEASE_IDS = 4096  # ids of deferred releases sent along with one Release
 
 # Request-level codes the drafter answers with once it is done with the request's shared-memory slot (or before it
 # read it). After any other failure (CANCELLED, DEADLINE_EXCEEDED, UNAVAILABLE, ...) the drafter may still be
@@ -38,6 +50,16 @@ ANSWERED_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, g
 FALLBACK_CODES = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION,
                   grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED,
                   grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+def _channel_reply(reply: bytes, parse: bool = False) -> "pb.ProposeResponse | ProposeResult":
+    """A step channel's reply bytes as a ProposeResponse (parse: as a ProposeResult); bytes that do not parse are
+    the drafter's fault (INTERNAL)."""
+    try:
+        resp = pb.ProposeResponse.FromString(reply)
+    except DecodeError as e:
+        raise DrafterError(grpc.StatusCode.INTERNAL, f"a step channel reply that does not parse: {e}") from None
+    return parse_response(resp) if parse else resp
 
 
 @dataclass
@@ -57,15 +79,21 @@ class DrafterClient:
     """Async client over TCP (``host:port``) or a Unix socket (``unix:/path``). One per engine process."""
 
     def __init__(self, target: str, namespace: str = "", max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 credentials: "grpc.ChannelCredentials | None" = None, token: str | None = None):
+                 credentials: "grpc.ChannelCredentials | None" = None, token: str | None = None,
+                 step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S, raise_on_error: bool = False,
+                 breaker: CircuitBreaker | None = None):
         """target: ``host:port`` or ``unix:/path``; namespace: this engine's sequences and regions live under it.
         credentials: TLS channel credentials (drafter_client.auth.tls_credentials) for a TLS listener; token: a
-        bearer token sent with every call and in step-channel hellos (drafter --auth-token-file)."""
+        bearer token sent with every call and in step-channel hellos (drafter --auth-token-file).
+        step_timeout_s: the deadline of propose() and release() (None: none); a call may override it.
+        raise_on_error: raise DrafterError when the drafter is sick instead of answering "no drafts" (fallback).
+        breaker: the circuit breaker's settings (default CircuitBreaker(): backoff 0.1 s doubling to 5 s)."""
         self.target = target
         self.namespace = namespace
         self._token = token
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
+        options += RECONNECT_OPTIONS
         # call metadata of every Drafter call (health checks go without: probes need no token)
         self._metadata = bearer_metadata(token)
         if credentials is not None:
@@ -88,6 +116,15 @@ class DrafterClient:
         self._step_channel: StepChannel | None = None
         self.steps_through_channel = 0  # propose() calls answered through the step channel
         self.steps_through_grpc = 0  # ... and through a unary Propose
+        # when the drafter is sick (docs/protocol.md, "When the drafter is sick")
+        self.step_timeout_s = step_timeout_s
+        self.raise_on_error = raise_on_error
+        self.breaker = breaker if breaker is not None else CircuitBreaker()
+        self.fallback_steps = 0  # propose() calls answered "no drafts" (drafter sick, or the breaker open)
+        self._channel_wanted: dict | None = None  # open_step_channel's arguments: reopened after a recovery
+        self._reopening: asyncio.Task | None = None
+        self._reopen_after = float("inf")  # when to retry reopening the step channel (inf: nothing to retry)
+        self._unreleased: set[str] = set()  # ids of deferred releases
 
     async def __aenter__(self) -> "DrafterClient":
         return self
@@ -98,6 +135,9 @@ class DrafterClient:
     async def close(self) -> None:
         """Close the step channel, unregister the shared-memory ring and this client's regions, close the channel."""
         self.close_step_channel()
+        if self._reopening is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reopening
         await self.disable_shared_memory()
         if self._own_regions:
             try:
@@ -139,27 +179,45 @@ class DrafterClient:
 
     async def propose(self, steps: list[SequenceStep], hidden_states: "torch.Tensor | SharedTensorRef | None" = None,
                       timeout: float | None = None) -> ProposeResult:
-        """One engine step for a batch (unary RPC). Per-sequence problems come back in ``result.sequences``.
+        """One engine step for a batch (unary RPC, or the step channel when one is open). Per-sequence problems
+        come back in ``result.sequences`` (``needs_resync`` where the drafter lacks part of a sequence's context).
 
         hidden_states: the whole batch's states packed, or None to take each step's; or a SharedTensorRef into a
-        region the caller registered itself. With enable_shared_memory they go through the ring."""
-        staged = self._stage(steps, hidden_states)
+        region the caller registered itself. With enable_shared_memory they go through the ring.
+        timeout: this call's deadline in seconds (None: the client's step_timeout_s). When the drafter is sick (no
+        reply by the deadline; UNAVAILABLE, INTERNAL or another code of FAULT_CODES; the circuit breaker open) the
+        result is a fallback: no drafts, code 14 for every sequence, ``result.fallback`` True (with
+        raise_on_error, DrafterError instead). The caller's errors (INVALID_ARGUMENT, ...) raise DrafterError."""
+        if not self.breaker.allow():
+            return self._refusal(steps)
+        staged = None
         sent = answered = False
         try:
+            staged = self._stage(steps, hidden_states)
             req = build_request(self.namespace, steps, staged.ref if staged else hidden_states, self._request_id())
             sent = True
-            resp = await self._send_step(req, timeout)
+            resp = await self._send_step(req, self._step_timeout(timeout))
             answered = True
+            result = parse_response(resp)
         except DrafterError as e:
-            answered = e.code in ANSWERED_CODES
+            answered = answered or e.code in ANSWERED_CODES
+            return self._without_drafter(steps, self._drafter_failed(e), e)
+        except BaseException:  # cancelled, or the caller's bad input: no answer either way
+            self.breaker.abandon()
             raise
         finally:
             if staged is not None:
                 staged.done(answered or not sent)
-        return parse_response(resp)
+        self._answered()
+        return result
+
+    def _step_timeout(self, timeout: float | None) -> float | None:
+        return timeout if timeout is not None else self.step_timeout_s
 
     async def _send_step(self, req: "pb.ProposeRequest", timeout: float | None) -> "pb.ProposeResponse":
-        """Through the step channel when one is open and free and the request fits it; else a unary Propose."""
+        """Through the step channel when one is open and free and the request fits it; else a unary Propose. The
+        deadline covers both (a step the channel could not take goes over gRPC with the time left)."""
+        deadline = time.monotonic() + timeout if timeout is not None else None
         ch, payload = self._claim_channel(req)
         if ch is not None:
             reply = None
@@ -167,9 +225,70 @@ class DrafterClient:
                 reply = await ch.call(payload, timeout)
             if reply is not None:
                 self.steps_through_channel += 1
-                return pb.ProposeResponse.FromString(reply)
+                return _channel_reply(reply)
         self.steps_through_grpc += 1
-        return await self._call(self._stub.Propose, req, timeout)
+        left = max(0.0, deadline - time.monotonic()) if deadline is not None else None
+        return await self._call(self._stub.Propose, req, left)
+
+    # ---- when the drafter is sick: fallback, circuit breaker (docs/protocol.md) ----
+
+    def _drafter_failed(self, e: DrafterError) -> str:
+        """A call failed. The caller's errors (codes outside FAULT_CODES) raise again: the drafter answered them.
+        The drafter's faults open the circuit breaker; returns the reason."""
+        if e.code not in FAULT_CODES:
+            self._answered()
+            raise e
+        reason = f"{e.code.name}: {e.message}"
+        backoff = self.breaker.failure(reason)
+        log.warning("the drafter at %s failed a call (%s): no drafts for %.2f s, then a probe (%d failures in a row)",
+                    self.target, reason, backoff, self.breaker.failures)
+        return reason
+
+    def _without_drafter(self, steps: list[SequenceStep], reason: str, error: DrafterError) -> ProposeResult:
+        """The step goes on without drafts: a fallback result, or the error with raise_on_error."""
+        self.fallback_steps += 1
+        if self.raise_on_error:
+            raise error
+        return fallback_result(steps, reason)
+
+    def _refusal(self, steps: list[SequenceStep]) -> ProposeResult:
+        """The answer while the circuit breaker is open: no drafts at once, without network I/O."""
+        reason = (f"circuit breaker open after {self.breaker.reason}; next probe in "
+                  f"{self.breaker.retry_in_s:.2f} s")
+        return self._without_drafter(steps, reason, DrafterError(grpc.StatusCode.UNAVAILABLE, reason))
+
+    def _answered(self) -> None:
+        """The drafter answered a call: close the circuit breaker. After a recovery, reopen the step channel that
+        was open before (a reopening that failed is retried at a later answer, REOPEN_RETRY_S later)."""
+        recovered = self.breaker.success()
+        if recovered:
+            log.info("the drafter at %s answers again: drafting resumes", self.target)
+        retry_due = time.monotonic() >= self._reopen_after  # (inf: nothing to retry)
+        if (recovered or retry_due) and self._channel_wanted is not None and self._step_channel is None:
+            self._reopen_step_channel_soon()
+
+    def _reopen_step_channel_soon(self) -> None:
+        if self._reopening is not None and not self._reopening.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # (SyncDrafterClient's calling thread: a later call on the loop reopens it)
+            return
+        self._reopening = loop.create_task(self._reopen_step_channel(dict(self._channel_wanted)))
+
+    async def _reopen_step_channel(self, settings: dict) -> None:
+        """Open the step channel again with the arguments of the last open_step_channel (in the background)."""
+        try:
+            async with asyncio.timeout(10.0):  # (in this task: open_step_channel does not cancel it)
+                ok = await self.open_step_channel(**settings)
+        except (DrafterError, OSError, TimeoutError) as e:
+            log.info("reopening the step channel to %s failed: %s", self.target, e)
+            ok = False
+        if ok:
+            log.info("the step channel to %s is open again", self.target)
+            self._reopen_after = float("inf")
+        else:
+            self._reopen_after = time.monotonic() + REOPEN_RETRY_S
 
     def _claim_channel(self, req: "pb.ProposeRequest") -> "tuple[StepChannel | None, bytes]":
         """(the claimed step channel, the request's bytes) when req can go through it now; else (None, b"")."""
@@ -200,10 +319,14 @@ class DrafterClient:
         """propose() through the open step channel on the calling thread: no event loop and no thread hand-off
         (SyncDrafterClient's fast path). Returns None, having done nothing, when the step cannot go through the
         channel now (none open, another call holds it, the request is larger than its area, or the drafter
-        closed it before taking the request): then call propose()."""
+        closed it before taking the request): then call propose(). Deadline, fallback and circuit breaker as in
+        propose(): with the breaker open it answers "no drafts" at once."""
         ch = self._step_channel
         if ch is None or not ch.try_claim():
             return None
+        if not self.breaker.allow():
+            ch.unclaim()
+            return self._refusal(steps)
         staged = None
         called = sent = answered = False
         try:
@@ -211,25 +334,32 @@ class DrafterClient:
             req = build_request(self.namespace, steps, staged.ref if staged else hidden_states, self._request_id())
             payload = req.SerializeToString()
             if len(payload) > ch.request_capacity:
+                self.breaker.abandon()
                 return None
             called = sent = True  # (the call releases the claim, however it ends)
             reply = None
             with self._channel_errors():
-                reply = ch.call_blocking(payload, timeout)
+                reply = ch.call_blocking(payload, self._step_timeout(timeout))
             if reply is None:  # the drafter closed the channel before taking the request
                 sent = False
+                self.breaker.abandon()
                 return None
             answered = True
+            self.steps_through_channel += 1
+            result = _channel_reply(reply, parse=True)
         except DrafterError as e:
-            answered = e.code in ANSWERED_CODES
+            answered = answered or e.code in ANSWERED_CODES
+            return self._without_drafter(steps, self._drafter_failed(e), e)
+        except BaseException:
+            self.breaker.abandon()
             raise
         finally:
             if not called:
                 ch.unclaim()
             if staged is not None:
                 staged.done(answered or not sent)
-        self.steps_through_channel += 1
-        return parse_response(pb.ProposeResponse.FromString(reply))
+        self._answered()
+        return result
 
     async def open_step_channel(self, request_bytes: int = 16 * 2**20, reply_bytes: int = 2**20,
                                 socket_path: str | None = None, spin_s: float = 0.05,
@@ -243,8 +373,13 @@ class DrafterClient:
         socket_path: default GetInfo.step_channel_socket. spin_s / poll_s: while waiting for a reply this client
         busy-polls (yielding to the event loop) for spin_s, then every poll_s.
         Returns False (and steps stay on gRPC) when the drafter has no channels or its socket cannot be reached
-        (another node, a container without the socket's volume); raises DrafterError when the drafter refuses."""
-        self.close_step_channel()
+        (another node, a container without the socket's volume); raises DrafterError when the drafter refuses.
+        A channel that a sick drafter broke is opened again, with these arguments, once the drafter answers."""
+        settings = dict(request_bytes=request_bytes, reply_bytes=reply_bytes, socket_path=socket_path,
+                        spin_s=spin_s, poll_s=poll_s)
+        if self._reopening is not None and self._reopening is not asyncio.current_task():
+            self._reopening.cancel()
+        self._drop_step_channel()
         if socket_path is None:
             socket_path = (await self.get_info()).step_channel_socket
             if not socket_path:
@@ -260,10 +395,17 @@ class DrafterClient:
             log.info("cannot open a step channel at %s (%s): steps go over gRPC", socket_path, e)
             return False
         self._step_channel = ch
+        self._channel_wanted = settings
         return True
 
     def close_step_channel(self) -> None:
         """Back to a unary Propose per step (the drafter closes its end within 0.1 s)."""
+        self._channel_wanted = None
+        if self._reopening is not None:
+            self._reopening.cancel()
+        self._drop_step_channel()
+
+    def _drop_step_channel(self) -> None:
         ch, self._step_channel = self._step_channel, None
         if ch is not None:
             ch.close()
@@ -274,14 +416,45 @@ class DrafterClient:
         return self._step_channel is not None and not self._step_channel.closed
 
     def stream(self) -> "ProposeSession":
-        """A bidirectional session: one message per engine step, replies in order. Use ``async with``."""
-        return ProposeSession(self, self._stub.ProposeStream(metadata=self._metadata))
+        """A bidirectional session: one message per engine step, replies in order. Use ``async with``. Its
+        propose() has the deadline, fallback and circuit breaker of this client's propose()."""
+        return ProposeSession(self)
+
+    def _new_stream(self):
+        """A new ProposeStream call (ProposeSession opens one at its first send, and again after a break)."""
+        return self._stub.ProposeStream(metadata=self._metadata)
 
     async def release(self, sequence_ids: list[str], timeout: float | None = None) -> ReleaseResult:
-        """Free these sequences' drafter state (KV blocks); ids the drafter does not hold come back in not_found."""
-        r = await self._call(self._stub.Release, pb.ReleaseRequest(namespace=self.namespace,
-                                                                   sequence_ids=list(sequence_ids)), timeout)
-        return ReleaseResult(released=r.released, not_found=list(r.not_found))
+        """Free these sequences' drafter state (KV blocks); ids the drafter does not hold come back in not_found.
+
+        timeout: default the client's step_timeout_s. When the drafter is sick (circuit breaker open, no reply in
+        time, a code of FAULT_CODES) nothing raises (unless raise_on_error): the ids are kept and sent along with
+        the next release that reaches the drafter, and the result says ``deferred``."""
+        ids = list(sequence_ids)
+        asked = set(ids)
+        ids += sorted(self._unreleased - asked)[:MAX_DEFERRED_RELEASE_IDS]
+        if not self.breaker.allow():
+            reason = (f"circuit breaker open after {self.breaker.reason}; next probe in "
+                      f"{self.breaker.retry_in_s:.2f} s")
+            return self._defer_release(asked, reason, DrafterError(grpc.StatusCode.UNAVAILABLE, reason))
+        try:
+            r = await self._call(self._stub.Release, pb.ReleaseRequest(namespace=self.namespace, sequence_ids=ids),
+                                 self._step_timeout(timeout))
+        except DrafterError as e:
+            return self._defer_release(asked, self._drafter_failed(e), e)
+        except BaseException:
+            self.breaker.abandon()
+            raise
+        self._answered()
+        self._unreleased.difference_update(ids)
+        return ReleaseResult(released=r.released, not_found=[i for i in r.not_found if i in asked])
+
+    def _defer_release(self, ids: set[str], reason: str, error: DrafterError) -> ReleaseResult:
+        self._unreleased.update(ids)
+        if self.raise_on_error:
+            raise error
+        log.info("releasing %d sequences deferred: %s", len(ids), reason)
+        return ReleaseResult(released=0, deferred=True, fallback_reason=reason)
 
     async def drain(self, grace_seconds: float = 0.0, timeout: float | None = None) -> "pb.DrainResponse":
         """Ask the drafter to drain (rollouts, preStop): it takes no new sequences, live ones keep drafting until

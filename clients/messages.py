@@ -11,6 +11,24 @@ from drafter_client.protocol.wire import decode_tensor, encode_tensor
 from drafter_client.shm_ring import SharedTensorRef
 
 
+# Codes of a failed call that are the drafter's or the transport's fault, never the caller's: propose() and release()
+# answer "no drafts" / "deferred" instead of raising (unless the client has raise_on_error), and the circuit breaker
+# opens. NOT_FOUND at the request level is a shared-memory region the drafter no longer holds (it restarted, or the
+# region's lease ran out); the client re-registers its own ring. Every other code (INVALID_ARGUMENT,
+# PERMISSION_DENIED, UNAUTHENTICATED, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, OUT_OF_RANGE, ALREADY_EXISTS,
+# UNIMPLEMENTED) is the caller's request or deployment at fault: it raises DrafterError (docs/protocol.md, "When the
+# drafter is sick").
+FAULT_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
+                         grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
+                         grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND})
+# Per-sequence statuses after which the drafter lacks part of the sequence's context (unknown: evicted, released or
+# the drafter restarted; a gap: it missed steps; INTERNAL: it dropped the failed step's positions): the sequence's
+# SequenceDrafts says needs_resync.
+RESYNC_CODES = frozenset({grpc.StatusCode.NOT_FOUND.value[0], grpc.StatusCode.FAILED_PRECONDITION.value[0],
+                          grpc.StatusCode.INTERNAL.value[0]})
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]  # 14: the code of every sequence of a fallback result
+
+
 class DrafterError(Exception):
     """A request the drafter refused as a whole; ``code`` is the grpc.StatusCode, ``message`` names the field."""
 
@@ -45,8 +63,13 @@ class SequenceStep:
 
 @dataclass
 class SequenceDrafts:
+    """The drafter's answer for one sequence of a step. code != 0: no drafts this step (decode without them).
+    needs_resync: the drafter lacks part of this sequence's context; send its next step from position 0 (every
+    committed token with its hidden state), or stop drafting for it (docs/protocol.md, "When the drafter is sick")."""
+
     sequence_id: str
-    code: int  # 0 = OK; otherwise a gRPC status code number (5 unknown sequence, 8 pool full, 9 gap, 11 too long)
+    code: int  # 0 = OK; otherwise a gRPC status code number (5 unknown sequence, 8 pool full, 9 gap, 11 too long,
+    #            14 no answer from the drafter: a fallback result, or a draining drafter refusing new sequences)
     message: str
     drafts: torch.Tensor  # [k] int64 target token ids (empty when code != 0)
     logprobs: torch.Tensor | None  # [k] float32 when asked for
@@ -54,6 +77,7 @@ class SequenceDrafts:
     committed_length: int
     top_k_ids: torch.Tensor | None = None  # [k, N] int64 target ids of q's top N (-1 padding), when asked for
     top_k_probs: torch.Tensor | None = None  # [k, N] float32 their probabilities under q
+    needs_resync: bool = False  # code in RESYNC_CODES (5 unknown, 9 gap, 13 internal)
 
     @property
     def ok(self) -> bool:
@@ -63,9 +87,15 @@ class SequenceDrafts:
 
 @dataclass
 class ProposeResult:
+    """One step's answer, a SequenceDrafts per step sent, in order. fallback: the drafter was not asked (circuit
+    breaker open) or did not answer (deadline, UNAVAILABLE, a server fault): every sequence has code 14 and no
+    drafts, and fallback_reason says why; decode this step without speculation."""
+
     sequences: list[SequenceDrafts]
     draft_token_ids: torch.Tensor  # [sum k] all drafts, in step order
     request_id: int = 0
+    fallback: bool = False
+    fallback_reason: str = ""  # e.g. "DEADLINE_EXCEEDED: ..." or "circuit breaker open (...)"
 
     def padded(self, fill: int = -1) -> torch.Tensor:
         """Drafts as [B, max k] int64, short rows filled with ``fill``."""
@@ -78,8 +108,14 @@ class ProposeResult:
 
 @dataclass
 class ReleaseResult:
+    """released: how many ids the drafter freed (ids of earlier deferred releases included); not_found: the ids of
+    this call it did not hold; deferred: True when the drafter was sick and the ids wait for the next release that
+    reaches it (fallback_reason says why)."""
+
     released: int
     not_found: list[str] = field(default_factory=list)
+    deferred: bool = False
+    fallback_reason: str = ""
 
 
 def build_request(namespace: str, steps: list[SequenceStep],
@@ -158,8 +194,18 @@ def parse_response(resp: "pb.ProposeResponse") -> ProposeResult:
         seqs.append(SequenceDrafts(
             sequence_id=res.sequence_id, code=status.code, message=status.message, drafts=d, logprobs=lp,
             accepted_drafts=res.accepted_drafts, committed_length=res.committed_length, top_k_ids=ti,
-            top_k_probs=tp))
+            top_k_probs=tp, needs_resync=status.code in RESYNC_CODES))
     return ProposeResult(sequences=seqs, draft_token_ids=flat, request_id=resp.request_id)
+
+
+def fallback_result(steps: list[SequenceStep], reason: str, request_id: int = 0) -> ProposeResult:
+    """The "no drafts" answer to a step the drafter was not asked or did not answer: code 14 (UNAVAILABLE) and no
+    drafts for every sequence, fallback=True with the reason."""
+    empty = torch.empty(0, dtype=torch.int64)
+    seqs = [SequenceDrafts(sequence_id=s.sequence_id, code=UNAVAILABLE, message=reason, drafts=empty, logprobs=None,
+                           accepted_drafts=0, committed_length=0) for s in steps]
+    return ProposeResult(sequences=seqs, draft_token_ids=empty, request_id=request_id, fallback=True,
+                         fallback_reason=reason)
 
 
 def _status_code(code: int) -> grpc.StatusCode:

@@ -9,22 +9,35 @@ from drafter_client.messages import DrafterError, ProposeResult, SequenceStep, b
 
 
 class ProposeSession:
-    """``send`` may be called several times before ``recv``: replies come back in send order.
-    A request the server refuses as a whole raises DrafterError from the matching ``recv``; the stream stays open.
-    With the client's shared-memory ring enabled, each message's slot is given back when its reply arrives.
+    """``propose`` is one engine step on the stream, with the client's step deadline, circuit breaker and fallback
+    (like DrafterClient.propose: a sick drafter gives a "no drafts" result, not an exception); a stream that broke
+    or missed a deadline is replaced by a new one at the next call.
+
+    ``send`` and ``recv`` are the raw calls for pipelining: ``send`` may be called several times before ``recv``,
+    replies come back in send order; they have no deadline and raise DrafterError (a request the server refuses as
+    a whole raises from the matching ``recv`` and the stream stays open; a broken stream raises, and the next
+    ``send`` opens a new one). With the client's shared-memory ring enabled, each message's slot is given back when
+    its reply arrives.
     """
 
-    def __init__(self, client, call):
+    def __init__(self, client, call=None):
         self._client = client
-        self._call = call
+        self._call = call  # None: a stream is opened at the next send
         self._lock = asyncio.Lock()
         self._in_flight: deque = deque()  # per message sent and not yet answered: its ring slot (_Staged) or None
+        self.streams_opened = 0 if call is None else 1  # (more than 1: streams replaced after a break)
 
     async def __aenter__(self) -> "ProposeSession":
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+    def _stream(self):
+        if self._call is None:
+            self._call = self._client._new_stream()
+            self.streams_opened += 1
+        return self._call
 
     async def send(self, steps: list[SequenceStep], hidden_states: torch.Tensor | None = None) -> int:
         """Write one step's request on the stream; returns its request id. Raises DrafterError when the stream broke."""
@@ -36,49 +49,90 @@ class ProposeSession:
             if staged is not None:
                 staged.done(answered=True)  # never sent
             raise
+        call = self._stream()
         self._in_flight.append(staged)
         try:
-            await self._call.write(req)
+            await call.write(req)
         except grpc.aio.AioRpcError as e:
-            self._abandon()
+            self._broken()
             raise DrafterError(e.code(), e.details() or "") from None
+        except asyncio.InvalidStateError as e:  # the call already ended
+            self._broken()
+            raise DrafterError(grpc.StatusCode.UNAVAILABLE, f"the stream ended: {e}") from None
         return req.request_id
 
     async def recv(self) -> ProposeResult:
         """The reply to the oldest unanswered send(); raises DrafterError for a refused request or a closed stream."""
+        call = self._call
+        if call is None:
+            raise DrafterError(grpc.StatusCode.UNAVAILABLE, "the stream broke: no reply will come")
         try:
-            resp = await self._call.read()
+            resp = await call.read()
         except grpc.aio.AioRpcError as e:
-            self._abandon()
+            self._broken()
             raise DrafterError(e.code(), e.details() or "") from None
+        except asyncio.InvalidStateError as e:
+            self._broken()
+            raise DrafterError(grpc.StatusCode.UNAVAILABLE, f"the stream ended: {e}") from None
         if resp is grpc.aio.EOF:
-            self._abandon()
-            code = await self._call.code()
-            raise DrafterError(code, (await self._call.details()) or "stream closed by the server")
+            code = await call.code()
+            details = (await call.details()) or "stream closed by the server"
+            self._broken()
+            raise DrafterError(code if code != grpc.StatusCode.OK else grpc.StatusCode.UNAVAILABLE, details)
         if self._in_flight:
             staged = self._in_flight.popleft()
             if staged is not None:
                 staged.done(answered=True)
         return parse_response(resp)
 
-    def _abandon(self) -> None:
-        """The stream broke: messages still unanswered may yet be read by the drafter, so retire their slots."""
+    def _broken(self) -> None:
+        """The stream cannot be used any more (it broke, or a reply is late): cancel it, and retire the slots of the
+        messages still unanswered (the drafter may yet read them). The next send opens a new stream."""
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
         while self._in_flight:
             staged = self._in_flight.popleft()
             if staged is not None:
                 staged.done(answered=False)
 
-    async def propose(self, steps: list[SequenceStep], hidden_states: torch.Tensor | None = None) -> ProposeResult:
-        """send + recv, safe to call from several tasks (each waits its turn)."""
+    async def propose(self, steps: list[SequenceStep], hidden_states: torch.Tensor | None = None,
+                      timeout: float | None = None) -> ProposeResult:
+        """send + recv, safe to call from several tasks (each waits its turn), under the client's step deadline
+        (timeout: None for its step_timeout_s) and circuit breaker. A sick drafter (no reply in time, a broken
+        stream, a code of FAULT_CODES) gives a fallback result: no drafts, ``result.fallback`` True (with the
+        client's raise_on_error, DrafterError); the caller's errors raise DrafterError."""
+        client = self._client
         async with self._lock:
-            await self.send(steps, hidden_states)
-            return await self.recv()
+            if not client.breaker.allow():
+                return client._refusal(steps)
+            limit = client._step_timeout(timeout)
+            try:
+                result = await asyncio.wait_for(self._exchange(steps, hidden_states), limit)
+            except asyncio.TimeoutError:
+                self._broken()  # the late reply would answer the next request
+                e = DrafterError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply on the stream within {limit} s")
+                return client._without_drafter(steps, client._drafter_failed(e), e)
+            except DrafterError as e:
+                return client._without_drafter(steps, client._drafter_failed(e), e)
+            except BaseException:  # cancelled, or the caller's bad input
+                if self._in_flight:
+                    self._broken()
+                client.breaker.abandon()
+                raise
+        client._answered()
+        return result
+
+    async def _exchange(self, steps: list[SequenceStep], hidden_states: torch.Tensor | None) -> ProposeResult:
+        await self.send(steps, hidden_states)
+        return await self.recv()
 
     async def close(self) -> None:
         """End the stream (half-close, then cancel); slots of unanswered messages are retired."""
-        try:
-            await self._call.done_writing()
-        except grpc.aio.AioRpcError:
-            pass
-        self._call.cancel()
-        self._abandon()
+        call = self._call
+        if call is not None:
+            try:
+                await asyncio.wait_for(call.done_writing(), 1.0)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.TimeoutError):
+                pass
+        self._broken()

@@ -3,12 +3,15 @@
 With a step channel open, propose() runs on the calling thread (DrafterClient.propose_blocking): the request goes
 through the channel and the calling thread polls for the reply, without handing the step to the loop's thread and
 waiting to be woken (two thread wake-ups per step). Otherwise it runs on the loop. propose() calls are serialized.
+Deadline, fallback and circuit breaker are DrafterClient's (its keyword arguments: step_timeout_s, raise_on_error,
+breaker) on both paths.
 """
 import asyncio
 import threading
 
 import torch
 
+from drafter_client.breaker import CircuitBreaker
 from drafter_client.client import DrafterClient, ProposeResult, ReleaseResult, SequenceStep
 
 
@@ -45,7 +48,8 @@ class SyncDrafterClient:
     def propose(self, steps: list[SequenceStep], hidden_states: torch.Tensor | None = None,
                 timeout: float | None = None) -> ProposeResult:
         """One engine step (see DrafterClient.propose): through the step channel on the calling thread when one is
-        open and free, else a unary Propose on the client's loop."""
+        open and free, else a unary Propose on the client's loop. A sick drafter gives a fallback result (no drafts,
+        ``result.fallback``) within the step deadline, as DrafterClient.propose does."""
         with self._propose_lock:
             result = self._client.propose_blocking(steps, hidden_states, timeout)  # through the step channel
             if result is None:
@@ -63,6 +67,11 @@ class SyncDrafterClient:
     def open_step_channel(self, **kwargs) -> bool:
         """See DrafterClient.open_step_channel."""
         return self._run(self._client.open_step_channel(**kwargs))
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        """The client's circuit breaker (state, failures, times_opened, times_closed)."""
+        return self._client.breaker
 
     @property
     def data_plane(self) -> str:

@@ -82,12 +82,13 @@ async def test_tls_and_mutual_tls_bind_namespaces_to_certificates(tiny_model, pk
                 await a.release(["s1"])
             assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
         # no client certificate: the TLS handshake fails; a plaintext client gets nothing either
-        async with DrafterClient(address, namespace="engine-a",
+        # (raise_on_error: the default client would answer "no drafts" for an unreachable drafter)
+        async with DrafterClient(address, namespace="engine-a", raise_on_error=True,
                                  credentials=tls_credentials(str(pki / "ca.pem"))) as nocert:
             with pytest.raises(DrafterError) as e:
                 await nocert.propose([step("s2")], timeout=5)
             assert e.value.code == grpc.StatusCode.UNAVAILABLE
-        async with DrafterClient(address, namespace="engine-a") as plain:
+        async with DrafterClient(address, namespace="engine-a", raise_on_error=True) as plain:
             with pytest.raises(DrafterError) as e:
                 await plain.propose([step("s2")], timeout=5)
             assert e.value.code == grpc.StatusCode.UNAVAILABLE

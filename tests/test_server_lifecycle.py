@@ -88,7 +88,8 @@ async def test_sigterm_finishes_in_flight_steps_then_exits_0(tmp_path):
                              "--max-batch-tokens", "1024"],  # one request per batch: the others wait in line
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
-        async with DrafterClient(f"unix:{sock}") as c:
+        # (no step deadline: the steps queue behind one another for seconds on purpose)
+        async with DrafterClient(f"unix:{sock}", step_timeout_s=None, raise_on_error=True) as c:
             deadline = time.monotonic() + 60
             while not sock.exists() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

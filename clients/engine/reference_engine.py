@@ -16,6 +16,15 @@ One engine step, for all live sequences at once (``generate``):
 Prefill is the same with the whole prompt (step 0 of every sequence). Finished sequences (max_new_tokens or eos)
 leave the batch and are released from the drafter.
 
+A sick drafter never changes the text, only the speed (docs/protocol.md, "When the drafter is sick"): a sequence
+the drafter gave no drafts (a fallback result: the drafter did not answer in time, failed, or the client's circuit
+breaker is open; or a per-sequence status) is verified with none, i.e. decoded plainly for that step. Each sequence
+keeps its committed tokens and their target hidden states; its next drafter step starts where the drafter last
+confirmed (``committed_length`` of its last good answer), so the steps it missed are sent again, and from position
+0 when the answer says ``needs_resync`` (the drafter restarted, evicted the sequence, or missed steps). With
+``keep_states=False`` (an engine that keeps only the latest step's states) a sequence that needs a resync stops
+drafting and is decoded plainly to its end.
+
 Acceptance is counted as vLLM does: a "draft" is one sequence-step that verified drafts; mean acceptance length =
 1 + accepted tokens / drafts; per-position acceptance i = (drafts whose position i was accepted) / drafts.
 """
@@ -50,6 +59,10 @@ class AcceptanceStats:
     # count over the steps it sent back (not the last step of a finished sequence) and the drafter's count.
     accepted_sent_back: int = 0
     drafter_counted_accepted: int = 0
+    # the drafter's health (a fault-free run has all three 0)
+    fallback_steps: int = 0  # drafter requests answered "no drafts" as a whole (ProposeResult.fallback)
+    resyncs: int = 0  # sequences sent again from position 0 (needs_resync, with keep_states)
+    stopped_drafting: int = 0  # sequences decoded plainly to their end (needs_resync, without keep_states)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -100,6 +113,12 @@ class _Seq:
     tokens: list[int]  # prompt + generated; tokens[-1] is pending (sampled, not yet run through the target)
     prompt_len: int
     done: bool = False
+    # the drafter's side (generate): target hidden states of committed positions as (first position, [rows, W])
+    # chunks in order (all of them with keep_states, else the latest); the drafter holds x[0 .. synced-1]
+    states: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    synced: int = 0
+    drafting: bool = True
+    resyncs_in_a_row: int = 0
 
     @property
     def n(self) -> int:  # position of the pending token = tokens the target holds in its cache
@@ -112,13 +131,19 @@ class _Seq:
 
 class ReferenceEngine:
     _calls = itertools.count()
+    MAX_RESYNCS_IN_A_ROW = 3  # a sequence the drafter keeps refusing after this many resyncs stops drafting
 
-    def __init__(self, target: TargetModel, drafter: DrafterClient | None, info=None, use_stream: bool = True):
-        """drafter None: only ``generate_plain`` works. ``info`` is the drafter's GetInfoResponse."""
+    def __init__(self, target: TargetModel, drafter: DrafterClient | None, info=None, use_stream: bool = True,
+                 keep_states: bool = True):
+        """drafter None: only ``generate_plain`` works. ``info`` is the drafter's GetInfoResponse.
+        use_stream: one ProposeStream for the steps (else a unary Propose each, or the client's step channel).
+        keep_states: keep every sequence's committed hidden states, to send the drafter again what it missed or
+        lost (False: a sequence that needs a resync stops drafting)."""
         self.target = target
         self.drafter = drafter
         self.info = info
         self.use_stream = use_stream
+        self.keep_states = keep_states
         if drafter is not None:
             if info is None:
                 raise ValueError("pass the drafter's GetInfo reply: ReferenceEngine(target, drafter, "
@@ -223,21 +248,29 @@ class ReferenceEngine:
         seqs, features = self._prefill(prompts, cfg, generator, f"ref{next(self._calls)}")
         forwards = 1
         width = features.size(1)
-        # step 0 for the drafter: the whole prompt with its hidden states, the first sampled token, k drafts
-        steps = [SequenceStep(s.sequence_id, 0, s.tokens[: s.prompt_len], features[b, width - s.prompt_len:],
-                              s.tokens[-1], k) for b, s in enumerate(seqs) if not s.done]
+        for b, s in enumerate(seqs):  # the prompt's hidden states: the drafter's first step sends them
+            s.states.append((0, features[b, width - s.prompt_len:].clone()))
         live = self._drop_finished(seqs)
         if on_step:
             on_step(StepInfo(0, [len(s.generated) for s in seqs], {}, time.perf_counter() - t0))
         session = self.drafter.stream() if self.use_stream else None
-        registered = {st.sequence_id for st in steps}  # sequences the drafter holds, until released
+        registered: set[str] = set()  # sequences the drafter may hold, until released
         draft_wait_s = 0.0
         try:
             while live:
+                # one drafter request: per drafting sequence, the committed tokens from where the drafter last
+                # confirmed (the previous step's, normally) with their states, the pending token, k drafts
+                steps = [self._drafter_step(s, k) for s in live if s.drafting]
+                registered.update(st.sequence_id for st in steps)
                 t_ask = time.perf_counter()
-                reply = await (session.propose(steps) if session else self.drafter.propose(steps))
+                reply = None
+                if steps:
+                    reply = await (session.propose(steps) if session else self.drafter.propose(steps))
                 draft_wait_s += time.perf_counter() - t_ask
-                drafts = self._drafts(reply, live)
+                drafts, stop = self._drafts(reply, steps, live, stats)
+                if stop:  # needs a resync, and its states were not kept: decoded plainly from now on
+                    await self.drafter.release(stop)
+                    registered.difference_update(stop)
                 # one target forward over [pending token, drafts] for every live sequence
                 tokens = torch.tensor([[s.tokens[-1]] + d.tolist() + [s.tokens[-1]] * (k - d.numel())
                                        for s, d in zip(live, drafts)])
@@ -246,7 +279,7 @@ class ReferenceEngine:
                 all_logits = fwd.logits.cpu()  # verification runs on the host, against the drafts from the reply
                 forwards += 1
                 valid = torch.zeros(len(live), k + 1, dtype=torch.bool)
-                steps, accepted = [], {}
+                accepted = {}
                 for r, (s, d) in enumerate(zip(live, drafts)):
                     logits = all_logits[r, : d.numel() + 1]
                     if cfg.temperature == 0:
@@ -261,15 +294,16 @@ class ReferenceEngine:
                         stats.record(d.numel(), a)
                     accepted[s.index] = a
                     n = s.n
+                    chunk = (n, fwd.features[r, : a + 1].clone())  # the states of x_n, d_1..d_a
+                    s.states = s.states + [chunk] if self.keep_states else [chunk]
                     s.tokens += new
                     self._finish(s, cfg)
-                    if not s.done:
+                    if not s.done and s.drafting:
                         stats.accepted_sent_back += a
-                        steps.append(SequenceStep(s.sequence_id, n, s.tokens[n : n + a + 1],
-                                                  fwd.features[r, : a + 1], s.tokens[-1], k))
                 self.target.keep(valid)
-                stats.drafter_counted_accepted += sum(r.accepted_drafts for r in reply.sequences)
-                finished = [s.sequence_id for s in live if s.done]
+                if reply is not None:
+                    stats.drafter_counted_accepted += sum(r.accepted_drafts for r in reply.sequences)
+                finished = [s.sequence_id for s in live if s.done and s.sequence_id in registered]
                 live = self._drop_finished(live)
                 if finished:
                     await self.drafter.release(finished)
@@ -284,16 +318,47 @@ class ReferenceEngine:
                 await self.drafter.release(sorted(registered))
         return GenerationResult([s.generated for s in seqs], time.perf_counter() - t0, forwards, stats, draft_wait_s)
 
-    @staticmethod
-    def _drafts(reply: ProposeResult, live: list[_Seq]) -> list[torch.Tensor]:
-        if len(reply.sequences) != len(live):
-            raise RuntimeError(f"the drafter answered {len(reply.sequences)} sequences for {len(live)} asked")
-        out = []
-        for s, res in zip(live, reply.sequences):
-            if res.sequence_id != s.sequence_id:
-                raise RuntimeError(f"the drafter answered {res.sequence_id!r} where {s.sequence_id!r} was asked")
-            if not res.ok:
-                raise RuntimeError(f"the drafter refused sequence {s.sequence_id!r} at position {s.n}: "
-                                   f"code {res.code}: {res.message}")
-            out.append(res.drafts)
-        return out
+    def _drafter_step(self, s: _Seq, k: int) -> SequenceStep:
+        """The sequence's drafter step: x[p .. n-1] with their states, the pending x[n], k drafts; p is where the
+        drafter last confirmed (0 after a needs_resync), or the first position whose states are still kept."""
+        p = max(s.synced, s.states[0][0])
+        parts = [t[max(0, p - start):] for start, t in s.states if start + t.size(0) > p]
+        hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if hidden.size(0) != s.n - p:
+            raise RuntimeError(f"sequence {s.sequence_id!r}: {hidden.size(0)} hidden states for positions {p} .. "
+                               f"{s.n - 1}")
+        return SequenceStep(s.sequence_id, p, s.tokens[p : s.n], hidden, s.tokens[-1], k)
+
+    def _drafts(self, reply: ProposeResult | None, steps: list[SequenceStep], live: list[_Seq],
+                stats: AcceptanceStats) -> tuple[list[torch.Tensor], list[str]]:
+        """The drafts per live sequence (empty where the drafter gave none: not asked, a fallback, a per-sequence
+        status), and the ids of the sequences that stop drafting (needs_resync without kept states). Updates each
+        sequence's synced position from the answer."""
+        empty = torch.empty(0, dtype=torch.int64)
+        if reply is None:
+            return [empty] * len(live), []
+        if len(reply.sequences) != len(steps):
+            raise RuntimeError(f"the drafter answered {len(reply.sequences)} sequences for {len(steps)} asked")
+        if reply.fallback:
+            stats.fallback_steps += 1
+        by_id = {}
+        stop = []
+        seq_of = {s.sequence_id: s for s in live}
+        for st, res in zip(steps, reply.sequences):
+            if res.sequence_id != st.sequence_id:
+                raise RuntimeError(f"the drafter answered {res.sequence_id!r} where {st.sequence_id!r} was asked")
+            s = seq_of[st.sequence_id]
+            if res.ok:
+                s.synced = res.committed_length
+                s.resyncs_in_a_row = 0
+                by_id[st.sequence_id] = res.drafts
+            elif res.needs_resync:  # the drafter lacks part of this sequence: all of it again, or no more drafts
+                if self.keep_states and s.resyncs_in_a_row < self.MAX_RESYNCS_IN_A_ROW:
+                    s.synced = 0
+                    s.resyncs_in_a_row += 1
+                    stats.resyncs += 1
+                else:
+                    s.drafting = False
+                    stats.stopped_drafting += 1
+                    stop.append(s.sequence_id)
+        return [by_id.get(s.sequence_id, empty) for s in live], stop

@@ -7,6 +7,7 @@ The child runs in its own session, so a Ctrl-C in the terminal reaches only the 
 sidecar with SIGTERM (health NOT_SERVING, in-flight steps finish, exit 0) and waits for it; SIGKILL only if it
 has not exited after the grace period.
 """
+import importlib.util
 import os
 import pathlib
 import signal
@@ -19,7 +20,20 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-MODELS = REPO / "models"
+
+
+def _bundled_models() -> pathlib.Path:
+    """Where the bundled demo models are: drafter_service/bundled_models in a wheel install (found without importing
+    the server), else the checkout's models/."""
+    spec = importlib.util.find_spec("drafter_service")  # (a top-level package: finding it runs none of its code)
+    if spec is not None and spec.origin:
+        installed = pathlib.Path(spec.origin).parent / "bundled_models"
+        if installed.is_dir():
+            return installed
+    return REPO / "models"
+
+
+MODELS = _bundled_models()
 
 
 class SidecarError(RuntimeError):
@@ -105,6 +119,17 @@ class SidecarProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.exit_code = self.proc.returncode
+        self.proc = None
+        return self.exit_code
+
+    def kill(self) -> int | None:
+        """SIGKILL at once, no grace (a crash: in-flight steps get no reply); start() brings the sidecar back at the
+        same address. Returns the exit code."""
+        if self.proc is None:
+            return self.exit_code
+        self.proc.kill()
+        self.proc.wait()
         self.exit_code = self.proc.returncode
         self.proc = None
         return self.exit_code
