@@ -9,18 +9,29 @@ from drafter_service.config import ServerConfig
 from drafter_service.loader import ModelLoadError
 from drafter_service.logs import setup_logging
 
-BUNDLED_MODEL = pathlib.Path(__file__).resolve().parent.parent / "models" / "eagle1"
-BUNDLED_TARGET = pathlib.Path(__file__).resolve().parent.parent / "models" / "target"
+
+def _bundled_models() -> pathlib.Path:
+    """The bundled demo models (target, eagle1, eagle3): the repository's models/ is installed by a wheel as
+    drafter_service/bundled_models (pyproject.toml); a checkout or an editable install has only models/ itself."""
+    here = pathlib.Path(__file__).resolve().parent
+    installed = here / "bundled_models"
+    return installed if installed.is_dir() else here.parent / "models"
+
+
+BUNDLED_MODELS = _bundled_models()
+BUNDLED_MODEL = BUNDLED_MODELS / "eagle1"  # the default --model
+BUNDLED_TARGET = BUNDLED_MODELS / "target"  # the default --target-model with a bundled head
 
 
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
     d = ServerConfig(model="")
     ap = argparse.ArgumentParser(prog="drafter-serve", description="EAGLE drafter sidecar (gRPC).",
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--model", default=str(BUNDLED_MODEL), help="EAGLE head directory (Hugging Face layout)")
+    ap.add_argument("--model", default=str(BUNDLED_MODEL),
+                    help="EAGLE head directory (Hugging Face layout; default: the bundled demo EAGLE-1 head)")
     ap.add_argument("--target-model", default=None,
                     help="target model directory; embed_tokens / lm_head are read from it when the head lacks them "
-                         "(default: models/target beside the bundled head, when --model is the bundled head)")
+                         "(default: the bundled target when --model is a bundled head)")
     ap.add_argument("--listen", action="append", default=None,
                     help="HOST:PORT or unix:/path/to.sock; repeat for several (default 127.0.0.1:50061)")
     ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present)")
@@ -37,6 +48,15 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     ap.add_argument("--max-batch-tokens", type=int, default=None,
                     help="committed tokens per batch and per request (default max(8192, max_model_len))")
     ap.add_argument("--max-batch-seqs", type=int, default=d.max_batch_seqs, help="sequences per batch/request")
+    ap.add_argument("--sequence-lease-s", type=float, default=d.sequence_lease_s,
+                    help="a sequence no step touched for this long is freed (its client is gone); 0 = never. Idle "
+                         "sequences are also evicted, least recently used first, when the KV pool needs room")
+    ap.add_argument("--max-sequences", type=int, default=d.max_sequences,
+                    help="live sequences in all (0 = only the KV pool limits them)")
+    ap.add_argument("--max-sequences-per-namespace", type=int, default=d.max_sequences_per_namespace,
+                    help="live sequences of one namespace (0 = no limit)")
+    ap.add_argument("--namespace-pool-share", type=float, default=d.namespace_pool_share,
+                    help="fraction of the KV blocks one namespace may hold, in (0, 1]")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
                     help="on CUDA: capture the decode steps as CUDA graphs at start-up and replay them "
                          "(--no-cuda-graphs: run them eagerly)")
@@ -68,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     ap.add_argument("--step-channel-checksums", choices=("auto", "on", "off"), default="auto",
                     help="crc32 over every step-channel message (auto: only on CPUs that may reorder stores, i.e. "
                          "not x86-64; docs/step_channel.md)")
+    ap.add_argument("--otel-endpoint", default=None,
+                    help="send OpenTelemetry traces (a span per engine step with its phases) to this OTLP/gRPC "
+                         "endpoint, e.g. http://otel-collector:4317 (default: off, unless OTEL_EXPORTER_OTLP_ENDPOINT "
+                         "is set; needs the 'tracing' extra)")
     sec = ap.add_argument_group("identity and isolation (docs/deployment.md, Security)")
     sec.add_argument("--tls-cert", default=None, help="PEM certificate: the TCP listeners serve TLS")
     sec.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
@@ -84,13 +108,15 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     sec.add_argument("--reflection", action="store_true", help="serve gRPC server reflection (off by default)")
     a = ap.parse_args(argv)
     target = a.target_model
-    if target is None and pathlib.Path(a.model).resolve() == BUNDLED_MODEL and BUNDLED_TARGET.is_dir():
-        target = str(BUNDLED_TARGET)
+    if target is None and pathlib.Path(a.model).resolve().parent == BUNDLED_MODELS and BUNDLED_TARGET.is_dir():
+        target = str(BUNDLED_TARGET)  # a bundled head (eagle1, eagle3): the bundled target's embeddings / lm_head
     return ServerConfig(
         model=a.model, target_model=target, listen=a.listen or ["127.0.0.1:50061"], device=a.device, dtype=a.dtype,
         block_size=a.block_size, kv_cache_tokens=a.kv_cache_tokens, gpu_memory_fraction=a.gpu_memory_fraction,
         max_model_len=a.max_model_len, max_draft_tokens=a.max_draft_tokens, max_batch_tokens=a.max_batch_tokens,
-        max_batch_seqs=a.max_batch_seqs, max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port,
+        max_batch_seqs=a.max_batch_seqs, sequence_lease_s=a.sequence_lease_s, max_sequences=a.max_sequences,
+        max_sequences_per_namespace=a.max_sequences_per_namespace, namespace_pool_share=a.namespace_pool_share,
+        max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port,
         shutdown_grace_s=a.shutdown_grace_s, log_level=a.log_level, shared_memory=not a.no_shared_memory,
         shm_dir=a.shm_dir, shm_lease_s=a.shm_lease_s, cuda_graphs=a.cuda_graphs,
         first_step_graph_tokens=a.first_step_graph_tokens, step_channels=not a.no_step_channels,
@@ -98,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         step_channel_checksums={"auto": None, "on": True, "off": False}[a.step_channel_checksums],
         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca, auth_token_file=a.auth_token_file,
         namespace_from_client_cert=a.namespace_from_client_cert, socket_group=a.socket_group,
-        reflection=a.reflection, log_format=a.log_format)
+        reflection=a.reflection, log_format=a.log_format, otel_endpoint=a.otel_endpoint)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,12 @@ class ServerConfig:
     max_draft_tokens: int = 8  # k at most, per sequence per step
     max_batch_tokens: int | None = None  # committed rows merged into one batch; None = max(8192, max_model_len)
     max_batch_seqs: int = 1024  # sequences in one batch / one request
+    # Sequence lifetime (docs/protocol.md "Sequence lifetime"); idle sequences are also evicted, least recently used
+    # first, when the KV pool or a limit below needs room
+    sequence_lease_s: float = 300.0  # a sequence no step touched for this long is freed; 0 = never
+    max_sequences: int = 0  # live sequences in all; 0 = only the KV pool limits them
+    max_sequences_per_namespace: int = 0  # live sequences of one namespace; 0 = no limit
+    namespace_pool_share: float = 1.0  # fraction of the KV blocks one namespace may hold, in (0, 1]
     cuda_graphs: bool = True  # CUDA only: decode steps replayed from CUDA graphs captured at start-up
     # with cuda_graphs: the first draft step of a uniform greedy batch (<= 32 sequences, each with the same number
     # m <= this of committed tokens) is replayed from a graph too; one graph per (padded batch, m); 0 = never
@@ -25,6 +31,7 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0
     log_level: str = "INFO"
     log_format: str = "text"  # "text" (human-readable lines) or "json" (one object per line; logs.py)
+    otel_endpoint: str | None = None  # OTLP/gRPC endpoint of OpenTelemetry traces (tracing.py); None: OTEL_* vars
     # Shared-memory data plane (docs/shared_memory.md)
     shared_memory: bool = True  # accept RegisterSharedMemory and Tensor.shm references
     shm_dir: str = "/dev/shm"  # where POSIX shared-memory objects are (the container's /dev/shm mount)
@@ -71,6 +78,12 @@ class ServerConfig:
             raise ValueError("at least one --listen address is needed")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
+        if not self.sequence_lease_s >= 0:  # (also refuses NaN)
+            raise ValueError("sequence_lease_s must be >= 0 (0: no lease)")
+        if self.max_sequences < 0 or self.max_sequences_per_namespace < 0:
+            raise ValueError("max_sequences and max_sequences_per_namespace must be >= 0 (0: no limit)")
+        if not 0.0 < self.namespace_pool_share <= 1.0:
+            raise ValueError("namespace_pool_share must be in (0, 1]")
         if self.step_channel_spin_s < 0 or self.step_channel_idle_poll_s <= 0:
             raise ValueError("step_channel_spin_s must be >= 0 and step_channel_idle_poll_s > 0")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -1,42 +1,116 @@
-"""Counters of the drafter, exposed in the Prometheus text format (server.py serves them on --metrics-port).
+"""The drafter's Prometheus metrics, on prometheus_client; serve_http() serves them on --metrics-port (server.py).
 
-Written by the step worker thread, read by the event loop: plain ints, no locks (a scrape may see a step half
-counted, which Prometheus tolerates).
+Every Metrics holds its own CollectorRegistry (never prometheus_client's global one), so one process can run several
+servers (the tests do). Two kinds of series live in it:
+
+- Per-sequence counters of the step thread (steps, tokens, acceptance by position, per-sequence statuses) are plain
+  ints that only the step thread writes, exported at scrape time by a collector: no lock per increment on the step
+  path. A scrape may see a step half counted, which Prometheus tolerates.
+- The histograms, and every counter written from more than one thread (Propose timings, request errors,
+  evictions), are prometheus_client Histogram / Counter objects. Gauges of state that lives elsewhere (KV blocks,
+  live sequences, queue depth, step channels, shared-memory regions) are read when scraped.
+
+Names follow the Prometheus conventions (promtool check metrics passes: tests/test_metrics_promtool.py): counters
+end in _total, no other series ends in _sum / _count / _bucket, gauges do not end in _total, base units (seconds,
+bytes, ratio), status labels are gRPC code names ("NOT_FOUND"). The table of every series is in docs/deployment.md.
 """
-from dataclasses import dataclass, field
+import errno
+import logging
+import socket
+import threading
+from http.server import HTTPServer
+from socketserver import TCPServer, ThreadingMixIn
+from typing import Callable
+from urllib.parse import urlparse
 
-LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import MetricsHandler
+
+from drafter_service.engine.sequence import SequenceCounters
+
+log = logging.getLogger(__name__)
+
+# No "<name>_created" series next to every counter and histogram: they double the series and nothing here reads
+# them. (A process-wide prometheus_client switch; this module is the drafter server's.)
+disable_created_metrics()
+
+# Latency buckets from 0.1 ms (a step-channel round trip, a CUDA-graph step) to 5 s.
+LATENCY_BUCKETS_S = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+BATCH_SEQUENCES_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MAX_TRACKED_POSITIONS = 16
 
+# gRPC status code numbers (fixed by the gRPC spec) -> names, for per-sequence statuses (the engine has no grpc).
+CODE_NAMES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+              "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+              "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED")
 
-@dataclass
+
+def code_name(code: int) -> str:
+    return CODE_NAMES[code] if 0 <= code < len(CODE_NAMES) else str(code)
+
+
 class Metrics:
-    steps: int = 0  # batches run by the worker
-    sequence_steps: int = 0  # per-sequence steps, all outcomes
-    committed_tokens: int = 0  # rows of hidden states ingested
-    draft_tokens: int = 0  # drafts proposed
-    sequence_errors: dict[int, int] = field(default_factory=dict)  # per-sequence status code -> count
-    drafts_evaluated: int = 0  # drafts whose fate the engine told us (next step)
-    drafts_accepted: int = 0
-    evaluated_by_position: list[int] = field(default_factory=lambda: [0] * MAX_TRACKED_POSITIONS)
-    accepted_by_position: list[int] = field(default_factory=lambda: [0] * MAX_TRACKED_POSITIONS)
-    step_seconds_sum: float = 0.0
-    step_seconds_buckets: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS_S))
-    batch_sequences_sum: int = 0
-    kv_blocks_free: int = 0
-    kv_blocks_total: int = 0
-    live_sequences: int = 0
-    rpc_errors: dict[str, int] = field(default_factory=dict)  # request-level gRPC code name -> count
-    # Where a Propose request's time goes inside the server (handler entry to response built):
-    rpc_propose_count: int = 0
-    rpc_parse_seconds_sum: float = 0.0  # validate + decode tensors (+ shared-memory copies)
-    rpc_wait_seconds_sum: float = 0.0  # queued for the worker + the batch's step + hand-back
-    rpc_reply_seconds_sum: float = 0.0  # encode the response
-    shm: object | None = None  # shm_regions.RegionTable when shared memory is on: its totals are exported too
-    channel_requests_total: int = 0  # Propose requests answered through step channels (also in rpc_propose_total)
-    channels: object | None = None  # step_channels.ChannelSet when step channels are on
+    """The counters of one server. The step thread calls record_step / record_acceptance / observe_queue_wait; the
+    handlers record_rpc_timing / record_rpc_error; runtime.py set_build_info. The sequence table's lifetime counters
+    (evictions, expiries, quota refusals) are read from sequence_counters when scraped."""
+
+    def __init__(self, kv_blocks_free: int = 0, kv_blocks_total: int = 0):
+        # ---- written by the step thread only (plain ints; exported by _StepCollector) ----
+        self.steps = 0  # batches run by the worker
+        self.sequence_steps = 0  # per-sequence steps, all outcomes
+        self.committed_tokens = 0  # rows of hidden states ingested
+        self.draft_tokens = 0  # drafts proposed
+        self.sequence_errors: dict[int, int] = {}  # per-sequence status code (number) -> count
+        self.draft_proposals_evaluated = 0  # sequence steps whose previous drafts the engine reported on
+        self.drafts_evaluated = 0  # drafts whose fate the engine told us (next step)
+        self.drafts_accepted = 0
+        self.evaluated_by_position = [0] * MAX_TRACKED_POSITIONS
+        self.accepted_by_position = [0] * MAX_TRACKED_POSITIONS
+        self.kv_blocks_free = kv_blocks_free
+        self.kv_blocks_total = kv_blocks_total  # the pool's capacity (drafter_kv_capacity_blocks)
+        self.live_sequences = 0
+        # ---- state read when scraped (set by server.py / the servicer) ----
+        self.shm: object | None = None  # shm_regions.RegionTable when shared memory is on: its totals are exported
+        self.channels: object | None = None  # step_channels.ChannelSet when step channels are on
+        self.queue_depth: Callable[[], int] | None = None  # StepScheduler.queue_depth
+        # the sequence table's lifetime counters (the proposer puts its table's here; step thread writes)
+        self.sequence_counters = SequenceCounters()
+
+        self.registry = r = CollectorRegistry()
+        self.build_info = Gauge("drafter_build_info", "Always 1; the labels say what this drafter runs.",
+                                ["version", "method", "device", "dtype"], registry=r)
+        self.step_seconds = Histogram("drafter_step_seconds", "Step-thread time per batch (the proposer step).",
+                                      buckets=LATENCY_BUCKETS_S, registry=r)
+        self.batch_sequences = Histogram("drafter_batch_sequences", "Sequences per batch run by the step thread.",
+                                         buckets=BATCH_SEQUENCES_BUCKETS, registry=r)
+        self.queue_wait_seconds = Histogram(
+            "drafter_queue_wait_seconds",
+            "Time a Propose request (gRPC or step channel) waited for the step thread: queued to its batch's start.",
+            buckets=LATENCY_BUCKETS_S, registry=r)
+        self.propose_seconds = Histogram(
+            "drafter_propose_seconds",
+            "Server time of answered Propose requests, from the handler (or the channel poll) to the reply built.",
+            ["transport"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self._propose_grpc = self.propose_seconds.labels("grpc")
+        self._propose_channel = self.propose_seconds.labels("step_channel")
+        self.rpc_propose = Counter("drafter_rpc_propose", "Propose requests answered (unary, stream, step channel).",
+                                   registry=r)
+        phase = Counter("drafter_rpc_propose_phase_seconds",
+                        "Server time of answered Propose requests by phase: parse (validate, decode), wait (queue + "
+                        "step), reply (encode).", ["phase"], registry=r)
+        self._phase = (phase.labels("parse"), phase.labels("wait"), phase.labels("reply"))
+        self.rpc_errors = Counter("drafter_rpc_errors", "Requests refused as a whole, by gRPC code.", ["code"],
+                                  registry=r)
+        self.channel_requests = Counter("drafter_step_channel_requests",
+                                        "Propose requests answered through shared-memory step channels (they count "
+                                        "in drafter_rpc_propose_total too).", registry=r)
+        r.register(_StepCollector(self))
+
+    # ---- the step thread ----
 
     def record_acceptance(self, num_drafts: int, accepted: int) -> None:
+        self.draft_proposals_evaluated += 1
         self.drafts_evaluated += num_drafts
         self.drafts_accepted += accepted
         for i in range(min(num_drafts, MAX_TRACKED_POSITIONS)):
@@ -47,96 +121,213 @@ class Metrics:
     def record_step(self, steps, outputs, seconds: float, blocks_free: int, blocks_total: int) -> None:
         self.steps += 1
         self.sequence_steps += len(steps)
-        self.batch_sequences_sum += len(steps)
+        committed = drafts = 0
         for s, o in zip(steps, outputs):
             if o.code:
                 self.sequence_errors[o.code] = self.sequence_errors.get(o.code, 0) + 1
             else:
-                self.committed_tokens += s.num_tokens
-                self.draft_tokens += len(o.drafts)
-        self.step_seconds_sum += seconds
-        for i, bound in enumerate(LATENCY_BUCKETS_S):
-            if seconds <= bound:
-                self.step_seconds_buckets[i] += 1
+                committed += s.num_tokens
+                drafts += len(o.drafts)
+        self.committed_tokens += committed
+        self.draft_tokens += drafts
+        self.step_seconds.observe(seconds)
+        self.batch_sequences.observe(len(steps))
         self.kv_blocks_free, self.kv_blocks_total = blocks_free, blocks_total
 
-    def record_rpc_timing(self, parse_s: float, wait_s: float, reply_s: float) -> None:
-        self.rpc_propose_count += 1
-        self.rpc_parse_seconds_sum += parse_s
-        self.rpc_wait_seconds_sum += wait_s
-        self.rpc_reply_seconds_sum += reply_s
+    def observe_queue_wait(self, seconds: float) -> None:
+        self.queue_wait_seconds.observe(seconds)
+
+    # ---- any thread ----
+
+    def record_rpc_timing(self, parse_s: float, wait_s: float, reply_s: float, channel: bool = False) -> None:
+        """One answered Propose request (channel: it came through a step channel)."""
+        self.rpc_propose.inc()
+        self._phase[0].inc(parse_s)
+        self._phase[1].inc(wait_s)
+        self._phase[2].inc(reply_s)
+        (self._propose_channel if channel else self._propose_grpc).observe(parse_s + wait_s + reply_s)
+        if channel:
+            self.channel_requests.inc()
 
     def record_rpc_error(self, code_name: str) -> None:
-        self.rpc_errors[code_name] = self.rpc_errors.get(code_name, 0) + 1
+        """A request refused as a whole; code_name: grpc.StatusCode.name ("INVALID_ARGUMENT")."""
+        self.rpc_errors.labels(code_name).inc()
+
+    def set_build_info(self, version: str, method: str, device: str, dtype: str) -> None:
+        self.build_info.clear()
+        self.build_info.labels(version, method, device, dtype).set(1)
+
+    # ---- reading ----
 
     @property
     def mean_acceptance_length(self) -> float:
-        """1 + accepted / evaluated steps, as vLLM reports it (per step that had drafts)."""
-        evaluated_steps = self.evaluated_by_position[0]
-        return 1.0 + self.drafts_accepted / evaluated_steps if evaluated_steps else 0.0
+        """1 + accepted / evaluated proposals, as vLLM reports it (per sequence step that had drafts)."""
+        n = self.draft_proposals_evaluated
+        return 1.0 + self.drafts_accepted / n if n else 0.0
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        """One sample's current value by its exposed name (e.g. "drafter_propose_seconds_count"), or None."""
+        return self.registry.get_sample_value(name, labels)
 
     def prometheus_text(self) -> str:
-        lines = []
+        """The Prometheus text exposition (format 0.0.4) of this server's series."""
+        return generate_latest(self.registry).decode()
 
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP drafter_{name} {help_}")
-            lines.append(f"# TYPE drafter_{name} {kind}")
-            for labels, value in samples:
-                lines.append(f"drafter_{name}{labels} {value}")
 
-        metric("steps_total", "counter", "Batches run by the step worker.", [("", self.steps)])
-        metric("sequence_steps_total", "counter", "Per-sequence steps received.", [("", self.sequence_steps)])
-        metric("committed_tokens_total", "counter", "Committed tokens (hidden-state rows) ingested.",
-               [("", self.committed_tokens)])
-        metric("draft_tokens_total", "counter", "Draft tokens proposed.", [("", self.draft_tokens)])
-        metric("drafts_evaluated_total", "counter", "Drafts whose outcome the engine reported.",
-               [("", self.drafts_evaluated)])
-        metric("drafts_accepted_total", "counter", "Drafts the engine accepted.", [("", self.drafts_accepted)])
-        metric("drafts_evaluated_by_position_total", "counter", "Drafts evaluated, by draft position (0-based).",
-               [(f'{{position="{i}"}}', v) for i, v in enumerate(self.evaluated_by_position)])
-        metric("drafts_accepted_by_position_total", "counter", "Drafts accepted, by draft position (0-based).",
-               [(f'{{position="{i}"}}', v) for i, v in enumerate(self.accepted_by_position)])
-        metric("sequence_errors_total", "counter", "Per-sequence statuses other than OK, by gRPC code number.",
-               [(f'{{code="{c}"}}', v) for c, v in sorted(self.sequence_errors.items())])
-        metric("rpc_errors_total", "counter", "Request-level errors, by gRPC code.",
-               [(f'{{code="{c}"}}', v) for c, v in sorted(self.rpc_errors.items())])
-        buckets = [(f'{{le="{b}"}}', c) for b, c in zip(LATENCY_BUCKETS_S, self.step_seconds_buckets)]
-        buckets.append(('{le="+Inf"}', self.steps))
-        lines.append("# HELP drafter_step_seconds Worker time per batch.")
-        lines.append("# TYPE drafter_step_seconds histogram")
-        lines += [f"drafter_step_seconds_bucket{lab} {v}" for lab, v in buckets]
-        lines.append(f"drafter_step_seconds_sum {self.step_seconds_sum}")
-        lines.append(f"drafter_step_seconds_count {self.steps}")
-        metric("batch_sequences_sum", "counter", "Sum of sequences per batch (divide by steps_total).",
-               [("", self.batch_sequences_sum)])
-        metric("rpc_propose_total", "counter", "Propose requests answered (unary and stream).",
-               [("", self.rpc_propose_count)])
-        metric("rpc_propose_seconds_sum", "counter",
-               "Server time of Propose requests by phase: parse (validate, decode), wait (queue + step), reply.",
-               [('{phase="parse"}', self.rpc_parse_seconds_sum), ('{phase="wait"}', self.rpc_wait_seconds_sum),
-                ('{phase="reply"}', self.rpc_reply_seconds_sum)])
-        if self.channels is not None:
-            metric("step_channel_requests_total", "counter",
-                   "Propose requests that came through shared-memory step channels.",
-                   [("", self.channel_requests_total)])
-            metric("step_channels", "gauge", "Step channels open.", [("", self.channels.open_count())])
-        if self.shm is not None:
-            t = self.shm
-            metric("shm_reads_total", "counter", "Tensors read by reference from shared-memory regions.",
-                   [("", t.reads_total)])
-            metric("shm_read_bytes_total", "counter", "Bytes copied out of shared-memory regions.",
-                   [("", t.read_bytes_total)])
-            metric("shm_read_seconds_total", "counter",
-                   "Seconds spent checking references and copying them into staging tensors.",
-                   [("", t.read_seconds_total)])
-            metric("shm_regions_expired_total", "counter",
-                   "Regions unmapped because their lease expired (client gone without unregistering).",
-                   [("", t.expired_total)])
+class _StepCollector:
+    """The step thread's plain counters and the gauges read when scraped, as metric families."""
+
+    def __init__(self, m: Metrics):
+        self.m = m
+
+    def collect(self):
+        m = self.m
+
+        def counter(name, help_, value):
+            return CounterMetricFamily(name, help_, value=value)
+
+        def gauge(name, help_, value):
+            return GaugeMetricFamily(name, help_, value=value)
+
+        yield counter("drafter_steps", "Batches run by the step thread.", m.steps)
+        yield counter("drafter_sequence_steps", "Per-sequence steps received, all outcomes.", m.sequence_steps)
+        yield counter("drafter_committed_tokens", "Committed tokens (hidden-state rows) ingested.", m.committed_tokens)
+        yield counter("drafter_draft_tokens", "Draft tokens proposed.", m.draft_tokens)
+        yield counter("drafter_draft_proposals_evaluated",
+                      "Sequence steps whose previous drafts the engine reported on (vLLM: num_drafts); mean "
+                      "acceptance length = 1 + drafter_drafts_accepted_total / this.", m.draft_proposals_evaluated)
+        yield counter("drafter_drafts_evaluated", "Draft tokens whose outcome the engine reported (vLLM: "
+                      "num_draft_tokens).", m.drafts_evaluated)
+        yield counter("drafter_drafts_accepted", "Draft tokens the engine accepted (vLLM: num_accepted_tokens).",
+                      m.drafts_accepted)
+        by_pos = [("drafter_drafts_evaluated_by_position", "Draft tokens evaluated, by draft position (0-based).",
+                   list(m.evaluated_by_position)),
+                  ("drafter_drafts_accepted_by_position", "Draft tokens accepted, by draft position (0-based; "
+                   "vLLM: num_accepted_tokens_per_pos).", list(m.accepted_by_position))]
+        for name, help_, values in by_pos:
+            f = CounterMetricFamily(name, help_, labels=["position"])
+            for i, v in enumerate(values):
+                f.add_metric([str(i)], v)
+            yield f
+        f = CounterMetricFamily("drafter_sequence_errors", "Per-sequence statuses other than OK, by gRPC code.",
+                                labels=["code"])
+        for c, v in sorted(dict(m.sequence_errors).items()):
+            f.add_metric([code_name(c)], v)
+        yield f
+        c = m.sequence_counters
+        yield counter("drafter_sequences_evicted", "Idle sequences evicted, least recently used first, to make "
+                      "room (KV pool, --max-sequences or a namespace quota).", c.evicted)
+        yield counter("drafter_sequences_expired", "Sequences freed because no step touched them for "
+                      "--sequence-lease-s.", c.expired)
+        yield counter("drafter_sequences_freed_on_close", "Sequences freed because the ProposeStream or step "
+                      "channel that created them ended.", c.owner_closed)
+        yield counter("drafter_quota_refusals", "Sequence steps refused (RESOURCE_EXHAUSTED) because their "
+                      "namespace or the drafter was at a quota (--max-sequences*, --namespace-pool-share).",
+                      c.quota_refusals)
+        yield counter("drafter_pool_full_refusals", "Sequence steps refused (RESOURCE_EXHAUSTED) because the KV "
+                      "pool was full of sequences in use.", c.pool_refusals)
+        free, total = m.kv_blocks_free, m.kv_blocks_total
+        yield gauge("drafter_kv_blocks_free", "Free KV blocks.", free)
+        yield gauge("drafter_kv_capacity_blocks", "KV blocks in the pool.", total)
+        yield gauge("drafter_kv_used_ratio", "Share of the KV pool's blocks in use (0..1).",
+                    (total - free) / total if total else 0.0)
+        yield gauge("drafter_live_sequences", "Sequences holding draft-KV.", m.live_sequences)
+        if m.queue_depth is not None:
+            yield gauge("drafter_queue_depth", "Propose requests queued for the step thread, not yet in a batch.",
+                        m.queue_depth())
+        if m.channels is not None:
+            yield gauge("drafter_step_channels", "Step channels open.", m.channels.open_count())
+        if m.shm is not None:
+            t = m.shm
+            yield counter("drafter_shm_reads", "Tensors read by reference from shared-memory regions.", t.reads_total)
+            yield counter("drafter_shm_read_bytes", "Bytes copied out of shared-memory regions.", t.read_bytes_total)
+            yield counter("drafter_shm_read_seconds",
+                          "Seconds spent checking references and copying them into staging tensors.",
+                          t.read_seconds_total)
+            yield counter("drafter_shm_regions_expired",
+                          "Regions unmapped because their lease expired (client gone without unregistering).",
+                          t.expired_total)
             regions = list(t.regions.values())
-            metric("shm_regions", "gauge", "Shared-memory regions registered.", [("", len(regions))])
-            metric("shm_region_bytes", "gauge", "Bytes of the registered shared-memory regions.",
-                   [("", sum(r.byte_size for r in regions))])
-        metric("kv_blocks_free", "gauge", "Free KV blocks.", [("", self.kv_blocks_free)])
-        metric("kv_blocks_total", "gauge", "KV blocks in the pool.", [("", self.kv_blocks_total)])
-        metric("live_sequences", "gauge", "Sequences holding draft-KV.", [("", self.live_sequences)])
-        return "\n".join(lines) + "\n"
+            yield gauge("drafter_shm_regions", "Shared-memory regions registered.", len(regions))
+            yield gauge("drafter_shm_region_bytes", "Bytes of the registered shared-memory regions.",
+                        sum(r.byte_size for r in regions))
+
+
+# ---- the HTTP endpoint ----
+
+
+class _Lazy:
+    """Collects from the registry get() returns at scrape time (None while the model loads: no series yet)."""
+
+    def __init__(self, get: Callable[[], CollectorRegistry | None]):
+        self.get = get
+
+    def collect(self):
+        registry = self.get()
+        return registry.collect() if registry is not None else iter(())
+
+
+class _Handler(MetricsHandler):
+    registry: CollectorRegistry  # set per server (serve_http)
+
+    def do_GET(self) -> None:
+        if urlparse(self.path).path != "/metrics":
+            body = b"not found (try /metrics)\n"
+            self.send_response(404)
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        super().do_GET()
+
+
+class _HTTPServer(ThreadingMixIn, HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def server_bind(self) -> None:
+        if self.address_family == socket.AF_INET6:
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 too (mapped addresses)
+        TCPServer.server_bind(self)  # (not HTTPServer's: it resolves the host name, which can wait on DNS)
+        self.server_name, self.server_port = "drafter", self.server_address[1]
+
+
+class _DualStack(_HTTPServer):
+    address_family = socket.AF_INET6
+
+
+class MetricsServer:
+    """/metrics over HTTP on one port, IPv6 and IPv4 (one dual-stack socket on [::]; 0.0.0.0 where the host has no
+    IPv6), on a daemon thread."""
+
+    def __init__(self, port: int, get_registry: Callable[[], CollectorRegistry | None]):
+        registry = CollectorRegistry()
+        registry.register(_Lazy(get_registry))
+        handler = type("DrafterMetricsHandler", (_Handler,), {"registry": registry})
+        self.httpd = None
+        if socket.has_ipv6:
+            try:
+                self.httpd = _DualStack(("::", port), handler)
+            except OSError as e:
+                if e.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT):
+                    raise  # (a port in use, say)
+                log.info("metrics: no IPv6 on this host (%s); IPv4 only", e)  # IPv6 off in the kernel / container
+        if self.httpd is None:
+            self.httpd = _HTTPServer(("0.0.0.0", port), handler)
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="drafter-metrics", daemon=True)
+        self._thread.start()
+        host = "[::]" if self.httpd.address_family == socket.AF_INET6 else "0.0.0.0"
+        log.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    def close(self) -> None:
+        """Stop serving (blocks up to half a second for the serving thread) and close the socket."""
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(5)
+
+
+def serve_http(port: int, get_registry: Callable[[], CollectorRegistry | None]) -> MetricsServer:
+    """Serve /metrics on port (0: a free one, see .port) from the registry get_registry() returns when scraped."""
+    return MetricsServer(port, get_registry)

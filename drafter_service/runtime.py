@@ -11,6 +11,7 @@ from drafter_service.engine.kv_cache import KVCache
 from drafter_service.loader import DTYPES, load_head
 from drafter_service.metrics import Metrics
 from drafter_service.engine.proposer import Proposer
+from drafter_service.engine.sequence import SequenceLimits
 from drafter_service.transport.validation import Limits
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,15 @@ def build_runtime(cfg: ServerConfig) -> Runtime:
                          "--max-model-len")
     kv = KVCache(model.num_kv_layers, num_blocks, cfg.block_size, d.num_kv_heads, d.head_dim, dtype, device)
     metrics = Metrics(kv_blocks_free=num_blocks, kv_blocks_total=num_blocks)
-    proposer = Proposer(model, kv, max_model_len, device, metrics)
+    metrics.set_build_info(__version__, model.method, str(device), str(dtype).removeprefix("torch."))
+    proposer = Proposer(model, kv, max_model_len, device, metrics, SequenceLimits(
+        lease_s=cfg.sequence_lease_s, max_sequences=cfg.max_sequences,
+        max_sequences_per_namespace=cfg.max_sequences_per_namespace,
+        namespace_pool_share=cfg.namespace_pool_share))
+    share = proposer.table.namespace_block_limit
+    if share is not None and share * cfg.block_size < max_model_len:
+        log.warning("--namespace-pool-share %g gives a namespace %d tokens of KV, fewer than one sequence of "
+                    "max_model_len %d", cfg.namespace_pool_share, share * cfg.block_size, max_model_len)
     if device.type == "cuda" and cfg.cuda_graphs:  # after the KV pool exists: the graphs hold its address
         proposer.decode_graphs = capture_decode_graphs(proposer, cfg.block_size, max_model_len, cfg.max_batch_seqs,
                                                        dtype, device, cfg.first_step_graph_tokens,

@@ -17,9 +17,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from drafter_service import tracing
 from drafter_service.config import ServerConfig
 from drafter_client.protocol.mailbox import checksums_needed
 from drafter_client.protocol import pb, pb_grpc
+from drafter_service.metrics import MetricsServer, serve_http
 from drafter_service.runtime import Runtime, build_runtime
 from drafter_service.engine.scheduler import StepScheduler
 from drafter_service.transport.auth import (AuthInterceptor, Authorizer, load_tokens, restrict_socket,
@@ -41,28 +43,6 @@ def _prepare_unix_socket(address: str) -> None:
         path.unlink()  # a stale socket from a previous run
 
 
-async def _serve_metrics(port: int, runtime_ref: list) -> asyncio.AbstractServer:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            line = await asyncio.wait_for(reader.readline(), 5)
-            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
-                pass
-            parts = line.decode("latin-1").split()
-            if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics" and runtime_ref:
-                body, status = runtime_ref[0].metrics.prometheus_text().encode(), "200 OK"
-            else:
-                body, status = b"not found (try /metrics)\n", "404 Not Found"
-            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: "
-                         f"{len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
-            await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    return await asyncio.start_server(handle, "0.0.0.0", port)
-
-
 class DrafterServer:
     """A running server; tests and benchmarks use it in-process, the CLI through serve()."""
 
@@ -75,8 +55,7 @@ class DrafterServer:
         self.scheduler: StepScheduler | None = None
         self.channels: ChannelSet | None = None
         self.bound_addresses: list[str] = []
-        self._metrics_server: asyncio.AbstractServer | None = None
-        self._runtime_ref: list = []
+        self.metrics_server: MetricsServer | None = None  # /metrics on --metrics-port (its .port: the bound one)
         self.drained = asyncio.Event()  # set when a Drain is over (serve() then stops the server)
         self._drain_task: asyncio.Task | None = None
 
@@ -85,6 +64,7 @@ class DrafterServer:
         opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
+        tracing.setup_tracing(cfg.otel_endpoint)  # (off unless asked for; raises naming the missing package)
         authorizer = Authorizer(tokens=load_tokens(cfg.auth_token_file) if cfg.auth_token_file else None,
                                 namespace_from_cert=cfg.namespace_from_client_cert)
         self.servicer.authorizer = authorizer
@@ -119,10 +99,10 @@ class DrafterServer:
             if address.startswith("unix:"):
                 restrict_socket(address.removeprefix("unix:").removeprefix("//"), cfg.socket_group)
         if cfg.metrics_port:
-            self._metrics_server = await _serve_metrics(cfg.metrics_port, self._runtime_ref)
+            self.metrics_server = serve_http(cfg.metrics_port,
+                                             lambda: self.runtime.metrics.registry if self.runtime else None)
         log.info("listening on %s (loading the model; health NOT_SERVING)", ", ".join(self.bound_addresses))
         self.runtime = await asyncio.get_running_loop().run_in_executor(None, build_runtime, cfg)
-        self._runtime_ref.append(self.runtime)
         # What lives as long as the process (modules, the model, CUDA graphs) leaves the collector's reach: a
         # collection that a step triggers then walks only what steps allocate, not the whole heap.
         gc.freeze()
@@ -130,6 +110,7 @@ class DrafterServer:
         self.scheduler = StepScheduler(rt.proposer, rt.limits.max_request_tokens, cfg.max_batch_seqs,
                                        cfg.step_channel_spin_s, cfg.step_channel_idle_poll_s)
         self.servicer.attach(rt, self.scheduler)
+        rt.metrics.queue_depth = self.scheduler.queue_depth
         self.servicer.on_drain = self.drain
         self.channels = self._step_channels(cfg)
         self.scheduler.start()
@@ -199,11 +180,12 @@ class DrafterServer:
         if self.scheduler is not None:
             await self.scheduler.stop()
         await self.servicer.close()
-        if self._metrics_server is not None:
-            self._metrics_server.close()
+        if self.metrics_server is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.metrics_server.close)
         for address in self.bound_addresses:
             if address.startswith("unix:"):
                 pathlib.Path(address.removeprefix("unix:").removeprefix("//")).unlink(missing_ok=True)
+        tracing.shutdown_tracing()
         log.info("stopped")
 
 

@@ -144,10 +144,14 @@ async def test_pool_full_is_a_per_sequence_status(tiny_model, tmp_path):
             assert r.sequences[0].ok
             small = SequenceStep("small", 0, list(range(10)), torch.randn(10, H), 5, 4)
             huge = SequenceStep("huge", 0, list(range(200)), torch.randn(200, H), 5, 4)
-            r = await c.propose([huge, small])
-            assert r.sequences[0].code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-            assert "KV pool full" in r.sequences[0].message
-            assert r.sequences[1].ok and r.sequences[1].drafts.numel() == 4
+            # "big" steps in the same batch: it is not idle, so it cannot be evicted (tests/test_leases.py) to make
+            # room for "huge"
+            big_next = SequenceStep("big", 900, [5], torch.randn(1, H), 6, 4)
+            r = await c.propose([big_next, huge, small])
+            assert r.sequences[0].ok
+            assert r.sequences[1].code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            assert "KV pool full" in r.sequences[1].message
+            assert r.sequences[2].ok and r.sequences[2].drafts.numel() == 4
             # the refused sequence was not created: it is unknown now
             r = await c.propose([SequenceStep("huge", 5, [1], torch.randn(1, H), 2, 1)])
             assert r.sequences[0].code == grpc.StatusCode.NOT_FOUND.value[0]

@@ -41,7 +41,7 @@ from drafter_service.models.attention_metadata import AttentionMetadata
 from drafter_service.engine.multi_layer_inputs import ShiftCache, shift_and_cache
 from drafter_service.engine.parallel_inputs import copy_and_expand_inputs_ref
 from drafter_service.engine.sampling import DraftSample, sample_drafts, seed_to_int64
-from drafter_service.engine.sequence import Sequence, SequenceTable
+from drafter_service.engine.sequence import EVICTED_FOR_NAMESPACE, Sequence, SequenceLimits, SequenceTable
 from drafter_service.engine.step_io import (FAILED_PRECONDITION, INTERNAL, NOT_FOUND, OUT_OF_RANGE,
                                             RESOURCE_EXHAUSTED, UNAVAILABLE, StepInput, StepOutput)
 from drafter_service.engine.step_metadata import StepMetadata
@@ -116,28 +116,33 @@ class _Drafts:
 
 
 class Proposer:
-    def __init__(self, model, kv: KVCache, max_model_len: int, device: torch.device, metrics: Metrics | None = None):
+    def __init__(self, model, kv: KVCache, max_model_len: int, device: torch.device, metrics: Metrics | None = None,
+                 sequence_limits: SequenceLimits | None = None):
         self.model = model
         self.kv = kv
         self.block_size = kv.block_size
         self.max_model_len = max_model_len
         self.device = device
-        self.table = SequenceTable(kv.pool, kv.block_size)
+        self.table = SequenceTable(kv.pool, kv.block_size, sequence_limits)
+        self.clock = time.monotonic  # the lease's clock (tests replace it)
+        self._step_serial = 0  # numbers the steps: a sequence whose last_step is the current one is not idle
+        self._expiry_due = 0.0  # no sequence can expire before this clock time (expire_idle)
         self.metrics = metrics or Metrics()
+        self.metrics.sequence_counters = self.table.counters
         self.kv_layers = [kv.layer(i) for i in range(model.num_kv_layers)]
         self.decode_graphs = None  # cuda_graphs.DecodeGraphs: set by runtime.py on CUDA with --cuda-graphs
         self.draining = False  # Drain / SIGTERM: new sequences get UNAVAILABLE, live ones keep drafting
 
     # ---- admission: per-sequence checks and block reservation; nothing is changed for a refused sequence ----
 
-    def _admit(self, index: int, s: StepInput, out: StepOutput) -> _Admitted | None:
+    def _admit(self, index: int, s: StepInput, out: StepOutput, seq: Sequence | None, now: float) -> _Admitted | None:
+        """seq: the table's sequence for s (already touched by this step), None when the table has none."""
         p, m = s.start_position, s.num_tokens
         if p + m >= self.max_model_len:
             out.code, out.message = OUT_OF_RANGE, (
                 f"start_position + num_tokens = {p + m} leaves no room for next_token below max_model_len "
                 f"{self.max_model_len}")
             return None
-        seq = self.table.get(s.namespace, s.sequence_id)
         is_new = seq is None
         if is_new:
             if self.draining:
@@ -145,11 +150,14 @@ class Proposer:
                                                       "this one on another drafter)")
                 return None
             if p != 0:
+                why = self.table.why_gone(s.namespace, s.sequence_id)
                 out.code, out.message = NOT_FOUND, (
                     f"unknown sequence {s.sequence_id!r} in namespace {s.namespace!r}: a new sequence starts at "
+                    f"start_position 0 (got {p})" if why is None else
+                    f"sequence {s.sequence_id!r} in namespace {s.namespace!r} was {why}; start it again at "
                     f"start_position 0 (got {p})")
                 return None
-            seq = Sequence(s.namespace, s.sequence_id)
+            seq = Sequence(s.namespace, s.sequence_id, owner=s.owner, last_used=now, last_step=self._step_serial)
         elif p > seq.committed_len:
             out.code, out.message = FAILED_PRECONDITION, (
                 f"gap: start_position {p} is beyond the committed length {seq.committed_len} of sequence "
@@ -161,17 +169,88 @@ class Proposer:
             positions_needed = p + m  # every layer works on the committed positions only
         else:
             positions_needed = p + m + max(k - 1, 0)  # scratch KV of the draft positions but the last
-        missing = self.table.blocks_missing(seq, positions_needed)
-        if not self.table.resize(seq, positions_needed):
-            out.code, out.message = RESOURCE_EXHAUSTED, (
-                f"KV pool full: sequence {s.sequence_id!r} needs {missing} more blocks of {self.block_size} tokens, "
-                f"{self.kv.pool.num_free} free; release finished sequences or lower the load")
+        refusal = self._make_room(seq, is_new, self.table.blocks_missing(seq, positions_needed))
+        if refusal is not None:
+            out.code, out.message = RESOURCE_EXHAUSTED, refusal
+            return None
+        if not self.table.resize(seq, positions_needed):  # (cannot happen: _make_room left the blocks free)
+            out.code, out.message = INTERNAL, f"KV pool: {self.kv.pool.num_free} blocks free after making room"
             return None
         if is_new:
             self.table.add(seq)
         out.accepted_drafts = self._count_accepted(seq, s)
         seq.committed_len = min(seq.committed_len, p)  # rollback: free of cost, the next writes overwrite
         return _Admitted(index, seq, is_new, s, k)
+
+    def _make_room(self, seq: Sequence, is_new: bool, missing: int) -> str | None:
+        """Make room for seq to take `missing` more blocks (and, when new, to exist): the quotas first, a
+        namespace at its quota evicting its own idle sequences, then the global limits (--max-sequences, the pool),
+        evicting idle sequences of any namespace. Idle: not named by this step; least recently used first. Returns
+        the refusal message (RESOURCE_EXHAUSTED) when there is no room even so; None when seq fits."""
+        t, lim, ns, serial = self.table, self.table.limits, seq.namespace, self._step_serial
+        if is_new and lim.max_sequences_per_namespace:
+            over = t.namespace_sequences(ns) + 1 - lim.max_sequences_per_namespace
+            if over > 0 and not t.evict_idle(serial, sequences=over, namespace=ns, reason=EVICTED_FOR_NAMESPACE):
+                t.counters.quota_refusals += 1
+                return (f"quota: namespace {ns!r} holds {t.namespace_sequences(ns)} sequences, at most "
+                        f"{lim.max_sequences_per_namespace} (--max-sequences-per-namespace), none of them idle; "
+                        "release finished sequences")
+        limit = t.namespace_block_limit
+        if missing and limit is not None:
+            over = t.namespace_blocks(ns) + missing - limit
+            if over > 0 and not t.evict_idle(serial, blocks=over, namespace=ns, reason=EVICTED_FOR_NAMESPACE):
+                t.counters.quota_refusals += 1
+                return (f"quota: namespace {ns!r} holds {t.namespace_blocks(ns)} KV blocks and sequence "
+                        f"{seq.sequence_id!r} needs {missing} more; the namespace's share is {limit} of "
+                        f"{self.kv.pool.num_blocks} blocks (--namespace-pool-share {lim.namespace_pool_share:g}); "
+                        "release finished sequences")
+        if is_new and lim.max_sequences:
+            over = len(t) + 1 - lim.max_sequences
+            if over > 0 and not t.evict_idle(serial, sequences=over):
+                t.counters.quota_refusals += 1
+                return (f"quota: the drafter holds {len(t)} sequences, at most {lim.max_sequences} "
+                        "(--max-sequences), none of them idle; release finished sequences or lower the load")
+        free = self.kv.pool.num_free
+        if missing > free and not t.evict_idle(serial, blocks=missing - free):
+            t.counters.pool_refusals += 1
+            return (f"KV pool full: sequence {seq.sequence_id!r} needs {missing} more blocks of {self.block_size} "
+                    f"tokens, {self.kv.pool.num_free} free and too few held by idle sequences; release finished "
+                    "sequences or lower the load")
+        return None
+
+    # ---- lifetime between steps (step thread: the scheduler calls these between batches) ----
+
+    def expire_idle(self) -> int:
+        """Free the sequences no step touched for the lease; cheap when none can be due yet."""
+        if self.table.limits.lease_s <= 0:
+            return 0
+        now = self.clock()
+        if now < self._expiry_due:
+            return 0
+        n = self.table.expire(now)
+        self._expiry_due = self.table.expiry_due(now)
+        if n:
+            log.info("%d sequences expired (no step for %g s)", n, self.table.limits.lease_s)
+            self._table_changed()
+        return n
+
+    def expiry_wait(self) -> float | None:
+        """How long an idle step thread may sleep before a lease can run out; None: no lease or no sequence."""
+        if self.table.limits.lease_s <= 0 or not len(self.table):
+            return None
+        return max(0.001, self._expiry_due - self.clock())
+
+    def release_owner(self, owner: str) -> int:
+        """Free the sequences a stream / step channel created, now that it has ended."""
+        n = self.table.release_owner(owner)
+        if n:
+            log.info("freed %d sequences: the %s that created them closed", n, owner)
+            self._table_changed()
+        return n
+
+    def _table_changed(self) -> None:
+        self.metrics.live_sequences = len(self.table)
+        self.metrics.kv_blocks_free = self.kv.pool.num_free
 
     def _count_accepted(self, seq: Sequence, s: StepInput) -> int:
         """Compare the drafts given last time with the committed tokens this step brings (acceptance metrics)."""
@@ -213,7 +292,12 @@ class Proposer:
     def step(self, steps: list[StepInput]) -> list[StepOutput]:
         t0 = time.perf_counter()
         outputs = [StepOutput() for _ in steps]
-        batch = [a for i, s in enumerate(steps) if (a := self._admit(i, s, outputs[i])) is not None]
+        # Touch every sequence of the step before admitting any: admission may evict idle sequences, and these are
+        # not idle (sequence.py: the touched ones form the tail of the LRU order).
+        self._step_serial += 1
+        now, serial, touch = self.clock(), self._step_serial, self.table.touch
+        found = [touch(s.namespace, s.sequence_id, now, serial) for s in steps]
+        batch = [a for i, s in enumerate(steps) if (a := self._admit(i, s, outputs[i], found[i], now)) is not None]
         if batch:
             try:
                 drafts, logprobs, top_ids, top_probs = self._run(batch)

@@ -7,9 +7,12 @@ One thread owns the proposer. It takes work from two places:
 Each round it takes *everything* queued (no timer: at low load a lone request runs at once), up to the token and
 sequence budgets. Requests are taken in arrival order; a request touching a sequence already in the forming batch
 waits for the next batch, so two steps of one sequence never run out of order. Release and GetInfo's KV numbers
-run on the same thread between batches (run_exclusive), so they never race a step.
+run on the same thread between batches (run_exclusive), so they never race a step; so do the sequence leases
+(Proposer.expire_idle, checked at every turn of the loop) and the freeing of a closed stream's or channel's
+sequences (call_soon; ChannelSet.release_owner).
 
-Idle policy: with no channel open the thread sleeps until submit() wakes it. With channels open it polls them,
+Idle policy: with no channel open the thread sleeps until submit() wakes it, or until the next sequence lease
+can run out (Proposer.expiry_wait) when sequences are live. With channels open it polls them,
 yielding the GIL between polls (time.sleep(0): the event loop can take it), for channel_spin_s after the last
 channel request (the gap between two engine steps), then every channel_idle_poll_s. The thread's timer slack is
 1 ns (Linux): with the default 50 us slack each time.sleep(0) lasts 50-75 us, about how late a request would be
@@ -20,7 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from drafter_service.engine.proposer import Proposer
@@ -37,6 +40,7 @@ class PendingRequest:
     trace: dict | None = None  # when given: the batch's worker_start / worker_end (time.perf_counter) go here
     dry: bool = False  # answer without running the head (benchmarks' ingest-only mode)
     cancelled: Callable[[], bool] = lambda: False  # True: nobody waits for it (the RPC was cancelled): skip it
+    enqueued_at: float = field(default_factory=time.perf_counter)  # made just before it is queued (queue wait)
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +73,12 @@ def _resolve_in(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
     return deliver
 
 
+def _log_failure(result, exc=None) -> None:
+    """deliver() of a call_soon job: nobody waits for the result."""
+    if exc is not None:
+        log.error("step-thread job failed: %s: %s", type(exc).__name__, exc)
+
+
 class StepScheduler:
     def __init__(self, proposer: Proposer, max_batch_tokens: int, max_batch_seqs: int,
                  channel_spin_s: float = 0.05, channel_idle_poll_s: float = 0.0002):
@@ -90,6 +100,7 @@ class StepScheduler:
     def attach_channels(self, channels) -> None:
         self._channels = channels
         channels.wake = self._wake.set  # a new channel wakes a sleeping thread so that it starts polling
+        channels.release_owner = self.proposer.release_owner  # a channel whose client went frees its sequences
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -103,6 +114,10 @@ class StepScheduler:
         self.enqueue(PendingRequest(steps, _resolve_in(self._loop, fut), trace, cancelled=fut.cancelled))
         return await fut
 
+    def queue_depth(self) -> int:
+        """Requests queued, not yet taken into a batch (drafter_queue_depth)."""
+        return len(self._queue)
+
     def enqueue(self, pending: PendingRequest) -> None:
         self._queue.append(pending)
         self._wake.set()
@@ -113,6 +128,12 @@ class StepScheduler:
         self._jobs.append(_Job(fn, args, _resolve_in(self._loop, fut)))
         self._wake.set()
         return await fut
+
+    def call_soon(self, fn: Callable, *args) -> None:
+        """Run fn on the step thread between batches without waiting for it (a stream's end frees its
+        sequences: the stream's task may be cancelled already)."""
+        self._jobs.append(_Job(fn, args, _log_failure))
+        self._wake.set()
 
     async def stop(self) -> None:
         """Finish what is queued, close the channels, then stop the thread."""
@@ -149,6 +170,7 @@ class StepScheduler:
         last_channel_request = 0.0
         while True:
             channels = self._channels
+            self.proposer.expire_idle()  # (a clock read and a compare unless a lease may have run out)
             # (the step thread queues its own finds: no need to wake itself)
             if channels is not None and channels.poll(self._queue.append):
                 last_channel_request = time.monotonic()
@@ -169,7 +191,7 @@ class StepScheduler:
                     continue
                 self._wake.wait(self.channel_idle_poll_s)
             else:
-                self._wake.wait()
+                self._wake.wait(self.proposer.expiry_wait())  # None (no lease, no sequence): until woken
             self._wake.clear()
         if self._channels is not None:
             self._channels.close_all("the drafter is shutting down")
@@ -198,3 +220,5 @@ class StepScheduler:
                 p.trace["worker_start"], p.trace["worker_end"] = span
             p.deliver(outputs[r : r + len(p.steps)], None)
             r += len(p.steps)
+        for p in batch:  # (after the replies are on their way)
+            self.proposer.metrics.observe_queue_wait(t0 - p.enqueued_at)

@@ -28,6 +28,7 @@ class StepInput:
     seed: int = 0
     return_logprobs: bool = False
     top_k_probs: int = 0  # N: describe the draft distribution by its top N (0 = no)
+    owner: str | None = None  # "stream N" / "step channel N": a sequence this step creates is freed when it ends
 
     @property
     def num_tokens(self) -> int:

@@ -1,5 +1,6 @@
 """The drafter.v1.Drafter gRPC service: decode and validate, hand steps to the scheduler, encode the reply."""
 import asyncio
+import itertools
 import json
 import logging
 import math
@@ -15,6 +16,7 @@ from drafter_service.runtime import Runtime
 from drafter_service.engine.scheduler import StepScheduler
 from drafter_service.transport.shm_regions import RegionTable, ShmSettings
 from drafter_service.engine.step_io import StepInput, StepOutput
+from drafter_service import tracing
 from drafter_service.logs import request_context
 from drafter_service.transport.validation import (HIDDEN_DTYPES, TOKEN_DTYPES, RequestError, check_namespace, check_sequence_id,
                          parse_propose)
@@ -85,6 +87,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.step_channel_socket = ""  # where step channels open (server.py), "" when they are off
         self.authorizer = None  # auth.Authorizer (server.py); the AuthInterceptor applies it to every call
         self.on_drain = None  # async (grace_s) -> (live sequences, grace in force): server.py's DrafterServer.drain
+        self._stream_numbers = itertools.count(1)  # names the owner of a stream's sequences: "stream N"
         # Diagnostics (scripts/rpc_timeline.py): with DRAFTER_TRACE_RPC=PATH, one JSON line per Propose with the
         # time.perf_counter() of each phase (enter, parsed, worker_start, worker_end, resumed, replied). On Linux it
         # is CLOCK_MONOTONIC, shared by the processes of a machine, so a client on the same node can line its own
@@ -175,12 +178,24 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def encode_propose(self, outputs: list[StepOutput], request) -> "pb.ProposeResponse":
         return build_response(outputs, [s.sequence_id for s in request.steps], request.request_id)
 
-    async def _propose(self, request) -> "pb.ProposeResponse":
-        """One engine step; raises RequestError for a request that is malformed as a whole."""
+    async def _propose(self, request, transport: str = "unary", metadata=None,
+                       owner: str | None = None) -> "pb.ProposeResponse":
+        """One engine step; raises RequestError for a request that is malformed as a whole. transport / metadata:
+        for its trace span (tracing.py; nothing is recorded while tracing is off). owner: the stream whose end frees
+        the sequences this step creates (None: unary, only the lease and eviction free them)."""
         request_context.set((request.namespace, request.request_id))  # (this call's task only: log lines carry it)
         rt = self.runtime
         t_enter = time.perf_counter()
-        steps, dry = self.decode_propose(request)
+        try:
+            steps, dry = self.decode_propose(request)
+        except RequestError as e:
+            if tracing.enabled():
+                tracing.record_step(transport, request, {"enter": t_enter, "parsed": time.perf_counter()},
+                                    e.code.name, metadata)
+            raise
+        if owner is not None:
+            for s in steps:
+                s.owner = owner
         t_parsed = time.perf_counter()
         trace = {} if self.trace_file is not None else None
         outputs = [StepOutput() for _ in steps] if dry else await self.scheduler.submit(steps, trace)
@@ -192,12 +207,15 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             trace.update(request_id=request.request_id, enter=t_enter, parsed=t_parsed, resumed=t_stepped,
                          replied=t_replied)
             self.trace_file.write(json.dumps(trace) + "\n")
+        if tracing.enabled():
+            tracing.record_step(transport, request, {"enter": t_enter, "parsed": t_parsed, "stepped": t_stepped,
+                                                     "replied": t_replied}, "OK", metadata)
         return response
 
     async def Propose(self, request, context):
         await self._ready(context)
         try:
-            return await self._propose(request)
+            return await self._propose(request, "unary", context.invocation_metadata())
         except RequestError as e:
             await self._fail(context, e)
 
@@ -205,9 +223,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         await self._ready(context)
         replies: asyncio.Queue = asyncio.Queue()
 
+        metadata = context.invocation_metadata()
+        owner = f"stream {next(self._stream_numbers)}"  # the sequences this stream creates end with it
+
         async def one(req):
             try:
-                return await self._propose(req)
+                return await self._propose(req, "stream", metadata, owner)
             except RequestError as e:
                 self.runtime.metrics.record_rpc_error(e.code.name)
                 return pb.ProposeResponse(request_id=req.request_id, error=pb.Status(code=e.code.value[0],
@@ -227,6 +248,14 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             await reader
         finally:
             reader.cancel()
+            # The stream is over (the client half-closed it, or vanished: then this task is being cancelled). Steps
+            # of it still queued are skipped (cancelling their tasks cancels the futures the scheduler checks), and
+            # the sequences it created are freed on the step thread after whatever batch is running.
+            while not replies.empty():
+                pending = replies.get_nowait()
+                if pending is not None:
+                    pending.cancel()
+            self.scheduler.call_soon(self.runtime.proposer.release_owner, owner)
 
     async def Drain(self, request, context):
         await self._ready(context)

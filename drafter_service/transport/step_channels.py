@@ -5,7 +5,9 @@ JSON line {"version": 2, "namespace": ..., "request_bytes": ..., "reply_bytes": 
 mailbox (mailbox.py) in a memfd sealed against resizing, and answers with one JSON line ({"ok": true, capacities}
 or {"ok": false, "code": "INVALID_ARGUMENT", "message": ...}) carrying the memfd (SCM_RIGHTS). The connection
 stays open for the channel's lifetime: when the client closes it, or dies, the drafter closes the channel and
-unmaps the mailbox. Nothing is left in /dev/shm.
+unmaps the mailbox. Nothing is left in /dev/shm. The sequences first created through the channel belong to it:
+when its client goes away they are freed too (release_owner); a channel the drafter closes (shutdown) keeps them,
+its client goes on over gRPC.
 
 Serving: the step thread (scheduler.py) polls every open mailbox. A new request is copied out of the mailbox,
 parsed and checked exactly as a Propose is (DrafterServicer.decode_propose: the same limits, the same shared-
@@ -36,6 +38,7 @@ from drafter_client.protocol.mailbox import VERSION, Mailbox
 from drafter_client.protocol import pb
 from drafter_service.engine.scheduler import PendingRequest
 from drafter_service.engine.step_io import StepInput, StepOutput
+from drafter_service import tracing
 from drafter_service.transport.auth import ANY, AuthError, restrict_socket
 from drafter_service.transport.validation import RequestError, check_namespace
 
@@ -62,6 +65,11 @@ class Channel:
     closed: bool = False
     requests: int = 0
 
+    @property
+    def owner(self) -> str:
+        """The owner of the sequences this channel creates (StepInput.owner)."""
+        return f"step channel {self.id}"
+
 
 @dataclass
 class ChannelLimits:
@@ -81,6 +89,8 @@ class ChannelSet:
     metrics: object  # metrics.Metrics
     checksums: bool  # mailboxes with CHECKSUMS (mailbox.py; the server: --step-channel-checksums)
     wake: Callable[[], None] = lambda: None  # set by the scheduler: wakes the step thread
+    # set by the scheduler: frees the sequences an owner (Channel.owner) created (step thread)
+    release_owner: Callable[[str], int] = lambda owner: 0
     authorizer: object = None  # auth.Authorizer: with tokens, a hello must carry one that allows its namespace
     socket_group: str | None = None  # the channel socket's group (mode 0660)
     # Diagnostics (scripts/rpc_timeline.py): a text file that gets one JSON line per channel request with the
@@ -265,7 +275,7 @@ class ChannelSet:
             if now - ch.checked_at > LIVENESS_PERIOD_S:
                 ch.checked_at = now
                 if not _still_connected(ch.conn):
-                    self._close(ch, "the client closed the channel")
+                    self._close(ch, "the client closed the channel", client_gone=True)
         if any(ch.closed for ch in self._open):
             self._open = [ch for ch in self._open if not ch.closed]
         return found
@@ -294,6 +304,9 @@ class ChannelSet:
         except RequestError as e:
             self._reply_error(ch, seq, request_id, e)
             return
+        owner = ch.owner
+        for s in steps:  # a sequence this request creates belongs to the channel
+            s.owner = owner
         t_parsed = time.perf_counter()
         trace = {} if self.trace_file is not None else None
 
@@ -313,14 +326,18 @@ class ChannelSet:
                 return
             self._write(ch, seq, reply)
             t_replied = time.perf_counter()
-            self.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, t_replied - t_stepped)
-            self.metrics.channel_requests_total += 1
+            self.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, t_replied - t_stepped,
+                                           channel=True)
             if trace is not None:
                 trace.update(request_id=request_id, seen=t_seen, enter=t_enter, parsed=t_parsed, resumed=t_stepped,
                              replied=t_replied)
                 self.trace_file.write(json.dumps(trace) + "\n")
+            if tracing.enabled():  # (off by default: then nothing more on the step thread)
+                tracing.record_step("channel", request, {"enter": t_enter, "parsed": t_parsed, "stepped": t_stepped,
+                                                         "replied": t_replied})
 
-        enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry))
+        # (a channel closed before its request ran: nobody reads the reply, and its sequences are freed already)
+        enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed))
 
     def _reply_error(self, ch: Channel, seq: int, request_id: int, e: RequestError) -> None:
         self.metrics.record_rpc_error(e.code.name)
@@ -331,10 +348,13 @@ class ChannelSet:
         if not ch.closed:
             ch.box.write(ch.box.reply, seq, reply)
 
-    def _close(self, ch: Channel, why: str) -> None:
+    def _close(self, ch: Channel, why: str, client_gone: bool = False) -> None:
+        """client_gone: the client closed its end or died: the sequences the channel created are freed too."""
         if ch.closed:
             return
         ch.closed = True
+        if client_gone:
+            self.release_owner(ch.owner)
         size = Mailbox.segment_bytes(ch.box.request.capacity, ch.box.reply.capacity)
         ch.box.close()
         ch.box.release()
