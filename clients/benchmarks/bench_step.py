@@ -172,9 +172,9 @@ def scrape_server_seconds(metrics_port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     v = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     return {"worker": float(v["drafter_step_seconds_sum"]), "batches": float(v["drafter_step_seconds_count"]),
-            "parse": float(v['drafter_rpc_propose_seconds_sum{phase="parse"}']),
-            "wait": float(v['drafter_rpc_propose_seconds_sum{phase="wait"}']),
-            "reply": float(v['drafter_rpc_propose_seconds_sum{phase="reply"}'])}
+            "parse": float(v['drafter_rpc_propose_phase_seconds_total{phase="parse"}']),
+            "wait": float(v['drafter_rpc_propose_phase_seconds_total{phase="wait"}']),
+            "reply": float(v['drafter_rpc_propose_phase_seconds_total{phase="reply"}'])}
 
 
 async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metrics_port: int | None = None,
