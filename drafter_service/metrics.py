@@ -70,6 +70,7 @@ class Metrics:
         self.kv_blocks_free = kv_blocks_free
         self.kv_blocks_total = kv_blocks_total  # the pool's capacity (drafter_kv_capacity_blocks)
         self.live_sequences = 0
+        self.step_worker_broken = False  # the proposer hit an unrecoverable error (health NOT_SERVING)
         # ---- state read when scraped (set by server.py / the servicer) ----
         self.shm: object | None = None  # shm_regions.RegionTable when shared memory is on: its totals are exported
         self.channels: object | None = None  # step_channels.ChannelSet when step channels are on
@@ -232,6 +233,9 @@ class _StepCollector:
         yield gauge("drafter_kv_used_ratio", "Share of the KV pool's blocks in use (0..1).",
                     (total - free) / total if total else 0.0)
         yield gauge("drafter_live_sequences", "Sequences holding draft-KV.", m.live_sequences)
+        yield gauge("drafter_step_worker_broken", "1 once the step worker hit an error it cannot recover from (a "
+                    "sticky CUDA error, or batches failing in a row): health is NOT_SERVING until a restart.",
+                    int(m.step_worker_broken))
         if m.queue_depth is not None:
             yield gauge("drafter_queue_depth", "Propose requests queued for the step thread, not yet in a batch.",
                         m.queue_depth())

@@ -113,10 +113,20 @@ class DrafterServer:
         rt.metrics.queue_depth = self.scheduler.queue_depth
         self.servicer.on_drain = self.drain
         self.channels = self._step_channels(cfg)
+        loop = asyncio.get_running_loop()
+        rt.proposer.on_fatal = lambda reason: loop.call_soon_threadsafe(
+            lambda: asyncio.ensure_future(self._broken(reason)))  # (called on the step thread)
         self.scheduler.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving")
+
+    async def _broken(self, reason: str) -> None:
+        """The step worker hit an error it cannot recover from (Proposer.fatal): health NOT_SERVING for the
+        server ("", the liveness probe's) and the Drafter service, so that Kubernetes restarts the container; the
+        process keeps answering (every step UNAVAILABLE, which the client library turns into "no drafts")."""
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def _step_channels(self, cfg: ServerConfig) -> ChannelSet | None:
         path = cfg.step_channel_path()

@@ -115,6 +115,25 @@ class _Drafts:
         return tokens, logprobs, [stack(t) for t in top_ids], [stack(t) for t in top_probs]
 
 
+# Substrings of the CUDA errors after which the CUDA context is unusable ("sticky": every later CUDA call fails the
+# same way) and only a new process helps. (An out-of-memory error is not one of them.)
+STICKY_DEVICE_ERRORS = ("illegal memory access", "device-side assert", "unspecified launch failure",
+                        "misaligned address", "illegal instruction", "uncorrectable ecc", "launch timed out",
+                        "an illegal", "cuda error: unknown error", "hardware stack error")
+MAX_FAILED_BATCHES_IN_A_ROW = 3  # after this many failed batches in a row the step worker is considered broken
+
+
+def unrecoverable(e: BaseException) -> bool:
+    """Whether a step's exception leaves the device unusable (a sticky CUDA error)."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # (torch >= 2.8 raises it for CUDA errors)
+    text = str(e).lower()
+    if "out of memory" in text:
+        return False
+    if accelerator_error is not None and isinstance(e, accelerator_error):
+        return True
+    return "cuda error" in text and any(s in text for s in STICKY_DEVICE_ERRORS)
+
+
 class Proposer:
     def __init__(self, model, kv: KVCache, max_model_len: int, device: torch.device, metrics: Metrics | None = None,
                  sequence_limits: SequenceLimits | None = None):
@@ -132,6 +151,12 @@ class Proposer:
         self.kv_layers = [kv.layer(i) for i in range(model.num_kv_layers)]
         self.decode_graphs = None  # cuda_graphs.DecodeGraphs: set by runtime.py on CUDA with --cuda-graphs
         self.draining = False  # Drain / SIGTERM: new sequences get UNAVAILABLE, live ones keep drafting
+        # Set when the step worker cannot go on (a sticky device error, or MAX_FAILED_BATCHES_IN_A_ROW failed
+        # batches): every later step gets UNAVAILABLE without running, and on_fatal(reason) tells the server, which
+        # turns health NOT_SERVING so that the liveness probe restarts the process.
+        self.fatal: str | None = None
+        self.on_fatal = lambda reason: None
+        self._failed_in_a_row = 0
 
     # ---- admission: per-sequence checks and block reservation; nothing is changed for a refused sequence ----
 
@@ -298,13 +323,28 @@ class Proposer:
         now, serial, touch = self.clock(), self._step_serial, self.table.touch
         found = [touch(s.namespace, s.sequence_id, now, serial) for s in steps]
         batch = [a for i, s in enumerate(steps) if (a := self._admit(i, s, outputs[i], found[i], now)) is not None]
-        if batch:
+        if batch and self.fatal is not None:
+            for a in batch:
+                outputs[a.index].code = UNAVAILABLE
+                outputs[a.index].message = f"the drafter is broken ({self.fatal}) and waits to be restarted"
+                if a.is_new:
+                    self.table.release(a.seq.namespace, a.seq.sequence_id)
+        elif batch:
             try:
                 drafts, logprobs, top_ids, top_probs = self._run(batch)
             except Exception as e:  # never leave a sequence claiming KV it may not have
                 log.exception("step failed")
                 self._fail_batch(batch, outputs, e)
+                self._failed_in_a_row += 1
+                if unrecoverable(e) or self._failed_in_a_row >= MAX_FAILED_BATCHES_IN_A_ROW:
+                    self.fatal = (f"{type(e).__name__}: {e}" if unrecoverable(e) else
+                                  f"{self._failed_in_a_row} batches failed in a row, the last with "
+                                  f"{type(e).__name__}: {e}")
+                    log.critical("the step worker cannot go on: %s; health NOT_SERVING", self.fatal)
+                    self.metrics.step_worker_broken = True
+                    self.on_fatal(self.fatal)
             else:
+                self._failed_in_a_row = 0
                 for a, d, lp, ti, tp in zip(batch, drafts, logprobs, top_ids, top_probs):
                     p, m = a.step.start_position, a.step.num_tokens
                     a.seq.committed_len = p + m
