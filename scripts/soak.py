@@ -1,0 +1,413 @@
+"""Fault and soak harness: several engine processes drive a local drafter for a bounded time while faults are
+injected; every checked draft must equal the naive reference, no engine step may wait past its deadline, and no
+sequence may stay behind once every engine has left.
+
+    python scripts/soak.py                                   # 60 s, 3 engines x 12 sequences, every fault kind
+    python scripts/soak.py --duration-s 600 --out docs/bench/soak_cpu.json
+
+The drafter is drafter-serve in a child process on a tiny random EAGLE-1 head (the tests' checkpoint writer) with a
+small KV pool and a short sequence lease. Each engine is a process
+with its own DrafterClient (a per-step deadline, fallback, circuit breaker); engine i talks unary Propose, a
+ProposeStream or a step channel (i % 3; the first two over TCP through a proxy that can cut connections, the step
+channel on the Unix socket). It keeps --sequences sequences with random tokens and hidden states, accepts a random
+number of the drafts each step (a new sequence takes the place of a finished one, which is released), resends from
+the last confirmed position after a step without drafts and from position 0 when the reply says needs_resync, and
+checks one drafting step in --check-every against the naive reference (recomputing the sequence without a KV
+cache). Faults, one every --fault-every-s, in turn:
+  - cut: the proxy aborts every open TCP connection (a reset mid-stream);
+  - kill: an engine is SIGKILLed (its sequences are never released) and a new one starts;
+  - restart: the drafter is SIGKILLed and started again at the same address (every sequence is lost);
+  - flood: a process opens sequences until the pool is full, then exits without releasing any.
+At the end every engine releases its sequences and exits; the harness waits one lease and reads the drafter's KV
+pool: blocks still held are leaked. Prints a table and writes JSON (device, date, command, figures).
+Exit status 1 when a mismatch, a late step or a leak was seen.
+"""
+import argparse
+import asyncio
+import datetime
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import platform
+import random
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # checkpoints.py (tiny heads) and naive_eagle.py (the reference)
+
+H, V = 64, 512  # the tiny head's hidden size and vocabulary
+K = 3  # drafts per step
+MODES = ("unary", "stream", "channel")  # how engine i talks to the drafter: MODES[i % 3]
+
+
+# ---- an engine (a child process) ----
+
+def engine_main(index: int, address: str, args: dict, head: str, target: str, results, stop_at: float) -> None:
+    import torch
+
+    import logging
+    import traceback
+
+    torch.set_num_threads(1)
+    # the client's fallback warnings ("the drafter ... failed a call") are the point of the run: counted, not printed
+    logging.basicConfig(level=logging.ERROR)
+    try:
+        asyncio.run(Engine(index, address, args, head, target).run(results, stop_at))
+    except BaseException:  # an exception out of the client into the engine is a failure of the run
+        traceback.print_exc()
+        results.put(dict(index=index, crashed=traceback.format_exc()))
+
+
+class Engine:
+    def __init__(self, index: int, address: str, args: dict, head: str, target: str):
+        import torch
+
+        from naive_eagle import NaiveEagle1
+
+        self.torch = torch
+        self.index, self.address, self.args = index, address, args
+        self.rng = random.Random(1000 + index)
+        self.gen = torch.Generator().manual_seed(index)
+        self.naive = NaiveEagle1(head, target)
+        self.next_id = 0
+        self.stats = dict(steps=0, steps_with_drafts=0, fallback_steps=0, resyncs=0, checked=0, mismatches=0,
+                          late_steps=0, fallback_reasons={}, latencies_ms=[])
+
+    def new_sequence(self) -> dict:
+        self.next_id += 1
+        n = self.rng.randint(4, 24)
+        return dict(sid=f"e{self.index}-{self.next_id}", tokens=[self.rng.randrange(V) for _ in range(n + 1)],
+                    hidden=self.torch.randn(n, H, generator=self.gen), sent=0)  # sent: positions the drafter has
+
+    def step_of(self, s: dict):
+        from drafter_client import SequenceStep
+
+        p = s["sent"]
+        n = len(s["tokens"]) - 1  # committed tokens with hidden states; tokens[-1] is the next token
+        return SequenceStep(s["sid"], p, s["tokens"][p:n], s["hidden"][p:n], s["tokens"][n], K)
+
+    async def client(self):
+        from drafter_client import DrafterClient
+
+        mode = self.args["mode"]
+        c = DrafterClient(self.address, namespace=f"engine-{self.index}", step_timeout_s=self.args["deadline_s"])
+        if mode == "channel" and not await c.open_step_channel():
+            raise RuntimeError("no step channel")
+        return c, (c.stream() if mode == "stream" else None)
+
+    async def run(self, results, stop_at: float) -> None:
+        torch = self.torch
+        seqs = [self.new_sequence() for _ in range(self.args["sequences"])]
+        client, session = await self.client()
+        deadline = self.args["deadline_s"]
+        try:
+            while time.monotonic() < stop_at:
+                steps = [self.step_of(s) for s in seqs]
+                t0 = time.perf_counter()
+                reply = await (session.propose(steps) if session is not None else client.propose(steps))
+                took = time.perf_counter() - t0
+                self.stats["steps"] += 1
+                self.stats["latencies_ms"].append(took * 1e3)
+                if took > deadline + self.args["slack_s"]:
+                    self.stats["late_steps"] += 1
+                if reply.fallback:
+                    self.stats["fallback_steps"] += 1
+                    why = reply.fallback_reason.split(":")[0][:40]
+                    self.stats["fallback_reasons"][why] = self.stats["fallback_reasons"].get(why, 0) + 1
+                for s, st, r in zip(seqs, steps, reply.sequences):
+                    if r.ok:
+                        s["sent"] = st.start_position + len(st.token_ids)
+                        drafts = r.drafts.tolist()
+                        self.stats["steps_with_drafts"] += 1
+                        if self.rng.random() < 1 / self.args["check_every"]:
+                            want = self.naive.drafts(s["tokens"], s["hidden"], len(drafts))
+                            self.stats["checked"] += 1
+                            if drafts != want:
+                                self.stats["mismatches"] += 1
+                                print(f"MISMATCH engine {self.index} {s['sid']}: {drafts} != {want}", flush=True)
+                        accepted = drafts[: self.rng.randint(0, len(drafts))]
+                    else:
+                        accepted = []
+                        if r.needs_resync:  # the drafter lost the context: resend it whole next step
+                            s["sent"] = 0
+                            self.stats["resyncs"] += 1
+                    await asyncio.sleep(self.args["target_step_s"])  # the target verifies
+                # the target commits the accepted drafts and its own next token (a random one here)
+                    new = accepted + [self.rng.randrange(V)]
+                    s["hidden"] = torch.cat([s["hidden"], torch.randn(len(new), H, generator=self.gen)])
+                    s["tokens"] = s["tokens"] + new
+                finished = [s for s in seqs if len(s["tokens"]) > self.args["max_len"]]
+                if finished:
+                    await client.release([s["sid"] for s in finished])
+                    seqs = [s for s in seqs if s not in finished] + [self.new_sequence() for _ in finished]
+            await client.release([s["sid"] for s in seqs])
+        finally:
+            if session is not None:
+                await session.close()
+            await client.close()
+        self.stats["streams_opened"] = session.streams_opened if session is not None else 0
+        self.stats["breaker_opened"] = client.breaker.times_opened
+        lat = self.stats.pop("latencies_ms")
+        results.put(dict(self.stats, index=self.index, latencies_ms=lat))
+
+
+# ---- a pool flood: open sequences until the pool is full, then vanish ----
+
+def flood_main(address: str, count: int) -> None:
+    async def go():
+        import torch
+
+        from drafter_client import DrafterClient, SequenceStep
+
+        async with DrafterClient(address, namespace="flood", step_timeout_s=5.0) as c:
+            for i in range(0, count, 8):
+                await c.propose([SequenceStep(f"f{i + j}", 0, list(range(40)), torch.randn(40, H), 1, 0)
+                                 for j in range(8)])
+        os._exit(0)  # no Release
+
+    asyncio.run(go())
+
+
+# ---- connection cuts: a TCP proxy in front of the drafter's Unix socket ----
+
+class CuttingProxy:
+    """Forwards TCP connections from the engines (unary and stream modes) to the drafter's Unix socket, on a thread
+    of its own; cut() aborts every open connection at once (a TCP reset mid-stream, as a dying node or network
+    would), and the engines' clients reconnect by themselves."""
+
+    def __init__(self, sock: pathlib.Path):
+        self.sock = sock
+        self.loop = asyncio.new_event_loop()
+        self.transports: set = set()
+        ready = threading.Event()
+        self.port = 0
+
+        async def start():
+            server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+            self.port = server.sockets[0].getsockname()[1]
+            ready.set()
+
+        threading.Thread(target=self.loop.run_forever, daemon=True, name="cutting-proxy").start()
+        asyncio.run_coroutine_threadsafe(start(), self.loop)
+        ready.wait(10)
+
+    async def _handle(self, reader, writer) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_unix_connection(str(self.sock))
+        except OSError:  # the drafter is restarting: the client sees the connection drop and retries
+            writer.transport.abort()
+            return
+        pair = (writer.transport, up_writer.transport)
+        self.transports.update(pair)
+
+        async def pipe(src, dst):
+            try:
+                while data := await src.read(1 << 16):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        self.transports.difference_update(pair)
+
+    def cut(self) -> int:
+        """Abort every open connection; returns how many were cut (two transports each)."""
+        async def go():
+            cut = list(self.transports)
+            self.transports.clear()
+            for t in cut:
+                t.abort()
+            return len(cut) // 2
+
+        return asyncio.run_coroutine_threadsafe(go(), self.loop).result(5)
+
+
+# ---- the drafter ----
+
+class Drafter:
+    def __init__(self, head, target, sock: pathlib.Path, args):
+        self.cmd = [sys.executable, "-m", "drafter_service.cli", "--model", str(head), "--target-model", str(target),
+                    "--listen", f"unix:{sock}", "--device", "cpu", "--kv-cache-tokens", str(args.kv_tokens),
+                    "--max-model-len", str(args.max_len + 32), "--sequence-lease-s", str(args.lease_s),
+                    "--log-level", "WARNING"]
+        self.sock, self.proc = sock, None
+        self.log = open(sock.parent / "drafter.log", "a")
+
+    def start(self) -> None:
+        self.sock.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        asyncio.run(self.wait_ready())
+
+    async def wait_ready(self) -> None:
+        from drafter_client import DrafterClient
+
+        deadline = time.monotonic() + 60
+        while not self.sock.exists():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"the drafter did not start; see {self.log.name}")
+            await asyncio.sleep(0.05)
+        async with DrafterClient(f"unix:{self.sock}") as c:
+            await c.wait_ready(60)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def rss_mib(self) -> float:
+        for line in pathlib.Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def held_tokens(self) -> int:
+        async def go():
+            from drafter_client import DrafterClient
+
+            async with DrafterClient(f"unix:{self.sock}") as c:
+                info = await c.get_info()
+                return info.kv_capacity_tokens - info.kv_free_tokens
+
+        return asyncio.run(go())
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration-s", type=float, default=60.0)
+    ap.add_argument("--engines", type=int, default=3)
+    ap.add_argument("--sequences", type=int, default=12, help="per engine")
+    ap.add_argument("--max-len", type=int, default=96, help="a sequence is finished (released) past this length")
+    ap.add_argument("--kv-tokens", type=int, default=8192, help="the drafter's pool (small: the flood fills it)")
+    ap.add_argument("--lease-s", type=float, default=3.0, help="the drafter's --sequence-lease-s")
+    ap.add_argument("--deadline-s", type=float, default=0.5, help="the engines' per-step deadline")
+    ap.add_argument("--slack-s", type=float, default=0.5, help="a step later than deadline + slack counts as late")
+    ap.add_argument("--target-step-ms", type=float, default=5.0,
+                    help="each engine step also waits this long (the target's forward pass)")
+    ap.add_argument("--fault-every-s", type=float, default=4.0)
+    ap.add_argument("--check-every", type=int, default=10, help="check one drafting step in N against the naive")
+    ap.add_argument("--faults", default="flood,cut,kill,restart", help="the fault kinds, injected in this order")
+    ap.add_argument("--out", default="bench_out/soak.json")
+    a = ap.parse_args(argv)
+    from checkpoints import write_eagle1
+
+    mp_ctx = mp.get_context("spawn")
+    results = mp_ctx.Queue()
+    faults = {k: 0 for k in ("cut", "kill", "restart", "flood")}
+    kinds = [f for f in a.faults.split(",") if f]
+    t_start = time.monotonic()
+    stop_at = t_start + a.duration_s
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        head, target = write_eagle1(tmp / "model", seed=0, fc_bias=True)
+        drafter = Drafter(head, target, tmp / "d.sock", a)
+        drafter.start()
+        address = f"unix:{tmp / 'd.sock'}"
+        proxy = CuttingProxy(tmp / "d.sock")
+        engine_args = dict(sequences=a.sequences, max_len=a.max_len, deadline_s=a.deadline_s, slack_s=a.slack_s,
+                           check_every=a.check_every, target_step_s=a.target_step_ms / 1e3)
+        engines = {}
+
+        def start_engine(i: int) -> None:
+            # engine i: unary Propose, a ProposeStream (both through the cutting proxy, over TCP) or a step channel
+            # (on the Unix socket: same node, shared memory)
+            mode = MODES[i % len(MODES)]
+            where = address if mode == "channel" else f"127.0.0.1:{proxy.port}"
+            p = mp_ctx.Process(target=engine_main, args=(i, where, dict(engine_args, mode=mode), str(head),
+                                                         str(target), results, stop_at), daemon=True)
+            p.start()
+            engines[i] = p
+
+        for i in range(a.engines):
+            start_engine(i)
+        next_engine = a.engines
+        rss_start = None
+        fault_at = time.monotonic() + a.fault_every_s
+        turn = 0
+        connections_cut = 0
+        while time.monotonic() < stop_at - 1.0:
+            time.sleep(0.1)
+            if rss_start is None and time.monotonic() > t_start + min(5.0, a.duration_s / 10):
+                rss_start = drafter.rss_mib()
+            if time.monotonic() < fault_at or not kinds:
+                continue
+            fault_at = time.monotonic() + a.fault_every_s
+            kind = kinds[turn % len(kinds)]
+            turn += 1
+            if kind == "cut":
+                n = proxy.cut()
+                connections_cut += n
+                print(f"[{time.monotonic() - t_start:6.1f}s] cut {n} connections", flush=True)
+            elif kind == "kill":
+                victim = sorted(engines)[turn % len(engines)]
+                engines.pop(victim).kill()  # SIGKILL: its sequences are never released
+                start_engine(next_engine)
+                next_engine += 1
+            elif kind == "restart":
+                drafter.kill()
+                drafter.start()
+                rss_start = None  # a new process: measure its growth from its own warm state
+            elif kind == "flood":
+                p = mp_ctx.Process(target=flood_main, args=(address, a.kv_tokens // 48 + 16), daemon=True)
+                p.start()
+                p.join(30)
+            if kind:
+                faults[kind] += 1
+                print(f"[{time.monotonic() - t_start:6.1f}s] fault: {kind}", flush=True)
+        reports = []  # one per engine alive at the end (a killed engine reports nothing, unless it crashed)
+        while not set(engines) <= {r["index"] for r in reports}:
+            reports.append(results.get(timeout=a.deadline_s + 120))
+        for p in engines.values():
+            p.join(30)
+        rss_end = drafter.rss_mib()
+        time.sleep(a.lease_s + 1.5)  # sequences of killed engines and floods expire
+        held = drafter.held_tokens()
+        drafter.proc.send_signal(signal.SIGTERM)
+        drafter.proc.wait(30)
+    crashed = [r for r in reports if "crashed" in r]
+    reports = [r for r in reports if "crashed" not in r]
+    lat = [x for r in reports for x in r["latencies_ms"]]
+    total = {k: sum(r[k] for r in reports) for k in ("steps", "steps_with_drafts", "fallback_steps", "resyncs",
+                                                       "checked", "mismatches", "late_steps")}
+    result = dict(benchmark="soak", date=datetime.datetime.now().isoformat(timespec="seconds"),
+                  device=f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                  command=" ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]), args=vars(a),
+                  engines_reporting=len(reports), engines_crashed=len(crashed), faults=faults, connections_cut=connections_cut, **total, leaked_kv_tokens=held,
+                  step_ms_p50=percentile(lat, 0.5), step_ms_p99=percentile(lat, 0.99),
+                  drafter_rss_mib_start=rss_start, drafter_rss_mib_end=rss_end)
+    out = pathlib.Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nsoak {a.duration_s:.0f} s, {a.engines} engines x {a.sequences} sequences, {result['date']}")
+    for key in ("engines_reporting", "engines_crashed", "faults", "connections_cut", "steps", "steps_with_drafts", "fallback_steps", "resyncs", "checked",
+                "mismatches", "late_steps", "leaked_kv_tokens", "step_ms_p50", "step_ms_p99",
+                "drafter_rss_mib_start", "drafter_rss_mib_end"):
+        v = result[key]
+        print(f"  {key:22s} {v:.2f}" if isinstance(v, float) else f"  {key:22s} {v}")
+    for r in sorted(reports, key=lambda r: r["index"]):
+        print(f"  engine {r['index']} ({MODES[r['index'] % len(MODES)]}): {r['steps']} steps, "
+              f"{r['steps_with_drafts']} drafting sequence-steps, {r['fallback_steps']} fallback steps, "
+              f"{r['resyncs']} resyncs, breaker opened {r['breaker_opened']}x; fallbacks: {r['fallback_reasons']}")
+    print(f"wrote {out}")
+    bad = total["mismatches"] or total["late_steps"] or held or crashed or not total["checked"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""A short run of the fault and soak harness (scripts/soak.py; the longer run's figures are in docs/reliability.md).
+
+Three engine processes (unary, stream, step channel) drive a drafter process while the harness cuts their TCP
+connections, SIGKILLs an engine, floods the KV pool and SIGKILLs and restarts the drafter. The harness itself checks
+drafts against the naive reference; this test asserts its verdict: no mismatch, no engine step past its deadline,
+no engine that crashed (an exception out of the client), no KV left held once every engine is gone, and that every
+fault kind was injected and drafts were checked.
+"""
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_short_soak_with_every_fault(tmp_path):
+    out = tmp_path / "soak.json"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--duration-s", "30", "--engines", "3",
+                        "--sequences", "6", "--fault-every-s", "3.5", "--faults", "flood,cut,kill,restart",
+                        "--out", str(out)], capture_output=True, text=True, timeout=400)
+    assert out.exists(), p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    summary = json.dumps({k: v for k, v in r.items() if k != "args"}, indent=1)
+    assert r["mismatches"] == 0, summary
+    assert r["late_steps"] == 0, summary
+    assert r["engines_crashed"] == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert r["leaked_kv_tokens"] == 0, summary
+    assert all(r["faults"][k] >= 1 for k in ("cut", "flood", "kill", "restart")), summary
+    assert r["connections_cut"] >= 1, summary
+    assert r["checked"] > 0 and r["steps_with_drafts"] > 0, summary
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
