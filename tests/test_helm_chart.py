@@ -7,7 +7,12 @@ exec-probe script works against a real grpc.health.v1 server on a Unix socket (n
 With a helm binary (env HELM, else `helm` on PATH, else the one helm/tools/get_helm.py puts in
 ~/.cache/drafter-sidecar/helm/helm; skipped without one): helm lint, helm template of both modes and their options
 with checks of the rendered objects, the failures the templates promise, the parent-chart example, and (if the
-kubernetes-validate package is installed) validation of every rendered object against the Kubernetes schemas.
+kubernetes-validate package is installed) validation of every rendered object against the Kubernetes schemas of
+every version from the oldest the scenario supports to the newest kubernetes-validate knows.
+
+More chart tests: tests/test_helm_schema.py (the schema against drafter-serve's limits), tests/test_helm_kube.py
+(Kubernetes versions per mode, checkov), tests/test_helm_observability.py (metric names, dashboard, alerts,
+PodMonitor, NetworkPolicy).
 """
 from __future__ import annotations
 
@@ -210,14 +215,19 @@ def set_args(sets: dict) -> list[str]:
     return out
 
 
-def render(env, sets: dict | None = None, chart: Path = CHART, release: str = "d") -> list[dict]:
+def kube_args(kube_version: str | None) -> list[str]:
+    return ["--kube-version", kube_version] if kube_version else []  # (helm's default: the Kubernetes it was built for)
+
+
+def render(env, sets: dict | None = None, chart: Path = CHART, release: str = "d",
+           kube_version: str | None = None) -> list[dict]:
     sets = {"image.repository": IMAGE, **(sets or {})}
-    proc = helm(env, "template", release, str(chart), "--namespace", "ml", *set_args(sets))
+    proc = helm(env, "template", release, str(chart), "--namespace", "ml", *set_args(sets), *kube_args(kube_version))
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
 
-def render_fails(env, sets: dict) -> str:
-    proc = helm(env, "template", "d", str(CHART), *set_args(sets), check=False)
+def render_fails(env, sets: dict, kube_version: str | None = None) -> str:
+    proc = helm(env, "template", "d", str(CHART), *set_args(sets), *kube_args(kube_version), check=False)
     assert proc.returncode != 0, f"expected helm template to fail for {sets}"
     return proc.stderr
 
@@ -265,6 +275,12 @@ def test_pool_defaults(helm_env, values):
     (dep,), (svc,), (pdb,) = kinds["Deployment"], kinds["Service"], kinds["PodDisruptionBudget"]
     pod = dep["spec"]["template"]
     spec = pod["spec"]
+
+    for d in docs:
+        assert d["metadata"]["namespace"] == "ml", d["kind"]  # explicit, also for `helm template | kubectl apply`
+    # the checkov findings the chart accepts on purpose carry their reasons (tests/test_helm_kube.py runs checkov)
+    skips = {v.split("=")[0] for k, v in dep["metadata"]["annotations"].items() if k.startswith("checkov.io/skip")}
+    assert skips == {"CKV_K8S_15", "CKV_K8S_43", "CKV_K8S_11", "CKV2_K8S_6"}
 
     # selectors match the pod labels
     for sel in (dep["spec"]["selector"]["matchLabels"], svc["spec"]["selector"], pdb["spec"]["selector"]["matchLabels"]):
@@ -487,9 +503,14 @@ KUBE_SCENARIOS = {
         "autoscaling.metrics": [{"type": "Resource", "resource": {
             "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}}}],
         "model.source": "copy", "model.copy.sourcePath": "/m", "targetModel.source": "pvc",
-        "targetModel.pvc.claimName": "t", "server.bindAddress": "::"}, "1.27.0"),
+        "targetModel.pvc.claimName": "t", "server.bindAddress": "::",
+        "networkPolicy.enabled": True, "networkPolicy.grpcFrom.namespaceSelector": {"matchLabels": {"team": "a"}},
+        "networkPolicy.metricsFrom.podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+        "metrics.grafanaDashboard.enabled": True, "metrics.prometheusRule.enabled": True,
+        "resources.limits.cpu": "8", "image.digest": "sha256:" + "0" * 64}, "1.27.0"),
     "pool-native-sleep": ({"preStopNativeSleep": True}, "1.30.0"),
-    "sidecar-native": ({"mode": "sidecar", **ENGINE}, "1.29.0"),
+    "sidecar-native": ({"mode": "sidecar", **ENGINE, "metrics.podMonitor.enabled": True,
+                        "metrics.grafanaDashboard.enabled": True}, "1.29.0"),
     "sidecar-plain-grpc": ({"mode": "sidecar", **ENGINE, "sidecar.native": False, "sidecar.probeTransport": "grpc",
                             "model.source": "hostPath", "model.hostPath.path": "/m"}, "1.27.0"),
     "sidecar-dra-shared-gpu": ({"mode": "sidecar", **ENGINE, "sidecar.example.resourceClaims": [DRA_GPU],
@@ -499,20 +520,37 @@ KUBE_SCENARIOS = {
 }
 
 
+def kubernetes_versions(oldest: str) -> list[str]:
+    """Every Kubernetes version kubernetes-validate has schemas for, from `oldest` up to its newest."""
+    from kubernetes_validate.utils import all_versions
+
+    key = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731
+    return sorted({v for v in all_versions() if key(v) >= key(oldest)}, key=key)
+
+
 @needs_helm
 @pytest.mark.parametrize("scenario", sorted(KUBE_SCENARIOS))
 def test_rendered_objects_match_kubernetes_schemas(helm_env, scenario):
-    """Strict validation (unknown fields are errors) against the Kubernetes OpenAPI schemas."""
-    kv = pytest.importorskip("kubernetes_validate", reason="the kubernetes-validate package is not installed")
-    sets, version = KUBE_SCENARIOS[scenario]
-    docs = render(helm_env, sets)
-    checked = 0
-    for d in docs:
-        if d["apiVersion"].startswith("monitoring.coreos.com/"):
-            continue  # a CRD of the Prometheus operator: no built-in schema
-        kv.validate(d, version, strict=True)
-        checked += 1
-    assert checked
+    """Strict validation (unknown fields are errors) against the Kubernetes OpenAPI schemas of every version from
+    the scenario's oldest to the newest kubernetes-validate knows, rendered for that version (--kube-version)."""
+    kv = pytest.importorskip("kubernetes_validate", reason="the kubernetes-validate package is not installed "
+                                                           "(pip install kubernetes-validate; .ci/run does)")
+    sets, oldest = KUBE_SCENARIOS[scenario]
+    versions = kubernetes_versions(oldest)
+    assert versions and versions[0] == oldest, f"kubernetes-validate has no schemas for {oldest}"
+    for version in versions:
+        docs = render(helm_env, sets, kube_version=version)
+        checked = 0
+        for d in docs:
+            if d["apiVersion"].startswith("monitoring.coreos.com/"):
+                continue  # a CRD of the Prometheus operator: no built-in schema
+            try:
+                kv.validate(d, version, strict=True)
+            except kv.ValidationError as e:
+                pytest.fail(f"{scenario}: {d['kind']} {d['metadata']['name']} is not valid for Kubernetes "
+                            f"{version}: {e}")
+            checked += 1
+        assert checked
 
 
 @needs_helm
@@ -586,7 +624,10 @@ def test_rendered_flags_exist_in_drafter_serve(helm_env):
     docs = render(helm_env, {"server.kvCacheTokens": 1024, "server.dtype": "float16", "server.maxModelLen": 2048,
                              "server.maxDraftTokens": 4, "server.maxBatchTokens": 512, "server.maxMessageBytes": 1 << 24,
                              "server.logLevel": "info", "targetModel.source": "image",
-                             "targetModel.imagePath": "/opt/t"})
+                             "targetModel.imagePath": "/opt/t", "server.sequenceLeaseSeconds": 60,
+                             "server.maxSequences": 100, "server.maxSequencesPerNamespace": 10,
+                             "server.namespacePoolShare": 0.5, "server.logFormat": "json",
+                             "server.otelEndpoint": "http://otel:4317"})
     used = set(flags(docs[-1]["spec"]["template"]["spec"]["containers"][0])) | {"--gpu-memory-fraction"}
     missing = sorted(f for f in used if f not in proc.stdout)
     assert not missing, f"drafter-serve --help does not mention {missing}"

@@ -97,7 +97,10 @@ async def drive(server: ServerThread, port: int) -> str:
         await loop.run_in_executor(None, wait_until, lambda: (
             m.value("drafter_queue_wait_seconds_count") == REQUESTS
             and m.value("drafter_step_channel_requests_total") == CHANNEL))
-        return await loop.run_in_executor(None, scrape, port)
+        text = await loop.run_in_executor(None, scrape, port)
+        rt = server.server.runtime  # the state the scrape shows (clients still connected: their sequences live)
+        server.state = server.call(lambda: (rt.kv.pool.num_free, rt.kv.num_blocks, len(rt.proposer.table)))
+        return text
 
 
 @pytest.fixture(scope="module")
@@ -155,9 +158,7 @@ def test_series_count_what_was_sent(scraped):
     assert [get("drafter_drafts_accepted_by_position_total", position=str(i)) for i in range(K)] == [1, 0, 0]
     assert server.server.runtime.metrics.mean_acceptance_length == 2.0
     # state gauges
-    free, total, live = server.call(lambda: (server.server.runtime.kv.pool.num_free,
-                                             server.server.runtime.kv.num_blocks,
-                                             len(server.server.runtime.proposer.table)))
+    free, total, live = server.state
     assert get("drafter_kv_capacity_blocks") == total == 16384 // 16
     assert get("drafter_kv_blocks_free") == free
     assert get("drafter_kv_used_ratio") == pytest.approx((total - free) / total) and 0 < (total - free) / total < 1

@@ -31,8 +31,29 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{/*
+Findings of checkov (https://www.checkov.io) on the pool Deployment that the chart accepts on purpose, as checkov's
+skip annotations ("<check id>=<reason>", no "=" in the reason). Each one goes away when the values fix its finding.
+*/}}
+{{- define "drafter.checkovSkips" -}}
+{{- $v := .Values -}}
+{{- if ne $v.image.pullPolicy "Always" }}
+checkov.io/skip1: {{ "CKV_K8S_15=IfNotPresent - a release tag or image.digest names one image, and pulling a multi-GB CUDA image on every start only slows restarts" | quote }}
+{{- end }}
+{{- if not $v.image.digest }}
+checkov.io/skip2: {{ "CKV_K8S_43=no image is published to pin by default; set image.digest to pin yours" | quote }}
+{{- end }}
+{{- if not (dig "limits" "cpu" "" ($v.resources | default dict)) }}
+checkov.io/skip3: {{ "CKV_K8S_11=no CPU limit by default - CFS throttling would stall the step thread on the critical path of every engine step; set resources.limits.cpu to add one" | quote }}
+{{- end }}
+{{- if not $v.networkPolicy.enabled }}
+checkov.io/skip4: {{ "CKV2_K8S_6=the NetworkPolicy is optional (networkPolicy.enabled) because its peers depend on the cluster" | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
 Everything below takes a context whose .Values are this chart's values (the root context, or
-(dict "Values" .Values.drafter) from a parent chart), and uses nothing else from it.
+(dict "Values" .Values.drafter "Capabilities" .Capabilities) from a parent chart), and uses nothing else from it
+but .Capabilities, where it is there (drafter.sidecar.assertNativeSupported).
 */}}
 
 {{/* image reference of the drafter */}}
@@ -119,8 +140,14 @@ Everything below takes a context whose .Values are this chart's values (the root
 {{- include "drafter.optFlag" (dict "flag" "--max-draft-tokens" "v" $s.maxDraftTokens "int" true) }}
 {{- include "drafter.optFlag" (dict "flag" "--max-batch-tokens" "v" $s.maxBatchTokens "int" true) }}
 {{- include "drafter.optFlag" (dict "flag" "--max-message-bytes" "v" $s.maxMessageBytes "int" true) }}
+{{- include "drafter.optFlag" (dict "flag" "--sequence-lease-s" "v" $s.sequenceLeaseSeconds) }}
+{{- include "drafter.optFlag" (dict "flag" "--max-sequences" "v" $s.maxSequences "int" true) }}
+{{- include "drafter.optFlag" (dict "flag" "--max-sequences-per-namespace" "v" $s.maxSequencesPerNamespace "int" true) }}
+{{- include "drafter.optFlag" (dict "flag" "--namespace-pool-share" "v" $s.namespacePoolShare) }}
 {{- include "drafter.optFlag" (dict "flag" "--metrics-port" "v" $s.metricsPort "int" true) }}
 {{- include "drafter.optFlag" (dict "flag" "--log-level" "v" $s.logLevel) }}
+{{- include "drafter.optFlag" (dict "flag" "--log-format" "v" $s.logFormat) }}
+{{- include "drafter.optFlag" (dict "flag" "--otel-endpoint" "v" $s.otelEndpoint) }}
 {{- include "drafter.optFlag" (dict "flag" "--shutdown-grace-s" "v" $s.shutdownGraceSeconds "int" true) }}
 {{- range $s.extraArgs }}
 - {{ . | toString | quote }}

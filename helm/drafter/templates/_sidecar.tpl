@@ -2,9 +2,10 @@
 Sidecar mode: templates for putting the drafter into an engine's own pod.
 
 From a parent chart that lists this chart as a dependency (name: drafter) and sets `drafter.mode: sidecar` and
-`drafter.sidecar.example.enabled: false` in its values, call them with this chart's values as .Values:
+`drafter.sidecar.example.enabled: false` in its values, call them with this chart's values as .Values (and the
+cluster's .Capabilities, so that sidecar.native=true fails clearly on Kubernetes older than 1.29):
 
-  {{- $drafter := dict "Values" .Values.drafter }}
+  {{- $drafter := dict "Values" .Values.drafter "Capabilities" .Capabilities }}
   spec:
     terminationGracePeriodSeconds: {{ include "drafter.terminationGracePeriodSeconds" $drafter }}
     securityContext:
@@ -32,6 +33,20 @@ Each renders a YAML list (maybe empty); volume names all start with "drafter-".
 {{- end -}}
 {{- end }}
 
+{{/*
+A native sidecar (an init container with restartPolicy: Always) needs Kubernetes 1.29 or later; on an older cluster
+the API server would drop restartPolicy and the pod would wait forever for the drafter "init container" to exit.
+Checked where the caller's context carries .Capabilities (this chart; a parent chart that adds
+"Capabilities" .Capabilities to the dict; without it the parent's own kubeVersion is the guard).
+*/}}
+{{- define "drafter.sidecar.assertNativeSupported" -}}
+{{- with .Capabilities -}}
+{{- if semverCompare "<1.29.0-0" .KubeVersion.Version -}}
+{{- fail (printf "sidecar.native=true needs Kubernetes 1.29 or later (native sidecar containers), but the cluster is %s: set sidecar.native=false to run the drafter as a plain second container of the pod (docs/deployment.md)" .KubeVersion.Version) -}}
+{{- end -}}
+{{- end -}}
+{{- end }}
+
 {{/* initContainers entries: model copies, extraInitContainers, then the drafter itself when sidecar.native */}}
 {{- define "drafter.sidecar.initContainers" -}}
 {{- include "drafter.sidecar._initContainers" . | trim }}
@@ -41,6 +56,7 @@ Each renders a YAML list (maybe empty); volume names all start with "drafter-".
 {{- include "drafter.sidecar.assertMode" . -}}
 {{- include "drafter.initContainers" . }}
 {{- if .Values.sidecar.native }}
+{{- include "drafter.sidecar.assertNativeSupported" . }}
 {{ include "drafter.container" . }}
 {{- end }}
 {{- end }}
