@@ -1,8 +1,10 @@
 """The one place that picks an implementation for each kernel; callers never choose.
 
 Every op takes exactly the arguments of its ``*_ref`` function. It runs the Triton launcher when its first tensor
-argument is on CUDA and triton imports, and the torch reference otherwise (CPU tensors, no triton).
-``DRAFTER_KERNELS=torch`` in the environment (read at each call) forces the references everywhere.
+argument is on CUDA and triton imports, and the torch reference otherwise (CPU tensors, no triton), except
+paged_attention, which on CPU runs paged_attention_batched (the same function for the whole batch at once; the
+reference loops over sequences). ``DRAFTER_KERNELS=torch`` in the environment (read at each call) forces the
+references everywhere.
 """
 import functools
 import os
@@ -13,7 +15,7 @@ from drafter_kernels._triton_shim import HAS_TRITON
 from drafter_kernels.copy_expand_inputs import copy_and_expand_inputs_ref, copy_and_expand_inputs_triton
 from drafter_kernels.draft_step import advance_draft_step_ref, advance_draft_step_triton
 from drafter_kernels.kv_write import PADDING_SLOT_ID, write_kv_ref, write_kv_triton
-from drafter_kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from drafter_kernels.paged_attention import paged_attention_batched, paged_attention_ref, paged_attention_triton
 from drafter_kernels.prepare_inputs_padded import prepare_inputs_padded_ref, prepare_inputs_padded_triton
 from drafter_kernels.prepare_next_token_padded import prepare_next_token_padded_ref, prepare_next_token_padded_triton
 from drafter_kernels.rms_norm import rms_norm_ref, rms_norm_triton
@@ -29,11 +31,16 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return HAS_TRITON and tensor.is_cuda
 
 
-def _dispatch(reference, triton_launcher):
+def _dispatch(reference, triton_launcher, cpu=None):
+    """cpu: what runs where Triton does not (default: the reference; DRAFTER_KERNELS=torch: always the reference)."""
     @functools.wraps(reference)
     def op(*args, **kwargs):
         first_tensor = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-        return (triton_launcher if use_triton(first_tensor) else reference)(*args, **kwargs)
+        if use_triton(first_tensor):
+            return triton_launcher(*args, **kwargs)
+        if cpu is not None and os.environ.get("DRAFTER_KERNELS", "").strip().lower() != "torch":
+            return cpu(*args, **kwargs)
+        return reference(*args, **kwargs)
 
     op.reference = reference
     op.triton = triton_launcher
@@ -41,7 +48,7 @@ def _dispatch(reference, triton_launcher):
 
 
 write_kv = _dispatch(write_kv_ref, write_kv_triton)
-paged_attention = _dispatch(paged_attention_ref, paged_attention_triton)
+paged_attention = _dispatch(paged_attention_ref, paged_attention_triton, cpu=paged_attention_batched)
 rms_norm = _dispatch(rms_norm_ref, rms_norm_triton)
 apply_rope = _dispatch(apply_rope_ref, apply_rope_triton)
 argmax = _dispatch(argmax_ref, argmax_triton)

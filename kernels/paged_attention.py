@@ -51,6 +51,71 @@ def paged_attention_ref(
     return out
 
 
+def paged_attention_batched(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """paged_attention_ref's function, for the whole batch in a few tensor ops instead of a loop over sequences:
+    the CPU serving path (ops.paged_attention on CPU tensors; the reference stays the plain loop that tests compare
+    against). Every sequence's context is gathered into one padded [B, L, Hkv, D] tensor (L: the longest context,
+    whole blocks) and its query rows into a padded [B, Hkv, G*Q, D] (Q: the longest query, G query heads per KV
+    head), so that two batched matmuls do the whole batch; padding is masked out.
+    When padding would more than double the work of the per-sequence loop (a long prefill beside short decodes),
+    the loop runs instead."""
+    B = seq_lens.shape[0]
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q) if out is None else out
+    if B == 0 or q.shape[0] == 0:
+        return out
+    starts = query_start_loc.to(torch.int64)
+    q_lens = starts[1:] - starts[:-1]  # [B]
+    ctx = seq_lens.to(torch.int64)
+    max_q, max_ctx = int(q_lens.max()), int(ctx.max())
+    if max_q == 0:
+        return out
+    # work of the padded tensors against the per-sequence loop's (both ~ query rows x context positions)
+    if B * max_q * max_ctx > 2 * int((q_lens * ctx).sum()) + 4096:
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=out)
+    n_blocks = -(-max_ctx // block_size)
+    # table entries past a sequence's own blocks may be anything: read block 0 there (masked out below)
+    owned = torch.arange(n_blocks)[None, :] < (-(-ctx // block_size))[:, None]  # [B, n_blocks]
+    blocks = torch.where(owned, block_tables[:, :n_blocks].long(), 0)
+    L = n_blocks * block_size
+    in_ctx = torch.arange(L)[None, :] < ctx[:, None]  # [B, L]
+    # [B, Hkv, L, D] views of one gathered copy each. Scores of positions outside the context are replaced by -inf
+    # (NaN or not); V there is zeroed, since 0 * NaN would still be NaN.
+    k = k_cache[blocks].float().view(B, L, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[blocks].float().view(B, L, num_kv_heads, head_dim)
+    v = v.masked_fill_(~in_ctx[:, :, None, None], 0.0).transpose(1, 2)
+    # query rows, padded per sequence: row j of sequence b is q[starts[b] + j] for j < q_lens[b]
+    j = torch.arange(max_q)
+    row_valid = j[None, :] < q_lens[:, None]  # [B, Q]
+    rows = (starts[:-1, None] + j[None, :]).clamp(max=q.shape[0] - 1)  # [B, Q]
+    # GQA: query head h = kv * group + g reads KV head kv; the group's heads and rows share one matmul
+    qp = q[rows].float().reshape(B, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [B,Hkv,G,Q,D]
+    scores = torch.matmul(qp.reshape(B, num_kv_heads, group * max_q, head_dim), k.transpose(2, 3))  # [B,Hkv,G*Q,L]
+    scores = scores.view(B, num_kv_heads, group, max_q, L)
+    q_pos = ctx[:, None] - q_lens[:, None] + j[None, :]  # [B, Q] position of each query row
+    masked = torch.arange(L)[None, None, :] > q_pos[:, :, None]  # [B, Q, L] future positions, and past the context
+    scores.mul_(scale).masked_fill_(masked[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # (padding rows: all -inf)
+    o = torch.matmul(probs.view(B, num_kv_heads, group * max_q, L), v)  # [B, Hkv, G*Q, D]
+    o = o.view(B, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4).reshape(B, max_q, num_q_heads,
+                                                                                        head_dim)
+    out[rows[row_valid]] = o[row_valid].to(out.dtype)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Triton
 #

@@ -189,3 +189,42 @@ def test_reference_single_row_attends_to_its_prefix_only():
                                         1.0)
     torch.testing.assert_close(out[0, 0], torch.tensor([0.5, 0.5, 0.0, 0.0]))
     torch.testing.assert_close(out[1, 0], torch.tensor([1 / 3, 1 / 3, 1 / 3, 0.0]))
+
+
+# ---- the CPU serving path: paged_attention_batched (the whole batch at once) vs the per-sequence reference ----
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_batched_cpu_path_matches_reference(case):
+    q_lens, ctx_lens, num_q_heads, num_kv_heads, head_dim, block_size = CASES[case]
+    args = make_batch(q_lens, ctx_lens, num_q_heads, num_kv_heads, head_dim, block_size, "cpu", torch.float32,
+                      seed=len(case) + 7)
+    expected = attention.paged_attention_ref(*args, 0.2, out=poisoned(args[0].shape, torch.float32, "cpu"))
+    actual = attention.paged_attention_batched(*args, 0.2, out=poisoned(args[0].shape, torch.float32, "cpu"))
+    assert_matches(actual, expected, atol=1e-5, rtol=1e-5)  # (rows of no sequence stay poisoned in both)
+    assert torch.equal(is_poison(actual), is_poison(expected))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_cpu_path_matches_reference_on_random_batches(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    B = int(torch.randint(1, 40, (1,), generator=g))
+    decode = seed % 2 == 0  # decode batches (q_len 0 or 1), else mixed prefill chunks
+    q_lens = torch.randint(0, 2 if decode else 9, (B,), generator=g)
+    ctx_lens = q_lens + torch.randint(0, 90, (B,), generator=g)
+    ctx_lens = torch.maximum(ctx_lens, torch.ones_like(ctx_lens))
+    num_kv_heads = int(torch.randint(1, 4, (1,), generator=g))
+    args = make_batch(q_lens.tolist(), ctx_lens.tolist(), num_kv_heads * 2, num_kv_heads, 16, 16, "cpu",
+                      torch.float32, seed=seed)
+    expected = attention.paged_attention_ref(*args, 0.25, out=poisoned(args[0].shape, torch.float32, "cpu"))
+    actual = attention.paged_attention_batched(*args, 0.25, out=poisoned(args[0].shape, torch.float32, "cpu"))
+    assert_matches(actual, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(is_poison(actual), is_poison(expected))
+
+
+def test_batched_cpu_path_falls_back_to_the_loop_when_padding_dominates():
+    # one long prefill beside short decodes: padding every sequence to it would be many times the work
+    q_lens, ctx_lens = [1] * 16 + [200], [20] * 16 + [200]
+    args = make_batch(q_lens, ctx_lens, 2, 1, 16, 16, "cpu", torch.float32, seed=3)
+    expected = attention.paged_attention_ref(*args, 0.25, out=poisoned(args[0].shape, torch.float32, "cpu"))
+    actual = attention.paged_attention_batched(*args, 0.25, out=poisoned(args[0].shape, torch.float32, "cpu"))
+    assert_matches(actual, expected, atol=1e-5, rtol=1e-5)

@@ -440,22 +440,32 @@ class Proposer:
         # ---- end CUDA fast path ----
         out.add(active, sample)
         tok, hidden_prev = sample.tokens, self.model.next_hidden(head_last)
+        # decode steps j = 1..k-1: one row per sequence still drafting, at position C-1+j; the rows' block tables
+        # and base positions are tensors, narrowed only when a sequence's k runs out
+        ks_t = torch.tensor(ks)
+        act = torch.tensor(active)  # batch indices of the rows
+        base = torch.tensor(seq_lens, dtype=torch.int64)[act] - 1  # [n] C-1 of each row
+        tables = block_tables[act]  # [n, max_blocks] int32, host
+        tables_dev = tables.to(dev)
+        bs = self.block_size
         for j in range(1, max(ks)):
-            still = [r for r, i in enumerate(active) if ks[i] > j]
-            if len(still) < len(active):
-                sel = torch.tensor(still, device=dev)
-                tok, hidden_prev = tok[sel], hidden_prev[sel]
-                active = [active[r] for r in still]
-            n = len(active)
-            positions = torch.tensor([seq_lens[i] - 1 + j for i in active], dtype=torch.int64)
-            slot = torch.cat([self._slots(batch[i].seq, positions[r : r + 1]) for r, i in enumerate(active)])
+            keep = ks_t[act] > j
+            if not bool(keep.all()):
+                sel = keep.nonzero().squeeze(1)
+                tok, hidden_prev = tok[sel.to(dev)], hidden_prev[sel.to(dev)]
+                act, base, tables = act[sel], base[sel], tables[sel]
+                tables_dev = tables.to(dev)
+                active = act.tolist()
+            n = act.shape[0]
+            positions = base + j
+            slot = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1).to(torch.int64) * bs + positions % bs
             meta = AttentionMetadata(
                 positions=positions.to(dev), slot_mapping=slot.to(dev),
                 query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev),
                 seq_lens=(positions + 1).to(torch.int32).to(dev),
-                block_tables=block_tables[torch.tensor(active)].to(dev), max_query_len=1)
+                block_tables=tables_dev, max_query_len=1)
             step_out = self.model.forward(tok, hidden_prev, meta, self.kv_layers)
-            sample = self._select(self.model.compute_logits(step_out), active, [seq_lens[i] + j for i in active], sp)
+            sample = self._select(self.model.compute_logits(step_out), active, (positions + 1).tolist(), sp)
             out.add(active, sample)
             tok, hidden_prev = sample.tokens, self.model.next_hidden(step_out)
         return out
