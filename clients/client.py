@@ -8,6 +8,7 @@ breaker (breaker.py) stops calling it for a backoff after a failure (docs/protoc
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -33,6 +34,25 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 DEFAULT_STEP_TIMEOUT_S = 0.5  # propose()'s deadline: past it the step goes on without drafts
+STEP_TIMEOUT_ENV = "DRAFTER_STEP_TIMEOUT_S"  # overrides DEFAULT_STEP_TIMEOUT_S for clients that pass none
+_FROM_ENV = object()  # step_timeout_s not given: DRAFTER_STEP_TIMEOUT_S, else DEFAULT_STEP_TIMEOUT_S
+
+
+def default_step_timeout_s() -> float | None:
+    """The step deadline of a client built without one: $DRAFTER_STEP_TIMEOUT_S (seconds; "none": no deadline),
+    else DEFAULT_STEP_TIMEOUT_S."""
+    raw = os.environ.get(STEP_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_STEP_TIMEOUT_S
+    if raw.lower() == "none":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{STEP_TIMEOUT_ENV}={raw!r}: seconds (a number > 0) or 'none'") from None
+    if not value > 0:
+        raise ValueError(f"{STEP_TIMEOUT_ENV}={raw!r}: seconds (a number > 0) or 'none'")
+    return value
 # gRPC's reconnect backoff grows to 120 s while the drafter is down: capped at 1 s, a restarted drafter is reached
 # again within about a second.
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
@@ -80,12 +100,13 @@ class DrafterClient:
 
     def __init__(self, target: str, namespace: str = "", max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  credentials: "grpc.ChannelCredentials | None" = None, token: str | None = None,
-                 step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S, raise_on_error: bool = False,
+                 step_timeout_s: "float | None" = _FROM_ENV, raise_on_error: bool = False,  # type: ignore[assignment]
                  breaker: CircuitBreaker | None = None):
         """target: ``host:port`` or ``unix:/path``; namespace: this engine's sequences and regions live under it.
         credentials: TLS channel credentials (drafter_client.auth.tls_credentials) for a TLS listener; token: a
         bearer token sent with every call and in step-channel hellos (drafter --auth-token-file).
-        step_timeout_s: the deadline of propose() and release() (None: none); a call may override it.
+        step_timeout_s: the deadline of propose() and release() in seconds (None: none); a call may override it.
+        Default: $DRAFTER_STEP_TIMEOUT_S, else 0.5 s.
         raise_on_error: raise DrafterError when the drafter is sick instead of answering "no drafts" (fallback).
         breaker: the circuit breaker's settings (default CircuitBreaker(): backoff 0.1 s doubling to 5 s)."""
         self.target = target
@@ -117,7 +138,7 @@ class DrafterClient:
         self.steps_through_channel = 0  # propose() calls answered through the step channel
         self.steps_through_grpc = 0  # ... and through a unary Propose
         # when the drafter is sick (docs/protocol.md, "When the drafter is sick")
-        self.step_timeout_s = step_timeout_s
+        self.step_timeout_s = default_step_timeout_s() if step_timeout_s is _FROM_ENV else step_timeout_s
         self.raise_on_error = raise_on_error
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self.fallback_steps = 0  # propose() calls answered "no drafts" (drafter sick, or the breaker open)

@@ -1,5 +1,6 @@
 """Build everything a server needs from a ServerConfig: device, model, KV pool, proposer, limits."""
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +13,7 @@ from drafter_service.loader import DTYPES, load_head
 from drafter_service.metrics import Metrics
 from drafter_service.engine.proposer import Proposer
 from drafter_service.engine.sequence import SequenceLimits
+from drafter_service.engine.step_io import StepInput
 from drafter_service.transport.validation import Limits
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,41 @@ def _kv_tokens(cfg: ServerConfig, device: torch.device, bytes_per_token: int) ->
     return max(0, budget // bytes_per_token)
 
 
+def warm_up(proposer: Proposer, width: int, k: int) -> None:
+    """Run a few throw-away steps before health turns SERVING, so that the first real steps find the Triton kernels
+    compiled (a kernel compiles at its first launch with each new specialization: seconds, past any engine's step
+    deadline): a prefill chunk, greedy decode steps of one and of several sequences, and a sampled step with
+    log-probabilities and top-k. Their sequences are released and their counts kept out of the metrics."""
+    t0 = time.perf_counter()
+    metrics, proposer.metrics = proposer.metrics, Metrics()
+    ns = "\x00warm-up"  # (before any client is served; everything it creates is released below)
+    m = min(40, proposer.max_model_len - k - 8)
+
+    def step(sid, p, n, **sampling):
+        g = torch.Generator().manual_seed(len(sid) + p)
+        return StepInput(ns, sid, p, torch.randint(0, 100, (n,), generator=g, dtype=torch.int64),
+                         torch.randn(n, width, generator=g, dtype=torch.float32), 1, k if p else 0, **sampling)
+
+    try:
+        batches = [[step(f"s{i}", 0, m) for i in range(4)],  # prefill chunks
+                   [step("s0", m, 1)],  # one sequence, greedy
+                   [step(f"s{i}", m, 3) for i in range(4)],  # several, greedy, m = 3
+                   [step(f"s{i}", m, 2, temperature=1.0, seed=i, return_logprobs=True, top_k_probs=4)
+                    for i in range(4)]]
+        for batch in batches:
+            bad = [o for o in proposer.step(batch) if o.code]
+            if bad:
+                log.warning("warm-up step refused (%s): the first real steps may compile kernels", bad[0].message)
+                break
+        if proposer.device.type == "cuda":
+            torch.cuda.synchronize()
+    finally:
+        for i in range(4):
+            proposer.table.release(ns, f"s{i}")
+        proposer.metrics = metrics
+    log.info("warm-up steps ran in %.1f s", time.perf_counter() - t0)
+
+
 def build_runtime(cfg: ServerConfig) -> Runtime:
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
@@ -109,6 +146,8 @@ def build_runtime(cfg: ServerConfig) -> Runtime:
     max_draft_tokens = cfg.max_draft_tokens
     if model.drafting == "multi_layer":  # one draft per layer
         max_draft_tokens = min(max_draft_tokens, model.num_predict)
+    if device.type == "cuda":
+        warm_up(proposer, model.hidden_states_width, max_draft_tokens)
     limits = Limits(hidden_states_width=model.hidden_states_width, vocab_size=model.vocab_size,
                     max_draft_tokens=max_draft_tokens, max_request_tokens=max_batch_tokens,
                     max_request_seqs=cfg.max_batch_seqs,

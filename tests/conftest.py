@@ -10,6 +10,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Tests check drafts, not timing: a client built without a step deadline gets a generous one (a first CUDA step that
+# compiles kernels, or a loaded CI machine, must not turn a step into a "no drafts" fallback). The tests of the
+# deadline itself (tests/test_client_fallback.py, scripts/soak.py) pass theirs explicitly.
+os.environ.setdefault("DRAFTER_STEP_TIMEOUT_S", "120")
+
 import pytest  # noqa: E402
 
 from checkpoints import write_eagle1  # noqa: E402

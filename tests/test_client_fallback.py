@@ -211,6 +211,23 @@ def error_reply(request: "pb.ProposeRequest", code: grpc.StatusCode, message: st
 
 # ---- the circuit breaker ----
 
+def test_default_step_deadline_from_the_environment(monkeypatch):
+    from drafter_client.client import DEFAULT_STEP_TIMEOUT_S, default_step_timeout_s
+
+    monkeypatch.delenv("DRAFTER_STEP_TIMEOUT_S", raising=False)
+    assert default_step_timeout_s() == DEFAULT_STEP_TIMEOUT_S == 0.5
+    monkeypatch.setenv("DRAFTER_STEP_TIMEOUT_S", "2.5")
+    assert default_step_timeout_s() == 2.5
+    assert DrafterClient("unix:/nonexistent").step_timeout_s == 2.5
+    assert DrafterClient("unix:/nonexistent", step_timeout_s=None).step_timeout_s is None  # explicit wins
+    monkeypatch.setenv("DRAFTER_STEP_TIMEOUT_S", "none")
+    assert default_step_timeout_s() is None
+    for bad in ("0", "-1", "soon"):
+        monkeypatch.setenv("DRAFTER_STEP_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="DRAFTER_STEP_TIMEOUT_S"):
+            default_step_timeout_s()
+
+
 def test_breaker_backs_off_exponentially_with_jitter_and_lets_one_probe_through():
     now = [100.0]
     b = CircuitBreaker(base_s=0.1, max_s=1.0, jitter=0.2, clock=lambda: now[0])

@@ -69,7 +69,11 @@ def installed(tmp_path_factory) -> dict:
     site = pathlib.Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
     deps = tmp / "deps"
     deps.mkdir()
-    for folder in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+    folders = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    # (and the PYTHONPATH folders outside the checkout: where a machine without a venv keeps extra wheels)
+    folders += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                if p and pathlib.Path(p).is_dir() and not pathlib.Path(p).resolve().is_relative_to(ROOT)]
+    for folder in dict.fromkeys(folders):
         for entry in pathlib.Path(folder).iterdir():
             if not entry.name.startswith(OWN) and not (deps / entry.name).exists():
                 (deps / entry.name).symlink_to(entry)
