@@ -112,7 +112,8 @@ async def run_width(sock: str, head: str, width: int, modes: list[str], engine_d
     max_rows = max(PREFILL_TOKENS, max(BATCHES) * TOKENS_PER_SEQ)
     clients, sessions = {}, {}
     for mode in modes:
-        client = DrafterClient(f"unix:{sock}", namespace=f"bench-{mode}", max_message_bytes=512 * 2**20)
+        client = DrafterClient(f"unix:{sock}", namespace=f"bench-{mode}", max_message_bytes=512 * 2**20,
+                               step_timeout_s=None)
         await client.wait_ready(120)
         kind, _, channel = mode.partition("+")
         if kind != "inline":

@@ -43,7 +43,7 @@ async def one_run(address: str, server_pid: int, shape: dict, a) -> dict:
     from drafter_client import DrafterClient
     from drafter_client.benchmarks import bench_step as b
 
-    async with DrafterClient(address, namespace="placement") as c:
+    async with DrafterClient(address, namespace="placement", step_timeout_s=None) as c:
         await c.wait_ready(900)
         info = await c.get_info()
         prefill, decode = b.make_steps(1, a.context, a.m, a.k, info.hidden_states_width, shape["vocab_size"], seed=1)

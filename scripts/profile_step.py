@@ -29,7 +29,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         head, target = b.write_random_head(pathlib.Path(tmp), shape, a.context + 64)
         cfg = ServerConfig(model=str(head), target_model=str(target), device="cuda", dtype="bfloat16",
-                           kv_cache_tokens=200_000, max_model_len=a.context + 64, max_batch_seqs=512,
+                           kv_cache_tokens=max(200_000, 300 * (a.context + 64)),  # 256 sequences fit
+                           max_model_len=a.context + 64, max_batch_seqs=512,
                            cuda_graphs=not a.no_cuda_graphs)
         rt = build_runtime(cfg)
         width = rt.limits.hidden_states_width

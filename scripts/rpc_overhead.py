@@ -82,7 +82,7 @@ async def main() -> int:
                                  str(target), "--listen", f"unix:{sock}", "--device", device, "--dtype", "float32",
                                  "--log-level", "WARNING"], env=env)
         try:
-            async with DrafterClient(f"unix:{sock}") as c:
+            async with DrafterClient(f"unix:{sock}", step_timeout_s=None) as c:
                 await c.wait_ready(120)
                 rows.append(("drafter GetInfo", await time_calls(c.get_info)))
                 hid = torch.randn(3, 64)

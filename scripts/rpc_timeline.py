@@ -50,7 +50,7 @@ async def run_client(address: str, shape: dict, a) -> dict[str, dict[int, tuple[
     from drafter_client.protocol import pb_grpc
 
     times: dict[str, dict[int, tuple[float, float]]] = {mode: {} for mode in MODES}
-    async with DrafterClient(address, namespace="bench") as c:
+    async with DrafterClient(address, namespace="bench", step_timeout_s=None) as c:
         await c.wait_ready(900)
         info = await c.get_info()
         prefill, decode = b.make_steps(1, a.context, a.m, a.k, info.hidden_states_width, shape["vocab_size"], seed=1)

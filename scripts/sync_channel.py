@@ -52,7 +52,7 @@ def main() -> int:
                  str(8 * (context + 64)), "--max-batch-seqs", "8", "--log-level", "WARNING"]
         with SidecarProcess(head, target, a.device, flags, ready_timeout_s=900,
                             env={"PYTHONPATH": os.pathsep.join(sys.path)}) as sidecar:
-            with SyncDrafterClient(sidecar.address, namespace="sync") as sync:
+            with SyncDrafterClient(sidecar.address, namespace="sync", step_timeout_s=None) as sync:
                 sync.wait_ready(900)
                 width = sync.get_info().hidden_states_width
                 prefill, decode = b.make_steps(1, context, a.m, a.k, width, shape["vocab_size"], seed=1)
@@ -73,7 +73,7 @@ def main() -> int:
                         client.__dict__.pop("propose_blocking", None)
 
                 async def async_steps() -> None:
-                    async with DrafterClient(sidecar.address, namespace="async") as c:
+                    async with DrafterClient(sidecar.address, namespace="async", step_timeout_s=None) as c:
                         assert (await c.propose(prefill)).sequences[0].ok
                         assert await c.open_step_channel()
                         for i in range(a.iters + 10):

@@ -39,7 +39,7 @@ def conditional(per_position: list[float]) -> list[float]:
 
 async def measure(address: str, target: TargetModel, ids: list[list[int]], ks: list[int],
                   max_new_tokens: int, temperature: float, repeats: int) -> dict:
-    async with DrafterClient(address, namespace="bench-acceptance") as drafter:
+    async with DrafterClient(address, namespace="bench-acceptance", step_timeout_s=None) as drafter:
         info = await drafter.get_info()
         engine = ReferenceEngine(target, drafter, info)
         base_cfg = SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature)

@@ -187,7 +187,7 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
     from drafter_client import DrafterClient
 
     prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
-    async with DrafterClient(target, namespace="bench") as c:
+    async with DrafterClient(target, namespace="bench", step_timeout_s=None) as c:
         await c.wait_ready(600)
         for chunk in range(0, batch, 8):
             r = await c.propose(prefill[chunk : chunk + 8])
@@ -274,7 +274,7 @@ async def bench_prefill_sidecar(target, tokens, iters, width, vocab, channel: bo
     from drafter_client import DrafterClient
 
     step = prefill_step(tokens, width, vocab)
-    async with DrafterClient(target, namespace="bench") as c:
+    async with DrafterClient(target, namespace="bench", step_timeout_s=None) as c:
         if channel:
             assert await c.open_step_channel(request_bytes=tokens * width * 2 + tokens * 8 + 2**20)
         times = []
