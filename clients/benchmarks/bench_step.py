@@ -185,6 +185,7 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
     a GPU) the median per step through the channel with the hidden states on that GPU, passed by CUDA IPC
     reference (enable_shared_memory(kind="cuda"): the engine's copy into a slot, then a descriptor)."""
     from drafter_client import DrafterClient
+    from drafter_client.messages import build_request
 
     prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
     async with DrafterClient(target, namespace="bench", step_timeout_s=None) as c:
@@ -212,7 +213,9 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
                 stream_times.append(time.perf_counter() - t0)
                 assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
         channel_times, channel_parts, channel_ipc_times = [], None, []
-        if await c.open_step_channel():
+        # the request area must hold a whole step (EAGLE-3 at batch 256: 3 x 4096 bf16 columns x 768 rows > 16 MiB)
+        request_bytes = max(16 * 2**20, 2 * build_request("bench", decode, None).ByteSize())
+        if await c.open_step_channel(request_bytes=request_bytes):
             for i in range(iters + 3):
                 if i == 3 and metrics_port:  # after the warm-up; not between steps (a scrape costs the server time)
                     before = scrape_server_seconds(metrics_port)
