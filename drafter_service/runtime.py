@@ -99,6 +99,8 @@ def warm_up(proposer: Proposer, width: int, k: int) -> None:
         for i in range(4):
             proposer.table.release(ns, f"s{i}")
         proposer.metrics = metrics
+        if proposer.decode_graphs is not None:  # (their counters tell how many real steps the graphs served)
+            proposer.decode_graphs.steps_run = proposer.decode_graphs.first_steps_run = 0
     log.info("warm-up steps ran in %.1f s", time.perf_counter() - t0)
 
 
