@@ -171,7 +171,7 @@ def test_dashboard_configmap(helm_env, dashboard):
 
 
 ALERTS = {"DrafterAcceptanceCollapse", "DrafterStepLatencyHigh", "DrafterKVPoolNearFull", "DrafterRequestErrors",
-          "DrafterSequenceErrors"}
+          "DrafterSequenceErrors", "DrafterStepWorkerBroken"}
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +244,9 @@ def test_rules_fire_when_they_should(rule_groups, tmp_path):
         counter("drafter_sequence_errors_total", "p-ok", 30, ',code="NOT_FOUND"'),
         counter("drafter_sequence_errors_total", "p-ok", 20, ',code="UNAVAILABLE"'),
         counter("drafter_sequence_errors_total", "p-ok", 1, ',code="INTERNAL"'),
+        # the step worker: broken on p-bad
+        {"series": 'drafter_step_worker_broken{namespace="ml",pod="p-bad",job="drafter"}', "values": "1x60"},
+        {"series": 'drafter_step_worker_broken{namespace="ml",pod="p-ok",job="drafter"}', "values": "0x60"},
         # another namespace, as bad as can be: not this release's
         {"series": 'drafter_kv_used_ratio{namespace="other",pod="p-x",job="drafter"}', "values": "1x60"},
     ]
