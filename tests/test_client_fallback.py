@@ -211,15 +211,17 @@ def error_reply(request: "pb.ProposeRequest", code: grpc.StatusCode, message: st
 
 # ---- the circuit breaker ----
 
-def test_default_step_deadline_from_the_environment(monkeypatch):
+async def test_default_step_deadline_from_the_environment(monkeypatch):
     from drafter_client.client import DEFAULT_STEP_TIMEOUT_S, default_step_timeout_s
 
     monkeypatch.delenv("DRAFTER_STEP_TIMEOUT_S", raising=False)
     assert default_step_timeout_s() == DEFAULT_STEP_TIMEOUT_S == 0.5
     monkeypatch.setenv("DRAFTER_STEP_TIMEOUT_S", "2.5")
     assert default_step_timeout_s() == 2.5
-    assert DrafterClient("unix:/nonexistent").step_timeout_s == 2.5
-    assert DrafterClient("unix:/nonexistent", step_timeout_s=None).step_timeout_s is None  # explicit wins
+    async with DrafterClient("unix:/nonexistent") as c:
+        assert c.step_timeout_s == 2.5
+    async with DrafterClient("unix:/nonexistent", step_timeout_s=None) as c:
+        assert c.step_timeout_s is None  # explicit wins
     monkeypatch.setenv("DRAFTER_STEP_TIMEOUT_S", "none")
     assert default_step_timeout_s() is None
     for bad in ("0", "-1", "soon"):
