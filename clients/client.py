@@ -20,7 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from drafter_client.auth import bearer_metadata
 from drafter_client.breaker import CircuitBreaker
 from drafter_client.messages import (FAULT_CODES, DrafterError, ProposeResult, ReleaseResult, SequenceDrafts,
-                                     SequenceStep, build_request, fallback_result, hidden_parts, parse_response)
+                                     SequenceStep, build_request, fallback_result, hidden_parts, parse_response,
+                                     serialize_request)
 from drafter_client.protocol import pb, pb_grpc
 from drafter_client.session import ProposeSession
 from drafter_client.shm_ring import SharedTensorRef, SlotRing
@@ -122,6 +123,9 @@ class DrafterClient:
         else:
             self._channel = grpc.aio.insecure_channel(target, options=options)
         self._stub = pb_grpc.DrafterStub(self._channel)
+        # Propose with the request already serialized (serialize_request: the hidden states copied once)
+        self._propose_bytes = self._channel.unary_unary("/drafter.v1.Drafter/Propose", request_serializer=None,
+                                                        response_deserializer=pb.ProposeResponse.FromString)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._next_request_id = 1
         # shared-memory data plane (enable_shared_memory)
@@ -215,9 +219,10 @@ class DrafterClient:
         sent = answered = False
         try:
             staged = self._stage(steps, hidden_states)
-            req = build_request(self.namespace, steps, staged.ref if staged else hidden_states, self._request_id())
+            payload = serialize_request(self.namespace, steps, staged.ref if staged else hidden_states,
+                                        self._request_id())
             sent = True
-            resp = await self._send_step(req, self._step_timeout(timeout))
+            resp = await self._send_step(payload, self._step_timeout(timeout))
             answered = True
             result = parse_response(resp)
         except DrafterError as e:
@@ -235,11 +240,11 @@ class DrafterClient:
     def _step_timeout(self, timeout: float | None) -> float | None:
         return timeout if timeout is not None else self.step_timeout_s
 
-    async def _send_step(self, req: "pb.ProposeRequest", timeout: float | None) -> "pb.ProposeResponse":
+    async def _send_step(self, payload: "bytes | bytearray", timeout: float | None) -> "pb.ProposeResponse":
         """Through the step channel when one is open and free and the request fits it; else a unary Propose. The
         deadline covers both (a step the channel could not take goes over gRPC with the time left)."""
         deadline = time.monotonic() + timeout if timeout is not None else None
-        ch, payload = self._claim_channel(req)
+        ch = self._claim_channel(payload)
         if ch is not None:
             reply = None
             with self._channel_errors():
@@ -249,7 +254,7 @@ class DrafterClient:
                 return _channel_reply(reply)
         self.steps_through_grpc += 1
         left = max(0.0, deadline - time.monotonic()) if deadline is not None else None
-        return await self._call(self._stub.Propose, req, left)
+        return await self._call(self._propose_bytes, bytes(payload), left)  # (grpc takes bytes, not a bytearray)
 
     # ---- when the drafter is sick: fallback, circuit breaker (docs/protocol.md) ----
 
@@ -311,16 +316,15 @@ class DrafterClient:
         else:
             self._reopen_after = time.monotonic() + REOPEN_RETRY_S
 
-    def _claim_channel(self, req: "pb.ProposeRequest") -> "tuple[StepChannel | None, bytes]":
-        """(the claimed step channel, the request's bytes) when req can go through it now; else (None, b"")."""
+    def _claim_channel(self, payload: "bytes | bytearray") -> "StepChannel | None":
+        """The claimed step channel when the serialized request can go through it now; else None."""
         ch = self._step_channel
         if ch is None or not ch.try_claim():
-            return None, b""
-        payload = req.SerializeToString()
+            return None
         if len(payload) > ch.request_capacity:
             ch.unclaim()
-            return None, b""
-        return ch, payload
+            return None
+        return ch
 
     @contextlib.contextmanager
     def _channel_errors(self):
@@ -352,8 +356,8 @@ class DrafterClient:
         called = sent = answered = False
         try:
             staged = self._stage(steps, hidden_states)
-            req = build_request(self.namespace, steps, staged.ref if staged else hidden_states, self._request_id())
-            payload = req.SerializeToString()
+            payload = serialize_request(self.namespace, steps, staged.ref if staged else hidden_states,
+                                        self._request_id())
             if len(payload) > ch.request_capacity:
                 self.breaker.abandon()
                 return None

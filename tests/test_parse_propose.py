@@ -66,3 +66,28 @@ def test_list_encoders_match_the_tensor_encoding():
     assert decode_tensor(encode_int64s(ids), "x", (pb.INT64,), 1).tolist() == ids
     assert decode_tensor(encode_float32s(probs), "x", (pb.FLOAT32,), 1).tolist() == torch.tensor(probs).tolist()
     assert decode_tensor(encode_int64s([]), "x", (pb.INT64,), 1).shape == (0,)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_serialize_request_is_the_built_request(seed):
+    """serialize_request writes large hidden states into the bytes directly: the drafter must parse exactly the
+    message build_request makes, on random batches around the size where the direct copy starts."""
+    from drafter_client.messages import DIRECT_STATES_MIN_BYTES, serialize_request
+
+    g = torch.Generator().manual_seed(seed)
+    dtype = [torch.float32, torch.bfloat16, torch.float16][seed % 3]
+    width = int(torch.randint(1, 700, (1,), generator=g))
+    batch = int(torch.randint(1, 40, (1,), generator=g))
+    steps = []
+    for i in range(batch):
+        m = int(torch.randint(1, 9, (1,), generator=g))
+        steps.append(SequenceStep(f"s{i}", int(torch.randint(0, 50, (1,), generator=g)), list(range(m)),
+                                  torch.randn(m, width, generator=g).to(dtype), 3, int(torch.randint(0, 6, (1,),
+                                                                                                     generator=g))))
+    packed = torch.cat([s.hidden_states for s in steps]) if seed % 2 else None
+    built = build_request("ns", steps, packed, request_id=seed)
+    raw = serialize_request("ns", steps, packed, request_id=seed)
+    assert pb.ProposeRequest.FromString(bytes(raw)) == built
+    assert len(raw) == built.ByteSize()
+    big = sum(s.hidden_states.numel() for s in steps) * steps[0].hidden_states.element_size() >= DIRECT_STATES_MIN_BYTES
+    assert isinstance(raw, bytearray) == big  # (the direct copy ran exactly where it should)
