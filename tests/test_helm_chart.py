@@ -579,15 +579,22 @@ def test_template_failures(helm_env, sets, message):
     assert message in stderr
 
 
-@needs_helm
-def test_parent_chart_example(helm_env, tmp_path):
-    """helm/examples/engine-with-drafter: a parent chart including the drafter.sidecar.* templates."""
+def parent_chart(helm_env, tmp_path) -> Path:
+    """helm/examples/engine-with-drafter and this chart copied side by side under tmp_path, dependency built;
+    returns the folder holding them (the example is its "engine")."""
     work = tmp_path / "charts"
     shutil.copytree(CHART, work / "drafter")
     shutil.copytree(EXAMPLE, work / "engine", ignore=shutil.ignore_patterns("charts", "Chart.lock"))
     (work / "engine" / "Chart.yaml").write_text(
         (work / "engine" / "Chart.yaml").read_text().replace("file://../../drafter", "file://../drafter"))
     helm(helm_env, "dependency", "build", str(work / "engine"))
+    return work
+
+
+@needs_helm
+def test_parent_chart_example(helm_env, tmp_path):
+    """helm/examples/engine-with-drafter: a parent chart including the drafter.sidecar.* templates."""
+    work = parent_chart(helm_env, tmp_path)
     helm(helm_env, "lint", str(work / "engine"), *set_args({"engine.image": "e:1", "drafter.image.repository": IMAGE}))
     docs = render(helm_env, {"engine.image": "registry.example.com/engine:1", "drafter.image.repository": IMAGE},
                   chart=work / "engine", release="e")

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from test_helm_chart import (CHART, ENGINE, EXAMPLE, IMAGE, by_kind, drafter_of, helm, helm_env,  # noqa: F401
-                             needs_helm, render, render_fails, set_args, yaml)
+from test_helm_chart import (ENGINE, IMAGE, by_kind, drafter_of, helm, helm_env,  # noqa: F401
+                             needs_helm, parent_chart, render, render_fails, set_args, yaml)
 
 NATIVE_MESSAGE = "sidecar.native=true needs Kubernetes 1.29 or later"
 
@@ -48,12 +48,7 @@ def test_native_sidecar_needs_kubernetes_1_29(helm_env):
 
 @needs_helm
 def test_parent_chart_example_checks_the_kubernetes_version(helm_env, tmp_path):
-    work = tmp_path / "charts"
-    shutil.copytree(CHART, work / "drafter")
-    shutil.copytree(EXAMPLE, work / "engine", ignore=shutil.ignore_patterns("charts", "Chart.lock"))
-    (work / "engine" / "Chart.yaml").write_text(
-        (work / "engine" / "Chart.yaml").read_text().replace("file://../../drafter", "file://../drafter"))
-    helm(helm_env, "dependency", "build", str(work / "engine"))
+    work = parent_chart(helm_env, tmp_path)
     sets = set_args({"engine.image": "registry.example.com/engine:1", "drafter.image.repository": IMAGE})
     proc = helm(helm_env, "template", "e", str(work / "engine"), *sets, "--kube-version", "1.28.0", check=False)
     assert proc.returncode != 0 and NATIVE_MESSAGE in proc.stderr, proc.stderr
