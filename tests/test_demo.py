@@ -21,9 +21,9 @@ def test_demo_runs_and_stops_the_sidecar(tmp_path, capsys):
 def test_demo_reports_a_sidecar_that_cannot_start(tmp_path, capsys):
     models = tmp_path / "models"
     (models / "target").mkdir(parents=True)
-    (models / "eagle1").mkdir()
+    (models / "eagle3").mkdir()
     (models / "target" / "config.json").write_text("{}")
-    (models / "eagle1" / "config.json").write_text("{}")
+    (models / "eagle3" / "config.json").write_text("{}")
     assert main(["--models", str(models), "--device", "cpu", "--chart", ""]) == 1
     captured = capsys.readouterr()
     assert "the sidecar exited with code 1 before serving" in captured.err
