@@ -14,12 +14,14 @@ A sick drafter never stops the engine: propose() has a deadline (``step_timeout_
 (``result.fallback``) when the drafter does not answer in time or fails; a circuit breaker (breaker.py) then skips
 it for a backoff (docs/protocol.md, "When the drafter is sick").
 
-What lives here: client.py (DrafterClient), breaker.py (CircuitBreaker), messages.py (SequenceStep, ProposeResult
-and their packing), session.py (ProposeStream), sync.py, shm_ring.py (shared-memory slots), step_channel.py;
+What lives here: client.py (DrafterClient), batch.py (StepBatch, BatchDrafts: the batch API), breaker.py
+(CircuitBreaker), messages.py (SequenceStep, ProposeResult and their packing), session.py (ProposeStream),
+sync.py, shm_ring.py (shared-memory slots), step_channel.py;
 protocol/ (generated code and wire format, shared with the server); engine/ (reference engine, demo; needs the
 ``demo`` extra); benchmarks/. This package may import grpc, protobuf, torch, numpy and drafter_client.protocol: never
 drafter_service, transformers, matplotlib, tokenizers or uvloop (tests/test_layout.py checks it).
 """
+from drafter_client.batch import BatchDrafts, StepBatch
 from drafter_client.breaker import CircuitBreaker
 from drafter_client.client import DrafterClient
 from drafter_client.messages import DrafterError, ProposeResult, ReleaseResult, SequenceDrafts, SequenceStep
@@ -27,5 +29,5 @@ from drafter_client.session import ProposeSession
 from drafter_client.shm_ring import SharedTensorRef
 from drafter_client.sync import SyncDrafterClient
 
-__all__ = ["CircuitBreaker", "DrafterClient", "DrafterError", "ProposeResult", "ProposeSession", "ReleaseResult",
-           "SequenceDrafts", "SequenceStep", "SharedTensorRef", "SyncDrafterClient"]
+__all__ = ["BatchDrafts", "CircuitBreaker", "DrafterClient", "DrafterError", "ProposeResult", "ProposeSession", "ReleaseResult",
+           "SequenceDrafts", "SequenceStep", "SharedTensorRef", "StepBatch", "SyncDrafterClient"]

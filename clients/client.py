@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_client.auth import bearer_metadata
+from drafter_client.batch import BatchDrafts, StepBatch, fallback_batch, parse_batch_response, serialize_batch
 from drafter_client.breaker import CircuitBreaker
 from drafter_client.messages import (FAULT_CODES, DrafterError, ProposeResult, ReleaseResult, SequenceDrafts,
                                      SequenceStep, build_request, fallback_result, hidden_parts, parse_response,
@@ -213,21 +214,42 @@ class DrafterClient:
         reply by the deadline; UNAVAILABLE, INTERNAL or another code of FAULT_CODES; the circuit breaker open) the
         result is a fallback: no drafts, code 14 for every sequence, ``result.fallback`` True (with
         raise_on_error, DrafterError instead). The caller's errors (INVALID_ARGUMENT, ...) raise DrafterError."""
+        return await self._step(
+            lambda states, rid: serialize_request(self.namespace, steps, states, rid),
+            lambda: self._stage(steps, hidden_states), hidden_states, parse_response,
+            lambda reason: fallback_result(steps, reason), timeout)
+
+    async def propose_batch(self, batch: StepBatch, timeout: float | None = None) -> BatchDrafts:
+        """One engine step for a batch given as columns (drafter_client.batch.StepBatch), answered as columns
+        (BatchDrafts): the same request, deadline, fallback and circuit breaker as propose(), without a Python
+        object per sequence. batch.hidden_states may be a SharedTensorRef into a region the caller registered;
+        with enable_shared_memory a tensor goes through the ring."""
+        ids = batch.sequence_ids
+        states = batch.hidden_states
+        return await self._step(
+            lambda ref, rid: serialize_batch(self.namespace, batch, ref, rid),
+            lambda: self._stage([], states) if isinstance(states, SharedTensorRef) else self._stage_parts([states]),
+            states, lambda resp: parse_batch_response(resp, ids), lambda reason: fallback_batch(ids, reason),
+            timeout)
+
+    async def _step(self, serialize, stage, hidden_states, parse, fallback, timeout: float | None):
+        """propose() and propose_batch(): stage the states (ring slot), serialize(states or slot ref, request id),
+        send through the step channel or gRPC under the deadline, parse(response). A sick drafter gives
+        fallback(reason) (raise_on_error: DrafterError); the caller's errors raise."""
         if not self.breaker.allow():
-            return self._refusal(steps)
+            return self._without_drafter_do(fallback, *self._refusal_error())
         staged = None
         sent = answered = False
         try:
-            staged = self._stage(steps, hidden_states)
-            payload = serialize_request(self.namespace, steps, staged.ref if staged else hidden_states,
-                                        self._request_id())
+            staged = stage()
+            payload = serialize(staged.ref if staged else hidden_states, self._request_id())
             sent = True
             resp = await self._send_step(payload, self._step_timeout(timeout))
             answered = True
-            result = parse_response(resp)
+            result = parse(resp)
         except DrafterError as e:
             answered = answered or e.code in ANSWERED_CODES
-            return self._without_drafter(steps, self._drafter_failed(e), e)
+            return self._without_drafter_do(fallback, self._drafter_failed(e), e)
         except BaseException:  # cancelled, or the caller's bad input: no answer either way
             self.breaker.abandon()
             raise
@@ -272,16 +294,22 @@ class DrafterClient:
 
     def _without_drafter(self, steps: list[SequenceStep], reason: str, error: DrafterError) -> ProposeResult:
         """The step goes on without drafts: a fallback result, or the error with raise_on_error."""
+        return self._without_drafter_do(lambda why: fallback_result(steps, why), reason, error)
+
+    def _without_drafter_do(self, fallback, reason: str, error: DrafterError):
         self.fallback_steps += 1
         if self.raise_on_error:
             raise error
-        return fallback_result(steps, reason)
+        return fallback(reason)
+
+    def _refusal_error(self) -> "tuple[str, DrafterError]":
+        reason = (f"circuit breaker open after {self.breaker.reason}; next probe in "
+                  f"{self.breaker.retry_in_s:.2f} s")
+        return reason, DrafterError(grpc.StatusCode.UNAVAILABLE, reason)
 
     def _refusal(self, steps: list[SequenceStep]) -> ProposeResult:
         """The answer while the circuit breaker is open: no drafts at once, without network I/O."""
-        reason = (f"circuit breaker open after {self.breaker.reason}; next probe in "
-                  f"{self.breaker.retry_in_s:.2f} s")
-        return self._without_drafter(steps, reason, DrafterError(grpc.StatusCode.UNAVAILABLE, reason))
+        return self._without_drafter(steps, *self._refusal_error())
 
     def _answered(self) -> None:
         """The drafter answered a call: close the circuit breaker. After a recovery, reopen the step channel that
@@ -601,8 +629,13 @@ class DrafterClient:
         if isinstance(hidden_states, SharedTensorRef):
             self.steps_by_reference += 1
             return None
+        return self._stage_parts(hidden_parts(steps, hidden_states) if self._ring is not None and steps else [])
+
+    def _stage_parts(self, parts: list[torch.Tensor]) -> "_Staged | None":
+        """_stage for the states as the tensors to stack, in order."""
         ring = self._ring
-        parts = hidden_parts(steps, hidden_states) if ring is not None and steps else []
+        if ring is None:
+            parts = []
         slot = ring.acquire(sum(p.numel() * p.element_size() for p in parts)) if parts else None
         if slot is None:
             self.steps_inline += 1

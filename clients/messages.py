@@ -155,11 +155,23 @@ def serialize_request(namespace: str, steps: list[SequenceStep],
     hidden_states field written by hand: Tensor{dtype, shape, raw} (the wire format lets a field come after the
     others; the drafter parses the same message)."""
     parts = None if isinstance(hidden_states, SharedTensorRef) else hidden_parts(steps, hidden_states)
+    return serialize_with_states(_request_without_states(namespace, steps, request_id), hidden_states, parts)
+
+
+def serialize_with_states(req: "pb.ProposeRequest", hidden_states: "torch.Tensor | SharedTensorRef | None",
+                          parts: "list[torch.Tensor] | None") -> "bytes | bytearray":
+    """req (every field but hidden_states) serialized with the hidden states: parts (the [rows, W] tensors to
+    stack, in order) written straight into the bytes when they are large and alike, else through protobuf."""
     if (parts is None or len({(p.dtype, p.dim(), p.shape[-1] if p.dim() else 0) for p in parts}) != 1
             or parts[0].dim() != 2 or parts[0].dtype not in WIRE_DTYPE
             or sum(p.numel() for p in parts) * parts[0].element_size() < DIRECT_STATES_MIN_BYTES):
-        return build_request(namespace, steps, hidden_states, request_id).SerializeToString()
-    head = _request_without_states(namespace, steps, request_id).SerializeToString()
+        if isinstance(hidden_states, SharedTensorRef):
+            req.hidden_states.CopyFrom(hidden_states.to_pb())
+        else:
+            encode_tensor(parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, 0),
+                          into=req.hidden_states)
+        return req.SerializeToString()
+    head = req.SerializeToString()
     rows, width, dtype = sum(p.shape[0] for p in parts), parts[0].shape[1], parts[0].dtype
     raw_len = rows * width * parts[0].element_size()
     shape = _varint(rows) + _varint(width)

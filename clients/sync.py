@@ -11,6 +11,7 @@ import threading
 
 import torch
 
+from drafter_client.batch import BatchDrafts, StepBatch
 from drafter_client.breaker import CircuitBreaker
 from drafter_client.client import DrafterClient, ProposeResult, ReleaseResult, SequenceStep
 
@@ -55,6 +56,11 @@ class SyncDrafterClient:
             if result is None:
                 result = self._run(self._client.propose(steps, hidden_states, timeout))
             return result
+
+    def propose_batch(self, batch: StepBatch, timeout: float | None = None) -> BatchDrafts:
+        """One engine step as columns (see DrafterClient.propose_batch), on the client's loop."""
+        with self._propose_lock:
+            return self._run(self._client.propose_batch(batch, timeout))
 
     def release(self, sequence_ids: list[str], timeout: float | None = None) -> ReleaseResult:
         """See DrafterClient.release."""

@@ -128,7 +128,7 @@ def test_client_ships_py_typed():
     assert (ROOT / "clients" / "py.typed").is_file()
 
 
-@pytest.mark.parametrize("module", ["drafter_client.breaker", "drafter_client.client", "drafter_client.messages",
+@pytest.mark.parametrize("module", ["drafter_client.batch", "drafter_client.breaker", "drafter_client.client", "drafter_client.messages",
                                     "drafter_client.session", "drafter_client.sync", "drafter_client.shm_ring",
                                     "drafter_client.step_channel"])
 def test_client_public_api_has_docstrings(module):

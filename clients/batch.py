@@ -1,0 +1,150 @@
+"""The batch API: one engine step for B sequences as columns (tensors), and its answer as columns.
+
+An engine that keeps its batch as tensors (positions, token ids, the states of the committed rows, the next tokens)
+hands them over as they are: ``DrafterClient.propose_batch(StepBatch(...))`` returns ``BatchDrafts`` with the
+drafts of all sequences in one tensor and per-sequence codes, counts and lengths as tensors. No Python object per
+sequence is built on either side of the call (the protocol's per-sequence messages are written from the columns
+in one pass). ``propose(list[SequenceStep])`` is the per-sequence convenience over the same request.
+"""
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from drafter_client.messages import (RESYNC_CODES, UNAVAILABLE, DrafterError, _status_code, serialize_with_states)
+from drafter_client.protocol import pb
+from drafter_client.protocol.wire import decode_tensor, encode_tensor
+from drafter_client.shm_ring import SharedTensorRef
+
+
+@dataclass
+class StepBatch:
+    """One engine step for B sequences. Row r of token_ids / hidden_states belongs to sequence i when
+    offsets[i] <= r < offsets[i + 1], offsets being the running sum of num_tokens (sequence order)."""
+
+    sequence_ids: list[str]  # [B]
+    start_positions: torch.Tensor  # [B] int: p of each sequence
+    num_tokens: torch.Tensor  # [B] int: m of each sequence (>= 1)
+    token_ids: torch.Tensor  # [sum m] int: the committed tokens, sequence after sequence
+    hidden_states: "torch.Tensor | SharedTensorRef"  # [sum m, GetInfo.hidden_states_width], same rows
+    next_tokens: torch.Tensor  # [B] int: x[p + m] of each sequence
+    num_drafts: "torch.Tensor | int"  # [B] int, or one k for every sequence
+    temperature: "torch.Tensor | float" = 0.0  # [B] float, or one for all (0: greedy)
+    seed: "torch.Tensor | int" = 0  # [B] int, or one for all
+    return_logprobs: bool = False
+    top_k_probs: int = 0
+
+    def __len__(self) -> int:
+        return len(self.sequence_ids)
+
+
+@dataclass
+class BatchDrafts:
+    """The answer to a StepBatch, as columns in the batch's sequence order. codes[i] != 0: sequence i got no
+    drafts (messages[i] says why; needs_resync[i]: resend its context from position 0, docs/protocol.md)."""
+
+    sequence_ids: list[str]
+    codes: torch.Tensor  # [B] int32: gRPC code numbers, 0 = OK
+    num_drafts: torch.Tensor  # [B] int64: drafts given to each sequence
+    draft_token_ids: torch.Tensor  # [sum num_drafts] int64, sequence after sequence
+    accepted_drafts: torch.Tensor  # [B] int64: the previous step's drafts the engine committed, as counted
+    committed_lengths: torch.Tensor  # [B] int64: p + m
+    needs_resync: torch.Tensor  # [B] bool
+    messages: dict[int, str] = field(default_factory=dict)  # index -> message, for the sequences with a code
+    logprobs: torch.Tensor | None = None  # [sum num_drafts] float32, when asked for
+    top_k_ids: torch.Tensor | None = None  # [sum num_drafts, N] int64, when asked for
+    top_k_probs: torch.Tensor | None = None  # [sum num_drafts, N] float32
+    request_id: int = 0
+    fallback: bool = False  # the drafter was not asked or did not answer (see ProposeResult.fallback)
+    fallback_reason: str = ""
+
+    def padded(self, fill: int = -1) -> torch.Tensor:
+        """Drafts as [B, max num_drafts] int64, short rows filled with ``fill`` (one scatter, no loop)."""
+        n = self.num_drafts
+        width = int(n.max()) if n.numel() else 0
+        out = torch.full((n.numel(), width), fill, dtype=torch.int64)
+        if self.draft_token_ids.numel():
+            rows = torch.repeat_interleave(torch.arange(n.numel()), n)
+            starts = torch.cumsum(n, 0) - n
+            cols = torch.arange(self.draft_token_ids.numel()) - starts[rows]
+            out[rows, cols] = self.draft_token_ids
+        return out
+
+
+def _column(value, n: int, dtype: torch.dtype) -> list:
+    """A per-sequence column as a list: a tensor's values, or one value repeated."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != n:
+            raise ValueError(f"a column has {value.numel()} values for {n} sequences")
+        return value.to(dtype).tolist()
+    return [value] * n
+
+
+def build_batch_request(namespace: str, batch: StepBatch, request_id: int = 0) -> "pb.ProposeRequest":
+    """Every field of the batch's ProposeRequest but the hidden states (serialize_batch adds them)."""
+    n = len(batch)
+    m = _column(batch.num_tokens, n, torch.int64)
+    p = _column(batch.start_positions, n, torch.int64)
+    nxt = _column(batch.next_tokens, n, torch.int64)
+    k = _column(batch.num_drafts, n, torch.int64)
+    temp = _column(batch.temperature, n, torch.float32)
+    seed = _column(batch.seed, n, torch.int64)
+    if batch.token_ids.numel() != sum(m):
+        raise ValueError(f"token_ids has {batch.token_ids.numel()} values; num_tokens adds up to {sum(m)}")
+    plain = not (batch.return_logprobs or batch.top_k_probs)
+    greedy = pb.SamplingParams()
+    req = pb.ProposeRequest(namespace=namespace, request_id=request_id, steps=[
+        pb.SequenceStep(sequence_id=sid, start_position=p_, num_tokens=m_, next_token=x, num_drafts=k_,
+                        sampling=greedy if plain and not (t or s) else pb.SamplingParams(
+                            temperature=t, seed=s, return_logprobs=batch.return_logprobs,
+                            top_k_probs=batch.top_k_probs))
+        for sid, p_, m_, x, k_, t, s in zip(batch.sequence_ids, p, m, nxt, k, temp, seed)])
+    encode_tensor(batch.token_ids.detach().reshape(-1).to(torch.int64).cpu(), into=req.token_ids)
+    return req
+
+
+def serialize_batch(namespace: str, batch: StepBatch, hidden_states: "torch.Tensor | SharedTensorRef | None" = None,
+                    request_id: int = 0) -> "bytes | bytearray":
+    """The batch's serialized ProposeRequest (hidden_states: in place of the batch's own, e.g. a ring slot)."""
+    states = batch.hidden_states if hidden_states is None else hidden_states
+    parts = None if isinstance(states, SharedTensorRef) else [states]
+    return serialize_with_states(build_batch_request(namespace, batch, request_id), states, parts)
+
+
+def parse_batch_response(resp: "pb.ProposeResponse", sequence_ids: list[str]) -> BatchDrafts:
+    """A ProposeResponse as BatchDrafts; raises DrafterError for a request-level error, INTERNAL when the reply's
+    draft counts do not add up or it answers another number of sequences."""
+    if resp.HasField("error") and resp.error.code != 0:
+        raise DrafterError(_status_code(resp.error.code), resp.error.message)
+    results = resp.results
+    if len(results) != len(sequence_ids):
+        raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply answers {len(results)} sequences of "
+                                                     f"{len(sequence_ids)}")
+    cols = [(r.status.code, r.num_drafts, r.accepted_drafts, r.committed_length) for r in results]
+    codes, counts, accepted, lengths = (torch.tensor(c, dtype=torch.int64).reshape(-1) for c in zip(*cols)) \
+        if cols else (torch.empty(0, dtype=torch.int64),) * 4
+    flat = decode_tensor(resp.draft_token_ids, "draft_token_ids", (pb.INT64,), 1).clone()
+    if int(counts.sum()) != flat.numel():
+        raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply's num_drafts add up to {int(counts.sum())}, but "
+                                                     f"it holds {flat.numel()} draft ids")
+    out = BatchDrafts(sequence_ids=list(sequence_ids), codes=codes.to(torch.int32), num_drafts=counts,
+                      draft_token_ids=flat, accepted_drafts=accepted, committed_lengths=lengths,
+                      needs_resync=torch.isin(codes, torch.tensor(sorted(RESYNC_CODES))),
+                      messages={i: results[i].status.message for i in codes.nonzero().flatten().tolist()},
+                      request_id=resp.request_id)
+    if resp.HasField("draft_logprobs"):
+        out.logprobs = decode_tensor(resp.draft_logprobs, "draft_logprobs", (pb.FLOAT32,), 1).clone()
+    if resp.HasField("draft_top_k_ids"):
+        out.top_k_ids = decode_tensor(resp.draft_top_k_ids, "draft_top_k_ids", (pb.INT64,), 2).clone()
+        out.top_k_probs = decode_tensor(resp.draft_top_k_probs, "draft_top_k_probs", (pb.FLOAT32,), 2).clone()
+    return out
+
+
+def fallback_batch(sequence_ids: list[str], reason: str) -> BatchDrafts:
+    """The "no drafts" answer (code 14 for every sequence, fallback=True) of a step the drafter did not answer."""
+    n = len(sequence_ids)
+    zeros = torch.zeros(n, dtype=torch.int64)
+    return BatchDrafts(sequence_ids=list(sequence_ids), codes=torch.full((n,), UNAVAILABLE, dtype=torch.int32),
+                       num_drafts=zeros, draft_token_ids=torch.empty(0, dtype=torch.int64), accepted_drafts=zeros,
+                       committed_lengths=zeros.clone(), needs_resync=torch.zeros(n, dtype=torch.bool),
+                       messages={i: reason for i in range(n)}, fallback=True, fallback_reason=reason)

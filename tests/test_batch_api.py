@@ -1,0 +1,113 @@
+"""The batch API (drafter_client.batch): StepBatch in, BatchDrafts out, against the per-sequence API on the same
+drafter: same drafts, codes, counts and lengths over steps with random acceptance, a bad sequence in the batch,
+log-probabilities, the step channel and the fallback of a drafter that is not there."""
+import random
+
+import pytest
+import torch
+
+from drafter_client import BatchDrafts, DrafterClient, SequenceStep, StepBatch
+from drafter_client.batch import serialize_batch
+from drafter_client.messages import build_request
+from drafter_client.protocol import pb
+
+H, V, K = 64, 512, 4
+
+
+def as_batch(steps: list[SequenceStep], temperature: float = 0.0, logprobs: bool = False) -> StepBatch:
+    return StepBatch(
+        sequence_ids=[s.sequence_id for s in steps],
+        start_positions=torch.tensor([s.start_position for s in steps]),
+        num_tokens=torch.tensor([len(s.token_ids) for s in steps]),
+        token_ids=torch.tensor([t for s in steps for t in s.token_ids]),
+        hidden_states=torch.cat([s.hidden_states for s in steps]),
+        next_tokens=torch.tensor([s.next_token for s in steps]),
+        num_drafts=torch.tensor([s.num_drafts for s in steps]),
+        temperature=temperature, seed=7 if temperature else 0, return_logprobs=logprobs)
+
+
+def test_serialized_batch_is_the_per_sequence_request():
+    g = torch.Generator().manual_seed(0)
+    steps = [SequenceStep(f"s{i}", 3 * i, [i, i + 1, 5], torch.randn(3, H, generator=g), 9, i % 5) for i in range(6)]
+    for temperature, logprobs in ((0.0, False), (0.5, True)):
+        steps_t = [SequenceStep(**{**s.__dict__, "temperature": temperature, "seed": 7 if temperature else 0,
+                                   "return_logprobs": logprobs}) for s in steps]
+        got = pb.ProposeRequest.FromString(bytes(serialize_batch("ns", as_batch(steps_t, temperature, logprobs),
+                                                                 request_id=3)))
+        assert got == build_request("ns", steps_t, request_id=3)
+
+
+def test_padded_is_the_per_row_layout():
+    d = BatchDrafts(sequence_ids=["a", "b", "c"], codes=torch.zeros(3, dtype=torch.int32),
+                    num_drafts=torch.tensor([2, 0, 3]), draft_token_ids=torch.tensor([1, 2, 3, 4, 5]),
+                    accepted_drafts=torch.zeros(3, dtype=torch.int64), committed_lengths=torch.zeros(3),
+                    needs_resync=torch.zeros(3, dtype=torch.bool))
+    assert d.padded().tolist() == [[1, 2, -1], [-1, -1, -1], [3, 4, 5]]
+
+
+@pytest.mark.parametrize("channel", [False, True])
+async def test_batch_api_answers_as_the_per_sequence_api(server, channel):
+    rng = random.Random(channel)
+    g = torch.Generator().manual_seed(1)
+    async with DrafterClient(server.uds, namespace=f"cols-{channel}") as cols, \
+            DrafterClient(server.uds, namespace=f"rows-{channel}") as rows:
+        if channel:
+            assert await cols.open_step_channel() and await rows.open_step_channel()
+        seqs = {f"s{i}": dict(tokens=[rng.randrange(V) for _ in range(rng.randint(3, 12) + 1)], sent=0)
+                for i in range(5)}
+        for s in seqs.values():
+            s["hidden"] = torch.randn(len(s["tokens"]) - 1, H, generator=g)
+        for step in range(6):
+            steps = []
+            for sid, s in seqs.items():
+                n = len(s["tokens"]) - 1
+                steps.append(SequenceStep(sid, s["sent"], s["tokens"][s["sent"]:n], s["hidden"][s["sent"]:n],
+                                          s["tokens"][n], rng.randint(0, K), return_logprobs=step % 2 == 1))
+            if step == 3:  # an unknown sequence in the middle: a per-sequence NOT_FOUND in both
+                steps.insert(2, SequenceStep("ghost", 4, [1], torch.randn(1, H, generator=g), 2, 3,
+                                             return_logprobs=True))
+            by_rows = await rows.propose(steps)
+            by_cols = await cols.propose_batch(as_batch(steps, logprobs=step % 2 == 1))
+            assert not by_rows.fallback and not by_cols.fallback
+            assert by_cols.sequence_ids == [s.sequence_id for s in steps]
+            assert by_cols.codes.tolist() == [r.code for r in by_rows.sequences]
+            assert by_cols.num_drafts.tolist() == [r.drafts.numel() for r in by_rows.sequences]
+            assert torch.equal(by_cols.draft_token_ids, by_rows.draft_token_ids)
+            assert torch.equal(by_cols.padded(), by_rows.padded())
+            assert by_cols.committed_lengths.tolist() == [r.committed_length for r in by_rows.sequences]
+            assert by_cols.accepted_drafts.tolist() == [r.accepted_drafts for r in by_rows.sequences]
+            assert by_cols.needs_resync.tolist() == [r.needs_resync for r in by_rows.sequences]
+            assert by_cols.messages == {i: r.message.replace("'rows-", "'cols-")  # (the namespaces differ)
+                                        for i, r in enumerate(by_rows.sequences) if r.code}
+            if step % 2:
+                assert torch.allclose(by_cols.logprobs, torch.cat([r.logprobs for r in by_rows.sequences]))
+            for st, r in zip(steps, by_rows.sequences):  # the engine commits some drafts and its own next token
+                if st.sequence_id == "ghost":
+                    continue
+                s = seqs[st.sequence_id]
+                assert r.ok, r.message
+                s["sent"] = st.start_position + len(st.token_ids)
+                new = r.drafts.tolist()[: rng.randint(0, r.drafts.numel())] + [rng.randrange(V)]
+                s["tokens"] = s["tokens"] + new
+                s["hidden"] = torch.cat([s["hidden"], torch.randn(len(new), H, generator=g)])
+        assert (cols.steps_through_channel > 0) == channel
+        await cols.release(list(seqs))
+        await rows.release(list(seqs))
+
+
+def test_sync_client_batch_api(server):
+    from drafter_client import SyncDrafterClient
+
+    steps = [SequenceStep("a", 0, [1, 2, 3], torch.randn(3, H), 4, 3), SequenceStep("b", 0, [5], torch.randn(1, H), 6, 2)]
+    with SyncDrafterClient(server.uds, namespace="sync-cols") as c:
+        r = c.propose_batch(as_batch(steps))
+        assert r.codes.tolist() == [0, 0] and r.num_drafts.tolist() == [3, 2] and r.padded().shape == (2, 3)
+        c.release(["a", "b"])
+
+
+async def test_batch_api_falls_back_when_the_drafter_is_not_there(tmp_path):
+    steps = [SequenceStep("a", 0, [1, 2], torch.randn(2, H), 3, 2), SequenceStep("b", 0, [4], torch.randn(1, H), 5, 2)]
+    async with DrafterClient(f"unix:{tmp_path / 'none.sock'}", namespace="x", step_timeout_s=0.5) as c:
+        r = await c.propose_batch(as_batch(steps))
+    assert r.fallback and r.codes.tolist() == [14, 14] and r.draft_token_ids.numel() == 0
+    assert r.padded().shape == (2, 0) and set(r.messages) == {0, 1}
