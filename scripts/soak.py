@@ -2,14 +2,14 @@
 injected; every checked draft must equal the naive reference, no engine step may wait past its deadline, and no
 sequence may stay behind once every engine has left.
 
-    python scripts/soak.py                                   # 60 s, 3 engines x 12 sequences, every fault kind
+    python scripts/soak.py                                   # 60 s, 4 engines x 12 sequences, every fault kind
     python scripts/soak.py --duration-s 600 --out docs/bench/soak_cpu.json
 
 The drafter is drafter-serve in a child process on a tiny random EAGLE-1 head (the tests' checkpoint writer) with a
 small KV pool and a short sequence lease. Each engine is a process
 with its own DrafterClient (a per-step deadline, fallback, circuit breaker); engine i talks unary Propose, a
-ProposeStream or a step channel (i % 3; the first two over TCP through a proxy that can cut connections, the step
-channel on the Unix socket). It keeps --sequences sequences with random tokens and hidden states, accepts a random
+ProposeStream, a step channel or the batch API (propose_batch) (i % 4; all but the step channel over TCP through
+a proxy that can cut connections, the step channel on the Unix socket). It keeps --sequences sequences with random tokens and hidden states, accepts a random
 number of the drafts each step (a new sequence takes the place of a finished one, which is released), resends from
 the last confirmed position after a step without drafts and from position 0 when the reply says needs_resync, and
 checks one drafting step in --check-every against the naive reference (recomputing the sequence without a KV
@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # checkpoints.py (tiny heads) and naive
 
 H, V = 64, 512  # the tiny head's hidden size and vocabulary
 K = 3  # drafts per step
-MODES = ("unary", "stream", "channel")  # how engine i talks to the drafter: MODES[i % 3]
+MODES = ("unary", "stream", "channel", "batch")  # how engine i talks to the drafter: MODES[i % 4]
 
 
 # ---- an engine (a child process) ----
@@ -79,7 +79,7 @@ class Engine:
         self.naive = NaiveEagle1(head, target)
         self.next_id = 0
         self.stats = dict(steps=0, steps_with_drafts=0, fallback_steps=0, resyncs=0, checked=0, mismatches=0,
-                          late_steps=0, fallback_reasons={}, latencies_ms=[])
+                          late_steps=0, fallback_reasons={}, latencies_ms=[], fallback_latencies_ms=[])
 
     def new_sequence(self) -> dict:
         self.next_id += 1
@@ -112,16 +112,21 @@ class Engine:
             while time.monotonic() < stop_at:
                 steps = [self.step_of(s) for s in seqs]
                 t0 = time.perf_counter()
-                reply = await (session.propose(steps) if session is not None else client.propose(steps))
+                if self.args["mode"] == "batch":
+                    reply = as_result(await client.propose_batch(as_batch(steps)))
+                else:
+                    reply = await (session.propose(steps) if session is not None else client.propose(steps))
                 took = time.perf_counter() - t0
                 self.stats["steps"] += 1
-                self.stats["latencies_ms"].append(took * 1e3)
+                # answered steps and fallbacks apart: a fallback while the breaker is open takes microseconds
+                self.stats["fallback_latencies_ms" if reply.fallback else "latencies_ms"].append(took * 1e3)
                 if took > deadline + self.args["slack_s"]:
                     self.stats["late_steps"] += 1
                 if reply.fallback:
                     self.stats["fallback_steps"] += 1
                     why = reply.fallback_reason.split(":")[0][:40]
                     self.stats["fallback_reasons"][why] = self.stats["fallback_reasons"].get(why, 0) + 1
+                await asyncio.sleep(self.args["target_step_s"])  # the target verifies the drafts
                 for s, st, r in zip(seqs, steps, reply.sequences):
                     if r.ok:
                         s["sent"] = st.start_position + len(st.token_ids)
@@ -139,8 +144,7 @@ class Engine:
                         if r.needs_resync:  # the drafter lost the context: resend it whole next step
                             s["sent"] = 0
                             self.stats["resyncs"] += 1
-                    await asyncio.sleep(self.args["target_step_s"])  # the target verifies
-                # the target commits the accepted drafts and its own next token (a random one here)
+                    # the target commits the accepted drafts and its own next token (a random one here)
                     new = accepted + [self.rng.randrange(V)]
                     s["hidden"] = torch.cat([s["hidden"], torch.randn(len(new), H, generator=self.gen)])
                     s["tokens"] = s["tokens"] + new
@@ -155,8 +159,34 @@ class Engine:
             await client.close()
         self.stats["streams_opened"] = session.streams_opened if session is not None else 0
         self.stats["breaker_opened"] = client.breaker.times_opened
-        lat = self.stats.pop("latencies_ms")
-        results.put(dict(self.stats, index=self.index, latencies_ms=lat))
+        lat, fb = self.stats.pop("latencies_ms"), self.stats.pop("fallback_latencies_ms")
+        results.put(dict(self.stats, index=self.index, mode=self.args["mode"], latencies_ms=lat,
+                         fallback_latencies_ms=fb))
+
+
+def as_batch(steps):
+    """The batch API's columns for a list of SequenceSteps (the "batch" engines use propose_batch)."""
+    import torch
+
+    from drafter_client import StepBatch
+
+    return StepBatch(sequence_ids=[s.sequence_id for s in steps],
+                     start_positions=torch.tensor([s.start_position for s in steps]),
+                     num_tokens=torch.tensor([len(s.token_ids) for s in steps]),
+                     token_ids=torch.tensor([t for s in steps for t in s.token_ids]),
+                     hidden_states=torch.cat([s.hidden_states for s in steps]),
+                     next_tokens=torch.tensor([s.next_token for s in steps]),
+                     num_drafts=torch.tensor([s.num_drafts for s in steps]))
+
+
+def as_result(b):
+    """BatchDrafts seen per sequence, as the harness checks them (drafts split by num_drafts)."""
+    from types import SimpleNamespace
+
+    drafts = b.draft_token_ids.split(b.num_drafts.tolist())
+    seqs = [SimpleNamespace(ok=int(c) == 0, drafts=d, needs_resync=bool(rs))
+            for c, d, rs in zip(b.codes.tolist(), drafts, b.needs_resync.tolist())]
+    return SimpleNamespace(sequences=seqs, fallback=b.fallback, fallback_reason=b.fallback_reason)
 
 
 # ---- a pool flood: open sequences until the pool is full, then vanish ----
@@ -291,7 +321,7 @@ def percentile(values: list[float], q: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration-s", type=float, default=60.0)
-    ap.add_argument("--engines", type=int, default=3)
+    ap.add_argument("--engines", type=int, default=4, help="engine i uses MODES[i % 4]")
     ap.add_argument("--sequences", type=int, default=12, help="per engine")
     ap.add_argument("--max-len", type=int, default=96, help="a sequence is finished (released) past this length")
     ap.add_argument("--kv-tokens", type=int, default=8192, help="the drafter's pool (small: the flood fills it)")
@@ -322,13 +352,14 @@ def main(argv: list[str] | None = None) -> int:
         proxy = CuttingProxy(tmp / "d.sock")
         engine_args = dict(sequences=a.sequences, max_len=a.max_len, deadline_s=a.deadline_s, slack_s=a.slack_s,
                            check_every=a.check_every, target_step_s=a.target_step_ms / 1e3)
-        engines = {}
+        engines, modes = {}, {}
 
-        def start_engine(i: int) -> None:
-            # engine i: unary Propose, a ProposeStream (both through the cutting proxy, over TCP) or a step channel
-            # (on the Unix socket: same node, shared memory)
-            mode = MODES[i % len(MODES)]
-            where = address if mode == "channel" else f"127.0.0.1:{proxy.port}"
+        def start_engine(i: int, mode: str | None = None) -> None:
+            # engine i: unary Propose, a ProposeStream, the batch API (through the cutting proxy, over TCP) or a
+            # step channel (on the Unix socket: same node, shared memory); a replacement keeps its victim's mode
+            mode = mode or MODES[i % len(MODES)]
+            modes[i] = mode
+            where = address if mode == "channel" else f"127.0.0.1:{proxy.port}"  # (batch: unary over TCP)
             p = mp_ctx.Process(target=engine_main, args=(i, where, dict(engine_args, mode=mode), str(head),
                                                          str(target), results, stop_at), daemon=True)
             p.start()
@@ -357,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             elif kind == "kill":
                 victim = sorted(engines)[turn % len(engines)]
                 engines.pop(victim).kill()  # SIGKILL: its sequences are never released
-                start_engine(next_engine)
+                start_engine(next_engine, modes[victim])
                 next_engine += 1
             elif kind == "restart":
                 drafter.kill()
@@ -383,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     crashed = [r for r in reports if "crashed" in r]
     reports = [r for r in reports if "crashed" not in r]
     lat = [x for r in reports for x in r["latencies_ms"]]
+    fb = [x for r in reports for x in r["fallback_latencies_ms"]]
     total = {k: sum(r[k] for r in reports) for k in ("steps", "steps_with_drafts", "fallback_steps", "resyncs",
                                                        "checked", "mismatches", "late_steps")}
     result = dict(benchmark="soak", date=datetime.datetime.now().isoformat(timespec="seconds"),
@@ -390,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                   command=" ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]), args=vars(a),
                   engines_reporting=len(reports), engines_crashed=len(crashed), faults=faults, connections_cut=connections_cut, **total, leaked_kv_tokens=held,
                   step_ms_p50=percentile(lat, 0.5), step_ms_p99=percentile(lat, 0.99),
+                  fallback_step_ms_p50=percentile(fb, 0.5), fallback_step_ms_p99=percentile(fb, 0.99),
                   drafter_rss_mib_start=rss_start, drafter_rss_mib_end=rss_end)
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -397,11 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsoak {a.duration_s:.0f} s, {a.engines} engines x {a.sequences} sequences, {result['date']}")
     for key in ("engines_reporting", "engines_crashed", "faults", "connections_cut", "steps", "steps_with_drafts", "fallback_steps", "resyncs", "checked",
                 "mismatches", "late_steps", "leaked_kv_tokens", "step_ms_p50", "step_ms_p99",
+                "fallback_step_ms_p50", "fallback_step_ms_p99",
                 "drafter_rss_mib_start", "drafter_rss_mib_end"):
         v = result[key]
         print(f"  {key:22s} {v:.2f}" if isinstance(v, float) else f"  {key:22s} {v}")
     for r in sorted(reports, key=lambda r: r["index"]):
-        print(f"  engine {r['index']} ({MODES[r['index'] % len(MODES)]}): {r['steps']} steps, "
+        print(f"  engine {r['index']} ({r['mode']}): {r['steps']} steps, "
               f"{r['steps_with_drafts']} drafting sequence-steps, {r['fallback_steps']} fallback steps, "
               f"{r['resyncs']} resyncs, breaker opened {r['breaker_opened']}x; fallbacks: {r['fallback_reasons']}")
     print(f"wrote {out}")

@@ -1,6 +1,6 @@
 """A short run of the fault and soak harness (scripts/soak.py; the longer run's figures are in docs/reliability.md).
 
-Three engine processes (unary, stream, step channel) drive a drafter process while the harness cuts their TCP
+Four engine processes (unary, stream, step channel, batch API) drive a drafter process while the harness cuts their TCP
 connections, SIGKILLs an engine, floods the KV pool and SIGKILLs and restarts the drafter. The harness itself checks
 drafts against the naive reference; this test asserts its verdict: no mismatch, no engine step past its deadline,
 no engine that crashed (an exception out of the client), no KV left held once every engine is gone, and that every
@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_short_soak_with_every_fault(tmp_path):
     out = tmp_path / "soak.json"
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--duration-s", "30", "--engines", "3",
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--duration-s", "30", "--engines", "4",
                         "--sequences", "6", "--fault-every-s", "3.5", "--faults", "flood,cut,kill,restart",
                         "--out", str(out)], capture_output=True, text=True, timeout=400)
     assert out.exists(), p.stdout[-3000:] + p.stderr[-3000:]
