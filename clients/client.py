@@ -228,7 +228,7 @@ class DrafterClient:
         states = batch.hidden_states
         return await self._step(
             lambda ref, rid: serialize_batch(self.namespace, batch, ref, rid),
-            lambda: self._stage([], states) if isinstance(states, SharedTensorRef) else self._stage_parts([states]),
+            lambda: self._stage_states(states),
             states, lambda resp: parse_batch_response(resp, ids), lambda reason: fallback_batch(ids, reason),
             timeout)
 
@@ -626,17 +626,18 @@ class DrafterClient:
 
     def _stage(self, steps: list[SequenceStep], hidden_states) -> "_Staged | None":
         """Copy the batch's hidden states into a free ring slot (one copy); None: they go as given."""
-        if isinstance(hidden_states, SharedTensorRef):
+        if not isinstance(hidden_states, SharedTensorRef):
+            hidden_states = hidden_parts(steps, hidden_states) if self._ring is not None and steps else []
+        return self._stage_states(hidden_states)
+
+    def _stage_states(self, states: "SharedTensorRef | torch.Tensor | list[torch.Tensor]") -> "_Staged | None":
+        """_stage for states given as a reference (nothing to copy), a tensor, or the tensors to stack in order."""
+        if isinstance(states, SharedTensorRef):
             self.steps_by_reference += 1
             return None
-        return self._stage_parts(hidden_parts(steps, hidden_states) if self._ring is not None and steps else [])
-
-    def _stage_parts(self, parts: list[torch.Tensor]) -> "_Staged | None":
-        """_stage for the states as the tensors to stack, in order."""
+        parts = [states] if isinstance(states, torch.Tensor) else states
         ring = self._ring
-        if ring is None:
-            parts = []
-        slot = ring.acquire(sum(p.numel() * p.element_size() for p in parts)) if parts else None
+        slot = ring.acquire(sum(p.numel() * p.element_size() for p in parts)) if ring is not None and parts else None
         if slot is None:
             self.steps_inline += 1
             return None

@@ -124,11 +124,19 @@ def build_request(namespace: str, steps: list[SequenceStep],
     """Pack a batch into one ProposeRequest: all token ids in one tensor, all hidden states in another (inline
     bytes, or a reference into a registered shared-memory region)."""
     req = _request_without_states(namespace, steps, request_id)
-    if isinstance(hidden_states, SharedTensorRef):
-        req.hidden_states.CopyFrom(hidden_states.to_pb())  # (a descriptor: small)
-    else:
-        encode_tensor(hidden_states if hidden_states is not None else pack_hidden(steps), into=req.hidden_states)
+    _set_states(req, hidden_states, None if isinstance(hidden_states, SharedTensorRef)
+                else hidden_parts(steps, hidden_states))
     return req
+
+
+def _set_states(req: "pb.ProposeRequest", hidden_states: "torch.Tensor | SharedTensorRef | None",
+                parts: "list[torch.Tensor] | None") -> None:
+    """Fill req.hidden_states through protobuf: the reference (a descriptor: small), or parts stacked."""
+    if isinstance(hidden_states, SharedTensorRef):
+        req.hidden_states.CopyFrom(hidden_states.to_pb())
+    else:
+        encode_tensor(parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, 0),
+                      into=req.hidden_states)
 
 
 # Inline hidden states from this size up are copied into the serialized request directly (serialize_request).
@@ -165,11 +173,7 @@ def serialize_with_states(req: "pb.ProposeRequest", hidden_states: "torch.Tensor
     if (parts is None or len({(p.dtype, p.dim(), p.shape[-1] if p.dim() else 0) for p in parts}) != 1
             or parts[0].dim() != 2 or parts[0].dtype not in WIRE_DTYPE
             or sum(p.numel() for p in parts) * parts[0].element_size() < DIRECT_STATES_MIN_BYTES):
-        if isinstance(hidden_states, SharedTensorRef):
-            req.hidden_states.CopyFrom(hidden_states.to_pb())
-        else:
-            encode_tensor(parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, 0),
-                          into=req.hidden_states)
+        _set_states(req, hidden_states, parts)
         return req.SerializeToString()
     head = req.SerializeToString()
     rows, width, dtype = sum(p.shape[0] for p in parts), parts[0].shape[1], parts[0].dtype
@@ -219,13 +223,6 @@ def hidden_parts(steps: list[SequenceStep], hidden_states: torch.Tensor | None) 
     if any(s.hidden_states is None for s in steps):
         raise ValueError("pass hidden_states per step or packed for the whole batch, not a mix")
     return [s.hidden_states for s in steps]
-
-
-def pack_hidden(steps: list[SequenceStep]) -> torch.Tensor:
-    """The steps' hidden states as one [sum m, W] tensor (the step's own tensor, uncopied, for a single step)."""
-    if len(steps) == 1 and steps[0].hidden_states is not None:
-        return steps[0].hidden_states
-    return torch.cat(hidden_parts(steps, None)) if steps else torch.empty(0, 0)
 
 
 def parse_response(resp: "pb.ProposeResponse") -> ProposeResult:
