@@ -336,8 +336,9 @@ class Proposer:
                 log.exception("step failed")
                 self._fail_batch(batch, outputs, e)
                 self._failed_in_a_row += 1
-                if unrecoverable(e) or self._failed_in_a_row >= MAX_FAILED_BATCHES_IN_A_ROW:
-                    self.fatal = (f"{type(e).__name__}: {e}" if unrecoverable(e) else
+                sticky = unrecoverable(e)
+                if sticky or self._failed_in_a_row >= MAX_FAILED_BATCHES_IN_A_ROW:
+                    self.fatal = (f"{type(e).__name__}: {e}" if sticky else
                                   f"{self._failed_in_a_row} batches failed in a row, the last with "
                                   f"{type(e).__name__}: {e}")
                     log.critical("the step worker cannot go on: %s; health NOT_SERVING", self.fatal)
