@@ -32,9 +32,6 @@ import pathlib
 import platform
 import random
 import shlex
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -263,52 +260,25 @@ class CuttingProxy:
         return asyncio.run_coroutine_threadsafe(go(), self.loop).result(5)
 
 
-# ---- the drafter ----
+# ---- the drafter: drafter-serve as a child process (SidecarProcess: start, SIGKILL, start again at the same address)
 
-class Drafter:
-    def __init__(self, head, target, sock: pathlib.Path, args):
-        self.cmd = [sys.executable, "-m", "drafter_service.cli", "--model", str(head), "--target-model", str(target),
-                    "--listen", f"unix:{sock}", "--device", "cpu", "--kv-cache-tokens", str(args.kv_tokens),
-                    "--max-model-len", str(args.max_len + 32), "--sequence-lease-s", str(args.lease_s),
-                    "--log-level", "WARNING"]
-        self.sock, self.proc = sock, None
-        self.log = open(sock.parent / "drafter.log", "a")
+def rss_mib(pid: int) -> float:
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
-    def start(self) -> None:
-        self.sock.unlink(missing_ok=True)
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        asyncio.run(self.wait_ready())
 
-    async def wait_ready(self) -> None:
+def held_tokens(address: str) -> int:
+    """KV tokens the drafter at address holds (GetInfo)."""
+    async def go():
         from drafter_client import DrafterClient
 
-        deadline = time.monotonic() + 60
-        while not self.sock.exists():
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError(f"the drafter did not start; see {self.log.name}")
-            await asyncio.sleep(0.05)
-        async with DrafterClient(f"unix:{self.sock}") as c:
-            await c.wait_ready(60)
+        async with DrafterClient(address) as c:
+            info = await c.get_info()
+            return info.kv_capacity_tokens - info.kv_free_tokens
 
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-    def rss_mib(self) -> float:
-        for line in pathlib.Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
-
-    def held_tokens(self) -> int:
-        async def go():
-            from drafter_client import DrafterClient
-
-            async with DrafterClient(f"unix:{self.sock}") as c:
-                info = await c.get_info()
-                return info.kv_capacity_tokens - info.kv_free_tokens
-
-        return asyncio.run(go())
+    return asyncio.run(go())
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -337,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from checkpoints import write_eagle1
 
+    from drafter_client.engine.sidecar_process import SidecarProcess
+
     mp_ctx = mp.get_context("spawn")
     results = mp_ctx.Queue()
     faults = {k: 0 for k in ("cut", "kill", "restart", "flood")}
@@ -346,10 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         head, target = write_eagle1(tmp / "model", seed=0, fc_bias=True)
-        drafter = Drafter(head, target, tmp / "d.sock", a)
-        drafter.start()
-        address = f"unix:{tmp / 'd.sock'}"
-        proxy = CuttingProxy(tmp / "d.sock")
+        drafter = SidecarProcess(head, target, device="cpu", extra_args=[
+            "--kv-cache-tokens", str(a.kv_tokens), "--max-model-len", str(a.max_len + 32),
+            "--sequence-lease-s", str(a.lease_s), "--log-level", "WARNING"]).start()
+        address = drafter.address
+        proxy = CuttingProxy(pathlib.Path(address.removeprefix("unix:")))
         engine_args = dict(sequences=a.sequences, max_len=a.max_len, deadline_s=a.deadline_s, slack_s=a.slack_s,
                            check_every=a.check_every, target_step_s=a.target_step_ms / 1e3)
         engines, modes = {}, {}
@@ -375,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         while time.monotonic() < stop_at - 1.0:
             time.sleep(0.1)
             if rss_start is None and time.monotonic() > t_start + min(5.0, a.duration_s / 10):
-                rss_start = drafter.rss_mib()
+                rss_start = rss_mib(drafter.proc.pid)
             if time.monotonic() < fault_at or not kinds:
                 continue
             fault_at = time.monotonic() + a.fault_every_s
@@ -406,11 +379,10 @@ def main(argv: list[str] | None = None) -> int:
             reports.append(results.get(timeout=a.deadline_s + 120))
         for p in engines.values():
             p.join(30)
-        rss_end = drafter.rss_mib()
+        rss_end = rss_mib(drafter.proc.pid)
         time.sleep(a.lease_s + 1.5)  # sequences of killed engines and floods expire
-        held = drafter.held_tokens()
-        drafter.proc.send_signal(signal.SIGTERM)
-        drafter.proc.wait(30)
+        held = held_tokens(address)
+        drafter.close()
     crashed = [r for r in reports if "crashed" in r]
     reports = [r for r in reports if "crashed" not in r]
     lat = [x for r in reports for x in r["latencies_ms"]]
