@@ -15,15 +15,13 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import time
 import urllib.request
 import zipfile
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from drafter_client.engine.sidecar_process import wait_serving
 from drafter_service import __version__
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -119,19 +117,7 @@ def test_drafter_serve_starts_with_no_model_flags_and_stops_on_sigterm(installed
                                  "--metrics-port", str(port)], cwd=installed["tmp"], env=installed["env"],
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        with grpc.insecure_channel(f"unix:{sock}") as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            while True:
-                assert proc.poll() is None, f"drafter-serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-                try:
-                    r = health.Check(health_pb2.HealthCheckRequest(service="drafter.v1.Drafter"), timeout=1.0)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.RpcError:
-                    pass  # not listening yet
-                assert time.monotonic() < deadline, f"not SERVING:\n{log.read_text()[-3000:]}"
-                time.sleep(0.2)
+        wait_serving(f"unix:{sock}", proc, 300, lambda: log.read_text()[-3000:])  # (SidecarError otherwise)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             text = r.read().decode()
         (info,) = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "drafter_build_info"]

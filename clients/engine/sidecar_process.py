@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -38,6 +39,27 @@ MODELS = _bundled_models()
 
 class SidecarError(RuntimeError):
     pass
+
+
+def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float, log_tail: Callable[[], str]) -> None:
+    """Wait until the drafter process proc answers health SERVING at address; SidecarError (with log_tail()) when it
+    exits first or is not SERVING within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while True:
+            code = proc.poll()
+            if code is not None:
+                raise SidecarError(f"the sidecar exited with code {code} before serving; its log:\n{log_tail()}")
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(service="drafter.v1.Drafter"), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise SidecarError(f"the sidecar was not SERVING after {timeout_s:.0f} s; its log:\n{log_tail()}")
+            time.sleep(0.1)
 
 
 class SidecarProcess:
@@ -88,24 +110,7 @@ class SidecarProcess:
         return self
 
     def _wait_serving(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout_s
-        with grpc.insecure_channel(self.address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            while True:
-                code = self.proc.poll()
-                if code is not None:
-                    raise SidecarError(f"the sidecar exited with code {code} before serving; its log:\n"
-                                       f"{self.log_tail()}")
-                try:
-                    reply = health.Check(health_pb2.HealthCheckRequest(service="drafter.v1.Drafter"), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass  # not listening yet
-                if time.monotonic() > deadline:
-                    raise SidecarError(f"the sidecar was not SERVING after {self.ready_timeout_s:.0f} s; its log:\n"
-                                       f"{self.log_tail()}")
-                time.sleep(0.1)
+        wait_serving(self.address, self.proc, self.ready_timeout_s, self.log_tail)
 
     def stop(self) -> int | None:
         """SIGTERM, wait for the graceful exit (SIGKILL after grace + 5 s); returns the exit code."""
