@@ -15,13 +15,12 @@ types; every limit tried on drafter_service.cli.parse_args). Here:
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 
 import pytest
 
 from test_helm_chart import (CHART, IMAGE, REPO, by_kind, deep_merge, flags, helm, helm_env, jsonschema,  # noqa: F401
-                             load_yaml, needs_helm, render, set_args)
+                             needs_helm, render, schema, set_args, values)
 
 
 def load_generator():
@@ -34,16 +33,6 @@ def load_generator():
 
 gen = load_generator()
 OPTIONS = {o.key: o for o in gen.OPTIONS}
-
-
-@pytest.fixture(scope="module")
-def values():
-    return load_yaml(CHART / "values.yaml")
-
-
-@pytest.fixture(scope="module")
-def schema():
-    return json.loads((CHART / "values.schema.json").read_text())
 
 
 def test_committed_schema_is_the_generated_one():
