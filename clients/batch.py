@@ -33,6 +33,7 @@ class StepBatch:
     seed: "torch.Tensor | int" = 0  # [B] int, or one for all
     return_logprobs: bool = False
     top_k_probs: int = 0
+    predraft_branches: "torch.Tensor | int" = 0  # [B] int, or one F for all: pre-drafting budget (docs/predraft.md)
 
     def __len__(self) -> int:
         return len(self.sequence_ids)
@@ -50,6 +51,7 @@ class BatchDrafts:
     accepted_drafts: torch.Tensor  # [B] int64: the previous step's drafts the engine committed, as counted
     committed_lengths: torch.Tensor  # [B] int64: p + m
     needs_resync: torch.Tensor  # [B] bool
+    predrafted: torch.Tensor | None = None  # [B] bool: answered from drafts prepared during the verification
     messages: dict[int, str] = field(default_factory=dict)  # index -> message, for the sequences with a code
     logprobs: torch.Tensor | None = None  # [sum num_drafts] float32, when asked for
     top_k_ids: torch.Tensor | None = None  # [sum num_drafts, N] int64, when asked for
@@ -89,6 +91,7 @@ def build_batch_request(namespace: str, batch: StepBatch, request_id: int = 0) -
     k = _column(batch.num_drafts, n, torch.int64)
     temp = _column(batch.temperature, n, torch.float32)
     seed = _column(batch.seed, n, torch.int64)
+    branches = _column(batch.predraft_branches, n, torch.int64)
     if batch.token_ids.numel() != sum(m):
         raise ValueError(f"token_ids has {batch.token_ids.numel()} values; num_tokens adds up to {sum(m)}")
     plain = not (batch.return_logprobs or batch.top_k_probs)
@@ -97,8 +100,8 @@ def build_batch_request(namespace: str, batch: StepBatch, request_id: int = 0) -
         pb.SequenceStep(sequence_id=sid, start_position=p_, num_tokens=m_, next_token=x, num_drafts=k_,
                         sampling=greedy if plain and not (t or s) else pb.SamplingParams(
                             temperature=t, seed=s, return_logprobs=batch.return_logprobs,
-                            top_k_probs=batch.top_k_probs))
-        for sid, p_, m_, x, k_, t, s in zip(batch.sequence_ids, p, m, nxt, k, temp, seed)])
+                            top_k_probs=batch.top_k_probs), predraft_branches=f)
+        for sid, p_, m_, x, k_, t, s, f in zip(batch.sequence_ids, p, m, nxt, k, temp, seed, branches)])
     encode_tensor(batch.token_ids.detach().reshape(-1).to(torch.int64).cpu(), into=req.token_ids)
     return req
 
@@ -120,9 +123,10 @@ def parse_batch_response(resp: "pb.ProposeResponse", sequence_ids: list[str]) ->
     if len(results) != len(sequence_ids):
         raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply answers {len(results)} sequences of "
                                                      f"{len(sequence_ids)}")
-    cols = [(r.status.code, r.num_drafts, r.accepted_drafts, r.committed_length) for r in results]
-    codes, counts, accepted, lengths = (torch.tensor(c, dtype=torch.int64).reshape(-1) for c in zip(*cols)) \
-        if cols else (torch.empty(0, dtype=torch.int64),) * 4
+    cols = [(r.status.code, r.num_drafts, r.accepted_drafts, r.committed_length, r.predrafted) for r in results]
+    codes, counts, accepted, lengths, predrafted = (torch.tensor(c, dtype=torch.int64).reshape(-1)
+                                                    for c in zip(*cols)) \
+        if cols else (torch.empty(0, dtype=torch.int64),) * 5
     flat = decode_tensor(resp.draft_token_ids, "draft_token_ids", (pb.INT64,), 1).clone()
     if int(counts.sum()) != flat.numel():
         raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply's num_drafts add up to {int(counts.sum())}, but "
@@ -131,7 +135,7 @@ def parse_batch_response(resp: "pb.ProposeResponse", sequence_ids: list[str]) ->
                       draft_token_ids=flat, accepted_drafts=accepted, committed_lengths=lengths,
                       needs_resync=torch.isin(codes, torch.tensor(sorted(RESYNC_CODES))),
                       messages={i: results[i].status.message for i in codes.nonzero().flatten().tolist()},
-                      request_id=resp.request_id)
+                      request_id=resp.request_id, predrafted=predrafted.to(torch.bool))
     if resp.HasField("draft_logprobs"):
         out.logprobs = decode_tensor(resp.draft_logprobs, "draft_logprobs", (pb.FLOAT32,), 1).clone()
     if resp.HasField("draft_top_k_ids"):
@@ -147,4 +151,5 @@ def fallback_batch(sequence_ids: list[str], reason: str) -> BatchDrafts:
     return BatchDrafts(sequence_ids=list(sequence_ids), codes=torch.full((n,), UNAVAILABLE, dtype=torch.int32),
                        num_drafts=zeros, draft_token_ids=torch.empty(0, dtype=torch.int64), accepted_drafts=zeros,
                        committed_lengths=zeros.clone(), needs_resync=torch.zeros(n, dtype=torch.bool),
-                       messages={i: reason for i in range(n)}, fallback=True, fallback_reason=reason)
+                       messages={i: reason for i in range(n)}, fallback=True, fallback_reason=reason,
+                       predrafted=torch.zeros(n, dtype=torch.bool))

@@ -59,6 +59,9 @@ class SequenceStep:
     seed: int = 0
     return_logprobs: bool = False
     top_k_probs: int = 0  # N > 0: the reply describes each draft's distribution by its top N (docs/sampling.md)
+    # F > 0: while the engine verifies this step's drafts, the drafter prepares the next step's drafts for up to F
+    # likely outcomes; a matching next step is answered at once (SequenceDrafts.predrafted; docs/predraft.md)
+    predraft_branches: int = 0
 
 
 @dataclass
@@ -78,6 +81,7 @@ class SequenceDrafts:
     top_k_ids: torch.Tensor | None = None  # [k, N] int64 target ids of q's top N (-1 padding), when asked for
     top_k_probs: torch.Tensor | None = None  # [k, N] float32 their probabilities under q
     needs_resync: bool = False  # code in RESYNC_CODES (5 unknown, 9 gap, 13 internal)
+    predrafted: bool = False  # answered from drafts prepared during the previous step's verification
 
     @property
     def ok(self) -> bool:
@@ -208,6 +212,7 @@ def _request_without_states(namespace: str, steps: list[SequenceStep], request_i
         namespace=namespace, request_id=request_id,
         steps=[pb.SequenceStep(sequence_id=s.sequence_id, start_position=s.start_position, num_tokens=n,
                                next_token=int(s.next_token), num_drafts=s.num_drafts,
+                               predraft_branches=s.predraft_branches,
                                sampling=greedy if not (s.temperature or s.seed or s.return_logprobs or s.top_k_probs)
                                else pb.SamplingParams(temperature=s.temperature, seed=s.seed,
                                                       return_logprobs=s.return_logprobs, top_k_probs=s.top_k_probs))
@@ -253,7 +258,7 @@ def parse_response(resp: "pb.ProposeResponse") -> ProposeResult:
         seqs.append(SequenceDrafts(
             sequence_id=res.sequence_id, code=status.code, message=status.message, drafts=d, logprobs=lp,
             accepted_drafts=res.accepted_drafts, committed_length=res.committed_length, top_k_ids=ti,
-            top_k_probs=tp, needs_resync=status.code in RESYNC_CODES))
+            top_k_probs=tp, needs_resync=status.code in RESYNC_CODES, predrafted=res.predrafted))
     return ProposeResult(sequences=seqs, draft_token_ids=flat, request_id=resp.request_id)
 
 

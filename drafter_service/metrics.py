@@ -77,6 +77,7 @@ class Metrics:
         self.queue_depth: Callable[[], int] | None = None  # StepScheduler.queue_depth
         # the sequence table's lifetime counters (the proposer puts its table's here; step thread writes)
         self.sequence_counters = SequenceCounters()
+        self.predraft_counters = None  # predraft.PredraftCounters (the proposer's; step thread writes)
 
         self.registry = r = CollectorRegistry()
         self.build_info = Gauge("drafter_build_info", "Always 1; the labels say what this drafter runs.",
@@ -227,6 +228,19 @@ class _StepCollector:
                       c.quota_refusals)
         yield counter("drafter_pool_full_refusals", "Sequence steps refused (RESOURCE_EXHAUSTED) because the KV "
                       "pool was full of sequences in use.", c.pool_refusals)
+        pc = m.predraft_counters
+        if pc is not None:
+            yield counter("drafter_predraft_hits", "Sequence steps answered from branches prepared while the engine "
+                          "verified (pre-drafting).", pc.hits)
+            yield counter("drafter_predraft_misses", "Sequence steps of pre-drafting sequences whose outcome no "
+                          "prepared branch had (drafted as usual).", pc.misses)
+            yield counter("drafter_predraft_unprepared", "Sequence steps of pre-drafting sequences that found "
+                          "nothing prepared (the pass was stopped, skipped or had no room).", pc.unprepared)
+            yield counter("drafter_predraft_branches_prepared", "Branches prepared by pre-drafting passes.",
+                          pc.branches_prepared)
+            yield counter("drafter_predraft_passes", "Pre-drafting passes that finished.", pc.passes)
+            yield counter("drafter_predraft_passes_stopped", "Pre-drafting passes stopped because a request "
+                          "arrived (each makes the next passes back off).", pc.passes_stopped)
         free, total = m.kv_blocks_free, m.kv_blocks_total
         yield gauge("drafter_kv_blocks_free", "Free KV blocks.", free)
         yield gauge("drafter_kv_capacity_blocks", "KV blocks in the pool.", total)

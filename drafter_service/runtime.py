@@ -11,6 +11,7 @@ from drafter_service.engine.cuda_graphs import capture_decode_graphs
 from drafter_service.engine.kv_cache import KVCache
 from drafter_service.loader import DTYPES, load_head
 from drafter_service.metrics import Metrics
+from drafter_service.engine.predraft import MAX_PREDRAFT_BRANCHES
 from drafter_service.engine.proposer import Proposer
 from drafter_service.engine.sequence import SequenceLimits
 from drafter_service.engine.step_io import StepInput
@@ -153,7 +154,8 @@ def build_runtime(cfg: ServerConfig) -> Runtime:
     limits = Limits(hidden_states_width=model.hidden_states_width, vocab_size=model.vocab_size,
                     max_draft_tokens=max_draft_tokens, max_request_tokens=max_batch_tokens,
                     max_request_seqs=cfg.max_batch_seqs,
-                    max_top_k_probs=min(MAX_TOP_K_PROBS, model.draft_vocab_size))
+                    max_top_k_probs=min(MAX_TOP_K_PROBS, model.draft_vocab_size),
+                    max_predraft_branches=MAX_PREDRAFT_BRANCHES if proposer.predraft.supported else 0)
     log.info("drafter %s: %s head %s (%s drafting) on %s (%s), vocab %d (draft %d), hidden %d, KV pool %d tokens "
              "(%.1f MiB), max_model_len %d", __version__, model.method, loaded.name, model.drafting, device,
              str(dtype).removeprefix("torch."), model.vocab_size, model.draft_vocab_size, d.hidden_size,

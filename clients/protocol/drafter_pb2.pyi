@@ -66,20 +66,22 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., seed: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_k_probs: _Optional[int] = ...) -> None: ...
 
 class SequenceStep(_message.Message):
-    __slots__ = ("sequence_id", "start_position", "num_tokens", "next_token", "num_drafts", "sampling")
+    __slots__ = ("sequence_id", "start_position", "num_tokens", "next_token", "num_drafts", "sampling", "predraft_branches")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     start_position: int
     num_tokens: int
     next_token: int
     num_drafts: int
     sampling: SamplingParams
-    def __init__(self, sequence_id: _Optional[str] = ..., start_position: _Optional[int] = ..., num_tokens: _Optional[int] = ..., next_token: _Optional[int] = ..., num_drafts: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    predraft_branches: int
+    def __init__(self, sequence_id: _Optional[str] = ..., start_position: _Optional[int] = ..., num_tokens: _Optional[int] = ..., next_token: _Optional[int] = ..., num_drafts: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., predraft_branches: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("namespace", "steps", "token_ids", "hidden_states", "request_id")
@@ -104,18 +106,20 @@ class Status(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SequenceResult(_message.Message):
-    __slots__ = ("sequence_id", "status", "num_drafts", "accepted_drafts", "committed_length")
+    __slots__ = ("sequence_id", "status", "num_drafts", "accepted_drafts", "committed_length", "predrafted")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFTED_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     status: Status
     num_drafts: int
     accepted_drafts: int
     committed_length: int
-    def __init__(self, sequence_id: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., num_drafts: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., committed_length: _Optional[int] = ...) -> None: ...
+    predrafted: bool
+    def __init__(self, sequence_id: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., num_drafts: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., committed_length: _Optional[int] = ..., predrafted: _Optional[bool] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("results", "draft_token_ids", "draft_logprobs", "request_id", "error", "draft_top_k_ids", "draft_top_k_probs")
@@ -170,7 +174,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("server_version", "model_name", "method", "hidden_size", "hidden_states_width", "hidden_states_source", "target_layer_ids", "vocab_size", "max_draft_tokens", "max_model_len", "accepted_hidden_dtypes", "accepted_token_dtypes", "model_dtype", "device", "kv_capacity_tokens", "kv_block_size", "kv_free_tokens", "max_message_bytes", "shared_memory_supported", "draft_vocab_size", "parallel_drafting", "max_top_k_probs", "shared_memory_kinds", "shared_memory_lease_seconds", "step_channel_socket")
+    __slots__ = ("server_version", "model_name", "method", "hidden_size", "hidden_states_width", "hidden_states_source", "target_layer_ids", "vocab_size", "max_draft_tokens", "max_model_len", "accepted_hidden_dtypes", "accepted_token_dtypes", "model_dtype", "device", "kv_capacity_tokens", "kv_block_size", "kv_free_tokens", "max_message_bytes", "shared_memory_supported", "draft_vocab_size", "parallel_drafting", "max_top_k_probs", "shared_memory_kinds", "shared_memory_lease_seconds", "step_channel_socket", "predraft_supported", "max_predraft_branches")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +200,8 @@ class GetInfoResponse(_message.Message):
     SHARED_MEMORY_KINDS_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_CHANNEL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
+    MAX_PREDRAFT_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     model_name: str
     method: str
@@ -221,7 +227,9 @@ class GetInfoResponse(_message.Message):
     shared_memory_kinds: _containers.RepeatedScalarFieldContainer[SharedMemoryKind]
     shared_memory_lease_seconds: int
     step_channel_socket: str
-    def __init__(self, server_version: _Optional[str] = ..., model_name: _Optional[str] = ..., method: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_states_width: _Optional[int] = ..., hidden_states_source: _Optional[str] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., accepted_hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., accepted_token_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., model_dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shared_memory_supported: _Optional[bool] = ..., draft_vocab_size: _Optional[int] = ..., parallel_drafting: _Optional[bool] = ..., max_top_k_probs: _Optional[int] = ..., shared_memory_kinds: _Optional[_Iterable[_Union[SharedMemoryKind, str]]] = ..., shared_memory_lease_seconds: _Optional[int] = ..., step_channel_socket: _Optional[str] = ...) -> None: ...
+    predraft_supported: bool
+    max_predraft_branches: int
+    def __init__(self, server_version: _Optional[str] = ..., model_name: _Optional[str] = ..., method: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_states_width: _Optional[int] = ..., hidden_states_source: _Optional[str] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., accepted_hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., accepted_token_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., model_dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shared_memory_supported: _Optional[bool] = ..., draft_vocab_size: _Optional[int] = ..., parallel_drafting: _Optional[bool] = ..., max_top_k_probs: _Optional[int] = ..., shared_memory_kinds: _Optional[_Iterable[_Union[SharedMemoryKind, str]]] = ..., shared_memory_lease_seconds: _Optional[int] = ..., step_channel_socket: _Optional[str] = ..., predraft_supported: _Optional[bool] = ..., max_predraft_branches: _Optional[int] = ...) -> None: ...
 
 class SystemSharedMemory(_message.Message):
     __slots__ = ("key", "offset")

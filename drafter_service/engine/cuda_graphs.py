@@ -113,9 +113,10 @@ class DecodeGraphs:
             self.draft_ids = torch.zeros(max_bs, dtype=torch.int64, **z)
             self.max_drafts = max_drafts
             self.draft_column = torch.zeros(1, dtype=torch.int64, **z)
-            self.drafts_out = torch.zeros(max_bs, max_drafts, dtype=torch.int64, **z)
+            # columns 0..K: an engine step's drafts 1..K, or a pre-drafting branch's bonus token and drafts 1..K
+            self.drafts_out = torch.zeros(max_bs, max_drafts + 1, dtype=torch.int64, **z)
             # where drafts_out lands on the host: pinned, so that the copy is asynchronous until the one sync
-            self.drafts_host = (torch.zeros(max_bs, max_drafts, dtype=torch.int64, pin_memory=True)
+            self.drafts_host = (torch.zeros(max_bs, max_drafts + 1, dtype=torch.int64, pin_memory=True)
                                 if device.type == "cuda" else None)
         # first step of uniform batches: padded batch sizes up to MAX_FIRST_STEP_GRAPH_BATCH, m = 1..first_step_tokens
         self.first_sizes = [s for s in self.sizes if s <= MAX_FIRST_STEP_GRAPH_BATCH] if first_step_tokens > 0 else []
@@ -161,7 +162,7 @@ class DecodeGraphs:
         input_ids.copy_(self.model.draft_to_target(draft))
         hidden.copy_(self.model.next_hidden(head_out))
         # drafts_out[:, column] = this step's draft (the clamp only matters for the warm-up and capture runs)
-        self.draft_column.add_(1).clamp_(max=self.max_drafts - 1)
+        self.draft_column.add_(1).clamp_(max=self.max_drafts)
         self.drafts_out[:bs].scatter_(1, self.draft_column.expand(bs, 1), input_ids[:, None])
 
     def _first_step(self, bs: int, m: int) -> None:
@@ -293,6 +294,32 @@ class DecodeGraphs:
         self._replay_first(bs, m)
         self.first_steps_run += 1
         return self._decode_and_collect(md, out, B, bs)
+
+    def fits(self, n: int, steps: int) -> bool:
+        """Whether run_rows can take n rows of `steps` decode steps."""
+        return padded_batch_size(n, self.sizes) is not None and steps <= self.max_drafts
+
+    def run_rows(self, tokens: torch.Tensor, hidden: torch.Tensor, positions_before: torch.Tensor,
+                 block_tables: torch.Tensor, steps: int, between) -> torch.Tensor | None:
+        """`steps` greedy decode steps for n rows that are not an engine step's sequences (pre-drafting branches,
+        predraft.py): row r's first step runs at position positions_before[r] + 1 with input (tokens[r], hidden[r]).
+        tokens [n] int64 target ids, hidden [n, H] (device); positions_before [n] int64 and block_tables [n, w] int32
+        (host). between() after each replay: True stops (returns None). Returns the drafts [n, steps] (host)."""
+        n = tokens.shape[0]
+        bs = padded_batch_size(n, self.sizes)
+        w = block_tables.shape[1]
+        self.positions[:n].copy_(positions_before.to(self.device, non_blocking=True))
+        self.block_tables[:n, :w].copy_(block_tables.to(self.device, non_blocking=True))
+        self.steps_left[:n].fill_(steps)
+        self.steps_left[n:bs].zero_()
+        self.input_ids[:n].copy_(tokens)
+        self.hidden[:n].copy_(hidden)
+        self.draft_column.zero_()
+        for j in range(steps):
+            self._replay(bs)
+            if j < steps - 1 and between():
+                return None
+        return self.drafts_out[:n, 1 : steps + 1].cpu()
 
     def _load_decode_rows(self, md: StepMetadata, n: int, bs: int) -> None:
         """Drafting rows [0, n) from this step's metadata; padding rows [n, bs) are masked by steps_left = 0."""

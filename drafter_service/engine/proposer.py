@@ -40,7 +40,8 @@ from drafter_service.metrics import Metrics
 from drafter_service.models.attention_metadata import AttentionMetadata
 from drafter_service.engine.multi_layer_inputs import ShiftCache, shift_and_cache
 from drafter_service.engine.parallel_inputs import copy_and_expand_inputs_ref
-from drafter_service.engine.sampling import DraftSample, sample_drafts, seed_to_int64
+from drafter_service.engine.predraft import Predrafter
+from drafter_service.engine.sampling import DraftSample, SamplingSettings, sample_drafts, seed_to_int64
 from drafter_service.engine.sequence import EVICTED_FOR_NAMESPACE, Sequence, SequenceLimits, SequenceTable
 from drafter_service.engine.step_io import (FAILED_PRECONDITION, INTERNAL, NOT_FOUND, OUT_OF_RANGE,
                                             RESOURCE_EXHAUSTED, UNAVAILABLE, StepInput, StepOutput)
@@ -56,17 +57,6 @@ class _Admitted:
     is_new: bool
     step: StepInput
     num_drafts: int  # k after the max_model_len cut
-
-
-@dataclass
-class _Sampling:
-    """The batch's sampling settings, one entry per admitted sequence (on the device)."""
-
-    temperature: torch.Tensor  # [B] float32
-    seed: torch.Tensor  # [B] int64
-    top_k: torch.Tensor  # [B] int64
-    want_logprobs: bool
-    greedy_only: bool  # every sequence greedy, no log-probs, no top-k: a plain argmax does
 
 
 class _Drafts:
@@ -157,6 +147,8 @@ class Proposer:
         self.fatal: str | None = None
         self.on_fatal = lambda reason: None
         self._failed_in_a_row = 0
+        self.predraft = Predrafter(self)  # pre-drafting: hits answered at admission, branches prepared when idle
+        self.metrics.predraft_counters = self.predraft.counters
 
     # ---- admission: per-sequence checks and block reservation; nothing is changed for a refused sequence ----
 
@@ -235,6 +227,8 @@ class Proposer:
                 t.counters.quota_refusals += 1
                 return (f"quota: the drafter holds {len(t)} sequences, at most {lim.max_sequences} "
                         "(--max-sequences), none of them idle; release finished sequences or lower the load")
+        if missing > self.kv.pool.num_free:  # prepared branches give way first
+            self.predraft.drop_all_branches()
         free = self.kv.pool.num_free
         if missing > free and not t.evict_idle(serial, blocks=missing - free):
             t.counters.pool_refusals += 1
@@ -304,6 +298,7 @@ class Proposer:
             a.seq.committed_len = min(a.seq.committed_len, a.step.start_position)
             if a.seq.shift_cache is not None:  # multi-layer: KV is only trusted below the final prefix
                 a.seq.committed_len = min(a.seq.committed_len, a.seq.shift_cache.final_len)
+            self.predraft.failed(a.seq)
             if a.is_new:
                 self.table.release(a.seq.namespace, a.seq.sequence_id)
             out = outputs[a.index]
@@ -323,6 +318,10 @@ class Proposer:
         now, serial, touch = self.clock(), self._step_serial, self.table.touch
         found = [touch(s.namespace, s.sequence_id, now, serial) for s in steps]
         batch = [a for i, s in enumerate(steps) if (a := self._admit(i, s, outputs[i], found[i], now)) is not None]
+        self.predraft.on_step()
+        if self.fatal is None and any(a.seq.predraft is not None or a.step.predraft_branches for a in batch):
+            # a hit is answered from the branches prepared during the verification: nothing to run
+            batch = [a for a in batch if not self.predraft.admit(a, outputs[a.index])]
         if batch and self.fatal is not None:
             for a in batch:
                 outputs[a.index].code = UNAVAILABLE
@@ -354,6 +353,8 @@ class Proposer:
                     out.drafts, out.committed_length = d, p + m
                     out.logprobs = lp if a.step.return_logprobs else []
                     out.top_k_ids, out.top_k_probs = ti, tp
+                    if a.seq.predraft is not None:
+                        self.predraft.after_step(a, d)
         self.metrics.record_step(steps, outputs, time.perf_counter() - t0, self.kv.pool.num_free,
                                  self.kv.pool.num_blocks)
         self.metrics.live_sequences = len(self.table)
@@ -370,22 +371,23 @@ class Proposer:
             block_tables[i, : len(a.seq.block_table)] = torch.tensor(a.seq.block_table, dtype=torch.int32)
         return block_tables
 
-    def _sampling(self, batch: list[_Admitted], md: StepMetadata | None = None) -> _Sampling:
+    def _sampling(self, batch: list[_Admitted], md: StepMetadata | None = None) -> SamplingSettings:
         dev = self.device
         temperature = torch.tensor([a.step.temperature for a in batch], dtype=torch.float32)
         top_k = [a.step.top_k_probs for a in batch]
         want_logprobs = any(a.step.return_logprobs for a in batch)
         greedy_only = not want_logprobs and not any(top_k) and not bool((temperature > 0).any())
         if md is not None:  # ---- the step's packed metadata (step_metadata.py) holds the tensors: no copy ----
-            return _Sampling(temperature=md.temperature, seed=md.seed, top_k=md.top_k, want_logprobs=want_logprobs,
+            return SamplingSettings(temperature=md.temperature, seed=md.seed, top_k=md.top_k,
+                                    want_logprobs=want_logprobs,
                              greedy_only=greedy_only)
-        return _Sampling(
+        return SamplingSettings(
             temperature=temperature.to(dev),
             seed=torch.tensor([seed_to_int64(a.step.seed) for a in batch], dtype=torch.int64).to(dev),
             top_k=torch.tensor(top_k, dtype=torch.int64).to(dev), want_logprobs=want_logprobs,
             greedy_only=greedy_only)
 
-    def _select(self, logits: torch.Tensor, rows: list[int], positions: list[int], sp: _Sampling) -> DraftSample:
+    def _select(self, logits: torch.Tensor, rows: list[int], positions: list[int], sp: SamplingSettings) -> DraftSample:
         """One draft per row of logits [n, V_draft] (row r belongs to batch index rows[r]; positions[r] is the
         Gumbel position), as target-vocabulary ids, with log q and the top-N of q when asked."""
         if sp.greedy_only:

@@ -31,6 +31,17 @@ class DraftSample:
     top_probs: torch.Tensor | None  # [n, N] float32 q of those; 0 past a row's own N
 
 
+@dataclass
+class SamplingSettings:
+    """A batch's sampling settings, one entry per sequence (on the device)."""
+
+    temperature: torch.Tensor  # [B] float32
+    seed: torch.Tensor  # [B] int64
+    top_k: torch.Tensor  # [B] int64
+    want_logprobs: bool
+    greedy_only: bool  # every sequence greedy, no log-probs, no top-k: a plain argmax does
+
+
 def sample_drafts(
     logits: torch.Tensor,  # [n, V] float
     temperature: torch.Tensor,  # [n] float32

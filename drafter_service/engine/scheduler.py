@@ -11,6 +11,10 @@ run on the same thread between batches (run_exclusive), so they never race a ste
 (Proposer.expire_idle, checked at every turn of the loop) and the freeing of a closed stream's or channel's
 sequences (call_soon; ChannelSet.release_owner).
 
+Pre-drafting (predraft.py): when nothing is queued and sequences wait for their next step's drafts to be prepared,
+the thread runs a preparation pass, which stops between two forwards as soon as a request or job is queued (it polls
+the channels itself).
+
 Idle policy: with no channel open the thread sleeps until submit() wakes it, or until the next sequence lease
 can run out (Proposer.expiry_wait) when sequences are live. With channels open it polls them,
 yielding the GIL between polls (time.sleep(0): the event loop can take it), for channel_spin_s after the last
@@ -185,6 +189,11 @@ class StepScheduler:
                 continue
             if self._stopping:
                 break
+            if self.proposer.predraft.has_work():  # idle: prepare the next steps' drafts, until a request comes
+                self.proposer.predraft.prepare(lambda: self._request_waiting(channels))
+                if channels is not None and self._queue:
+                    last_channel_request = time.monotonic()
+                continue
             if channels is not None and channels.open_count():
                 if time.monotonic() - last_channel_request < self.channel_spin_s:
                     time.sleep(0)  # yield the GIL to the event loop, then poll again
@@ -195,6 +204,12 @@ class StepScheduler:
             self._wake.clear()
         if self._channels is not None:
             self._channels.close_all("the drafter is shutting down")
+
+    def _request_waiting(self, channels) -> bool:
+        """Whether a request or a job waits for the step thread (polls the step channels: what they hold is queued)."""
+        if channels is not None:
+            channels.poll(self._queue.append)
+        return bool(self._queue) or bool(self._jobs) or self._stopping
 
     def _run_batch(self, batch: list[PendingRequest]) -> None:
         run = [p for p in batch if not p.dry]

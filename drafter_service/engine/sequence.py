@@ -17,6 +17,7 @@ Keys the table dropped on its own (evicted, expired, owner gone) are remembered,
 a later step can be told why its sequence is gone rather than just "unknown".
 """
 from collections import OrderedDict
+from typing import Callable
 from dataclasses import dataclass, field
 
 from drafter_service.engine.kv_cache import BlockPool
@@ -62,6 +63,7 @@ class Sequence:
     owner: str | None = None  # "stream N" / "step channel N" that created it (freed with it); None: unary
     last_used: float = 0.0  # clock time of the last step that named it (lease)
     last_step: int = 0  # serial number of that step (an idle sequence is one the current step does not name)
+    predraft: object | None = None  # predraft.PredraftState while the sequence pre-drafts
 
 
 class SequenceTable:
@@ -77,6 +79,7 @@ class SequenceTable:
         self._ns_blocks: dict[str, int] = {}  # blocks held per namespace
         self._owned: dict[str, set[tuple[str, str]]] = {}  # owner -> keys of the sequences it created
         self._gone: OrderedDict[tuple[str, str], str] = OrderedDict()  # key -> why the table dropped it
+        self.on_drop: Callable[[Sequence], None] = lambda seq: None  # (the pre-drafter frees the sequence's branches)
         share = self.limits.namespace_pool_share
         # blocks one namespace may hold; None: no share limit (the pool itself is the limit)
         self.namespace_block_limit = None if share >= 1.0 else max(1, int(share * pool.num_blocks))
@@ -204,6 +207,7 @@ class SequenceTable:
         return n
 
     def _drop(self, seq: Sequence, why: str | None) -> None:
+        self.on_drop(seq)
         key = (seq.namespace, seq.sequence_id)
         del self._seqs[key]
         ns_order = self._by_ns[seq.namespace]

@@ -29,6 +29,7 @@ class StepInput:
     return_logprobs: bool = False
     top_k_probs: int = 0  # N: describe the draft distribution by its top N (0 = no)
     owner: str | None = None  # "stream N" / "step channel N": a sequence this step creates is freed when it ends
+    predraft_branches: int = 0  # pre-drafting budget F (predraft.py); 0 = off
 
     @property
     def num_tokens(self) -> int:
@@ -45,3 +46,4 @@ class StepOutput:
     top_k_probs: torch.Tensor | None = None  # [k, N] float32
     accepted_drafts: int = 0
     committed_length: int = 0
+    predrafted: bool = False  # answered from branches prepared while the engine verified (predraft.py)

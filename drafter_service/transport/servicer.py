@@ -33,7 +33,8 @@ def build_response(outputs: list[StepOutput], sequence_ids: list[str], request_i
     for sid, o in zip(sequence_ids, outputs):
         results.append(pb.SequenceResult(
             sequence_id=sid, num_drafts=len(o.drafts), accepted_drafts=o.accepted_drafts,
-            committed_length=o.committed_length) if o.code == 0 and not o.message else pb.SequenceResult(
+            committed_length=o.committed_length, predrafted=o.predrafted) if o.code == 0 and not o.message
+            else pb.SequenceResult(
             sequence_id=sid, status=pb.Status(code=o.code, message=o.message), num_drafts=len(o.drafts),
             accepted_drafts=o.accepted_drafts, committed_length=o.committed_length))  # (status OK: left unset)
         drafts += o.drafts
@@ -152,7 +153,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             shared_memory_supported=self.regions is not None,
             shared_memory_kinds=self.regions.kinds() if self.regions is not None else [],
             shared_memory_lease_seconds=math.ceil(rt.config.shm_lease_s) if self.regions is not None else 0,
-            step_channel_socket=self.step_channel_socket)
+            step_channel_socket=self.step_channel_socket,
+            predraft_supported=rt.limits.max_predraft_branches > 0,
+            max_predraft_branches=rt.limits.max_predraft_branches)
 
     def decode_propose(self, request) -> tuple[list[StepInput], bool]:
         """Check and decode one engine step (a Propose, a ProposeStream message or a step-channel request; runs on

@@ -42,6 +42,7 @@ class Limits:
     max_request_tokens: int
     max_request_seqs: int
     max_top_k_probs: int = 256
+    max_predraft_branches: int = 0  # largest SequenceStep.predraft_branches (0: pre-drafting not supported)
 
 
 def check_namespace(namespace: str) -> None:
@@ -66,17 +67,21 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
     # One pass over the steps, each field read once (protobuf attribute access is the cost at large batches); the
     # precise error is worked out only for a step that fails the combined check (_step_error).
     seen: set[str] = set()
-    fields = []  # (sequence_id, start_position, num_tokens, next_token, num_drafts, temperature, seed, logprobs, N)
+    # (sequence_id, start_position, num_tokens, next_token, num_drafts, temperature, seed, logprobs, N, branches)
+    fields = []
     max_k, vocab, max_n = limits.max_draft_tokens, limits.vocab_size, limits.max_top_k_probs
+    # a server that cannot pre-draft ignores the field (it is a hint); one that can refuses a budget above its limit
+    max_f = limits.max_predraft_branches or 2**32
     for i, s in enumerate(req.steps):
         sid, p, m, nxt, k = s.sequence_id, s.start_position, s.num_tokens, s.next_token, s.num_drafts
-        sp = s.sampling
+        sp, f = s.sampling, s.predraft_branches
         t, top_n = sp.temperature, sp.top_k_probs
         if (not 0 < len(sid) <= MAX_ID_LEN or sid in seen or p < 0 or m < 1 or k > max_k or not 0 <= nxt < vocab
-                or not 0 <= t < math.inf or top_n > max_n):
+                or not 0 <= t < math.inf or top_n > max_n or f > max_f):
             _step_error(i, s, seen, limits)
         seen.add(sid)
-        fields.append((sid, p, m, nxt, k, t, sp.seed, sp.return_logprobs, top_n))
+        fields.append((sid, p, m, nxt, k, t, sp.seed, sp.return_logprobs, top_n,
+                       f if limits.max_predraft_branches else 0))
     total = sum(f[2] for f in fields)
     if total > limits.max_request_tokens:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -104,8 +109,9 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
         per_step = zip(token_ids.split(sizes), hidden.split(sizes))
     ns = req.namespace
     return [StepInput(namespace=ns, sequence_id=sid, start_position=p, token_ids=tok, hidden_states=hid,
-                      next_token=nxt, num_drafts=k, temperature=t, seed=seed, return_logprobs=lp, top_k_probs=top_n)
-            for (sid, p, m, nxt, k, t, seed, lp, top_n), (tok, hid) in zip(fields, per_step)]
+                      next_token=nxt, num_drafts=k, temperature=t, seed=seed, return_logprobs=lp, top_k_probs=top_n,
+                      predraft_branches=f)
+            for (sid, p, m, nxt, k, t, seed, lp, top_n, f), (tok, hid) in zip(fields, per_step)]
 
 
 SMALL_CHECK_TOKENS = 64  # up to this many token ids, the range check runs in python (cheaper than tensor ops)
@@ -147,4 +153,7 @@ def _step_error(i: int, s: "pb.SequenceStep", seen: set[str], limits: Limits) ->
     if s.sampling.top_k_probs > limits.max_top_k_probs:
         raise invalid(f"{f}.sampling.top_k_probs is {s.sampling.top_k_probs}; at most {limits.max_top_k_probs} "
                       "(GetInfo.max_top_k_probs)")
+    if limits.max_predraft_branches and s.predraft_branches > limits.max_predraft_branches:
+        raise invalid(f"{f}.predraft_branches is {s.predraft_branches}; at most {limits.max_predraft_branches} "
+                      "(GetInfo.max_predraft_branches)")
     raise AssertionError(f"{f} failed the combined check but none of the precise ones")  # keep the two in sync

@@ -1,0 +1,494 @@
+"""Pre-drafting: the next step's drafts prepared while the engine verifies this step's (docs/predraft.md).
+
+After the drafter answers a step of a sequence with drafts D_1..D_k (the sequence's committed length is then C, its
+next token x[C]), the engine verifies them. The outcome is (a, b): a drafts accepted and the target's bonus token b
+at position C+a+1; the next step then brings x[C], D_1..D_a (m = a+1 tokens from position C) and next_token b.
+While the engine verifies, the step thread, idle otherwise, prepares that next step's drafts for the likely outcomes:
+
+  forced pass   one batch over the sequences to prepare, eager:
+    first step  the rows the drafter has not written with the target's states yet (after a hit: the hit step's
+                rows [p, C)), else the row C-1 alone, again, without a KV write (its KV is there already):
+                the head output g_0 and the logits L_0 at row C-1 (the distribution of x[C+1]).
+    decode j    j = 1..k: the row at position C-1+j with input (D_j, g_{j-1}), as the plain decode step ran it with
+                the drafts it sampled: scratch KV at C-1+j, the head output g_j, the logits L_j (after D_j).
+  outcomes      for a = 0..k, F_a bonus candidates b: the most likely tokens under L_a, the served draft D_{a+1}
+                excluded (a < k: the target rejected it). fan_out() spreads the sequence's budget F over a.
+  branch pass   one batch over every branch of every sequence. Branch (a, b) is the next step as if the engine had
+                sent it, the drafter's own features g standing in for the target states it does not know yet: a
+                first row at position C+a with input (b, g_a), then k-1 decode rows; its k drafts answer the next
+                step on a hit. A branch sees the sequence's KV below C+a (real below C, the forced pass's scratch
+                from C) through its own block table: the sequence's blocks before the one holding C+a, a private
+                copy of that block (copy on write: one block per branch, never the context) and private blocks after
+                it. Greedy branches replay the decode CUDA graphs when there are some (cuda_graphs.py).
+
+At the next step, a hit (start position C, tokens x[C], D_1..D_a and next token b of a prepared branch, the same k and
+sampling settings) is answered from the branch at once, with no device work; the hit step's rows then wait, with
+their target states, for the next pass's first step ("pending"), or are prepended to the sequence's next step if that
+comes first. A miss runs as a plain step. Either way the sequence's branches are freed at that step.
+
+The pass runs on the step thread only when no request is queued, and stops between two forwards as soon as one is
+(should_stop), with at most two forwards in flight on the device: a real step waits at most for those. A stopped
+pass keeps no branch, and the next 2^n steps (n stopped passes in a row, n <= 5) prepare nothing: a drafter too
+busy to prepare falls back to plain drafting by itself. Branches hold at most BRANCH_POOL_SHARE of the KV pool,
+and are dropped first when a real step needs room.
+
+Sequential heads only (EAGLE-1, EAGLE-3); parallel and multi-layer heads ignore predraft_branches
+(GetInfo.predraft_supported is false).
+"""
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from drafter_kernels import ops
+
+from drafter_service.engine.sampling import SamplingSettings, seed_to_int64
+from drafter_service.engine.sequence import Sequence
+from drafter_service.engine.step_io import StepInput, StepOutput
+from drafter_service.engine.step_metadata import build_step_metadata
+from drafter_service.models.attention_metadata import AttentionMetadata
+
+MAX_PREDRAFT_BRANCHES = 64  # largest budget per sequence (GetInfo.max_predraft_branches)
+BRANCH_POOL_SHARE = 0.25  # the branches of all sequences hold at most this share of the KV pool's blocks
+MAX_BACKOFF_EXPONENT = 5  # after n stopped passes in a row, 2^min(n, 5) steps prepare nothing
+IN_FLIGHT = 2  # forwards a pass may have queued on the device at once
+# The acceptance-rate estimate of a sequence starts at 0.7, as if it had seen 2.8 accepted and 1.2 rejected drafts.
+PRIOR_ACCEPTED, PRIOR_REJECTED = 2.8, 1.2
+
+
+def fan_out(budget: int, k: int, alpha: float) -> list[int]:
+    """Branches per accepted count a = 0..k for a budget of branches: budget * P(a) with the geometric acceptance
+    P(a) = alpha^a (1 - alpha) for a < k and alpha^k for a = k (alpha: the chance that a draft is accepted given
+    that the ones before it were), rounded by largest remainder so that they add up to the budget."""
+    p = [alpha ** a * (1.0 - alpha) for a in range(k)] + [alpha ** k]
+    raw = [budget * x for x in p]
+    n = [int(r) for r in raw]
+    by_remainder = sorted(range(k + 1), key=lambda a: raw[a] - n[a], reverse=True)
+    for a in by_remainder[: budget - sum(n)]:
+        n[a] += 1
+    return n
+
+
+@dataclass
+class Basis:
+    """The step just answered, which the next pass prepares from."""
+
+    start: int  # position of the first row to run
+    token_ids: torch.Tensor  # [r] int64: x[start .. C-1]
+    hidden_states: torch.Tensor  # [r, W] their target states (a private copy)
+    next_token: int  # x[C]
+    drafts: list[int]  # D_1..D_k as served (target vocabulary)
+    pending: bool  # True: the rows' KV is not written yet (a hit answered without running them)
+
+    @property
+    def end(self) -> int:
+        """C: the committed length after the step."""
+        return self.start + self.token_ids.shape[0]
+
+
+@dataclass
+class Branches:
+    """A sequence's prepared next steps, one per outcome (a, b)."""
+
+    base: int  # C
+    next_token: int  # x[C]
+    served: list[int]  # D_1..D_k
+    num_drafts: int  # k
+    outcomes: dict[tuple[int, int], int]  # (a, b) -> branch row
+    drafts: list[list[int]]  # [branches][k] target ids
+    logprobs: list[list[float]] | None  # when the sequence asked for them
+    top_ids: list[torch.Tensor] | None  # [k, N] per branch, when it asked for N > 0
+    top_probs: list[torch.Tensor] | None
+    blocks: list[int]  # private KV blocks of all its branches
+
+
+@dataclass
+class PredraftState:
+    """One sequence's pre-drafting: what it asked for, what to prepare from, what is prepared."""
+
+    budget: int  # branches asked for (SequenceStep.predraft_branches)
+    num_drafts: int  # k of the step that asked
+    sampling: tuple  # (temperature, seed, return_logprobs, top_k_probs) of that step: a hit needs the same
+    basis: Basis | None = None
+    branches: Branches | None = None
+    accepted: float = PRIOR_ACCEPTED  # drafts accepted ...
+    rejected: float = PRIOR_REJECTED  # ... and steps that rejected one, for the acceptance-rate estimate
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+
+@dataclass
+class PredraftCounters:
+    """Plain counters of the step thread, exported by the metrics (never reset)."""
+
+    hits: int = 0  # steps answered from a prepared branch
+    misses: int = 0  # steps of a sequence with branches whose outcome none of them had
+    unprepared: int = 0  # steps of a pre-drafting sequence that found nothing prepared
+    branches_prepared: int = 0
+    passes: int = 0  # preparation passes that finished
+    passes_stopped: int = 0  # passes stopped by a real request
+
+
+def _sampling_key(s: StepInput) -> tuple:
+    return (s.temperature, s.seed, s.return_logprobs, s.top_k_probs)
+
+
+class _InFlight:
+    """Keeps at most IN_FLIGHT forwards of a pass queued on the device, and says when the pass must stop."""
+
+    def __init__(self, device: torch.device, should_stop: Callable[[], bool]):
+        self.cuda = device.type == "cuda"
+        self.should_stop = should_stop
+        self.events: deque = deque()
+
+    def launched(self) -> bool:
+        """After a forward was queued: wait until fewer than IN_FLIGHT are; True when a request is waiting."""
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self.events.append(event)
+            while len(self.events) >= IN_FLIGHT:
+                if self.events[0].query():
+                    self.events.popleft()
+                elif self.should_stop():
+                    return True
+                else:
+                    time.sleep(0)
+        return self.should_stop()
+
+
+class Predrafter:
+    """The proposer's pre-drafting: admission hooks (a hit answered, branches freed, pending rows merged), and the
+    preparation pass the scheduler runs when idle. Step thread only."""
+
+    def __init__(self, proposer):
+        self.proposer = proposer
+        self.model = proposer.model
+        self.supported = proposer.model.drafting == "sequential"
+        self.counters = PredraftCounters()
+        pool = proposer.kv.pool
+        self.pool = pool
+        self.max_branch_blocks = max(1, int(BRANCH_POOL_SHARE * pool.num_blocks))
+        self.branch_blocks = 0  # held by branches now
+        self._waiting: dict[tuple[str, str], Sequence] = {}  # a basis, no branches yet: the next pass's work
+        self._with_branches: dict[tuple[str, str], Sequence] = {}
+        self._stopped_in_a_row = 0
+        self._skip_steps = 0  # steps left before the next pass may run (back-off after stopped passes)
+        proposer.table.on_drop = self.forget
+
+    # ---- at admission and after a step (proposer.step) ----
+
+    def admit(self, a, out: StepOutput) -> bool:
+        """For an admitted sequence (proposer._Admitted; out.accepted_drafts already counted), before its batch
+        runs. True: a hit, answered in out, not to be run. Otherwise its branches are freed and its pending rows, if
+        any, prepended to a.step."""
+        seq, s = a.seq, a.step
+        st: PredraftState | None = seq.predraft
+        if st is None:
+            if s.predraft_branches and self.supported:
+                seq.predraft = PredraftState(s.predraft_branches, a.num_drafts, _sampling_key(s))
+            return False
+        key = (seq.namespace, seq.sequence_id)
+        self._waiting.pop(key, None)
+        if seq.last_drafts:  # the acceptance-rate estimate (geometric: accepted drafts, and the first rejection)
+            st.accepted += out.accepted_drafts
+            st.rejected += out.accepted_drafts < len(seq.last_drafts)
+        br = st.branches
+        row = self._hit_row(st, br, a) if br is not None else None
+        if br is not None:
+            self.counters.hits += row is not None
+            self.counters.misses += row is None
+            self._free_branches(seq)
+        elif st.budget:
+            self.counters.unprepared += 1
+        if row is not None:
+            p, m = s.start_position, s.num_tokens
+            out.drafts = list(br.drafts[row])
+            out.logprobs = list(br.logprobs[row]) if br.logprobs is not None and s.return_logprobs else []
+            if br.top_ids is not None and s.top_k_probs:
+                out.top_k_ids, out.top_k_probs = br.top_ids[row], br.top_probs[row]
+            out.committed_length, out.predrafted = p + m, True
+            seq.committed_len = p + m
+            seq.last_drafts, seq.last_drafts_base = out.drafts, p + m
+            # the rows' KV is written from the target states by the next pass (or with the next step)
+            st.basis = Basis(p, s.token_ids.clone(), s.hidden_states.clone(), s.next_token, out.drafts, pending=True)
+            self._settings_from(st, a)
+            self._waiting[key] = seq
+            return True
+        basis = st.basis
+        if basis is not None and basis.pending and s.start_position > basis.start:
+            cut = s.start_position - basis.start  # rows [basis.start, p) have no KV yet: this step runs them too
+            a.step = StepInput(
+                namespace=s.namespace, sequence_id=s.sequence_id, start_position=basis.start,
+                token_ids=torch.cat([basis.token_ids[:cut], s.token_ids]),
+                hidden_states=torch.cat([basis.hidden_states[:cut].to(s.hidden_states.device), s.hidden_states]),
+                next_token=s.next_token, num_drafts=s.num_drafts, temperature=s.temperature, seed=s.seed,
+                return_logprobs=s.return_logprobs, top_k_probs=s.top_k_probs, owner=s.owner,
+                predraft_branches=s.predraft_branches)
+        st.basis = None
+        if not s.predraft_branches or not self.supported:
+            seq.predraft = None
+        else:
+            self._settings_from(st, a)
+        return False
+
+    def after_step(self, a, drafts: list[int]) -> None:
+        """After a plain step answered a sequence: its next pass prepares from this step."""
+        st: PredraftState | None = a.seq.predraft
+        if st is None or not drafts:
+            return
+        s = a.step
+        C = s.start_position + s.num_tokens
+        st.basis = Basis(C - 1, s.token_ids[-1:].clone(), s.hidden_states[-1:].clone(), s.next_token, list(drafts),
+                         pending=False)
+        self._waiting[(a.seq.namespace, a.seq.sequence_id)] = a.seq
+
+    def failed(self, seq: Sequence) -> None:
+        """The sequence's step failed: nothing of its pre-drafting is kept."""
+        self.forget(seq)
+
+    def on_step(self) -> None:
+        """Once per real step (the back-off counts steps)."""
+        if self._skip_steps:
+            self._skip_steps -= 1
+
+    def forget(self, seq: Sequence) -> None:
+        """The sequence leaves the table (released, evicted, expired), or failed: free its branches and state."""
+        if seq.predraft is None:
+            return
+        self._free_branches(seq)
+        self._waiting.pop((seq.namespace, seq.sequence_id), None)
+        seq.predraft = None
+
+    def drop_all_branches(self) -> int:
+        """Free every prepared branch (a real step needs the blocks); returns the blocks freed."""
+        freed = self.branch_blocks
+        for seq in list(self._with_branches.values()):
+            self._free_branches(seq)
+        return freed
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) and self._skip_steps == 0
+
+    def _hit_row(self, st: PredraftState, br: Branches, a) -> int | None:
+        s = a.step
+        m = s.num_tokens
+        if (s.start_position != br.base or m > br.num_drafts + 1 or a.num_drafts != br.num_drafts
+                or _sampling_key(s) != st.sampling):
+            return None
+        row = br.outcomes.get((m - 1, s.next_token))
+        if row is None or s.token_ids[:m].tolist() != [br.next_token] + br.served[: m - 1]:
+            return None
+        return row
+
+    def _settings_from(self, st: PredraftState, a) -> None:
+        st.budget, st.num_drafts, st.sampling = a.step.predraft_branches, a.num_drafts, _sampling_key(a.step)
+
+    def _free_branches(self, seq: Sequence) -> None:
+        st = seq.predraft
+        if st is not None and st.branches is not None:
+            self.pool.free(st.branches.blocks)
+            self.branch_blocks -= len(st.branches.blocks)
+            st.branches = None
+        self._with_branches.pop((seq.namespace, seq.sequence_id), None)
+
+    # ---- the preparation pass (scheduler.py runs it when no request is queued) ----
+
+    @torch.inference_mode()
+    def prepare(self, should_stop: Callable[[], bool]) -> bool:
+        """Prepare the branches of every sequence waiting for them, one batch per k. False when should_stop()
+        stopped it (what was prepared before the stop is kept; the rest waits for the next pass)."""
+        p = self.proposer
+        groups: dict[int, list[Sequence]] = {}
+        waiting, self._waiting = self._waiting, {}
+        for seq in waiting.values():
+            st = seq.predraft
+            b = st.basis
+            k = st.num_drafts
+            # room for every branch's k drafts below max_model_len, and the forced decode's scratch KV (to C+k-1);
+            # a sequence without it prepares nothing (pending rows then run with its next step)
+            if (b is not None and k >= 1 and b.end + 2 * k + 1 < p.max_model_len
+                    and p.table.resize(seq, max(b.end + k, len(seq.block_table) * p.block_size))):
+                groups.setdefault(k, []).append(seq)
+        for i, (k, seqs) in enumerate(groups.items()):
+            if not self._prepare_group(seqs, k, _InFlight(p.device, should_stop)):
+                for later in list(groups.values())[i:]:  # not prepared: the next pass tries again
+                    self._waiting.update(((s.namespace, s.sequence_id), s) for s in later if s.predraft is not None
+                                         and s.predraft.branches is None)
+                self.counters.passes_stopped += 1
+                self._stopped_in_a_row += 1
+                self._skip_steps = 2 ** min(self._stopped_in_a_row, MAX_BACKOFF_EXPONENT)
+                return False
+        self.counters.passes += 1
+        self._stopped_in_a_row = 0
+        return True
+
+    def _prepare_group(self, seqs: list[Sequence], k: int, flight: _InFlight) -> bool:
+        p, model = self.proposer, self.model
+        dev, bs = p.device, p.block_size
+        n = len(seqs)
+        states: list[PredraftState] = [seq.predraft for seq in seqs]
+        bases = [st.basis for st in states]
+        temperature, seed, logprobs, top_k = zip(*(st.sampling for st in states))
+        greedy = not any(temperature) and not any(logprobs) and not any(top_k)
+        sp = SamplingSettings(
+            temperature=torch.tensor(temperature, dtype=torch.float32).to(dev),
+            seed=torch.tensor([seed_to_int64(x) for x in seed], dtype=torch.int64).to(dev),
+            top_k=torch.tensor(top_k, dtype=torch.int64).to(dev), want_logprobs=any(logprobs), greedy_only=greedy)
+        budget = max(st.budget for st in states)
+
+        # ---- forced pass, first step: pending rows with their KV write, or row C-1 without one ----
+        md = build_step_metadata(
+            start_positions=[b.start for b in bases], token_ids=[b.token_ids for b in bases],
+            hidden_states=[b.hidden_states for b in bases], next_tokens=[b.next_token for b in bases],
+            num_drafts=[k] * n, block_tables=[seq.block_table for seq in seqs], temperatures=list(temperature),
+            seeds=[seed_to_int64(x) for x in seed], top_ks=list(top_k), block_size=bs, device=dev)
+        rows = torch.tensor([b.token_ids.shape[0] for b in bases])
+        rerun = torch.repeat_interleave(torch.tensor([not b.pending for b in bases]), rows)  # [T]
+        if bool(rerun.any()):
+            md.first_step.slot_mapping.masked_fill_(rerun.to(dev), ops.PADDING_SLOT_ID)
+        head_out = model.forward(md.input_ids, model.combine_hidden_states(md.hidden_states), md.first_step,
+                                 p.kv_layers)
+        for b in bases:  # (written: every later step on this device stream sees these rows' KV)
+            b.pending = False
+        last = head_out[md.draft_rows]  # [n, H]
+        width = min(budget + 1, model.draft_vocab_size)
+        feats = [model.next_hidden(last)]  # g_0..g_k, each [n, H]
+        cands = [model.compute_logits(last).topk(width, dim=-1).indices]  # [n, width] per a, draft vocabulary
+        if flight.launched():
+            return False
+
+        # ---- forced pass, decode j = 1..k: the served drafts as inputs ----
+        C = torch.tensor([b.end for b in bases], dtype=torch.int64)  # [n]
+        served = torch.tensor([b.drafts for b in bases], dtype=torch.int64)  # [n, k]
+        tables = md.host_block_tables  # [n, w] int32
+        served_dev = served.to(dev)
+        for j in range(1, k + 1):
+            pos = C - 1 + j
+            out = model.forward(served_dev[:, j - 1], feats[-1], self._decode_meta(pos, tables,
+                                                                                   md.first_step.block_tables),
+                                p.kv_layers)
+            feats.append(model.next_hidden(out))
+            cands.append(model.compute_logits(out).topk(width, dim=-1).indices)
+            if flight.launched():
+                return False
+
+        # ---- outcomes: F_a candidates per a, the rejected draft excluded ----
+        cand = model.draft_to_target(torch.stack(cands, 1)).cpu()  # [n, k+1, width] target ids; syncs
+        F = torch.tensor([fan_out(st.budget, k, st.alpha) for st in states])  # [n, k+1]
+        rejected = torch.cat([served, torch.full((n, 1), -1, dtype=torch.int64)], 1)  # [n, k+1]: D_{a+1}
+        ok = cand != rejected[:, :, None]
+        take = ok & (ok.cumsum(-1) <= F[:, :, None])
+        si, aa, ci = take.nonzero(as_tuple=True)  # one row per branch, by sequence, then a, then likelihood
+        bonus = cand[si, aa, ci]  # [nb]
+
+        # ---- branch block tables: the sequence's blocks before C+a, then private ones (copy on write) ----
+        start = C[si] + aa  # [nb] position of each branch's first row
+        blk0 = start // bs
+        last_blk = (start + k - 1) // bs
+        new_count = last_blk - blk0 + 1
+        room = min(self.max_branch_blocks - self.branch_blocks, self.pool.num_free)
+        keep = new_count.cumsum(0) <= room  # the branches that fit, in order
+        if not bool(keep.all()):
+            si, aa, bonus, start, blk0, last_blk, new_count = (
+                t[keep] for t in (si, aa, bonus, start, blk0, last_blk, new_count))
+        nb = si.numel()
+        if nb == 0:
+            return True
+        total = int(new_count.sum())
+        new_ids = torch.tensor(self.pool.allocate(total), dtype=torch.int64)
+        first_new = new_count.cumsum(0) - new_count  # [nb] index of each branch's first private block
+        W = int(last_blk.max()) + 1
+        seq_tables = torch.zeros(n, max(W, tables.shape[1]), dtype=torch.int64)
+        seq_tables[:, : tables.shape[1]] = tables
+        col = torch.arange(W)[None, :]
+        shared = col < blk0[:, None]
+        private = (col >= blk0[:, None]) & (col <= last_blk[:, None])
+        branch_tables = torch.zeros(nb, W, dtype=torch.int64)
+        branch_tables[shared] = seq_tables[si, :W][shared]
+        branch_tables[private] = new_ids[(first_new[:, None] + col - blk0[:, None])[private]]
+        cow = start % bs != 0  # the block holding the first row also holds positions before it: copy them
+        if bool(cow.any()):
+            src = seq_tables[si[cow], blk0[cow]].to(dev)
+            dst = new_ids[first_new[cow]].to(dev)
+            p.kv.kv[:, :, dst] = p.kv.kv[:, :, src]
+        blocks = new_ids.tolist()
+        self.branch_blocks += total
+
+        # ---- branch pass: k rows each, from (b, g_a) at position C+a ----
+        hidden0 = torch.stack(feats, 0)[aa.to(dev), si.to(dev)]  # [nb, H]
+        graphs = p.decode_graphs
+        result = None
+        if greedy and graphs is not None and graphs.fits(nb, k):
+            result = graphs.run_rows(bonus.to(dev), hidden0, start - 1, branch_tables.to(torch.int32), k,
+                                     between=flight.launched)
+        else:
+            result = self._branch_decode(bonus.to(dev), hidden0, start, branch_tables, si, k, sp, flight)
+        if result is None:  # stopped
+            self.pool.free(blocks)
+            self.branch_blocks -= total
+            return False
+        tokens, lps, top_ids, top_probs = result  # [nb, k] host; [nb, k]; [nb, k, N]; [nb, k, N] or None
+
+        # ---- per sequence: its branches and their blocks ----
+        counts = torch.bincount(si, minlength=n).tolist()
+        per_branch_blocks = new_ids.split(new_count.tolist())
+        tok_rows, aa_l, bonus_l = tokens.tolist(), aa.tolist(), bonus.tolist()
+        lp_rows = lps.tolist() if lps is not None else None
+        r = 0
+        for i, (seq, st) in enumerate(zip(seqs, states)):
+            c = counts[i]
+            if c == 0:
+                continue
+            N = st.sampling[3]
+            st.branches = Branches(
+                base=int(C[i]), next_token=bases[i].next_token, served=bases[i].drafts, num_drafts=k,
+                outcomes={(aa_l[r + j], bonus_l[r + j]): j for j in range(c)}, drafts=tok_rows[r : r + c],
+                logprobs=lp_rows[r : r + c] if lp_rows is not None else None,
+                top_ids=[top_ids[r + j, :, :N] for j in range(c)] if top_ids is not None and N else None,
+                top_probs=[top_probs[r + j, :, :N] for j in range(c)] if top_ids is not None and N else None,
+                blocks=torch.cat(per_branch_blocks[r : r + c]).tolist())
+            self._with_branches[(seq.namespace, seq.sequence_id)] = seq
+            r += c
+        self.counters.branches_prepared += nb
+        return True
+
+    def _decode_meta(self, pos: torch.Tensor, tables: torch.Tensor, tables_dev: torch.Tensor) -> AttentionMetadata:
+        """One query row per sequence at positions pos [n] (host int64), block tables [n, w] (host, and on the
+        device)."""
+        dev, bs = self.proposer.device, self.proposer.block_size
+        n = pos.shape[0]
+        slot = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).to(torch.int64) * bs + pos % bs
+        return AttentionMetadata(positions=pos.to(dev), slot_mapping=slot.to(dev),
+                                 query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev),
+                                 seq_lens=(pos + 1).to(torch.int32).to(dev), block_tables=tables_dev,
+                                 max_query_len=1)
+
+    def _branch_decode(self, tok: torch.Tensor, hidden: torch.Tensor, start: torch.Tensor, tables: torch.Tensor,
+                       si: torch.Tensor, k: int, sp: SamplingSettings, flight: _InFlight):
+        """The eager branch pass: k rows per branch, sampled as the sequence asked (rows of sp: si). Returns host
+        tensors (tokens [nb, k], logprobs [nb, k] or None, top ids / probs [nb, k, N] or None), None when stopped."""
+        p, model = self.proposer, self.model
+        tables_dev = tables.to(torch.int32).to(p.device)
+        rows = si.tolist()
+        samples = []
+        for j in range(k):
+            pos = start + j
+            out = model.forward(tok, hidden, self._decode_meta(pos, tables.to(torch.int32), tables_dev), p.kv_layers)
+            sample = p._select(model.compute_logits(out), rows, (pos + 1).tolist(), sp)
+            samples.append(sample)
+            tok, hidden = sample.tokens, model.next_hidden(out)
+            if flight.launched() and j < k - 1:
+                return None
+        tokens = torch.stack([s.tokens for s in samples], 1).cpu()
+        lps = torch.stack([s.logprobs for s in samples], 1).cpu() if samples[0].logprobs is not None else None
+        top_ids = top_probs = None
+        if samples[0].top_ids is not None:
+            top_ids = torch.stack([s.top_ids for s in samples], 1).cpu()
+            top_probs = torch.stack([s.top_probs for s in samples], 1).cpu()
+        return tokens, lps, top_ids, top_probs
+
