@@ -10,14 +10,19 @@ Every answer is checked against the cache-free naive reference (fp64):
   * any other answer: the plain naive drafts with the target's states of every committed position: after any mix of
     hits and misses the drafter's KV is what plain drafting holds.
 """
+import asyncio
 import random
+import time
 
+import grpc
 import pytest
 import torch
 
 from checkpoints import write_eagle3
-from conftest import make_config
-from drafter_service.engine.predraft import fan_out
+from conftest import ServerThread, make_config
+from drafter_client import DrafterClient, DrafterError, SequenceStep
+from drafter_service.engine.cuda_graphs import DecodeGraphs
+from drafter_service.engine.predraft import MAX_PREDRAFT_BRANCHES, fan_out
 from drafter_service.engine.sampling import gumbel_sample, seed_to_int64
 from drafter_service.engine.step_io import StepInput
 from drafter_service.runtime import build_runtime
@@ -91,12 +96,18 @@ def test_fan_out_is_geometric_and_adds_up():
     assert fan_out(10, 4, 0.95)[-1] > fan_out(10, 4, 0.95)[0]  # a good drafter: most branches on a = k
 
 
-@pytest.mark.parametrize("method,temperature", [("eagle1", 0.0), ("eagle1", 0.8), ("eagle3", 0.0)])
-def test_branches_and_later_steps_match_naive(method, temperature, tiny_model, tmp_path):
+# static_decode: greedy branches run through the decode-graph buffers (cuda_graphs.DecodeGraphs.run_rows), which on
+# the CPU run the captured step eagerly
+@pytest.mark.parametrize("method,temperature,static_decode", [
+    ("eagle1", 0.0, False), ("eagle1", 0.0, True), ("eagle1", 0.8, False), ("eagle3", 0.0, True)])
+def test_branches_and_later_steps_match_naive(method, temperature, static_decode, tiny_model, tmp_path):
     head, target, ref = heads(method, tiny_model, tmp_path)
     naive = Naive(ref)
     rt = build_runtime(make_config(head, target, tmp_path, max_model_len=512))
     proposer = rt.proposer
+    if static_decode:
+        proposer.decode_graphs = DecodeGraphs(proposer.model, proposer.kv_layers, rt.config.block_size,
+                                              rt.max_model_len, 64, rt.dtype, rt.device, max_drafts=8)
     width, vocab = rt.limits.hidden_states_width, rt.limits.vocab_size
     rng = random.Random(5)
     gen = torch.Generator().manual_seed(5)
@@ -144,6 +155,8 @@ def test_branches_and_later_steps_match_naive(method, temperature, tiny_model, t
                 assert out.drafts == expect(len(tokens) - 1, []), (sid, C, a, b)
             drafts = out.drafts
     assert counts["hit"] >= 5 and counts["plain"] >= 5, counts
+    if static_decode:
+        assert proposer.decode_graphs.rows_runs > 0
     c = proposer.predraft.counters
     assert c.hits == counts["hit"] and c.misses > 0 and c.unprepared > 0 and c.branches_prepared > 0
     for sid in ("a", "b"):
@@ -189,3 +202,66 @@ def test_a_step_without_budget_turns_it_off(tiny_model, tmp_path):
     proposer.step([StepInput(NS, "s", 4, torch.tensor([3]), torch.randn(1, width), 5, 2)])
     assert proposer.table.get(NS, "s").predraft is None and proposer.predraft.branch_blocks == 0
     assert proposer.kv.pool.num_free > before and not proposer.predraft.has_work()
+
+
+@pytest.mark.parametrize("path", ["unary", "stream", "channel"])
+def test_hits_through_every_path(path, tiny_model, tmp_path):
+    """Through the server (the scheduler prepares while the client waits): GetInfo announces it, a step matching a
+    prepared outcome is answered with its branch's drafts and predrafted set, another step is not, a budget over
+    the limit is INVALID_ARGUMENT naming the field, and the metrics count the hits."""
+    head, target = tiny_model
+    with ServerThread(make_config(head, target, tmp_path)) as server:
+        proposer = server.server.runtime.proposer
+        width = server.server.runtime.limits.hidden_states_width
+        rng = random.Random(1)
+
+        def prepared(sid: str):  # (read from the test's thread: the step thread writes it, once, per pass)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                seq = proposer.table.get(NS, sid)
+                if seq is not None and seq.predraft is not None and seq.predraft.branches is not None:
+                    return seq.predraft.branches
+                time.sleep(0.01)
+            raise AssertionError("nothing was prepared within 30 s")
+
+        async def run():
+            async with DrafterClient(server.uds, namespace=NS) as client:
+                info = await client.get_info()
+                assert info.predraft_supported and info.max_predraft_branches == MAX_PREDRAFT_BRANCHES
+                if path == "channel":
+                    assert await client.open_step_channel()
+                session = client.stream() if path == "stream" else None
+                propose = session.propose if session is not None else client.propose
+                tokens = [rng.randrange(100) for _ in range(7)]
+                step = SequenceStep("s", 0, tokens[:6], torch.randn(6, width), tokens[6], 3, predraft_branches=8)
+                drafts = (await propose([step])).sequences[0].drafts.tolist()
+                hits = 0
+                for i in range(4):
+                    br = await asyncio.to_thread(prepared, "s")
+                    C = len(tokens) - 1
+                    assert br.base == C and len(br.outcomes) == 8
+                    if i < 3:
+                        (a, b), row = next(iter(br.outcomes.items()))
+                    else:  # an outcome nobody prepared
+                        a, b, row = 0, next(t for t in range(100) if (0, t) not in br.outcomes and t != drafts[0]), None
+                    tokens += drafts[:a] + [b]
+                    step = SequenceStep("s", C, tokens[C : C + a + 1], torch.randn(a + 1, width), b, 3,
+                                        predraft_branches=8)
+                    answer = (await propose([step])).sequences[0]
+                    assert answer.ok and answer.committed_length == C + a + 1
+                    assert answer.predrafted == (row is not None)
+                    if row is not None:
+                        assert answer.drafts.tolist() == br.drafts[row]
+                        hits += 1
+                    drafts = answer.drafts.tolist()
+                with pytest.raises(DrafterError) as e:
+                    await client.propose([SequenceStep("t", 0, [1], torch.randn(1, width), 2, 3,
+                                                       predraft_branches=MAX_PREDRAFT_BRANCHES + 1)])
+                assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "predraft_branches" in e.value.message
+                if session is not None:
+                    await session.close()
+                return hits
+
+        assert asyncio.run(run()) == 3
+        text = server.server.runtime.metrics.prometheus_text()
+        assert "drafter_predraft_hits_total 3.0" in text and "drafter_predraft_misses_total 1.0" in text

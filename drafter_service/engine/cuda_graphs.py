@@ -137,6 +137,7 @@ class DecodeGraphs:
         self.capture_bytes = 0
         self.steps_run = 0  # engine steps whose decode steps ran here
         self.first_steps_run = 0  # engine steps whose first step ran here too
+        self.rows_runs = 0  # run_rows calls (pre-drafting branch passes)
 
     # ---- the step that is captured ----
 
@@ -309,12 +310,14 @@ class DecodeGraphs:
         bs = padded_batch_size(n, self.sizes)
         w = block_tables.shape[1]
         self.positions[:n].copy_(positions_before.to(self.device, non_blocking=True))
+        self.seq_lens[:n].copy_((positions_before + 1).to(torch.int32).to(self.device, non_blocking=True))
         self.block_tables[:n, :w].copy_(block_tables.to(self.device, non_blocking=True))
         self.steps_left[:n].fill_(steps)
         self.steps_left[n:bs].zero_()
         self.input_ids[:n].copy_(tokens)
         self.hidden[:n].copy_(hidden)
         self.draft_column.zero_()
+        self.rows_runs += 1
         for j in range(steps):
             self._replay(bs)
             if j < steps - 1 and between():

@@ -422,10 +422,10 @@ class Predrafter:
         # ---- branch pass: k rows each, from (b, g_a) at position C+a ----
         hidden0 = torch.stack(feats, 0)[aa.to(dev), si.to(dev)]  # [nb, H]
         graphs = p.decode_graphs
-        result = None
         if greedy and graphs is not None and graphs.fits(nb, k):
-            result = graphs.run_rows(bonus.to(dev), hidden0, start - 1, branch_tables.to(torch.int32), k,
+            tokens = graphs.run_rows(bonus.to(dev), hidden0, start - 1, branch_tables.to(torch.int32), k,
                                      between=flight.launched)
+            result = None if tokens is None else (tokens, None, None, None)
         else:
             result = self._branch_decode(bonus.to(dev), hidden0, start, branch_tables, si, k, sp, flight)
         if result is None:  # stopped
