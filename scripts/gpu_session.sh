@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: carry .whl (pytest-asyncio, grpcio-health-checking/-reflection 1.84 wheels).
-#   scripts/gpu_session.sh tests|bench|all      results under $OUT (or ./gpu_out)
+#   scripts/gpu_session.sh tests|gpu-tests|bench|predraft|all      results under $OUT (or ./gpu_out)
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -13,6 +13,15 @@ python3 -c "import torch, triton, grpc, google.protobuf as p; print('torch', tor
 what=${1:-all}
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -q -ra -p no:cacheprovider tests/ 2>&1 | tee "$OUT/pytest_all.log" | grep -E "passed|failed|FAILED|ERROR" | tail -40
+fi
+if [ "$what" = gpu-tests ]; then  # only the tests marked gpu (the CUDA variants), within GPU_TESTS_TIMEOUT_S
+  timeout "${GPU_TESTS_TIMEOUT_S:-300}" python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/ 2>&1 \
+    | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAILED|ERROR" | tail -40
+fi
+if [ "$what" = predraft ] || [ "$what" = all ]; then  # pre-drafting end to end with the bundled pair (docs/predraft.md)
+  timeout "${PREDRAFT_TIMEOUT_S:-280}" python3 -m drafter_client.benchmarks.predraft --device cuda \
+    --budgets "${PREDRAFT_BUDGETS:-0,4,8,16,32}" --batches "${PREDRAFT_BATCHES:-1,4,16,64}" \
+    --out "$OUT/predraft_cuda.json" 2>&1 | tee "$OUT/predraft.log" | grep -v "Loading weights" | tail -30
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m drafter_client.benchmarks.bench_step --preset llama3-8b --device cuda --batches 1,8,32,128 --graphs-ab \

@@ -98,14 +98,19 @@ def test_fan_out_is_geometric_and_adds_up():
 
 # static_decode: greedy branches run through the decode-graph buffers (cuda_graphs.DecodeGraphs.run_rows), which on
 # the CPU run the captured step eagerly
-@pytest.mark.parametrize("method,temperature,static_decode", [
-    ("eagle1", 0.0, False), ("eagle1", 0.0, True), ("eagle1", 0.8, False), ("eagle3", 0.0, True)])
-def test_branches_and_later_steps_match_naive(method, temperature, static_decode, tiny_model, tmp_path):
+# On CUDA the runtime captures the decode graphs itself: greedy branches replay them.
+@pytest.mark.parametrize("method,temperature,static_decode,device", [
+    ("eagle1", 0.0, False, "cpu"), ("eagle1", 0.0, True, "cpu"), ("eagle1", 0.8, False, "cpu"),
+    ("eagle3", 0.0, True, "cpu"),
+    pytest.param("eagle1", 0.0, True, "cuda", marks=pytest.mark.gpu),
+    pytest.param("eagle1", 0.8, False, "cuda", marks=pytest.mark.gpu),
+    pytest.param("eagle3", 0.0, True, "cuda", marks=pytest.mark.gpu)])
+def test_branches_and_later_steps_match_naive(method, temperature, static_decode, device, tiny_model, tmp_path):
     head, target, ref = heads(method, tiny_model, tmp_path)
     naive = Naive(ref)
-    rt = build_runtime(make_config(head, target, tmp_path, max_model_len=512))
+    rt = build_runtime(make_config(head, target, tmp_path, max_model_len=512, device=device))
     proposer = rt.proposer
-    if static_decode:
+    if static_decode and device == "cpu":
         proposer.decode_graphs = DecodeGraphs(proposer.model, proposer.kv_layers, rt.config.block_size,
                                               rt.max_model_len, 64, rt.dtype, rt.device, max_drafts=8)
     width, vocab = rt.limits.hidden_states_width, rt.limits.vocab_size
@@ -116,7 +121,7 @@ def test_branches_and_later_steps_match_naive(method, temperature, static_decode
     for sid in ("a", "b"):
         P = rng.choice([5, 19])
         tokens = [rng.randrange(vocab) for _ in range(P + 1)]  # x[0..P]
-        hidden = torch.randn(P, width, generator=gen)  # h[0..P-1]
+        hidden = torch.randn(P, width, generator=gen)  # h[0..P-1] (on the CPU; the server copies them)
 
         def step(p: int) -> StepInput:
             C = len(tokens) - 1

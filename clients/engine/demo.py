@@ -39,6 +39,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for several; default: 3 code "
                                                                      "prompts)")
+    ap.add_argument("--predraft-branches", type=int, default=0,
+                    help="> 0: the sidecar prepares each step's drafts for up to this many verification outcomes "
+                         "while the target verifies (docs/predraft.md)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present) for both processes")
     ap.add_argument("--chart", default=str(DEFAULT_CHART),
                     help="PNG of acceptance by draft position (its folder is made); '' for none")
@@ -101,7 +104,7 @@ async def run_engine(args: argparse.Namespace, address: str, device: str, target
     prompts = args.prompt or DEMO
     ids = [tokenizer.encode(p).ids for p in prompts]
     cfg = SpecConfig(max_new_tokens=args.max_new_tokens, num_drafts=args.num_drafts, temperature=args.temperature,
-                     seed=args.seed)
+                     seed=args.seed, predraft_branches=args.predraft_branches)
     total = cfg.max_new_tokens * len(ids)
     async with DrafterClient(address, namespace="drafter-demo") as drafter:
         info = await drafter.get_info()
@@ -134,6 +137,10 @@ def report(args, prompts: list[str], tokenizer, spec: GenerationResult, plain: G
           f"tokens / {acc.num_drafts} drafts, as vLLM counts it)")
     print("per-position acceptance: " + "  ".join(f"{i + 1}: {r:.2f}"
                                                    for i, r in enumerate(acc.per_position_acceptance)))
+    if cfg.predraft_branches:
+        print(f"pre-drafting ({cfg.predraft_branches} branches): {acc.predrafted_steps} of {acc.answered_steps} "
+              f"drafter answers were prepared during the verification (hit rate {acc.predraft_hit_rate:.2f}); "
+              f"acceptance length of those drafts {acc.predrafted_acceptance_length:.2f}")
     print("\n== speed (all prompts, prefill included) ==")
     for name, r in (("speculative", spec), ("plain", plain)):
         print(f"{name:12s} {r.num_tokens:5d} tokens in {r.elapsed_s:6.2f} s = {r.tokens_per_s:7.1f} tok/s, "

@@ -47,6 +47,9 @@ class SpecConfig:
     temperature: float = 0.0  # 0: greedy; > 0: speculative sampling (plain sampling in generate_plain)
     seed: int = 0  # the engine's sampling generator
     eos_token_id: int | None = None  # a sequence stops after emitting it (kept in the output)
+    # > 0: the drafter prepares each sequence's next drafts for up to this many verification outcomes while the
+    # target verifies (docs/predraft.md); a step whose outcome was prepared is answered without drafting
+    predraft_branches: int = 0
 
 
 @dataclass
@@ -63,10 +66,25 @@ class AcceptanceStats:
     fallback_steps: int = 0  # drafter requests answered "no drafts" as a whole (ProposeResult.fallback)
     resyncs: int = 0  # sequences sent again from position 0 (needs_resync, with keep_states)
     stopped_drafting: int = 0  # sequences decoded plainly to their end (needs_resync, without keep_states)
+    # pre-drafting: sequence-steps the drafter answered (with drafts), those answered from prepared drafts, and the
+    # acceptance of the drafts those gave (the acceptance length of served branches)
+    answered_steps: int = 0
+    predrafted_steps: int = 0
+    predrafted_drafts: int = 0  # of num_drafts: drafts (sequence-steps) verified that came from prepared branches
+    predrafted_accepted_tokens: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def predraft_hit_rate(self) -> float:
+        """Answered sequence-steps served from prepared drafts (the first step of a sequence cannot be)."""
+        return self.predrafted_steps / self.answered_steps if self.answered_steps else 0.0
+
+    @property
+    def predrafted_acceptance_length(self) -> float:
+        return 1.0 + self.predrafted_accepted_tokens / self.predrafted_drafts if self.predrafted_drafts else 0.0
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -87,6 +105,7 @@ class GenerationResult:
     target_forwards: int  # prefill included
     acceptance: AcceptanceStats | None  # None for plain decoding
     draft_wait_s: float = 0.0  # of elapsed_s: time spent waiting for the drafter's replies (speculative only)
+    draft_waits_s: list[float] = field(default_factory=list)  # that wait, per engine step (prefill's included)
 
     @property
     def num_tokens(self) -> int:
@@ -255,19 +274,20 @@ class ReferenceEngine:
             on_step(StepInfo(0, [len(s.generated) for s in seqs], {}, time.perf_counter() - t0))
         session = self.drafter.stream() if self.use_stream else None
         registered: set[str] = set()  # sequences the drafter may hold, until released
-        draft_wait_s = 0.0
+        draft_waits: list[float] = []
         try:
             while live:
                 # one drafter request: per drafting sequence, the committed tokens from where the drafter last
                 # confirmed (the previous step's, normally) with their states, the pending token, k drafts
-                steps = [self._drafter_step(s, k) for s in live if s.drafting]
+                steps = [self._drafter_step(s, k, cfg.predraft_branches) for s in live if s.drafting]
                 registered.update(st.sequence_id for st in steps)
                 t_ask = time.perf_counter()
                 reply = None
                 if steps:
                     reply = await (session.propose(steps) if session else self.drafter.propose(steps))
-                draft_wait_s += time.perf_counter() - t_ask
+                draft_waits.append(time.perf_counter() - t_ask)
                 drafts, stop = self._drafts(reply, steps, live, stats)
+                predrafted = {r.sequence_id for r in reply.sequences if r.predrafted} if reply is not None else set()
                 if stop:  # needs a resync, and its states were not kept: decoded plainly from now on
                     await self.drafter.release(stop)
                     registered.difference_update(stop)
@@ -292,6 +312,9 @@ class ReferenceEngine:
                     valid[r, : a + 1] = True  # the target's slots of x_n, d_1..d_a are committed
                     if d.numel():
                         stats.record(d.numel(), a)
+                        if s.sequence_id in predrafted:
+                            stats.predrafted_drafts += 1
+                            stats.predrafted_accepted_tokens += a
                     accepted[s.index] = a
                     n = s.n
                     chunk = (n, fwd.features[r, : a + 1].clone())  # the states of x_n, d_1..d_a
@@ -316,9 +339,10 @@ class ReferenceEngine:
                 await session.close()
             if registered:
                 await self.drafter.release(sorted(registered))
-        return GenerationResult([s.generated for s in seqs], time.perf_counter() - t0, forwards, stats, draft_wait_s)
+        return GenerationResult([s.generated for s in seqs], time.perf_counter() - t0, forwards, stats,
+                                sum(draft_waits), draft_waits)
 
-    def _drafter_step(self, s: _Seq, k: int) -> SequenceStep:
+    def _drafter_step(self, s: _Seq, k: int, predraft_branches: int = 0) -> SequenceStep:
         """The sequence's drafter step: x[p .. n-1] with their states, the pending x[n], k drafts; p is where the
         drafter last confirmed (0 after a needs_resync), or the first position whose states are still kept."""
         p = max(s.synced, s.states[0][0])
@@ -327,7 +351,8 @@ class ReferenceEngine:
         if hidden.size(0) != s.n - p:
             raise RuntimeError(f"sequence {s.sequence_id!r}: {hidden.size(0)} hidden states for positions {p} .. "
                                f"{s.n - 1}")
-        return SequenceStep(s.sequence_id, p, s.tokens[p : s.n], hidden, s.tokens[-1], k)
+        return SequenceStep(s.sequence_id, p, s.tokens[p : s.n], hidden, s.tokens[-1], k,
+                            predraft_branches=predraft_branches)
 
     def _drafts(self, reply: ProposeResult | None, steps: list[SequenceStep], live: list[_Seq],
                 stats: AcceptanceStats) -> tuple[list[torch.Tensor], list[str]]:
@@ -350,6 +375,8 @@ class ReferenceEngine:
             s = seq_of[st.sequence_id]
             if res.ok:
                 s.synced = res.committed_length
+                stats.answered_steps += 1
+                stats.predrafted_steps += res.predrafted
                 s.resyncs_in_a_row = 0
                 by_id[st.sequence_id] = res.drafts
             elif res.needs_resync:  # the drafter lacks part of this sequence: all of it again, or no more drafts
