@@ -241,6 +241,8 @@ class _StepCollector:
             yield counter("drafter_predraft_passes", "Pre-drafting passes that finished.", pc.passes)
             yield counter("drafter_predraft_passes_stopped", "Pre-drafting passes stopped because a request "
                           "arrived (each makes the next passes back off).", pc.passes_stopped)
+            yield counter("drafter_predraft_pass_seconds", "Step-thread seconds spent in pre-drafting passes, "
+                          "finished or stopped.", pc.pass_seconds)
         free, total = m.kv_blocks_free, m.kv_blocks_total
         yield gauge("drafter_kv_blocks_free", "Free KV blocks.", free)
         yield gauge("drafter_kv_capacity_blocks", "KV blocks in the pool.", total)

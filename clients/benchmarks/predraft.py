@@ -38,7 +38,7 @@ from drafter_client.engine.target import TargetModel
 
 COUNTERS = ("drafter_predraft_hits_total", "drafter_predraft_misses_total", "drafter_predraft_unprepared_total",
             "drafter_predraft_passes_total", "drafter_predraft_passes_stopped_total",
-            "drafter_predraft_branches_prepared_total")
+            "drafter_predraft_branches_prepared_total", "drafter_predraft_pass_seconds_total")
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -89,6 +89,7 @@ async def measure(address: str, metrics_port: int, target: TargetModel, prompts:
             tiled = prompts * -(-B // len(prompts))  # (a batch larger than the prompts repeats them)
             groups = [tiled[i : i + B] for i in range(0, max(B, len(prompts)), B)]
             plain_cfg = SpecConfig(max_new_tokens=max_new_tokens)
+            await engine.generate_plain(groups[0], SpecConfig(max_new_tokens=8))  # untimed (as below)
             plain_runs = [await run_setting(engine, groups, plain_cfg, plain=True) for _ in range(repeats)]
             plain_s = statistics.median(r["elapsed_s"] for r in plain_runs)
             plain_tps = plain_runs[0]["tokens"] / plain_s
@@ -98,6 +99,8 @@ async def measure(address: str, metrics_port: int, target: TargetModel, prompts:
             print(f"batch {B:3d} plain decoding: {plain_tps:7.1f} tok/s", flush=True)
             for F in budgets:
                 cfg = SpecConfig(max_new_tokens=max_new_tokens, num_drafts=k, predraft_branches=F)
+                # untimed: the first steps of a new batch size or budget compile kernel specializations
+                await engine.generate(groups[0], SpecConfig(max_new_tokens=8, num_drafts=k, predraft_branches=F))
                 before = scrape(metrics_port)
                 runs = [await run_setting(engine, groups, cfg, plain=False) for _ in range(repeats)]
                 after = scrape(metrics_port)
@@ -115,14 +118,16 @@ async def measure(address: str, metrics_port: int, target: TargetModel, prompts:
                        "identical_to_plain": all(x["outputs"] == plain_out for x in runs),
                        "drafter": {name.removeprefix("drafter_predraft_").removesuffix("_total"):
                                    after[name] - before[name] for name in COUNTERS}}
-                rows.append(row)
                 d = row["drafter"]
+                passes = d["passes"] + d["passes_stopped"]
+                row["pass_ms_mean"] = d["pass_seconds"] / passes * 1e3 if passes else None
+                rows.append(row)
                 pre = row["predrafted_acceptance_length"]
                 print(f"batch {B:3d} F {F:3d}: {row['tokens_per_s']:7.1f} tok/s ({row['speedup_vs_plain']:.2f}x), "
                       f"acceptance {row['mean_acceptance_length']:.2f} (served branches "
                       f"{'-' if pre is None else f'{pre:.2f}'}), hit rate {row['hit_rate']:.2f}, wait p50/p99 "
                       f"{row['wait_ms_p50']:.2f}/{row['wait_ms_p99']:.2f} ms; passes {d['passes']:.0f} finished "
-                      f"{d['passes_stopped']:.0f} stopped; misses {d['misses']:.0f}, unprepared "
+                      f"{d['passes_stopped']:.0f} stopped, {row['pass_ms_mean'] or 0:.2f} ms each; misses {d['misses']:.0f}, unprepared "
                       f"{d['unprepared']:.0f}; identical {row['identical_to_plain']}", flush=True)
         return {"drafter": {"model": info.model_name, "method": info.method, "device": info.device,
                             "dtype": info.model_dtype}, "rows": rows}

@@ -324,6 +324,34 @@ class DecodeGraphs:
                 return None
         return self.drafts_out[:n, 1 : steps + 1].cpu()
 
+    def run_forced(self, tokens: torch.Tensor, hidden: torch.Tensor, positions_before: torch.Tensor,
+                   block_tables: torch.Tensor, steps: int, between) -> torch.Tensor | None:
+        """`steps` decode steps for n rows whose inputs are given, not sampled (pre-drafting's forced pass,
+        predraft.py): step j (0-based) runs at position positions_before[r] + 1 + j with input (tokens[r, j], the
+        head output of the step before; hidden[r] for j = 0). Between two replays the next forced tokens replace the
+        graph's own argmax in input_ids (one device copy). tokens [n, steps] int64 target ids, hidden [n, H]
+        (device); positions_before [n] int64, block_tables [n, w] int32 (host). between() after each replay: True
+        stops (returns None). Returns the head outputs of the steps [n, steps, H] (device)."""
+        n = tokens.shape[0]
+        bs = padded_batch_size(n, self.sizes)
+        w = block_tables.shape[1]
+        self.positions[:n].copy_(positions_before.to(self.device, non_blocking=True))
+        self.seq_lens[:n].copy_((positions_before + 1).to(torch.int32).to(self.device, non_blocking=True))
+        self.block_tables[:n, :w].copy_(block_tables.to(self.device, non_blocking=True))
+        self.steps_left[:n].fill_(steps)
+        self.steps_left[n:bs].zero_()
+        self.hidden[:n].copy_(hidden)
+        self.draft_column.zero_()
+        out = torch.empty(n, steps, self.hidden.shape[1], dtype=self.hidden.dtype, device=self.device)
+        self.rows_runs += 1
+        for j in range(steps):
+            self.input_ids[:n].copy_(tokens[:, j])
+            self._replay(bs)
+            out[:, j].copy_(self.hidden[:n])  # next_hidden(head output) = the head output (sequential heads)
+            if j < steps - 1 and between():
+                return None
+        return out
+
     def _load_decode_rows(self, md: StepMetadata, n: int, bs: int) -> None:
         """Drafting rows [0, n) from this step's metadata; padding rows [n, bs) are masked by steps_left = 0."""
         w = md.draft_block_tables.shape[1]

@@ -32,8 +32,8 @@ pass keeps no branch, and the next 2^n steps (n stopped passes in a row, n <= 5)
 busy to prepare falls back to plain drafting by itself. Branches hold at most BRANCH_POOL_SHARE of the KV pool,
 and are dropped first when a real step needs room.
 
-Sequential heads only (EAGLE-1, EAGLE-3); parallel and multi-layer heads ignore predraft_branches
-(GetInfo.predraft_supported is false).
+Sequential heads only (EAGLE-1, EAGLE-3), whose next_hidden is their output (so L_j = compute_logits(g_j)); parallel
+and multi-layer heads ignore predraft_branches (GetInfo.predraft_supported is false).
 """
 import time
 from collections import deque
@@ -131,6 +131,7 @@ class PredraftCounters:
     branches_prepared: int = 0
     passes: int = 0  # preparation passes that finished
     passes_stopped: int = 0  # passes stopped by a real request
+    pass_seconds: float = 0.0  # step-thread time in passes, finished or stopped
 
 
 def _sampling_key(s: StepInput) -> tuple:
@@ -302,6 +303,13 @@ class Predrafter:
     def prepare(self, should_stop: Callable[[], bool]) -> bool:
         """Prepare the branches of every sequence waiting for them, one batch per k. False when should_stop()
         stopped it (what was prepared before the stop is kept; the rest waits for the next pass)."""
+        t0 = time.perf_counter()
+        try:
+            return self._prepare(should_stop)
+        finally:
+            self.counters.pass_seconds += time.perf_counter() - t0
+
+    def _prepare(self, should_stop: Callable[[], bool]) -> bool:
         p = self.proposer
         groups: dict[int, list[Sequence]] = {}
         waiting, self._waiting = self._waiting, {}
@@ -355,30 +363,37 @@ class Predrafter:
                                  p.kv_layers)
         for b in bases:  # (written: every later step on this device stream sees these rows' KV)
             b.pending = False
-        last = head_out[md.draft_rows]  # [n, H]
-        width = min(budget + 1, model.draft_vocab_size)
-        feats = [model.next_hidden(last)]  # g_0..g_k, each [n, H]
-        cands = [model.compute_logits(last).topk(width, dim=-1).indices]  # [n, width] per a, draft vocabulary
+        g0 = model.next_hidden(head_out[md.draft_rows])  # [n, H]
         if flight.launched():
             return False
 
-        # ---- forced pass, decode j = 1..k: the served drafts as inputs ----
+        # ---- forced pass, decode j = 1..k: the served drafts as inputs (replayed from the decode graphs when
+        # there are some: the forced tokens replace the graph's argmax between replays) ----
         C = torch.tensor([b.end for b in bases], dtype=torch.int64)  # [n]
         served = torch.tensor([b.drafts for b in bases], dtype=torch.int64)  # [n, k]
         tables = md.host_block_tables  # [n, w] int32
         served_dev = served.to(dev)
-        for j in range(1, k + 1):
-            pos = C - 1 + j
-            out = model.forward(served_dev[:, j - 1], feats[-1], self._decode_meta(pos, tables,
-                                                                                   md.first_step.block_tables),
-                                p.kv_layers)
-            feats.append(model.next_hidden(out))
-            cands.append(model.compute_logits(out).topk(width, dim=-1).indices)
-            if flight.launched():
+        graphs = p.decode_graphs
+        if graphs is not None and graphs.fits(n, k):
+            rest = graphs.run_forced(served_dev, g0, C - 1, tables, k, between=flight.launched)
+            if rest is None or flight.launched():
                 return False
+            feats = torch.cat([g0[:, None], rest], 1)  # [n, k+1, H]: g_0..g_k
+        else:
+            g = [g0]
+            for j in range(1, k + 1):
+                pos = C - 1 + j
+                out = model.forward(served_dev[:, j - 1], g[-1],
+                                    self._decode_meta(pos, tables, md.first_step.block_tables), p.kv_layers)
+                g.append(model.next_hidden(out))
+                if flight.launched():
+                    return False
+            feats = torch.stack(g, 1)  # [n, k+1, H]
 
         # ---- outcomes: F_a candidates per a, the rejected draft excluded ----
-        cand = model.draft_to_target(torch.stack(cands, 1)).cpu()  # [n, k+1, width] target ids; syncs
+        width = min(budget + 1, model.draft_vocab_size)
+        logits = model.compute_logits(feats.flatten(0, 1))  # [n*(k+1), V_draft]: L_0..L_k (next_hidden = output)
+        cand = model.draft_to_target(logits.topk(width, dim=-1).indices).view(n, k + 1, width).cpu()  # syncs
         F = torch.tensor([fan_out(st.budget, k, st.alpha) for st in states])  # [n, k+1]
         rejected = torch.cat([served, torch.full((n, 1), -1, dtype=torch.int64)], 1)  # [n, k+1]: D_{a+1}
         ok = cand != rejected[:, :, None]
@@ -420,8 +435,7 @@ class Predrafter:
         self.branch_blocks += total
 
         # ---- branch pass: k rows each, from (b, g_a) at position C+a ----
-        hidden0 = torch.stack(feats, 0)[aa.to(dev), si.to(dev)]  # [nb, H]
-        graphs = p.decode_graphs
+        hidden0 = feats[si.to(dev), aa.to(dev)]  # [nb, H]
         if greedy and graphs is not None and graphs.fits(nb, k):
             tokens = graphs.run_rows(bonus.to(dev), hidden0, start - 1, branch_tables.to(torch.int32), k,
                                      between=flight.launched)
