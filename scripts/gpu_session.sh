@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: carry .whl (pytest-asyncio, grpcio-health-checking/-reflection 1.84 wheels).
-#   scripts/gpu_session.sh tests|gpu-tests|bench|predraft|all      results under $OUT (or ./gpu_out)
+#   scripts/gpu_session.sh tests|gpu-tests|bench|predraft|predraft-mechanics|all      results under $OUT (or ./gpu_out)
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -22,6 +22,13 @@ if [ "$what" = predraft ] || [ "$what" = all ]; then  # pre-drafting end to end 
   timeout "${PREDRAFT_TIMEOUT_S:-280}" python3 -m drafter_client.benchmarks.predraft --device cuda \
     --budgets "${PREDRAFT_BUDGETS:-0,4,8,16,32}" --batches "${PREDRAFT_BATCHES:-1,4,16,64}" \
     --out "$OUT/predraft_cuda.json" 2>&1 | tee "$OUT/predraft.log" | grep -v "Loading weights" | tail -30
+fi
+if [ "$what" = predraft-mechanics ]; then  # the drafter's side at the 8B head shapes (in-process)
+  for preset in llama3-8b llama3-8b-eagle3; do
+    timeout "${MECH_TIMEOUT_S:-150}" python3 -m drafter_client.benchmarks.predraft_mechanics --preset $preset \
+      --device cuda --batches "${MECH_BATCHES:-1,16,64}" --out "$OUT/predraft_mechanics_$preset.json" 2>&1 \
+      | tee "$OUT/predraft_mechanics_$preset.log" | tail -6
+  done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m drafter_client.benchmarks.bench_step --preset llama3-8b --device cuda --batches 1,8,32,128 --graphs-ab \

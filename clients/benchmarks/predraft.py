@@ -75,12 +75,14 @@ async def run_setting(engine: ReferenceEngine, groups: list[list[list[int]]], cf
 
 
 async def measure(address: str, metrics_port: int, target: TargetModel, prompts: list[list[int]], batches: list[int],
-                  budgets: list[int], k: int, max_new_tokens: int, repeats: int) -> dict:
+                  budgets: list[int], k: int, max_new_tokens: int, repeats: int, transport: str) -> dict:
     async with DrafterClient(address, namespace="bench-predraft", step_timeout_s=None) as drafter:
         info = await drafter.get_info()
         if not info.predraft_supported:
             raise SystemExit(f"the drafter's {info.method} head does not pre-draft (GetInfo.predraft_supported)")
-        engine = ReferenceEngine(target, drafter, info)
+        if transport == "channel" and not await drafter.open_step_channel():
+            raise SystemExit("the drafter has no step channel (docs/step_channel.md)")
+        engine = ReferenceEngine(target, drafter, info, use_stream=transport == "stream")
         warm = SpecConfig(max_new_tokens=4, num_drafts=k, predraft_branches=max(budgets))
         await engine.generate(prompts[:1], warm)  # one-time costs out of the timings
         await engine.generate_plain(prompts[:1], warm)
@@ -89,7 +91,7 @@ async def measure(address: str, metrics_port: int, target: TargetModel, prompts:
             tiled = prompts * -(-B // len(prompts))  # (a batch larger than the prompts repeats them)
             groups = [tiled[i : i + B] for i in range(0, max(B, len(prompts)), B)]
             plain_cfg = SpecConfig(max_new_tokens=max_new_tokens)
-            await engine.generate_plain(groups[0], SpecConfig(max_new_tokens=8))  # untimed (as below)
+            await engine.generate_plain(groups[0], SpecConfig(max_new_tokens=32))  # untimed (as below)
             plain_runs = [await run_setting(engine, groups, plain_cfg, plain=True) for _ in range(repeats)]
             plain_s = statistics.median(r["elapsed_s"] for r in plain_runs)
             plain_tps = plain_runs[0]["tokens"] / plain_s
@@ -100,7 +102,7 @@ async def measure(address: str, metrics_port: int, target: TargetModel, prompts:
             for F in budgets:
                 cfg = SpecConfig(max_new_tokens=max_new_tokens, num_drafts=k, predraft_branches=F)
                 # untimed: the first steps of a new batch size or budget compile kernel specializations
-                await engine.generate(groups[0], SpecConfig(max_new_tokens=8, num_drafts=k, predraft_branches=F))
+                await engine.generate(groups[0], SpecConfig(max_new_tokens=32, num_drafts=k, predraft_branches=F))
                 before = scrape(metrics_port)
                 runs = [await run_setting(engine, groups, cfg, plain=False) for _ in range(repeats)]
                 after = scrape(metrics_port)
@@ -130,7 +132,7 @@ async def measure(address: str, metrics_port: int, target: TargetModel, prompts:
                       f"{d['passes_stopped']:.0f} stopped, {row['pass_ms_mean'] or 0:.2f} ms each; misses {d['misses']:.0f}, unprepared "
                       f"{d['unprepared']:.0f}; identical {row['identical_to_plain']}", flush=True)
         return {"drafter": {"model": info.model_name, "method": info.method, "device": info.device,
-                            "dtype": info.model_dtype}, "rows": rows}
+                            "dtype": info.model_dtype}, "transport": transport, "rows": rows}
 
 
 def plot(result: dict, path: pathlib.Path) -> str | None:
@@ -179,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-k", "--num-drafts", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--transport", choices=["channel", "stream", "unary"], default="channel",
+                    help="how the engine sends its steps: a shared-memory step channel (same node), a ProposeStream, "
+                         "or one Propose per step")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     ap.add_argument("--out", default=None, help="JSON path (default bench_out/predraft_<device>.json)")
     args = ap.parse_args(argv)
@@ -201,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                         extra_args=["--metrics-port", str(port), "--max-draft-tokens", str(max(8, args.num_drafts))]
                         ) as sidecar:
         result = asyncio.run(measure(sidecar.address, port, target, prompts, batches, budgets, args.num_drafts,
-                                     args.max_new_tokens, args.repeats))
+                                     args.max_new_tokens, args.repeats, args.transport))
     now = datetime.datetime.now(datetime.timezone.utc)
     out = {"benchmark": "predraft",
            "command": shlex.join(["python", "-m", "drafter_client.benchmarks.predraft",

@@ -1,0 +1,179 @@
+"""Benchmark: what pre-drafting costs and saves on the drafter's side, at the 8B head shapes (in-process proposer).
+
+    python -m drafter_client.benchmarks.predraft_mechanics --preset llama3-8b --device cuda
+    python -m drafter_client.benchmarks.predraft_mechanics --preset llama3-8b-eagle3 --device cuda --batches 1,16,64
+
+The head has random weights of the preset's shape (bench_step.write_random_head), so acceptance means nothing here:
+the outcomes are chosen by the benchmark (clients/benchmarks/predraft.py measures hit rates and acceptance with a
+real target). B sequences at a context of --context tokens; every iteration, per batch size:
+  plain    a decode step with pre-drafting off (m = a + 1 committed tokens, k drafts): the drafter's step today;
+  pass     the preparation pass that follows a step (what must fit in the engine's verification time);
+  hit      the next step when every sequence's outcome was prepared (picked among its branches): no device work;
+  miss     the next step when no sequence's outcome was prepared: a plain step that also runs the pending rows of
+           the hit before it.
+Medians over --iters, in ms, with the pass's share of a given verification time. Prints a table and writes JSON
+(device, date, command) to --out. Through the sidecar, a step also pays its transport (bench_step's table).
+"""
+import argparse
+import datetime
+import json
+import pathlib
+import platform
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from drafter_client.benchmarks.bench_step import PRESETS, write_random_head
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_batch(rt, B: int, context: int, k: int, budget: int, iters: int, seed: int) -> dict:
+    from drafter_service.engine.step_io import StepInput
+
+    proposer, device = rt.proposer, rt.device
+    width, vocab = rt.limits.hidden_states_width, rt.limits.vocab_size
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    ids = [f"s{b}" for b in range(B)]
+    tokens = {sid: torch.randint(0, vocab, (context + 1,), generator=g).tolist() for sid in ids}
+    state = {}  # sid -> (committed length C, drafts served)
+
+    def states(n: int) -> torch.Tensor:
+        return torch.randn(n, width, generator=g).to(torch.bfloat16)
+
+    def step(outcomes: dict, budget_now: int) -> list:
+        """The next step of every sequence for outcomes sid -> (a, b); returns the outputs, records the state."""
+        inputs = []
+        for sid in ids:
+            C, drafts = state[sid]
+            a, b = outcomes[sid]
+            tokens[sid] = tokens[sid][: C + 1] + drafts[:a] + [b]
+            inputs.append(StepInput("mech", sid, C, torch.tensor(tokens[sid][C : C + a + 1]), states(a + 1), b, k,
+                                    predraft_branches=budget_now))
+        out = proposer.step(inputs)
+        for sid, s, o in zip(ids, inputs, out):
+            assert o.code == 0, o.message
+            state[sid] = (s.start_position + s.num_tokens, o.drafts)
+        return out
+
+    out = proposer.step([StepInput("mech", sid, 0, torch.tensor(tokens[sid][:context]), states(context),
+                                   tokens[sid][context], k, predraft_branches=budget) for sid in ids])
+    for sid, o in zip(ids, out):
+        state[sid] = (context, o.drafts)
+
+    def random_outcomes() -> dict:
+        picked = {}
+        for sid in ids:
+            drafts = state[sid][1]
+            a = rng.randint(0, k - 1)
+            picked[sid] = (a, next(t for t in range(vocab) if t != drafts[a] and t != tokens[sid][-1]))
+        return picked
+
+    times = {"plain": [], "pass": [], "hit": [], "miss": []}
+    for i in range(iters + 2):
+        keep = i >= 2  # two warm-up iterations
+        sync(device)
+        t0 = time.perf_counter()
+        step(random_outcomes(), 0)  # pre-drafting off: the plain step
+        sync(device)
+        t1 = time.perf_counter()
+        step(random_outcomes(), budget)  # (a plain step that turns pre-drafting on: not timed)
+        sync(device)
+        t2 = time.perf_counter()
+        assert proposer.predraft.prepare(lambda: False)
+        sync(device)
+        t3 = time.perf_counter()
+        hits = {}
+        for sid in ids:
+            br = proposer.table.get("mech", sid).predraft.branches
+            hits[sid] = next(iter(br.outcomes))
+        out = step(hits, budget)
+        sync(device)
+        t4 = time.perf_counter()
+        assert all(o.predrafted for o in out)
+        # a miss right after the hit: an unprepared outcome, the hit's pending rows ride with it
+        misses = {}
+        for sid in ids:
+            drafts = state[sid][1]
+            a = rng.randint(0, k - 1)
+            misses[sid] = (a, next(t for t in range(vocab) if t != drafts[a]))
+        t5 = time.perf_counter()
+        out = step(misses, budget)
+        sync(device)
+        t6 = time.perf_counter()
+        assert not any(o.predrafted for o in out)
+        if keep:
+            times["plain"].append(t1 - t0)
+            times["pass"].append(t3 - t2)
+            times["hit"].append(t4 - t3)
+            times["miss"].append(t6 - t5)
+    for sid in ids:
+        proposer.table.release("mech", sid)
+    return {name: statistics.median(v) * 1e3 for name, v in times.items()} | {
+        name + "_spread": [min(v) * 1e3, max(v) * 1e3] for name, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--budget", type=int, default=8, help="pre-drafting budget F per sequence")
+    ap.add_argument("-k", type=int, default=5)
+    ap.add_argument("--context", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--verify-ms", type=float, default=12.0,
+                    help="the engine's verification time to compare the pass with (e.g. an 8B target at batch 1)")
+    ap.add_argument("--out", default="bench_out/predraft_mechanics.json")
+    a = ap.parse_args(argv)
+    shape = PRESETS[a.preset]
+    context = a.context or shape["context"]
+    batches = [int(b) for b in a.batches.split(",")]
+    device = torch.device(a.device)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    max_len = context + 16 * (a.iters + 2) * (a.k + 1) + 64
+    from drafter_service.config import ServerConfig
+    from drafter_service.runtime import build_runtime
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"writing a random {a.preset} head ...", flush=True)
+        head, target = write_random_head(pathlib.Path(tmp), shape, max_len)
+        rt = build_runtime(ServerConfig(model=str(head), target_model=str(target), device=a.device, dtype=dtype,
+                                        kv_cache_tokens=(max(batches) * 2 + 8) * max_len, max_model_len=max_len,
+                                        max_batch_seqs=max(256, max(batches)), max_draft_tokens=max(8, a.k)))
+        print(f"{'batch':>5} {'plain ms':>9} {'pass ms':>8} {'hit ms':>7} {'miss ms':>8} {'pass/verify':>11}")
+        for B in batches:
+            r = run_batch(rt, B, context, a.k, a.budget, a.iters, seed=B)
+            r = {"batch": B, **r, "pass_over_verify": r["pass"] / a.verify_ms}
+            rows.append(r)
+            print(f"{B:>5} {r['plain']:>9.2f} {r['pass']:>8.2f} {r['hit']:>7.3f} {r['miss']:>8.2f} "
+                  f"{r['pass_over_verify']:>11.2f}", flush=True)
+    out = {"benchmark": "predraft_mechanics",
+           "command": shlex.join(["python", "-m", "drafter_client.benchmarks.predraft_mechanics",
+                                  *(sys.argv[1:] if argv is None else argv)]),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                       "torch": torch.__version__, "device": str(device),
+                       "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None},
+           "preset": a.preset, "context": context, "k": a.k, "budget": a.budget, "iters": a.iters,
+           "verify_ms": a.verify_ms, "rows": rows}
+    path = pathlib.Path(a.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
