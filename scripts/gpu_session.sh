@@ -25,7 +25,7 @@ if [ "$what" = predraft ] || [ "$what" = all ]; then  # pre-drafting end to end 
 fi
 if [ "$what" = predraft-mechanics ]; then  # the drafter's side at the 8B head shapes (in-process)
   for preset in llama3-8b llama3-8b-eagle3; do
-    timeout "${MECH_TIMEOUT_S:-150}" python3 -m drafter_client.benchmarks.predraft_mechanics --preset $preset \
+    timeout "${MECH_TIMEOUT_S:-200}" python3 -m drafter_client.benchmarks.predraft_mechanics --preset $preset \
       --device cuda --batches "${MECH_BATCHES:-1,16,64}" --out "$OUT/predraft_mechanics_$preset.json" 2>&1 \
       | tee "$OUT/predraft_mechanics_$preset.log" | tail -6
   done

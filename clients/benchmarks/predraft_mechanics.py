@@ -11,6 +11,8 @@ real target). B sequences at a context of --context tokens; every iteration, per
   hit      the next step when every sequence's outcome was prepared (picked among its branches): no device work;
   miss     the next step when no sequence's outcome was prepared: a plain step that also runs the pending rows of
            the hit before it.
+With --sidecar (default), the same through a step channel as the engine sees it (run_sidecar), with a sleep of
+--verify-ms standing for the engine's verification between two steps.
 Medians over --iters, in ms, with the pass's share of a given verification time. Prints a table and writes JSON
 (device, date, command) to --out. Through the sidecar, a step also pays its transport (bench_step's table).
 """
@@ -50,8 +52,8 @@ def run_batch(rt, B: int, context: int, k: int, budget: int, iters: int, seed: i
     def states(n: int) -> torch.Tensor:
         return torch.randn(n, width, generator=g).to(torch.bfloat16)
 
-    def step(outcomes: dict, budget_now: int) -> list:
-        """The next step of every sequence for outcomes sid -> (a, b); returns the outputs, records the state."""
+    def make(outcomes: dict, budget_now: int) -> list:
+        """The next step of every sequence for outcomes sid -> (a, b) (built before the clock starts)."""
         inputs = []
         for sid in ids:
             C, drafts = state[sid]
@@ -59,11 +61,17 @@ def run_batch(rt, B: int, context: int, k: int, budget: int, iters: int, seed: i
             tokens[sid] = tokens[sid][: C + 1] + drafts[:a] + [b]
             inputs.append(StepInput("mech", sid, C, torch.tensor(tokens[sid][C : C + a + 1]), states(a + 1), b, k,
                                     predraft_branches=budget_now))
+        return inputs
+
+    def run(inputs: list) -> list:
         out = proposer.step(inputs)
         for sid, s, o in zip(ids, inputs, out):
             assert o.code == 0, o.message
             state[sid] = (s.start_position + s.num_tokens, o.drafts)
         return out
+
+    def step(outcomes: dict, budget_now: int) -> list:
+        return run(make(outcomes, budget_now))
 
     out = proposer.step([StepInput("mech", sid, 0, torch.tensor(tokens[sid][:context]), states(context),
                                    tokens[sid][context], k, predraft_branches=budget) for sid in ids])
@@ -81,9 +89,10 @@ def run_batch(rt, B: int, context: int, k: int, budget: int, iters: int, seed: i
     times = {"plain": [], "pass": [], "hit": [], "miss": []}
     for i in range(iters + 2):
         keep = i >= 2  # two warm-up iterations
+        inputs = make(random_outcomes(), 0)
         sync(device)
         t0 = time.perf_counter()
-        step(random_outcomes(), 0)  # pre-drafting off: the plain step
+        run(inputs)  # pre-drafting off: the plain step
         sync(device)
         t1 = time.perf_counter()
         step(random_outcomes(), budget)  # (a plain step that turns pre-drafting on: not timed)
@@ -96,7 +105,9 @@ def run_batch(rt, B: int, context: int, k: int, budget: int, iters: int, seed: i
         for sid in ids:
             br = proposer.table.get("mech", sid).predraft.branches
             hits[sid] = next(iter(br.outcomes))
-        out = step(hits, budget)
+        inputs = make(hits, budget)
+        t3 = time.perf_counter()
+        out = run(inputs)
         sync(device)
         t4 = time.perf_counter()
         assert all(o.predrafted for o in out)
@@ -106,8 +117,9 @@ def run_batch(rt, B: int, context: int, k: int, budget: int, iters: int, seed: i
             drafts = state[sid][1]
             a = rng.randint(0, k - 1)
             misses[sid] = (a, next(t for t in range(vocab) if t != drafts[a]))
+        inputs = make(misses, budget)
         t5 = time.perf_counter()
-        out = step(misses, budget)
+        out = run(inputs)
         sync(device)
         t6 = time.perf_counter()
         assert not any(o.predrafted for o in out)
@@ -122,6 +134,103 @@ def run_batch(rt, B: int, context: int, k: int, budget: int, iters: int, seed: i
         name + "_spread": [min(v) * 1e3, max(v) * 1e3] for name, v in times.items()}
 
 
+def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, verify_ms: float, seed: int) -> dict:
+    """The engine's wait for drafts through a step channel (plain, hit, miss), the drafter in a thread of this
+    process (so that the benchmark can pick prepared outcomes from its proposer; the GIL is shared, so the waits are
+    if anything too long). Between two steps the engine "verifies" for verify_ms (a sleep): the pass runs then."""
+    import asyncio
+    import threading
+
+    from drafter_client import DrafterClient, SequenceStep
+    from drafter_service.server import DrafterServer
+
+    loop = asyncio.new_event_loop()
+    server = DrafterServer(cfg)
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(600)
+    proposer = server.runtime.proposer
+    address = next(a for a in server.bound_addresses if a.startswith("unix:"))
+    width, vocab = server.runtime.limits.hidden_states_width, server.runtime.limits.vocab_size
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    ids = [f"s{b}" for b in range(B)]
+    tokens = {sid: torch.randint(0, vocab, (context + 1,), generator=g).tolist() for sid in ids}
+    pool = torch.randn(4096, width, generator=g).to(torch.bfloat16)  # states are sliced from it (no randn per step)
+
+    async def main() -> dict:
+        async with DrafterClient(address, namespace="mech", step_timeout_s=None) as client:
+            assert await client.open_step_channel(request_bytes=64 * 2**20)
+            state = {}
+            for c in range(0, B, 8):
+                res = await client.propose([SequenceStep(sid, 0, tokens[sid][:context], pool[:context],
+                                                         tokens[sid][context], k, predraft_branches=budget)
+                                            for sid in ids[c : c + 8]])
+                for sid, r in zip(ids[c : c + 8], res.sequences):
+                    assert r.ok, r.message
+                    state[sid] = (context, r.drafts.tolist())
+
+            def make(outcomes, f):
+                steps = []
+                for sid in ids:
+                    C, drafts = state[sid]
+                    a, b = outcomes[sid]
+                    tokens[sid] = tokens[sid][: C + 1] + drafts[:a] + [b]
+                    steps.append(SequenceStep(sid, C, tokens[sid][C : C + a + 1], pool[: a + 1], b, k,
+                                              predraft_branches=f))
+                return steps
+
+            async def send(steps):
+                t0 = time.perf_counter()
+                res = await client.propose(steps)
+                dt = time.perf_counter() - t0
+                for sid, st, r in zip(ids, steps, res.sequences):
+                    assert r.ok, r.message
+                    state[sid] = (st.start_position + len(st.token_ids), r.drafts.tolist())
+                return dt, res
+
+            def unprepared():
+                out = {}
+                for sid in ids:
+                    drafts = state[sid][1]
+                    a = rng.randint(0, k - 1)
+                    out[sid] = (a, next(t for t in range(vocab) if t != drafts[a]))
+                return out
+
+            times = {"plain": [], "hit": [], "miss": []}
+            for i in range(iters + 2):
+                await asyncio.sleep(verify_ms / 1e3)
+                dt, _ = await send(make(unprepared(), 0))
+                if i >= 2:
+                    times["plain"].append(dt)
+                await send(make(unprepared(), budget))  # turns pre-drafting on again
+                await asyncio.sleep(verify_ms / 1e3)
+                hits = {}
+                for sid in ids:
+                    br = proposer.table.get("mech", sid).predraft.branches
+                    if br is None:
+                        break
+                    hits[sid] = next(iter(br.outcomes))
+                if len(hits) < B:  # the pass did not finish within verify_ms: count nothing this round
+                    continue
+                dt, res = await send(make(hits, budget))
+                assert all(r.predrafted for r in res.sequences)
+                if i >= 2:
+                    times["hit"].append(dt)
+                await asyncio.sleep(verify_ms / 1e3)
+                dt, res = await send(make(unprepared(), budget))
+                if i >= 2:
+                    times["miss"].append(dt)
+            await client.release(ids)
+            return {f"sidecar_{name}": statistics.median(v) * 1e3 if v else None for name, v in times.items()} | {
+                "sidecar_rounds_with_every_pass_done": len(times["hit"])}
+
+    try:
+        return asyncio.run(main())
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(1.0), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -134,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--verify-ms", type=float, default=12.0,
                     help="the engine's verification time to compare the pass with (e.g. an 8B target at batch 1)")
+    ap.add_argument("--sidecar", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the engine's wait through a step channel (the drafter in a thread of this process)")
     ap.add_argument("--out", default="bench_out/predraft_mechanics.json")
     a = ap.parse_args(argv)
     shape = PRESETS[a.preset]
@@ -152,13 +263,29 @@ def main(argv: list[str] | None = None) -> int:
         rt = build_runtime(ServerConfig(model=str(head), target_model=str(target), device=a.device, dtype=dtype,
                                         kv_cache_tokens=(max(batches) * 2 + 8) * max_len, max_model_len=max_len,
                                         max_batch_seqs=max(256, max(batches)), max_draft_tokens=max(8, a.k)))
-        print(f"{'batch':>5} {'plain ms':>9} {'pass ms':>8} {'hit ms':>7} {'miss ms':>8} {'pass/verify':>11}")
+        cfg = ServerConfig(model=str(head), target_model=str(target), device=a.device, dtype=dtype,
+                           kv_cache_tokens=(max(batches) * 2 + 8) * max_len, max_model_len=max_len,
+                           max_batch_seqs=max(256, max(batches)), max_draft_tokens=max(8, a.k),
+                           listen=[f"unix:{tmp}/drafter.sock"], log_level="WARNING")
+        print(f"in-process: {'batch':>5} {'plain ms':>9} {'pass ms':>8} {'hit ms':>7} {'miss ms':>8} "
+              f"{'pass/verify':>11}")
         for B in batches:
             r = run_batch(rt, B, context, a.k, a.budget, a.iters, seed=B)
             r = {"batch": B, **r, "pass_over_verify": r["pass"] / a.verify_ms}
             rows.append(r)
-            print(f"{B:>5} {r['plain']:>9.2f} {r['pass']:>8.2f} {r['hit']:>7.3f} {r['miss']:>8.2f} "
+            print(f"{'':12}{B:>5} {r['plain']:>9.2f} {r['pass']:>8.2f} {r['hit']:>7.3f} {r['miss']:>8.2f} "
                   f"{r['pass_over_verify']:>11.2f}", flush=True)
+        del rt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if a.sidecar:
+            print(f"engine's wait through a step channel (verification {a.verify_ms} ms): batch, plain, hit, miss ms")
+            for r in rows:
+                r.update(run_sidecar(cfg, r["batch"], context, a.k, a.budget, a.iters, a.verify_ms, seed=r["batch"]))
+                fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+                print(f"{'':12}{r['batch']:>5} {fmt(r['sidecar_plain'])} {fmt(r['sidecar_hit'])} "
+                      f"{fmt(r['sidecar_miss'])} (rounds with every pass done: "
+                      f"{r['sidecar_rounds_with_every_pass_done']})", flush=True)
     out = {"benchmark": "predraft_mechanics",
            "command": shlex.join(["python", "-m", "drafter_client.benchmarks.predraft_mechanics",
                                   *(sys.argv[1:] if argv is None else argv)]),
