@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64rafter/v1/drafter.proto\x12\ndrafter.v1\"D\n\x0fSharedMemoryRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\"|\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.drafter.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x03raw\x18\x03 \x01(\x0cH\x00\x12*\n\x03shm\x18\x04 \x01(\x0b\x32\x1b.drafter.v1.SharedMemoryRefH\x00\x42\x06\n\x04\x64\x61ta\"a\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\x03 \x01(\x08\x12\x13\n\x0btop_k_probs\x18\x04 \x01(\r\"\xa5\x01\n\x0cSequenceStep\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\x03\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnext_token\x18\x04 \x01(\x03\x12\x12\n\nnum_drafts\x18\x05 \x01(\r\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.drafter.v1.SamplingParams\"\xb2\x01\n\x0eProposeRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\'\n\x05steps\x18\x02 \x03(\x0b\x32\x18.drafter.v1.SequenceStep\x12%\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12)\n\rhidden_states\x18\x04 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x90\x01\n\x0eSequenceResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\"\n\x06status\x18\x02 \x01(\x0b\x32\x12.drafter.v1.Status\x12\x12\n\nnum_drafts\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x04 \x01(\r\x12\x18\n\x10\x63ommitted_length\x18\x05 \x01(\x04\"\xaa\x02\n\x0fProposeResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.drafter.v1.SequenceResult\x12+\n\x0f\x64raft_token_ids\x18\x02 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12*\n\x0e\x64raft_logprobs\x18\x03 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12!\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x12.drafter.v1.Status\x12+\n\x0f\x64raft_top_k_ids\x18\x06 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12-\n\x11\x64raft_top_k_probs\x18\x07 \x01(\x0b\x32\x12.drafter.v1.Tensor\"9\n\x0eReleaseRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x14\n\x0csequence_ids\x18\x02 \x03(\t\"6\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\x12\x11\n\tnot_found\x18\x02 \x03(\t\"%\n\x0c\x44rainRequest\x12\x15\n\rgrace_seconds\x18\x01 \x01(\x01\">\n\rDrainResponse\x12\x16\n\x0elive_sequences\x18\x01 \x01(\r\x12\x15\n\rgrace_seconds\x18\x02 \x01(\x01\"\x10\n\x0eGetInfoRequest\"\xd8\x05\n\x0fGetInfoResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x1b\n\x13hidden_states_width\x18\x05 \x01(\r\x12\x1c\n\x14hidden_states_source\x18\x06 \x01(\t\x12\x18\n\x10target_layer_ids\x18\x07 \x03(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\t \x01(\r\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x31\n\x16\x61\x63\x63\x65pted_hidden_dtypes\x18\x0b \x03(\x0e\x32\x11.drafter.v1.DType\x12\x30\n\x15\x61\x63\x63\x65pted_token_dtypes\x18\x0c \x03(\x0e\x32\x11.drafter.v1.DType\x12\x13\n\x0bmodel_dtype\x18\r \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0e \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x0f \x01(\x04\x12\x15\n\rkv_block_size\x18\x10 \x01(\r\x12\x16\n\x0ekv_free_tokens\x18\x11 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x12 \x01(\x04\x12\x1f\n\x17shared_memory_supported\x18\x13 \x01(\x08\x12\x18\n\x10\x64raft_vocab_size\x18\x14 \x01(\r\x12\x19\n\x11parallel_drafting\x18\x15 \x01(\x08\x12\x17\n\x0fmax_top_k_probs\x18\x16 \x01(\r\x12\x39\n\x13shared_memory_kinds\x18\x17 \x03(\x0e\x32\x1c.drafter.v1.SharedMemoryKind\x12#\n\x1bshared_memory_lease_seconds\x18\x18 \x01(\r\x12\x1b\n\x13step_channel_socket\x18\x19 \x01(\t\"1\n\x12SystemSharedMemory\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"I\n\x10\x43udaSharedMemory\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\x05\"\xd2\x01\n\x1bRegisterSharedMemoryRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\x12\x30\n\x06system\x18\x04 \x01(\x0b\x32\x1e.drafter.v1.SystemSharedMemoryH\x00\x12,\n\x04\x63uda\x18\x05 \x01(\x0b\x32\x1c.drafter.v1.CudaSharedMemoryH\x00\x12\x15\n\rlease_seconds\x18\x06 \x01(\rB\x08\n\x06source\"\xe1\x01\n\x12SharedMemoryRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.drafter.v1.SharedMemoryKind\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x15\n\rlease_seconds\x18\x06 \x01(\r\x12\x1a\n\x12\x65xpires_in_seconds\x18\x07 \x01(\x01\x12\x17\n\x0freferences_read\x18\x08 \x01(\x04\x12\x12\n\nbytes_read\x18\t \x01(\x04\"N\n\x1cRegisterSharedMemoryResponse\x12.\n\x06region\x18\x01 \x01(\x0b\x32\x1e.drafter.v1.SharedMemoryRegion\"A\n\x1dUnregisterSharedMemoryRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\"I\n\x1eUnregisterSharedMemoryResponse\x12\x14\n\x0cunregistered\x18\x01 \x03(\t\x12\x11\n\tnot_found\x18\x02 \x03(\t\"=\n\x19SharedMemoryStatusRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\"M\n\x1aSharedMemoryStatusResponse\x12/\n\x07regions\x18\x01 \x03(\x0b\x32\x1e.drafter.v1.SharedMemoryRegion*\\\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT32\x10\x04\x12\t\n\x05INT64\x10\x05*P\n\x10SharedMemoryKind\x12\"\n\x1eSHARED_MEMORY_KIND_UNSPECIFIED\x10\x00\x12\n\n\x06SYSTEM\x10\x01\x12\x0c\n\x08\x43UDA_IPC\x10\x02\x32\xa2\x05\n\x07\x44rafter\x12\x42\n\x07GetInfo\x12\x1a.drafter.v1.GetInfoRequest\x1a\x1b.drafter.v1.GetInfoResponse\x12\x42\n\x07Propose\x12\x1a.drafter.v1.ProposeRequest\x1a\x1b.drafter.v1.ProposeResponse\x12L\n\rProposeStream\x12\x1a.drafter.v1.ProposeRequest\x1a\x1b.drafter.v1.ProposeResponse(\x01\x30\x01\x12\x42\n\x07Release\x12\x1a.drafter.v1.ReleaseRequest\x1a\x1b.drafter.v1.ReleaseResponse\x12i\n\x14RegisterSharedMemory\x12\'.drafter.v1.RegisterSharedMemoryRequest\x1a(.drafter.v1.RegisterSharedMemoryResponse\x12o\n\x16UnregisterSharedMemory\x12).drafter.v1.UnregisterSharedMemoryRequest\x1a*.drafter.v1.UnregisterSharedMemoryResponse\x12\x63\n\x12SharedMemoryStatus\x12%.drafter.v1.SharedMemoryStatusRequest\x1a&.drafter.v1.SharedMemoryStatusResponse\x12<\n\x05\x44rain\x12\x18.drafter.v1.DrainRequest\x1a\x19.drafter.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64rafter/v1/drafter.proto\x12\ndrafter.v1\"D\n\x0fSharedMemoryRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\"|\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.drafter.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x03raw\x18\x03 \x01(\x0cH\x00\x12*\n\x03shm\x18\x04 \x01(\x0b\x32\x1b.drafter.v1.SharedMemoryRefH\x00\x42\x06\n\x04\x64\x61ta\"a\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\x03 \x01(\x08\x12\x13\n\x0btop_k_probs\x18\x04 \x01(\r\"\xa5\x01\n\x0cSequenceStep\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\x03\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnext_token\x18\x04 \x01(\x03\x12\x12\n\nnum_drafts\x18\x05 \x01(\r\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.drafter.v1.SamplingParams\"\xb2\x01\n\x0eProposeRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\'\n\x05steps\x18\x02 \x03(\x0b\x32\x18.drafter.v1.SequenceStep\x12%\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12)\n\rhidden_states\x18\x04 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\"Y\n\x0cProposeChunk\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.drafter.v1.ProposeRequest\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x90\x01\n\x0eSequenceResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\"\n\x06status\x18\x02 \x01(\x0b\x32\x12.drafter.v1.Status\x12\x12\n\nnum_drafts\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x04 \x01(\r\x12\x18\n\x10\x63ommitted_length\x18\x05 \x01(\x04\"\xaa\x02\n\x0fProposeResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.drafter.v1.SequenceResult\x12+\n\x0f\x64raft_token_ids\x18\x02 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12*\n\x0e\x64raft_logprobs\x18\x03 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12!\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x12.drafter.v1.Status\x12+\n\x0f\x64raft_top_k_ids\x18\x06 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12-\n\x11\x64raft_top_k_probs\x18\x07 \x01(\x0b\x32\x12.drafter.v1.Tensor\"9\n\x0eReleaseRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x14\n\x0csequence_ids\x18\x02 \x03(\t\"6\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\x12\x11\n\tnot_found\x18\x02 \x03(\t\"%\n\x0c\x44rainRequest\x12\x15\n\rgrace_seconds\x18\x01 \x01(\x01\">\n\rDrainResponse\x12\x16\n\x0elive_sequences\x18\x01 \x01(\r\x12\x15\n\rgrace_seconds\x18\x02 \x01(\x01\"\x10\n\x0eGetInfoRequest\"\xd8\x05\n\x0fGetInfoResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x1b\n\x13hidden_states_width\x18\x05 \x01(\r\x12\x1c\n\x14hidden_states_source\x18\x06 \x01(\t\x12\x18\n\x10target_layer_ids\x18\x07 \x03(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\t \x01(\r\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x31\n\x16\x61\x63\x63\x65pted_hidden_dtypes\x18\x0b \x03(\x0e\x32\x11.drafter.v1.DType\x12\x30\n\x15\x61\x63\x63\x65pted_token_dtypes\x18\x0c \x03(\x0e\x32\x11.drafter.v1.DType\x12\x13\n\x0bmodel_dtype\x18\r \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0e \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x0f \x01(\x04\x12\x15\n\rkv_block_size\x18\x10 \x01(\r\x12\x16\n\x0ekv_free_tokens\x18\x11 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x12 \x01(\x04\x12\x1f\n\x17shared_memory_supported\x18\x13 \x01(\x08\x12\x18\n\x10\x64raft_vocab_size\x18\x14 \x01(\r\x12\x19\n\x11parallel_drafting\x18\x15 \x01(\x08\x12\x17\n\x0fmax_top_k_probs\x18\x16 \x01(\r\x12\x39\n\x13shared_memory_kinds\x18\x17 \x03(\x0e\x32\x1c.drafter.v1.SharedMemoryKind\x12#\n\x1bshared_memory_lease_seconds\x18\x18 \x01(\r\x12\x1b\n\x13step_channel_socket\x18\x19 \x01(\t\"1\n\x12SystemSharedMemory\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"I\n\x10\x43udaSharedMemory\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\x05\"\xd2\x01\n\x1bRegisterSharedMemoryRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\x12\x30\n\x06system\x18\x04 \x01(\x0b\x32\x1e.drafter.v1.SystemSharedMemoryH\x00\x12,\n\x04\x63uda\x18\x05 \x01(\x0b\x32\x1c.drafter.v1.CudaSharedMemoryH\x00\x12\x15\n\rlease_seconds\x18\x06 \x01(\rB\x08\n\x06source\"\xe1\x01\n\x12SharedMemoryRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.drafter.v1.SharedMemoryKind\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x15\n\rlease_seconds\x18\x06 \x01(\r\x12\x1a\n\x12\x65xpires_in_seconds\x18\x07 \x01(\x01\x12\x17\n\x0freferences_read\x18\x08 \x01(\x04\x12\x12\n\nbytes_read\x18\t \x01(\x04\"N\n\x1cRegisterSharedMemoryResponse\x12.\n\x06region\x18\x01 \x01(\x0b\x32\x1e.drafter.v1.SharedMemoryRegion\"A\n\x1dUnregisterSharedMemoryRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\"I\n\x1eUnregisterSharedMemoryResponse\x12\x14\n\x0cunregistered\x18\x01 \x03(\t\x12\x11\n\tnot_found\x18\x02 \x03(\t\"=\n\x19SharedMemoryStatusRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\"M\n\x1aSharedMemoryStatusResponse\x12/\n\x07regions\x18\x01 \x03(\x0b\x32\x1e.drafter.v1.SharedMemoryRegion*\\\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT32\x10\x04\x12\t\n\x05INT64\x10\x05*P\n\x10SharedMemoryKind\x12\"\n\x1eSHARED_MEMORY_KIND_UNSPECIFIED\x10\x00\x12\n\n\x06SYSTEM\x10\x01\x12\x0c\n\x08\x43UDA_IPC\x10\x02\x32\xed\x05\n\x07\x44rafter\x12\x42\n\x07GetInfo\x12\x1a.drafter.v1.GetInfoRequest\x1a\x1b.drafter.v1.GetInfoResponse\x12\x42\n\x07Propose\x12\x1a.drafter.v1.ProposeRequest\x1a\x1b.drafter.v1.ProposeResponse\x12L\n\rProposeStream\x12\x1a.drafter.v1.ProposeRequest\x1a\x1b.drafter.v1.ProposeResponse(\x01\x30\x01\x12I\n\x0eProposeChunked\x12\x18.drafter.v1.ProposeChunk\x1a\x1b.drafter.v1.ProposeResponse(\x01\x12\x42\n\x07Release\x12\x1a.drafter.v1.ReleaseRequest\x1a\x1b.drafter.v1.ReleaseResponse\x12i\n\x14RegisterSharedMemory\x12\'.drafter.v1.RegisterSharedMemoryRequest\x1a(.drafter.v1.RegisterSharedMemoryResponse\x12o\n\x16UnregisterSharedMemory\x12).drafter.v1.UnregisterSharedMemoryRequest\x1a*.drafter.v1.UnregisterSharedMemoryResponse\x12\x63\n\x12SharedMemoryStatus\x12%.drafter.v1.SharedMemoryStatusRequest\x1a&.drafter.v1.SharedMemoryStatusResponse\x12<\n\x05\x44rain\x12\x18.drafter.v1.DrainRequest\x1a\x19.drafter.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'drafter.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=3071
-  _globals['_DTYPE']._serialized_end=3163
-  _globals['_SHAREDMEMORYKIND']._serialized_start=3165
-  _globals['_SHAREDMEMORYKIND']._serialized_end=3245
+  _globals['_DTYPE']._serialized_start=3162
+  _globals['_DTYPE']._serialized_end=3254
+  _globals['_SHAREDMEMORYKIND']._serialized_start=3256
+  _globals['_SHAREDMEMORYKIND']._serialized_end=3336
   _globals['_SHAREDMEMORYREF']._serialized_start=40
   _globals['_SHAREDMEMORYREF']._serialized_end=108
   _globals['_TENSOR']._serialized_start=110
@@ -45,42 +45,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SEQUENCESTEP']._serialized_end=501
   _globals['_PROPOSEREQUEST']._serialized_start=504
   _globals['_PROPOSEREQUEST']._serialized_end=682
-  _globals['_STATUS']._serialized_start=684
-  _globals['_STATUS']._serialized_end=723
-  _globals['_SEQUENCERESULT']._serialized_start=726
-  _globals['_SEQUENCERESULT']._serialized_end=870
-  _globals['_PROPOSERESPONSE']._serialized_start=873
-  _globals['_PROPOSERESPONSE']._serialized_end=1171
-  _globals['_RELEASEREQUEST']._serialized_start=1173
-  _globals['_RELEASEREQUEST']._serialized_end=1230
-  _globals['_RELEASERESPONSE']._serialized_start=1232
-  _globals['_RELEASERESPONSE']._serialized_end=1286
-  _globals['_DRAINREQUEST']._serialized_start=1288
-  _globals['_DRAINREQUEST']._serialized_end=1325
-  _globals['_DRAINRESPONSE']._serialized_start=1327
-  _globals['_DRAINRESPONSE']._serialized_end=1389
-  _globals['_GETINFOREQUEST']._serialized_start=1391
-  _globals['_GETINFOREQUEST']._serialized_end=1407
-  _globals['_GETINFORESPONSE']._serialized_start=1410
-  _globals['_GETINFORESPONSE']._serialized_end=2138
-  _globals['_SYSTEMSHAREDMEMORY']._serialized_start=2140
-  _globals['_SYSTEMSHAREDMEMORY']._serialized_end=2189
-  _globals['_CUDASHAREDMEMORY']._serialized_start=2191
-  _globals['_CUDASHAREDMEMORY']._serialized_end=2264
-  _globals['_REGISTERSHAREDMEMORYREQUEST']._serialized_start=2267
-  _globals['_REGISTERSHAREDMEMORYREQUEST']._serialized_end=2477
-  _globals['_SHAREDMEMORYREGION']._serialized_start=2480
-  _globals['_SHAREDMEMORYREGION']._serialized_end=2705
-  _globals['_REGISTERSHAREDMEMORYRESPONSE']._serialized_start=2707
-  _globals['_REGISTERSHAREDMEMORYRESPONSE']._serialized_end=2785
-  _globals['_UNREGISTERSHAREDMEMORYREQUEST']._serialized_start=2787
-  _globals['_UNREGISTERSHAREDMEMORYREQUEST']._serialized_end=2852
-  _globals['_UNREGISTERSHAREDMEMORYRESPONSE']._serialized_start=2854
-  _globals['_UNREGISTERSHAREDMEMORYRESPONSE']._serialized_end=2927
-  _globals['_SHAREDMEMORYSTATUSREQUEST']._serialized_start=2929
-  _globals['_SHAREDMEMORYSTATUSREQUEST']._serialized_end=2990
-  _globals['_SHAREDMEMORYSTATUSRESPONSE']._serialized_start=2992
-  _globals['_SHAREDMEMORYSTATUSRESPONSE']._serialized_end=3069
-  _globals['_DRAFTER']._serialized_start=3248
-  _globals['_DRAFTER']._serialized_end=3922
+  _globals['_PROPOSECHUNK']._serialized_start=684
+  _globals['_PROPOSECHUNK']._serialized_end=773
+  _globals['_STATUS']._serialized_start=775
+  _globals['_STATUS']._serialized_end=814
+  _globals['_SEQUENCERESULT']._serialized_start=817
+  _globals['_SEQUENCERESULT']._serialized_end=961
+  _globals['_PROPOSERESPONSE']._serialized_start=964
+  _globals['_PROPOSERESPONSE']._serialized_end=1262
+  _globals['_RELEASEREQUEST']._serialized_start=1264
+  _globals['_RELEASEREQUEST']._serialized_end=1321
+  _globals['_RELEASERESPONSE']._serialized_start=1323
+  _globals['_RELEASERESPONSE']._serialized_end=1377
+  _globals['_DRAINREQUEST']._serialized_start=1379
+  _globals['_DRAINREQUEST']._serialized_end=1416
+  _globals['_DRAINRESPONSE']._serialized_start=1418
+  _globals['_DRAINRESPONSE']._serialized_end=1480
+  _globals['_GETINFOREQUEST']._serialized_start=1482
+  _globals['_GETINFOREQUEST']._serialized_end=1498
+  _globals['_GETINFORESPONSE']._serialized_start=1501
+  _globals['_GETINFORESPONSE']._serialized_end=2229
+  _globals['_SYSTEMSHAREDMEMORY']._serialized_start=2231
+  _globals['_SYSTEMSHAREDMEMORY']._serialized_end=2280
+  _globals['_CUDASHAREDMEMORY']._serialized_start=2282
+  _globals['_CUDASHAREDMEMORY']._serialized_end=2355
+  _globals['_REGISTERSHAREDMEMORYREQUEST']._serialized_start=2358
+  _globals['_REGISTERSHAREDMEMORYREQUEST']._serialized_end=2568
+  _globals['_SHAREDMEMORYREGION']._serialized_start=2571
+  _globals['_SHAREDMEMORYREGION']._serialized_end=2796
+  _globals['_REGISTERSHAREDMEMORYRESPONSE']._serialized_start=2798
+  _globals['_REGISTERSHAREDMEMORYRESPONSE']._serialized_end=2876
+  _globals['_UNREGISTERSHAREDMEMORYREQUEST']._serialized_start=2878
+  _globals['_UNREGISTERSHAREDMEMORYREQUEST']._serialized_end=2943
+  _globals['_UNREGISTERSHAREDMEMORYRESPONSE']._serialized_start=2945
+  _globals['_UNREGISTERSHAREDMEMORYRESPONSE']._serialized_end=3018
+  _globals['_SHAREDMEMORYSTATUSREQUEST']._serialized_start=3020
+  _globals['_SHAREDMEMORYSTATUSREQUEST']._serialized_end=3081
+  _globals['_SHAREDMEMORYSTATUSRESPONSE']._serialized_start=3083
+  _globals['_SHAREDMEMORYSTATUSRESPONSE']._serialized_end=3160
+  _globals['_DRAFTER']._serialized_start=3339
+  _globals['_DRAFTER']._serialized_end=4088
 # @@protoc_insertion_point(module_scope)
