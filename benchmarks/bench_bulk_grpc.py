@@ -5,6 +5,8 @@ library, against a bare gRPC echo of the same bytes, in one run (a script, not a
 Modes (each server in its own process, on 127.0.0.1 over TCP; the client is this process, with glibc's malloc
 left as an engine's would be):
 
+    tcp             no gRPC: the bytes through a plain socket (sendall / recv_into a buffer), a 1-byte answer
+                    (what Python moves over loopback TCP here at all)
     echo            a minimal grpc.aio server: one unary message of the bytes in, a 2-byte answer out (the
                     ceiling of one message on this machine)
     echo-chunked    the same bytes as a client stream of --chunk-bytes messages, copied into a buffer on arrival
@@ -40,15 +42,34 @@ import time
 
 import torch
 
-from drafter_client.messages import CHUNK_BYTES
+from drafter_client.messages import CHUNK_BYTES, CHUNKED_MIN_BYTES
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WIDTH = 4096  # Llama-3.1-8B hidden size: EAGLE-1's hidden_states_width
 DTYPE = torch.bfloat16
-ALL_MODES = ("echo", "echo-chunked", "old", "new", "echo-untuned", "old-untuned", "new-untuned")
+ALL_MODES = ("tcp", "echo", "echo-chunked", "old", "new", "echo-untuned", "old-untuned", "new-untuned")
 
 
 # ---- servers, each in its own process ----
+
+def serve_tcp(max_bytes: int, out) -> None:
+    """A plain socket: an 8-byte length, that many bytes into one buffer, a 1-byte answer; one client."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    out.put(f"127.0.0.1:{listener.getsockname()[1]}")
+    conn, _ = listener.accept()
+    buf = memoryview(bytearray(max_bytes))
+    while True:
+        head = conn.recv(8, socket.MSG_WAITALL)
+        if len(head) < 8:
+            return
+        n, got = int.from_bytes(head, "little"), 0
+        while got < n:
+            k = conn.recv_into(buf[got:n])
+            if not k:
+                return
+            got += k
+        conn.sendall(b"k")
+
 
 def serve_echo(tuned: bool, max_bytes: int, out) -> None:
     """Echo: "Echo" takes one message, "Upload" a stream of pieces (8-byte offset + data) into one buffer; both
@@ -113,21 +134,33 @@ def serve_drafter(model_dir: str, target_dir: str, tuned: bool, max_rows: int, m
 
 def server_of(mode: str) -> str:
     """The server process a mode talks to: echo, echo-untuned, drafter or drafter-untuned."""
+    if mode == "tcp":
+        return "tcp"
     return ("echo" if mode.startswith("echo") else "drafter") + ("-untuned" if mode.endswith("-untuned") else "")
 
 
-async def make_modes(addresses: dict[str, str], modes: list[str], max_bytes: int, chunk_bytes: int):
+async def make_modes(addresses: dict[str, str], modes: list[str], max_bytes: int, chunk_bytes: int,
+                     chunk_min_bytes: int):
     import grpc
 
     from drafter_client import DrafterClient
-    from drafter_client.messages import CHUNKED_MIN_BYTES
 
     opts = [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes)]
     closers, calls = [], {}
     for mode in modes:
         kind = mode.removesuffix("-untuned")
         server = addresses[server_of(mode)]
-        if kind in ("echo", "echo-chunked"):
+        if kind == "tcp":
+            host, port = server.rsplit(":", 1)
+            sock = socket.create_connection((host, int(port)))
+            closers.append(_closer(sock))
+
+            async def call(payload, sock=sock):
+                data = payload["bytes"]
+                sock.sendall(len(data).to_bytes(8, "little"))
+                sock.sendall(data)
+                assert sock.recv(1) == b"k"
+        elif kind in ("echo", "echo-chunked"):
             ch = grpc.aio.insecure_channel(server, options=opts)
             closers.append(ch.close)
             if kind == "echo":
@@ -148,7 +181,7 @@ async def make_modes(addresses: dict[str, str], modes: list[str], max_bytes: int
         else:
             client = DrafterClient(server, namespace=f"bench-{mode}", max_message_bytes=max_bytes,
                                    step_timeout_s=None, raise_on_error=True,
-                                   chunk_min_bytes=None if kind == "old" else CHUNKED_MIN_BYTES,
+                                   chunk_min_bytes=None if kind == "old" else chunk_min_bytes,
                                    chunk_bytes=chunk_bytes)
             await client.wait_ready(120)
             closers.append(client.close)
@@ -157,15 +190,22 @@ async def make_modes(addresses: dict[str, str], modes: list[str], max_bytes: int
                 before = client.steps_chunked
                 r = await client.propose(payload["steps"], payload["hidden"])
                 assert r.sequences[0].ok, r.sequences[0].message
-                assert client.steps_chunked - before == (kind == "new"), "the step took the wrong path"
+                chunked = kind == "new" and payload["nbytes"] >= chunk_min_bytes
+                assert client.steps_chunked - before == chunked, "the step took the wrong path"
         calls[mode] = call
     return calls, closers
+
+
+def _closer(sock: socket.socket):
+    async def close():
+        sock.close()
+    return close
 
 
 def payload_for(mib: int):
     from drafter_client import SequenceStep
 
-    rows = mib * 2**20 // (WIDTH * DTYPE.itemsize)
+    rows = int(mib * 2**20) // (WIDTH * DTYPE.itemsize)
     hidden = torch.randn(rows, WIDTH).to(DTYPE)
     steps = [SequenceStep("s0", 0, torch.randint(0, 500, (rows,)), None, 1, 0)]
     return dict(rows=rows, hidden=hidden, steps=steps, bytes=hidden.view(torch.int16).numpy().tobytes(),
@@ -173,8 +213,8 @@ def payload_for(mib: int):
 
 
 async def run(addresses: dict[str, str], modes: list[str], sizes: list[int], reps: int, rounds: int,
-              max_bytes: int, chunk_bytes: int) -> list[dict]:
-    calls, closers = await make_modes(addresses, modes, max_bytes, chunk_bytes)
+              max_bytes: int, chunk_bytes: int, chunk_min_bytes: int) -> list[dict]:
+    calls, closers = await make_modes(addresses, modes, max_bytes, chunk_bytes, chunk_min_bytes)
     results = []
     try:
         for mib in sizes:
@@ -226,6 +266,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of the modes")
     ap.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES,
                     help="chunk size of the new and echo-chunked modes (the client's default: CHUNK_BYTES)")
+    ap.add_argument("--chunk-min-bytes", type=int, default=CHUNKED_MIN_BYTES,
+                    help="the new mode chunks steps from this size (the client's default: CHUNKED_MIN_BYTES)")
     ap.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "bench")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -248,7 +290,7 @@ def main() -> int:
                 date=stamp.isoformat(timespec="seconds"), python=platform.python_version(), torch=torch.__version__,
                 grpc=grpc.__version__, protobuf=google.protobuf.__version__, glibc=" ".join(platform.libc_ver()),
                 transport="TCP on 127.0.0.1, one channel per mode", width=WIDTH, dtype="bfloat16",
-                chunk_bytes=a.chunk_bytes, load_average_at_start=os.getloadavg(),
+                chunk_bytes=a.chunk_bytes, chunk_min_bytes=a.chunk_min_bytes, load_average_at_start=os.getloadavg(),
                 method="servers in their own processes (drafter: ingest-only, decode + check + one copy of the "
                        "states into its own tensor, no head); time = one call from the engine's tensor (echo: "
                        "prepared bytes) to the reply; modes in alternating rounds; GB/s = payload / p50")
@@ -263,7 +305,9 @@ def main() -> int:
             for name in sorted(wanted):
                 q = ctx.Queue()
                 tuned = not name.endswith("-untuned")
-                if name.startswith("echo"):
+                if name == "tcp":
+                    p = ctx.Process(target=serve_tcp, args=(max_bytes, q), daemon=True)
+                elif name.startswith("echo"):
                     p = ctx.Process(target=serve_echo, args=(tuned, max_bytes, q), daemon=True)
                 else:
                     p = ctx.Process(target=serve_drafter, args=(str(head_dir), str(target_dir), tuned, max_rows,
@@ -271,7 +315,8 @@ def main() -> int:
                 p.start()
                 procs.append(p)
                 addresses[name] = q.get(timeout=300)
-            results = asyncio.run(run(addresses, modes, sizes, a.reps, a.rounds, max_bytes, a.chunk_bytes))
+            results = asyncio.run(run(addresses, modes, sizes, a.reps, a.rounds, max_bytes, a.chunk_bytes,
+                                      a.chunk_min_bytes))
         finally:
             for p in procs:
                 p.terminate()
