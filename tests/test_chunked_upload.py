@@ -274,3 +274,17 @@ async def test_a_drafter_without_propose_chunked_gets_one_message(server):
         assert c.chunk_min_bytes is None and c.steps_chunked == 0
         async with DrafterClient(server.tcp, namespace="old-ref", chunk_min_bytes=None) as ref:
             assert torch.equal((await ref.propose([prefill("o")])).draft_token_ids, r.draft_token_ids)
+
+
+def test_cli_flags_and_config_checks():
+    from drafter_service.cli import parse_args
+    from drafter_service.config import ServerConfig
+
+    cfg = parse_args(["--max-chunked-bytes", "1000", "--max-chunked-bytes-per-namespace", "500",
+                      "--chunked-upload-timeout-s", "2.5", "--no-tune-malloc"])
+    assert (cfg.max_chunked_bytes, cfg.max_chunked_bytes_per_namespace) == (1000, 500)
+    assert cfg.chunked_upload_timeout_s == 2.5 and cfg.tune_malloc is False
+    assert parse_args([]).tune_malloc is True
+    for bad in (dict(chunked_upload_timeout_s=0), dict(max_chunked_bytes=-1)):
+        with pytest.raises(ValueError):
+            ServerConfig(model="m", **bad)
