@@ -173,11 +173,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 return regions.read(namespace, ref, field, dtype, shape, to_host)
 
         steps = parse_propose(request, rt.limits, read_shm, hidden)
-        if self.ingest_only and hidden is not None:  # (a staging tensor of our own already: onto the device)
-            hidden.to(rt.device)
-            if rt.device.type == "cuda":
-                torch.cuda.synchronize(rt.device)
-        elif self.ingest_only and request.hidden_states.WhichOneof("data") == "raw" and steps:
+        if self.ingest_only and hidden is None and request.hidden_states.WhichOneof("data") == "raw" and steps:
             # Inline states are still views of the message: move them to the device as the proposer would
             # (one copy), so that both data planes end with the bytes in a tensor of their own there.
             torch.cat([s.hidden_states for s in steps]).to(rt.device)
@@ -201,6 +197,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             steps, dry = self.decode_propose(request, hidden)
             if receive is not None:
                 await receive()
+                if dry:  # ingest-only: the staging tensor is ours already; onto the device, as the proposer would
+                    hidden.to(rt.device)
+                    if rt.device.type == "cuda":
+                        torch.cuda.synchronize(rt.device)
         except RequestError as e:
             if tracing.enabled():
                 tracing.record_step(transport, request, {"enter": t_enter, "parsed": time.perf_counter()},
