@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from drafter_client.messages import (RESYNC_CODES, UNAVAILABLE, DrafterError, _status_code, serialize_with_states)
+from drafter_client.messages import (RESYNC_CODES, UNAVAILABLE, ChunkedRequest, DrafterError, _status_code,
+                                     serialize_with_states)
 from drafter_client.protocol import pb
 from drafter_client.protocol.wire import decode_tensor, encode_tensor
 from drafter_client.shm_ring import SharedTensorRef
@@ -107,11 +108,12 @@ def build_batch_request(namespace: str, batch: StepBatch, request_id: int = 0) -
 
 
 def serialize_batch(namespace: str, batch: StepBatch, hidden_states: "torch.Tensor | SharedTensorRef | None" = None,
-                    request_id: int = 0) -> "bytes | bytearray":
-    """The batch's serialized ProposeRequest (hidden_states: in place of the batch's own, e.g. a ring slot)."""
+                    request_id: int = 0, chunk_min_bytes: int | None = None) -> "bytes | bytearray | ChunkedRequest":
+    """The batch's serialized ProposeRequest (hidden_states: in place of the batch's own, e.g. a ring slot); a
+    ChunkedRequest for ProposeChunked when the inline states reach chunk_min_bytes (None: never)."""
     states = batch.hidden_states if hidden_states is None else hidden_states
     parts = None if isinstance(states, SharedTensorRef) else [states]
-    return serialize_with_states(build_batch_request(namespace, batch, request_id), states, parts)
+    return serialize_with_states(build_batch_request(namespace, batch, request_id), states, parts, chunk_min_bytes)
 
 
 def parse_batch_response(resp: "pb.ProposeResponse", sequence_ids: list[str]) -> BatchDrafts:

@@ -20,9 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from drafter_client.auth import bearer_metadata
 from drafter_client.batch import BatchDrafts, StepBatch, fallback_batch, parse_batch_response, serialize_batch
 from drafter_client.breaker import CircuitBreaker
-from drafter_client.messages import (FAULT_CODES, DrafterError, ProposeResult, ReleaseResult, SequenceDrafts,
-                                     SequenceStep, build_request, fallback_result, hidden_parts, parse_response,
-                                     serialize_request)
+from drafter_client.messages import (CHUNK_BYTES, CHUNKED_MIN_BYTES, FAULT_CODES, ChunkedRequest, DrafterError,
+                                     ProposeResult, ReleaseResult, SequenceDrafts, SequenceStep, build_request,
+                                     fallback_result, hidden_parts, parse_response, serialize_request)
 from drafter_client.protocol import pb, pb_grpc
 from drafter_client.session import ProposeSession
 from drafter_client.shm_ring import SharedTensorRef, SlotRing
@@ -103,14 +103,18 @@ class DrafterClient:
     def __init__(self, target: str, namespace: str = "", max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  credentials: "grpc.ChannelCredentials | None" = None, token: str | None = None,
                  step_timeout_s: "float | None" = _FROM_ENV, raise_on_error: bool = False,  # type: ignore[assignment]
-                 breaker: CircuitBreaker | None = None):
+                 breaker: CircuitBreaker | None = None, chunk_min_bytes: int | None = CHUNKED_MIN_BYTES,
+                 chunk_bytes: int = CHUNK_BYTES):
         """target: ``host:port`` or ``unix:/path``; namespace: this engine's sequences and regions live under it.
         credentials: TLS channel credentials (drafter_client.auth.tls_credentials) for a TLS listener; token: a
         bearer token sent with every call and in step-channel hellos (drafter --auth-token-file).
         step_timeout_s: the deadline of propose() and release() in seconds (None: none); a call may override it.
         Default: $DRAFTER_STEP_TIMEOUT_S, else 0.5 s.
         raise_on_error: raise DrafterError when the drafter is sick instead of answering "no drafts" (fallback).
-        breaker: the circuit breaker's settings (default CircuitBreaker(): backoff 0.1 s doubling to 5 s)."""
+        breaker: the circuit breaker's settings (default CircuitBreaker(): backoff 0.1 s doubling to 5 s).
+        chunk_min_bytes: a step whose inline hidden states reach this size goes by ProposeChunked, in chunks of
+        chunk_bytes (docs/protocol.md; much faster than one message for a long prefill); None: never. A drafter
+        without ProposeChunked (UNIMPLEMENTED) gets one message from then on."""
         self.target = target
         self.namespace = namespace
         self._token = token
@@ -127,6 +131,15 @@ class DrafterClient:
         # Propose with the request already serialized (serialize_request: the hidden states copied once)
         self._propose_bytes = self._channel.unary_unary("/drafter.v1.Drafter/Propose", request_serializer=None,
                                                         response_deserializer=pb.ProposeResponse.FromString)
+        # ProposeChunked with the messages already serialized (ChunkedRequest.messages)
+        self._propose_chunked = self._channel.stream_unary("/drafter.v1.Drafter/ProposeChunked",
+                                                           request_serializer=None,
+                                                           response_deserializer=pb.ProposeResponse.FromString)
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes is {chunk_bytes}; at least 1")
+        self.chunk_min_bytes = chunk_min_bytes
+        self.chunk_bytes = chunk_bytes
+        self.steps_chunked = 0  # steps sent by ProposeChunked
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._next_request_id = 1
         # shared-memory data plane (enable_shared_memory)
@@ -215,7 +228,7 @@ class DrafterClient:
         result is a fallback: no drafts, code 14 for every sequence, ``result.fallback`` True (with
         raise_on_error, DrafterError instead). The caller's errors (INVALID_ARGUMENT, ...) raise DrafterError."""
         return await self._step(
-            lambda states, rid: serialize_request(self.namespace, steps, states, rid),
+            lambda states, rid: serialize_request(self.namespace, steps, states, rid, self._chunk_min_bytes()),
             lambda: self._stage(steps, hidden_states), hidden_states, parse_response,
             lambda reason: fallback_result(steps, reason), timeout)
 
@@ -227,7 +240,7 @@ class DrafterClient:
         ids = batch.sequence_ids
         states = batch.hidden_states
         return await self._step(
-            lambda ref, rid: serialize_batch(self.namespace, batch, ref, rid),
+            lambda ref, rid: serialize_batch(self.namespace, batch, ref, rid, self._chunk_min_bytes()),
             lambda: self._stage_states(states),
             states, lambda resp: parse_batch_response(resp, ids), lambda reason: fallback_batch(ids, reason),
             timeout)
@@ -262,9 +275,21 @@ class DrafterClient:
     def _step_timeout(self, timeout: float | None) -> float | None:
         return timeout if timeout is not None else self.step_timeout_s
 
-    async def _send_step(self, payload: "bytes | bytearray", timeout: float | None) -> "pb.ProposeResponse":
-        """Through the step channel when one is open and free and the request fits it; else a unary Propose. The
-        deadline covers both (a step the channel could not take goes over gRPC with the time left)."""
+    def _chunk_min_bytes(self) -> int | None:
+        """Inline states from this size go by ProposeChunked; a step that an open step channel can take goes there."""
+        if self.chunk_min_bytes is None:
+            return None
+        ch = self._step_channel
+        return self.chunk_min_bytes if ch is None else max(self.chunk_min_bytes, ch.request_capacity + 1)
+
+    async def _send_step(self, payload: "bytes | bytearray | ChunkedRequest",
+                         timeout: float | None) -> "pb.ProposeResponse":
+        """Through the step channel when one is open and free and the request fits it; a large step by
+        ProposeChunked; else a unary Propose. The deadline covers both (a step the channel could not take goes over
+        gRPC with the time left)."""
+        if isinstance(payload, ChunkedRequest):
+            self.steps_through_grpc += 1
+            return await self._send_chunked(payload, timeout)
         deadline = time.monotonic() + timeout if timeout is not None else None
         ch = self._claim_channel(payload)
         if ch is not None:
@@ -277,6 +302,23 @@ class DrafterClient:
         self.steps_through_grpc += 1
         left = max(0.0, deadline - time.monotonic()) if deadline is not None else None
         return await self._call(self._propose_bytes, bytes(payload), left)  # (grpc takes bytes, not a bytearray)
+
+    async def _send_chunked(self, payload: ChunkedRequest, timeout: float | None) -> "pb.ProposeResponse":
+        """One ProposeChunked call (the chunks are copied lazily, while earlier ones travel); a drafter that has
+        no ProposeChunked gets the step as one message, and every step after it too."""
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        try:
+            resp = await self._call(self._propose_chunked, payload.messages(self.chunk_bytes), timeout)
+        except DrafterError as e:
+            if e.code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            log.info("the drafter at %s has no ProposeChunked (%s): large steps go in one message", self.target,
+                     e.message)
+            self.chunk_min_bytes = None
+            left = max(0.0, deadline - time.monotonic()) if deadline is not None else None
+            return await self._call(self._propose_bytes, bytes(payload.unary()), left)
+        self.steps_chunked += 1
+        return resp
 
     # ---- when the drafter is sick: fallback, circuit breaker (docs/protocol.md) ----
 

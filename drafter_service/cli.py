@@ -65,6 +65,15 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                          "that all bring the same number m <= N of committed tokens (one graph per padded batch "
                          "size and m, captured at start-up); 0 = run every first step eagerly")
     ap.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message size limit")
+    ap.add_argument("--max-chunked-bytes", type=int, default=d.max_chunked_bytes,
+                    help="hidden-state bytes of all ProposeChunked uploads in flight (staging memory)")
+    ap.add_argument("--max-chunked-bytes-per-namespace", type=int, default=d.max_chunked_bytes_per_namespace,
+                    help="... of one namespace's uploads")
+    ap.add_argument("--chunked-upload-timeout-s", type=float, default=d.chunked_upload_timeout_s,
+                    help="a ProposeChunked upload that takes longer ends with DEADLINE_EXCEEDED")
+    ap.add_argument("--no-tune-malloc", action="store_true",
+                    help="leave glibc's malloc thresholds alone (by default large blocks are kept in the heap: "
+                         "messages of many MiB then cost no page faults; docs/performance.md)")
     ap.add_argument("--metrics-port", type=int, default=d.metrics_port,
                     help="Prometheus metrics on http://[::]:PORT/metrics, IPv6 and IPv4 (0 = off; docs/deployment.md)")
     ap.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
@@ -117,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         max_batch_seqs=a.max_batch_seqs, sequence_lease_s=a.sequence_lease_s, max_sequences=a.max_sequences,
         max_sequences_per_namespace=a.max_sequences_per_namespace, namespace_pool_share=a.namespace_pool_share,
         max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port,
+        max_chunked_bytes=a.max_chunked_bytes, max_chunked_bytes_per_namespace=a.max_chunked_bytes_per_namespace,
+        chunked_upload_timeout_s=a.chunked_upload_timeout_s, tune_malloc=not a.no_tune_malloc,
         shutdown_grace_s=a.shutdown_grace_s, log_level=a.log_level, shared_memory=not a.no_shared_memory,
         shm_dir=a.shm_dir, shm_lease_s=a.shm_lease_s, cuda_graphs=a.cuda_graphs,
         first_step_graph_tokens=a.first_step_graph_tokens, step_channels=not a.no_step_channels,

@@ -27,6 +27,14 @@ class ServerConfig:
     # m <= this of committed tokens) is replayed from a graph too; one graph per (padded batch, m); 0 = never
     first_step_graph_tokens: int = 8
     max_message_bytes: int = 256 * 1024 * 1024
+    # ProposeChunked uploads (docs/protocol.md): staging bytes in flight, for the server and for one namespace, and
+    # the time one upload may take
+    max_chunked_bytes: int = 2**31
+    max_chunked_bytes_per_namespace: int = 2**29
+    chunked_upload_timeout_s: float = 60.0
+    # Large blocks (messages, staging tensors) stay in the heap instead of fresh mmaps that every use page-faults
+    # in again (server.keep_large_blocks_in_heap; docs/performance.md "Large steps over TCP"). glibc only.
+    tune_malloc: bool = True
     metrics_port: int = 0  # Prometheus metrics on http://[::]:PORT/metrics (IPv6 and IPv4); 0 = off
     shutdown_grace_s: float = 30.0
     log_level: str = "INFO"
@@ -92,5 +100,9 @@ class ServerConfig:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS)")
         if self.namespace_from_client_cert and not self.tls_client_ca:
             raise ValueError("--namespace-from-client-cert needs --tls-client-ca (client certificates)")
+        if self.max_chunked_bytes < 0 or self.max_chunked_bytes_per_namespace < 0:
+            raise ValueError("max_chunked_bytes and max_chunked_bytes_per_namespace must be >= 0")
+        if not self.chunked_upload_timeout_s > 0:
+            raise ValueError("chunked_upload_timeout_s must be > 0")
         if not 0.0 < self.shm_lease_s <= self.shm_max_lease_s:
             raise ValueError("shm_lease_s must be in (0, shm_max_lease_s]")

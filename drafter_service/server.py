@@ -5,6 +5,7 @@ thread, then SERVING. SIGTERM/SIGINT: health NOT_SERVING, stop taking RPCs, let 
 --shutdown-grace-s), exit 0.
 """
 import asyncio
+import ctypes
 import gc
 import logging
 import os
@@ -26,12 +27,56 @@ from drafter_service.runtime import Runtime, build_runtime
 from drafter_service.engine.scheduler import StepScheduler
 from drafter_service.transport.auth import (AuthInterceptor, Authorizer, load_tokens, restrict_socket,
                                             server_credentials)
+from drafter_service.transport.chunked import parse_chunk
 from drafter_service.transport.servicer import DrafterServicer
 from drafter_service.transport.step_channels import ChannelLimits, ChannelSet
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name  # "drafter.v1.Drafter"
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_HEAP_BLOCK_BYTES = 1 << 30  # blocks up to this size come from (and go back to) the heap
+
+
+def keep_large_blocks_in_heap() -> bool:
+    """Have glibc serve blocks up to 1 GiB from the heap and keep freed memory there, instead of an mmap per large
+    block (its default from 32 MiB up, and trimming the heap's top past 128 KiB). Each large message (gRPC's
+    receive buffers, protobuf's bytes, staging tensors) otherwise lands on fresh pages that the kernel faults in
+    and zeroes one by one: for a 32 MiB message that was most of the server's time (docs/performance.md, "Large
+    steps over TCP"). The cost: the process keeps its peak heap instead of returning it to the kernel. Returns
+    False where the C library has no mallopt (not glibc)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, _HEAP_BLOCK_BYTES) and mallopt(_M_TRIM_THRESHOLD, _HEAP_BLOCK_BYTES))
+
+
+class _Handlers:
+    """Stands in for a server to catch the method handlers that the generated add_DrafterServicer_to_server
+    builds (add_drafter_service changes one of them)."""
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.handlers = handlers
+
+
+def add_drafter_service(servicer: DrafterServicer, server: grpc.aio.Server) -> None:
+    """pb_grpc.add_DrafterServicer_to_server, but ProposeChunked reads its messages with chunked.parse_chunk (the
+    data as a view of the received bytes) instead of protobuf (which copies it twice)."""
+    catch = _Handlers()
+    pb_grpc.add_DrafterServicer_to_server(servicer, catch)
+    handlers = dict(catch.handlers)
+    handlers["ProposeChunked"] = grpc.stream_unary_rpc_method_handler(
+        servicer.ProposeChunked, request_deserializer=parse_chunk,
+        response_serializer=pb.ProposeResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 def _prepare_unix_socket(address: str) -> None:
@@ -61,6 +106,8 @@ class DrafterServer:
 
     async def start(self) -> None:
         cfg = self.config
+        if cfg.tune_malloc and not keep_large_blocks_in_heap():
+            log.info("malloc left as it is (no glibc mallopt here)")
         opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
@@ -70,7 +117,7 @@ class DrafterServer:
         self.servicer.authorizer = authorizer
         interceptors = [AuthInterceptor(authorizer)] if authorizer.enabled else []
         self.server = grpc.aio.server(options=opts, interceptors=interceptors)
-        pb_grpc.add_DrafterServicer_to_server(self.servicer, self.server)
+        add_drafter_service(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if cfg.reflection:
             reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME],

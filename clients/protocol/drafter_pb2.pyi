@@ -97,6 +97,16 @@ class ProposeRequest(_message.Message):
     request_id: int
     def __init__(self, namespace: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[int] = ...) -> None: ...
 
+class ProposeChunk(_message.Message):
+    __slots__ = ("request", "offset", "data")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    request: ProposeRequest
+    offset: int
+    data: bytes
+    def __init__(self, request: _Optional[_Union[ProposeRequest, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class Status(_message.Message):
     __slots__ = ("code", "message")
     CODE_FIELD_NUMBER: _ClassVar[int]

@@ -49,6 +49,11 @@ class DrafterStub:
                 request_serializer=drafter_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=drafter_dot_v1_dot_drafter__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeChunked = channel.stream_unary(
+                '/drafter.v1.Drafter/ProposeChunked',
+                request_serializer=drafter_dot_v1_dot_drafter__pb2.ProposeChunk.SerializeToString,
+                response_deserializer=drafter_dot_v1_dot_drafter__pb2.ProposeResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/drafter.v1.Drafter/Release',
                 request_serializer=drafter_dot_v1_dot_drafter__pb2.ReleaseRequest.SerializeToString,
@@ -95,6 +100,15 @@ class DrafterServicer:
 
     def ProposeStream(self, request_iterator, context):
         """One message per engine step in each direction; replies come back in request order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProposeChunked(self, request_iterator, context):
+        """One engine step whose hidden states come in chunks on one client stream (large steps, e.g. a long prefill
+        across nodes): the first ProposeChunk carries the ProposeRequest with hidden_states' dtype and shape but no
+        data, the next ones the states' raw bytes in order. Same reply as Propose. See docs/protocol.md.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -155,6 +169,11 @@ def add_DrafterServicer_to_server(servicer, server):
             'ProposeStream': grpc.stream_stream_rpc_method_handler(
                     servicer.ProposeStream,
                     request_deserializer=drafter_dot_v1_dot_drafter__pb2.ProposeRequest.FromString,
+                    response_serializer=drafter_dot_v1_dot_drafter__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeChunked': grpc.stream_unary_rpc_method_handler(
+                    servicer.ProposeChunked,
+                    request_deserializer=drafter_dot_v1_dot_drafter__pb2.ProposeChunk.FromString,
                     response_serializer=drafter_dot_v1_dot_drafter__pb2.ProposeResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
@@ -263,6 +282,33 @@ class Drafter:
             target,
             '/drafter.v1.Drafter/ProposeStream',
             drafter_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
+            drafter_dot_v1_dot_drafter__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeChunked(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/drafter.v1.Drafter/ProposeChunked',
+            drafter_dot_v1_dot_drafter__pb2.ProposeChunk.SerializeToString,
             drafter_dot_v1_dot_drafter__pb2.ProposeResponse.FromString,
             options,
             channel_credentials,

@@ -14,6 +14,8 @@ from drafter_service import __version__
 from drafter_client.protocol import pb, pb_grpc
 from drafter_service.runtime import Runtime
 from drafter_service.engine.scheduler import StepScheduler
+from drafter_service.transport.chunked import (StagingBudget, first_chunk_error, receive_states,
+                                               staging_tensor)
 from drafter_service.transport.shm_regions import RegionTable, ShmSettings
 from drafter_service.engine.step_io import StepInput, StepOutput
 from drafter_service import tracing
@@ -81,6 +83,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.runtime: Runtime | None = None  # None while the model loads: RPCs answer UNAVAILABLE
         self.scheduler: StepScheduler | None = None
         self.regions: RegionTable | None = None  # shared-memory regions; None = shared memory off
+        self.staging: StagingBudget | None = None  # bytes of ProposeChunked uploads in flight (attach)
         self._sweeper: asyncio.Task | None = None
         # Benchmarks only (benchmarks/bench_data_plane.py): decode, check and stage the tensors, then answer with
         # no drafts and without running the head, to time the data plane alone.
@@ -99,6 +102,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def attach(self, runtime: Runtime, scheduler: StepScheduler) -> None:
         self.runtime, self.scheduler = runtime, scheduler
         self.regions = shared_memory_table(runtime)
+        cfg = runtime.config
+        self.staging = StagingBudget(cfg.max_chunked_bytes, cfg.max_chunked_bytes_per_namespace)
         runtime.metrics.shm = self.regions
         if self.regions is not None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_leases(), name="drafter-shm-leases")
@@ -157,10 +162,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             predraft_supported=rt.limits.max_predraft_branches > 0,
             max_predraft_branches=rt.limits.max_predraft_branches)
 
-    def decode_propose(self, request) -> tuple[list[StepInput], bool]:
+    def decode_propose(self, request, hidden: torch.Tensor | None = None) -> tuple[list[StepInput], bool]:
         """Check and decode one engine step (a Propose, a ProposeStream message or a step-channel request; runs on
         the event loop or on the step thread). Returns the steps, and whether to answer without running the head
-        (ingest-only benchmarks). Raises RequestError for a request that is malformed as a whole."""
+        (ingest-only benchmarks). Raises RequestError for a request that is malformed as a whole. hidden: the
+        staging tensor of a ProposeChunked request (its states are not in the message)."""
         rt = self.runtime
         read_shm = None
         if self.regions is not None:
@@ -169,8 +175,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             def read_shm(ref, field, dtype, shape, to_host=False):
                 return regions.read(namespace, ref, field, dtype, shape, to_host)
 
-        steps = parse_propose(request, rt.limits, read_shm)
-        if self.ingest_only and request.hidden_states.WhichOneof("data") == "raw" and steps:
+        steps = parse_propose(request, rt.limits, read_shm, hidden)
+        if self.ingest_only and hidden is None and request.hidden_states.WhichOneof("data") == "raw" and steps:
             # Inline states are still views of the message: move them to the device as the proposer would
             # (one copy), so that both data planes end with the bytes in a tensor of their own there.
             torch.cat([s.hidden_states for s in steps]).to(rt.device)
@@ -181,16 +187,23 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def encode_propose(self, outputs: list[StepOutput], request) -> "pb.ProposeResponse":
         return build_response(outputs, [s.sequence_id for s in request.steps], request.request_id)
 
-    async def _propose(self, request, transport: str = "unary", metadata=None,
-                       owner: str | None = None) -> "pb.ProposeResponse":
+    async def _propose(self, request, transport: str = "unary", metadata=None, owner: str | None = None,
+                       hidden: torch.Tensor | None = None, receive=None) -> "pb.ProposeResponse":
         """One engine step; raises RequestError for a request that is malformed as a whole. transport / metadata:
         for its trace span (tracing.py; nothing is recorded while tracing is off). owner: the stream whose end frees
-        the sequences this step creates (None: unary, only the lease and eviction free them)."""
+        the sequences this step creates (None: unary, only the lease and eviction free them). ProposeChunked:
+        hidden is the staging tensor, and receive() fills it once the request checked out."""
         request_context.set((request.namespace, request.request_id))  # (this call's task only: log lines carry it)
         rt = self.runtime
         t_enter = time.perf_counter()
         try:
-            steps, dry = self.decode_propose(request)
+            steps, dry = self.decode_propose(request, hidden)
+            if receive is not None:
+                await receive()
+                if dry:  # ingest-only: the staging tensor is ours already; onto the device, as the proposer would
+                    hidden.to(rt.device)
+                    if rt.device.type == "cuda":
+                        torch.cuda.synchronize(rt.device)
         except RequestError as e:
             if tracing.enabled():
                 tracing.record_step(transport, request, {"enter": t_enter, "parsed": time.perf_counter()},
@@ -221,6 +234,39 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             return await self._propose(request, "unary", context.invocation_metadata())
         except RequestError as e:
             await self._fail(context, e)
+
+    async def ProposeChunked(self, chunks, context):
+        """One step whose hidden states come in chunks (transport/chunked.py). ``chunks`` yields chunked.Chunk:
+        server.py registers this method with chunked.parse_chunk as its deserializer."""
+        await self._ready(context)
+        limit_s = self.runtime.config.chunked_upload_timeout_s
+        try:
+            try:
+                async with asyncio.timeout(limit_s):
+                    return await self._propose_chunked(chunks, context.invocation_metadata())
+            except TimeoutError:
+                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"the chunked upload did not finish within {limit_s:g} s "
+                                   "(--chunked-upload-timeout-s)") from None
+        except RequestError as e:
+            await self._fail(context, e)
+
+    async def _propose_chunked(self, chunks, metadata) -> "pb.ProposeResponse":
+        chunks = aiter(chunks)
+        first = await anext(chunks, None)
+        error = first_chunk_error(first)
+        if error is not None:
+            raise error
+        request = first.request
+        check_namespace(request.namespace)
+        staging = staging_tensor(request, self.runtime.limits)  # (checks hidden_states' header: bounded size)
+        nbytes, namespace = staging.numel() * staging.element_size(), request.namespace
+        self.staging.acquire(namespace, nbytes)
+        try:  # _propose checks the whole request before receive() takes any data
+            return await self._propose(request, "chunked", metadata, hidden=staging,
+                                       receive=lambda: receive_states(first, chunks, staging))
+        finally:
+            self.staging.release(namespace, nbytes)
 
     async def ProposeStream(self, request_iterator, context):
         await self._ready(context)

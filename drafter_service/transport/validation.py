@@ -57,8 +57,11 @@ def check_sequence_id(sequence_id: str, field: str) -> None:
         raise invalid(f"{field} is {len(sequence_id)} characters; at most {MAX_ID_LEN}")
 
 
-def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable | None = None) -> list[StepInput]:
-    """read_shm(ref, field, dtype, shape, to_host) resolves shared-memory references (None: refused)."""
+def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable | None = None,
+                  hidden: torch.Tensor | None = None) -> list[StepInput]:
+    """read_shm(ref, field, dtype, shape, to_host) resolves shared-memory references (None: refused).
+    hidden: the request's hidden states when they did not come in the message (ProposeChunked's staging tensor,
+    whose header chunked.staging_tensor checked); req.hidden_states is then not read."""
     check_namespace(req.namespace)
     n = len(req.steps)
     if n > limits.max_request_seqs:
@@ -90,7 +93,8 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
     try:
         token_ids = decode_tensor(req.token_ids, "token_ids", TOKEN_DTYPES, rank=1,
                                   read_shm=read_shm and functools.partial(read_shm, to_host=True))
-        hidden = decode_tensor(req.hidden_states, "hidden_states", HIDDEN_DTYPES, rank=2, read_shm=read_shm)
+        if hidden is None:
+            hidden = decode_tensor(req.hidden_states, "hidden_states", HIDDEN_DTYPES, rank=2, read_shm=read_shm)
     except WireError as e:
         raise invalid(str(e)) from None
     if token_ids.shape[0] != total:
