@@ -12,7 +12,8 @@ real target). B sequences at a context of --context tokens; every iteration, per
   miss     the next step when no sequence's outcome was prepared: a plain step that also runs the pending rows of
            the hit before it.
 With --sidecar (default), the same through a step channel as the engine sees it (run_sidecar), with a sleep of
---verify-ms standing for the engine's verification between two steps.
+--verify-ms standing for the engine's verification between two steps; "busy" is a step that arrived while the pass
+still ran (it stops the pass and is drafted as a plain step: what pre-drafting costs when it does not fit).
 Medians over --iters, in ms, with the pass's share of a given verification time. Prints a table and writes JSON
 (device, date, command) to --out. Through the sidecar, a step also pays its transport (bench_step's table).
 """
@@ -196,7 +197,7 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
                     out[sid] = (a, next(t for t in range(vocab) if t != drafts[a]))
                 return out
 
-            times = {"plain": [], "hit": [], "miss": []}
+            times = {"plain": [], "hit": [], "miss": [], "busy": []}
             for i in range(iters + 2):
                 await asyncio.sleep(verify_ms / 1e3)
                 dt, _ = await send(make(unprepared(), 0))
@@ -210,7 +211,10 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
                     if br is None:
                         break
                     hits[sid] = next(iter(br.outcomes))
-                if len(hits) < B:  # the pass did not finish within verify_ms: count nothing this round
+                if len(hits) < B:  # the pass did not finish within verify_ms: the step stops it (falls back)
+                    dt, _ = await send(make(unprepared(), budget))
+                    if i >= 2:
+                        times["busy"].append(dt)
                     continue
                 dt, res = await send(make(hits, budget))
                 assert all(r.predrafted for r in res.sequences)
@@ -279,12 +283,13 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if a.sidecar:
-            print(f"engine's wait through a step channel (verification {a.verify_ms} ms): batch, plain, hit, miss ms")
+            print(f"engine's wait through a step channel (verification {a.verify_ms} ms): batch, plain, hit, miss, "
+                  "busy ms (busy: the step came while the pass still ran)")
             for r in rows:
                 r.update(run_sidecar(cfg, r["batch"], context, a.k, a.budget, a.iters, a.verify_ms, seed=r["batch"]))
                 fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
                 print(f"{'':12}{r['batch']:>5} {fmt(r['sidecar_plain'])} {fmt(r['sidecar_hit'])} "
-                      f"{fmt(r['sidecar_miss'])} (rounds with every pass done: "
+                      f"{fmt(r['sidecar_miss'])} {fmt(r['sidecar_busy'])} (rounds with every pass done: "
                       f"{r['sidecar_rounds_with_every_pass_done']})", flush=True)
     out = {"benchmark": "predraft_mechanics",
            "command": shlex.join(["python", "-m", "drafter_client.benchmarks.predraft_mechanics",
