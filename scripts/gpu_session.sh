@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: carry .whl (pytest-asyncio, grpcio-health-checking/-reflection 1.84 wheels).
-#   scripts/gpu_session.sh tests|gpu-tests|bench|predraft|predraft-mechanics|all      results under $OUT (or ./gpu_out)
+#   scripts/gpu_session.sh tests|gpu-tests|bench|predraft|predraft-mechanics|bulk-grpc|all      results under $OUT (or ./gpu_out)
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -29,6 +29,9 @@ if [ "$what" = predraft-mechanics ]; then  # the drafter's side at the 8B head s
       --device cuda --batches "${MECH_BATCHES:-1,16,64}" --out "$OUT/predraft_mechanics_$preset.json" 2>&1 \
       | tee "$OUT/predraft_mechanics_$preset.log" | tail -6
   done
+fi
+if [ "$what" = bulk-grpc ]; then  # large steps over TCP: bare gRPC echo, one message, chunks (docs/performance.md)
+  timeout "${BULK_TIMEOUT_S:-150}" python3 benchmarks/bench_bulk_grpc.py --out "$OUT" 2>&1 | tee "$OUT/bulk_grpc.log" | tail -14
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m drafter_client.benchmarks.bench_step --preset llama3-8b --device cuda --batches 1,8,32,128 --graphs-ab \

@@ -217,6 +217,9 @@ def test_hits_through_every_path(path, tiny_model, tmp_path):
     head, target = tiny_model
     with ServerThread(make_config(head, target, tmp_path)) as server:
         proposer = server.server.runtime.proposer
+        # This engine sends its next step only once the pass is done, so the idle window it shows the drafter is
+        # barely longer than a pass, and the fit check (test_a_pass_that_would_outlast...) would skip passes.
+        proposer.predraft._fits = lambda n: True
         width = server.server.runtime.limits.hidden_states_width
         rng = random.Random(1)
 
@@ -270,3 +273,25 @@ def test_hits_through_every_path(path, tiny_model, tmp_path):
         assert asyncio.run(run()) == 3
         text = server.server.runtime.metrics.prometheus_text()
         assert "drafter_predraft_hits_total 3.0" in text and "drafter_predraft_misses_total 1.0" in text
+
+
+def test_a_pass_that_would_outlast_the_idle_window_is_not_started(tiny_model, tmp_path):
+    """The drafter falls back by itself when it is too busy: with passes known to take longer than the idle time
+    between steps, none starts (counted as skipped, the step is plain); as the estimate decays it tries again."""
+    head, target = tiny_model
+    rt = build_runtime(make_config(head, target, tmp_path))
+    proposer, width = rt.proposer, rt.limits.hidden_states_width
+    pd = proposer.predraft
+    pd.observe_window(0.002)  # 2 ms between a reply and the next request
+    pd._timed(1, 0.010, finished=True)  # passes over one sequence took 10 ms
+    out = proposer.step([StepInput(NS, "s", 0, torch.arange(5), torch.randn(5, width), 3, 3, predraft_branches=4)])[0]
+    assert out.code == 0 and pd.has_work()
+    assert pd.prepare(lambda: False)  # (nothing stopped it: it did not start)
+    assert pd.counters.passes_skipped == 1 and pd.counters.passes == 1 and pd.counters.branches_prepared == 0
+    assert proposer.table.get(NS, "s").predraft.branches is None and not pd.has_work()
+    tries = 0
+    while not pd._fits(1):  # 5% less each skip: 10 ms -> below 0.8 * 2 ms after ~36 skips
+        tries += 1
+    assert 30 < tries < 40
+    pd.observe_window(1.0)  # long verifications from now on: the average follows
+    assert pd.window_s > 0.1

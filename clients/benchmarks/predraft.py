@@ -38,7 +38,8 @@ from drafter_client.engine.target import TargetModel
 
 COUNTERS = ("drafter_predraft_hits_total", "drafter_predraft_misses_total", "drafter_predraft_unprepared_total",
             "drafter_predraft_passes_total", "drafter_predraft_passes_stopped_total",
-            "drafter_predraft_branches_prepared_total", "drafter_predraft_pass_seconds_total")
+            "drafter_predraft_branches_prepared_total", "drafter_predraft_pass_seconds_total",
+            "drafter_predraft_passes_skipped_total")
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -129,7 +130,8 @@ async def measure(address: str, metrics_port: int, target: TargetModel, prompts:
                       f"acceptance {row['mean_acceptance_length']:.2f} (served branches "
                       f"{'-' if pre is None else f'{pre:.2f}'}), hit rate {row['hit_rate']:.2f}, wait p50/p99 "
                       f"{row['wait_ms_p50']:.2f}/{row['wait_ms_p99']:.2f} ms; passes {d['passes']:.0f} finished "
-                      f"{d['passes_stopped']:.0f} stopped, {row['pass_ms_mean'] or 0:.2f} ms each; misses {d['misses']:.0f}, unprepared "
+                      f"{d['passes_stopped']:.0f} stopped {d['passes_skipped']:.0f} skipped, "
+                      f"{row['pass_ms_mean'] or 0:.2f} ms each; misses {d['misses']:.0f}, unprepared "
                       f"{d['unprepared']:.0f}; identical {row['identical_to_plain']}", flush=True)
         return {"drafter": {"model": info.model_name, "method": info.method, "device": info.device,
                             "dtype": info.model_dtype}, "transport": transport, "rows": rows}

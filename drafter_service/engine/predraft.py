@@ -28,8 +28,10 @@ comes first. A miss runs as a plain step. Either way the sequence's branches are
 
 The pass runs on the step thread only when no request is queued, and stops between two forwards as soon as one is
 (should_stop), with at most two forwards in flight on the device: a real step waits at most for those. A stopped
-pass keeps no branch, and the next 2^n steps (n stopped passes in a row, n <= 5) prepare nothing: a drafter too
-busy to prepare falls back to plain drafting by itself. Branches hold at most BRANCH_POOL_SHARE of the KV pool,
+pass keeps no branch, and the next 2^n steps (n stopped passes in a row, n <= 5) prepare nothing. A pass is not even
+started when its expected time (the average of earlier passes over as many sequences, by powers of two) exceeds
+FIT_SHARE of the average idle window between a batch and the next request (the scheduler reports it): a drafter
+too busy to prepare falls back to plain drafting by itself, and tries again now and then (ESTIMATE_DECAY). Branches hold at most BRANCH_POOL_SHARE of the KV pool,
 and are dropped first when a real step needs room.
 
 Sequential heads only (EAGLE-1, EAGLE-3), whose next_hidden is their output (so L_j = compute_logits(g_j)); parallel
@@ -53,6 +55,9 @@ from drafter_service.models.attention_metadata import AttentionMetadata
 MAX_PREDRAFT_BRANCHES = 64  # largest budget per sequence (GetInfo.max_predraft_branches)
 BRANCH_POOL_SHARE = 0.25  # the branches of all sequences hold at most this share of the KV pool's blocks
 MAX_BACKOFF_EXPONENT = 5  # after n stopped passes in a row, 2^min(n, 5) steps prepare nothing
+FIT_SHARE = 0.8  # a pass starts only when its expected time is at most this share of the expected idle window
+EMA = 0.2  # weight of the newest observation in the idle-window and pass-time averages
+ESTIMATE_DECAY = 0.95  # a skipped pass lowers its size's time estimate by 5%, so that passes are tried again
 IN_FLIGHT = 2  # forwards a pass may have queued on the device at once
 # The acceptance-rate estimate of a sequence starts at 0.7, as if it had seen 2.8 accepted and 1.2 rejected drafts.
 PRIOR_ACCEPTED, PRIOR_REJECTED = 2.8, 1.2
@@ -131,6 +136,7 @@ class PredraftCounters:
     branches_prepared: int = 0
     passes: int = 0  # preparation passes that finished
     passes_stopped: int = 0  # passes stopped by a real request
+    passes_skipped: int = 0  # passes not started: expected to outlast the idle window between steps
     pass_seconds: float = 0.0  # step-thread time in passes, finished or stopped
 
 
@@ -179,6 +185,8 @@ class Predrafter:
         self._with_branches: dict[tuple[str, str], Sequence] = {}
         self._stopped_in_a_row = 0
         self._skip_steps = 0  # steps left before the next pass may run (back-off after stopped passes)
+        self.window_s: float | None = None  # average idle time between a batch's end and the next request
+        self._pass_s: dict[int, float] = {}  # sequences' bit length -> average seconds of a pass of that size
         proposer.table.on_drop = self.forget
 
     # ---- at admission and after a step (proposer.step) ----
@@ -272,6 +280,28 @@ class Predrafter:
             self._free_branches(seq)
         return freed
 
+    def observe_window(self, seconds: float) -> None:
+        """The scheduler's idle time between a batch's end and the next request's arrival (0: one was waiting)."""
+        self.window_s = seconds if self.window_s is None else (1 - EMA) * self.window_s + EMA * seconds
+
+    def _fits(self, n: int) -> bool:
+        """Whether a pass over n sequences is expected to end before the next request arrives."""
+        estimate = self._pass_s.get(n.bit_length())
+        if estimate is None or self.window_s is None:
+            return True  # (try: the pass measures itself)
+        if estimate <= FIT_SHARE * self.window_s:
+            return True
+        self._pass_s[n.bit_length()] = estimate * ESTIMATE_DECAY
+        return False
+
+    def _timed(self, n: int, seconds: float, finished: bool) -> None:
+        size = n.bit_length()
+        old = self._pass_s.get(size)
+        if not finished:  # a stopped pass would have taken at least this long
+            self._pass_s[size] = max(old or 0.0, seconds)
+        else:
+            self._pass_s[size] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
     def has_work(self) -> bool:
         return bool(self._waiting) and self._skip_steps == 0
 
@@ -323,7 +353,13 @@ class Predrafter:
                     and p.table.resize(seq, max(b.end + k, len(seq.block_table) * p.block_size))):
                 groups.setdefault(k, []).append(seq)
         for i, (k, seqs) in enumerate(groups.items()):
-            if not self._prepare_group(seqs, k, _InFlight(p.device, should_stop)):
+            if not self._fits(len(seqs)):  # it would delay the next step: prepare nothing this time
+                self.counters.passes_skipped += 1
+                continue
+            t0 = time.perf_counter()
+            finished = self._prepare_group(seqs, k, _InFlight(p.device, should_stop))
+            self._timed(len(seqs), time.perf_counter() - t0, finished)
+            if not finished:
                 for later in list(groups.values())[i:]:  # not prepared: the next pass tries again
                     self._waiting.update(((s.namespace, s.sequence_id), s) for s in later if s.predraft is not None
                                          and s.predraft.branches is None)

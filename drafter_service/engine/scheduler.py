@@ -99,6 +99,7 @@ class StepScheduler:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self.batches_run = 0
+        self._last_batch_end: float | None = None  # time.perf_counter() when the last batch was answered
         self.requests_merged = 0  # requests that shared a batch with another
 
     def attach_channels(self, channels) -> None:
@@ -212,6 +213,9 @@ class StepScheduler:
         return bool(self._queue) or bool(self._jobs) or self._stopping
 
     def _run_batch(self, batch: list[PendingRequest]) -> None:
+        if self._last_batch_end is not None:  # idle time before this batch's first request (pre-drafting's window)
+            arrived = min(p.enqueued_at for p in batch)
+            self.proposer.predraft.observe_window(max(0.0, arrived - self._last_batch_end))
         run = [p for p in batch if not p.dry]
         steps = [s for p in run for s in p.steps]
         t0 = time.perf_counter()
@@ -237,3 +241,4 @@ class StepScheduler:
             r += len(p.steps)
         for p in batch:  # (after the replies are on their way)
             self.proposer.metrics.observe_queue_wait(t0 - p.enqueued_at)
+        self._last_batch_end = time.perf_counter()
