@@ -11,9 +11,11 @@ real target). B sequences at a context of --context tokens; every iteration, per
   hit      the next step when every sequence's outcome was prepared (picked among its branches): no device work;
   miss     the next step when no sequence's outcome was prepared: a plain step that also runs the pending rows of
            the hit before it.
-With --sidecar (default), the same through a step channel as the engine sees it (run_sidecar), with a sleep of
---verify-ms standing for the engine's verification between two steps; "busy" is a step that arrived while the pass
-still ran (it stops the pass and is drafted as a plain step: what pre-drafting costs when it does not fit).
+With --sidecar (default), the engine's wait through a step channel (run_sidecar), with a sleep of --verify-ms
+standing for the engine's verification before every step: first --iters steps with pre-drafting off, then --iters
+with it on, where a step takes a prepared outcome for every sequence whenever all have one (a hit: the benchmark
+picks it; with a real target a share of outcomes is unprepared, see predraft.py), else an unprepared outcome (a miss,
+or "busy" when the pass had not finished: the step stops it and is drafted as usual).
 Medians over --iters, in ms, with the pass's share of a given verification time. Prints a table and writes JSON
 (device, date, command) to --out. Through the sidecar, a step also pays its transport (bench_step's table).
 """
@@ -107,7 +109,7 @@ def run_batch(rt, B: int, context: int, k: int, budget: int, iters: int, seed: i
             br = proposer.table.get("mech", sid).predraft.branches
             hits[sid] = next(iter(br.outcomes))
         inputs = make(hits, budget)
-        t3 = time.perf_counter()
+        t3b = time.perf_counter()
         out = run(inputs)
         sync(device)
         t4 = time.perf_counter()
@@ -127,7 +129,7 @@ def run_batch(rt, B: int, context: int, k: int, budget: int, iters: int, seed: i
         if keep:
             times["plain"].append(t1 - t0)
             times["pass"].append(t3 - t2)
-            times["hit"].append(t4 - t3)
+            times["hit"].append(t4 - t3b)
             times["miss"].append(t6 - t5)
     for sid in ids:
         proposer.table.release("mech", sid)
@@ -197,36 +199,36 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
                     out[sid] = (a, next(t for t in range(vocab) if t != drafts[a]))
                 return out
 
-            times = {"plain": [], "hit": [], "miss": [], "busy": []}
-            for i in range(iters + 2):
-                await asyncio.sleep(verify_ms / 1e3)
-                dt, _ = await send(make(unprepared(), 0))
-                if i >= 2:
-                    times["plain"].append(dt)
-                await send(make(unprepared(), budget))  # turns pre-drafting on again
-                await asyncio.sleep(verify_ms / 1e3)
-                hits = {}
-                for sid in ids:
-                    br = proposer.table.get("mech", sid).predraft.branches
-                    if br is None:
-                        break
-                    hits[sid] = next(iter(br.outcomes))
-                if len(hits) < B:  # the pass did not finish within verify_ms: the step stops it (falls back)
-                    dt, _ = await send(make(unprepared(), budget))
+            # phase 1: pre-drafting off. phase 2: on; a step takes a prepared outcome for every sequence when all
+            # of them have branches (a hit), else an unprepared one (a miss, or "busy" when the pass still ran)
+            waits = {"plain": [], "predraft": []}
+            kinds = {"hit": [], "miss": [], "busy": []}
+            for phase, f in (("plain", 0), ("predraft", budget)):
+                for i in range(iters + 2):
+                    await asyncio.sleep(verify_ms / 1e3)
+                    hits = {}
+                    for sid in ids:
+                        st = proposer.table.get("mech", sid).predraft
+                        if st is None or st.branches is None:
+                            break
+                        hits[sid] = next(iter(st.branches.outcomes))
+                    kind = "hit" if len(hits) == B else "busy" if proposer.predraft._waiting else "miss"
+                    dt, res = await send(make(hits if kind == "hit" else unprepared(), f))
+                    assert all(r.predrafted for r in res.sequences) == (kind == "hit")
                     if i >= 2:
-                        times["busy"].append(dt)
-                    continue
-                dt, res = await send(make(hits, budget))
-                assert all(r.predrafted for r in res.sequences)
-                if i >= 2:
-                    times["hit"].append(dt)
-                await asyncio.sleep(verify_ms / 1e3)
-                dt, res = await send(make(unprepared(), budget))
-                if i >= 2:
-                    times["miss"].append(dt)
+                        waits[phase].append(dt)
+                        if f:
+                            kinds[kind].append(dt)
             await client.release(ids)
-            return {f"sidecar_{name}": statistics.median(v) * 1e3 if v else None for name, v in times.items()} | {
-                "sidecar_rounds_with_every_pass_done": len(times["hit"])}
+            med = lambda v: statistics.median(v) * 1e3 if v else None  # noqa: E731
+            c = proposer.predraft.counters
+            return {"sidecar_plain": med(waits["plain"]), "sidecar_predraft": med(waits["predraft"]),
+                    "sidecar_predraft_p99": sorted(waits["predraft"])[int(0.99 * len(waits["predraft"]))] * 1e3,
+                    "sidecar_plain_p99": sorted(waits["plain"])[int(0.99 * len(waits["plain"]))] * 1e3,
+                    **{f"sidecar_{kind}": med(v) for kind, v in kinds.items()},
+                    **{f"sidecar_{kind}_steps": len(v) for kind, v in kinds.items()},
+                    "server_passes": c.passes, "server_passes_stopped": c.passes_stopped,
+                    "server_passes_skipped": c.passes_skipped}
 
     try:
         return asyncio.run(main())
@@ -283,14 +285,16 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if a.sidecar:
-            print(f"engine's wait through a step channel (verification {a.verify_ms} ms): batch, plain, hit, miss, "
-                  "busy ms (busy: the step came while the pass still ran)")
+            print(f"engine's wait through a step channel (verification {a.verify_ms} ms), median ms: batch, "
+                  "pre-drafting off, on (hit / miss / busy: steps of each kind and their median)")
             for r in rows:
                 r.update(run_sidecar(cfg, r["batch"], context, a.k, a.budget, a.iters, a.verify_ms, seed=r["batch"]))
                 fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-                print(f"{'':12}{r['batch']:>5} {fmt(r['sidecar_plain'])} {fmt(r['sidecar_hit'])} "
-                      f"{fmt(r['sidecar_miss'])} {fmt(r['sidecar_busy'])} (rounds with every pass done: "
-                      f"{r['sidecar_rounds_with_every_pass_done']})", flush=True)
+                print(f"{'':12}{r['batch']:>5} off {fmt(r['sidecar_plain'])} on {fmt(r['sidecar_predraft'])} "
+                      f"(hit {r['sidecar_hit_steps']} x {fmt(r['sidecar_hit'])}, miss {r['sidecar_miss_steps']} x "
+                      f"{fmt(r['sidecar_miss'])}, busy {r['sidecar_busy_steps']} x {fmt(r['sidecar_busy'])}); passes "
+                      f"{r['server_passes']} done, {r['server_passes_stopped']} stopped, {r['server_passes_skipped']} "
+                      "skipped", flush=True)
     out = {"benchmark": "predraft_mechanics",
            "command": shlex.join(["python", "-m", "drafter_client.benchmarks.predraft_mechanics",
                                   *(sys.argv[1:] if argv is None else argv)]),
