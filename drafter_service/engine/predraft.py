@@ -55,7 +55,7 @@ from drafter_service.models.attention_metadata import AttentionMetadata
 MAX_PREDRAFT_BRANCHES = 64  # largest budget per sequence (GetInfo.max_predraft_branches)
 BRANCH_POOL_SHARE = 0.25  # the branches of all sequences hold at most this share of the KV pool's blocks
 MAX_BACKOFF_EXPONENT = 5  # after n stopped passes in a row, 2^min(n, 5) steps prepare nothing
-FIT_SHARE = 0.8  # a pass starts only when its expected time is at most this share of the expected idle window
+FIT_SHARE = 1.0  # a pass starts only when its expected time is at most this share of the expected idle window
 EMA = 0.2  # weight of the newest observation in the idle-window and pass-time averages
 ESTIMATE_DECAY = 0.95  # a skipped pass lowers its size's time estimate by 5%, so that passes are tried again
 IN_FLIGHT = 2  # forwards a pass may have queued on the device at once
@@ -297,8 +297,8 @@ class Predrafter:
     def _timed(self, n: int, seconds: float, finished: bool) -> None:
         size = n.bit_length()
         old = self._pass_s.get(size)
-        if not finished:  # a stopped pass would have taken at least this long
-            self._pass_s[size] = max(old or 0.0, seconds)
+        if not finished:  # a request came before its end: it needed more than the window (twice: a guess)
+            self._pass_s[size] = max(old or 0.0, 2 * seconds)
         else:
             self._pass_s[size] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
@@ -383,7 +383,12 @@ class Predrafter:
             temperature=torch.tensor(temperature, dtype=torch.float32).to(dev),
             seed=torch.tensor([seed_to_int64(x) for x in seed], dtype=torch.int64).to(dev),
             top_k=torch.tensor(top_k, dtype=torch.int64).to(dev), want_logprobs=any(logprobs), greedy_only=greedy)
-        budget = max(st.budget for st in states)
+        # the branches of one pass fit the largest decode graph (MAX_GRAPH_BATCH rows), so that the branch pass
+        # replays graphs: at large batches each sequence gets fewer branches
+        graphs = p.decode_graphs
+        cap = max(1, graphs.sizes[-1] // n) if graphs is not None else MAX_PREDRAFT_BRANCHES
+        budgets = [min(st.budget, cap) for st in states]
+        budget = max(budgets)
 
         # ---- forced pass, first step: pending rows with their KV write, or row C-1 without one ----
         md = build_step_metadata(
@@ -409,7 +414,6 @@ class Predrafter:
         served = torch.tensor([b.drafts for b in bases], dtype=torch.int64)  # [n, k]
         tables = md.host_block_tables  # [n, w] int32
         served_dev = served.to(dev)
-        graphs = p.decode_graphs
         if graphs is not None and graphs.fits(n, k):
             rest = graphs.run_forced(served_dev, g0, C - 1, tables, k, between=flight.launched)
             if rest is None or flight.launched():
@@ -427,16 +431,20 @@ class Predrafter:
             feats = torch.stack(g, 1)  # [n, k+1, H]
 
         # ---- outcomes: F_a candidates per a, the rejected draft excluded ----
+        if flight.should_stop():
+            return False
         width = min(budget + 1, model.draft_vocab_size)
         logits = model.compute_logits(feats.flatten(0, 1))  # [n*(k+1), V_draft]: L_0..L_k (next_hidden = output)
         cand = model.draft_to_target(logits.topk(width, dim=-1).indices).view(n, k + 1, width).cpu()  # syncs
-        F = torch.tensor([fan_out(st.budget, k, st.alpha) for st in states])  # [n, k+1]
+        F = torch.tensor([fan_out(f, k, st.alpha) for f, st in zip(budgets, states)])  # [n, k+1]
         rejected = torch.cat([served, torch.full((n, 1), -1, dtype=torch.int64)], 1)  # [n, k+1]: D_{a+1}
         ok = cand != rejected[:, :, None]
         take = ok & (ok.cumsum(-1) <= F[:, :, None])
         si, aa, ci = take.nonzero(as_tuple=True)  # one row per branch, by sequence, then a, then likelihood
         bonus = cand[si, aa, ci]  # [nb]
 
+        if flight.should_stop():
+            return False
         # ---- branch block tables: the sequence's blocks before C+a, then private ones (copy on write) ----
         start = C[si] + aa  # [nb] position of each branch's first row
         blk0 = start // bs
