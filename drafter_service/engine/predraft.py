@@ -299,8 +299,8 @@ class Predrafter:
         old = self._pass_s.get(size)
         if not finished:  # a request came before its end: it needed more than the window (twice: a guess)
             self._pass_s[size] = max(old or 0.0, 2 * seconds)
-        else:
-            self._pass_s[size] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        else:  # down at once (an early pass may have compiled kernels), up gradually
+            self._pass_s[size] = seconds if old is None or seconds < old else (1 - EMA) * old + EMA * seconds
 
     def has_work(self) -> bool:
         return bool(self._waiting) and self._skip_steps == 0
