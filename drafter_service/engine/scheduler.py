@@ -213,7 +213,7 @@ class StepScheduler:
         return bool(self._queue) or bool(self._jobs) or self._stopping
 
     def _run_batch(self, batch: list[PendingRequest]) -> None:
-        if self._last_batch_end is not None:  # idle time before this batch's first request (pre-drafting's window)
+        if batch and self._last_batch_end is not None:  # idle time before its first request (pre-drafting's window)
             arrived = min(p.enqueued_at for p in batch)
             self.proposer.predraft.observe_window(max(0.0, arrived - self._last_batch_end))
         run = [p for p in batch if not p.dry]
