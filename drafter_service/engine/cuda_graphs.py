@@ -300,13 +300,11 @@ class DecodeGraphs:
         """Whether run_rows can take n rows of `steps` decode steps."""
         return padded_batch_size(n, self.sizes) is not None and steps <= self.max_drafts
 
-    def run_rows(self, tokens: torch.Tensor, hidden: torch.Tensor, positions_before: torch.Tensor,
-                 block_tables: torch.Tensor, steps: int, between) -> torch.Tensor | None:
-        """`steps` greedy decode steps for n rows that are not an engine step's sequences (pre-drafting branches,
-        predraft.py): row r's first step runs at position positions_before[r] + 1 with input (tokens[r], hidden[r]).
-        tokens [n] int64 target ids, hidden [n, H] (device); positions_before [n] int64 and block_tables [n, w] int32
-        (host). between() after each replay: True stops (returns None). Returns the drafts [n, steps] (host)."""
-        n = tokens.shape[0]
+    def _load_rows(self, hidden: torch.Tensor, positions_before: torch.Tensor, block_tables: torch.Tensor,
+                   steps: int) -> int:
+        """Rows [0, n) of run_rows / run_forced: hidden inputs, positions before the first step, block tables and
+        steps; padding rows [n, bs) masked. Returns the padded batch size bs."""
+        n = hidden.shape[0]
         bs = padded_batch_size(n, self.sizes)
         w = block_tables.shape[1]
         self.positions[:n].copy_(positions_before.to(self.device, non_blocking=True))
@@ -314,10 +312,20 @@ class DecodeGraphs:
         self.block_tables[:n, :w].copy_(block_tables.to(self.device, non_blocking=True))
         self.steps_left[:n].fill_(steps)
         self.steps_left[n:bs].zero_()
-        self.input_ids[:n].copy_(tokens)
         self.hidden[:n].copy_(hidden)
         self.draft_column.zero_()
         self.rows_runs += 1
+        return bs
+
+    def run_rows(self, tokens: torch.Tensor, hidden: torch.Tensor, positions_before: torch.Tensor,
+                 block_tables: torch.Tensor, steps: int, between) -> torch.Tensor | None:
+        """`steps` greedy decode steps for n rows that are not an engine step's sequences (pre-drafting branches,
+        predraft.py): row r's first step runs at position positions_before[r] + 1 with input (tokens[r], hidden[r]).
+        tokens [n] int64 target ids, hidden [n, H] (device); positions_before [n] int64 and block_tables [n, w] int32
+        (host). between() after each replay: True stops (returns None). Returns the drafts [n, steps] (host)."""
+        n = tokens.shape[0]
+        bs = self._load_rows(hidden, positions_before, block_tables, steps)
+        self.input_ids[:n].copy_(tokens)
         for j in range(steps):
             self._replay(bs)
             if j < steps - 1 and between():
@@ -333,17 +341,8 @@ class DecodeGraphs:
         (device); positions_before [n] int64, block_tables [n, w] int32 (host). between() after each replay: True
         stops (returns None). Returns the head outputs of the steps [n, steps, H] (device)."""
         n = tokens.shape[0]
-        bs = padded_batch_size(n, self.sizes)
-        w = block_tables.shape[1]
-        self.positions[:n].copy_(positions_before.to(self.device, non_blocking=True))
-        self.seq_lens[:n].copy_((positions_before + 1).to(torch.int32).to(self.device, non_blocking=True))
-        self.block_tables[:n, :w].copy_(block_tables.to(self.device, non_blocking=True))
-        self.steps_left[:n].fill_(steps)
-        self.steps_left[n:bs].zero_()
-        self.hidden[:n].copy_(hidden)
-        self.draft_column.zero_()
+        bs = self._load_rows(hidden, positions_before, block_tables, steps)
         out = torch.empty(n, steps, self.hidden.shape[1], dtype=self.hidden.dtype, device=self.device)
-        self.rows_runs += 1
         for j in range(steps):
             self.input_ids[:n].copy_(tokens[:, j])
             self._replay(bs)
