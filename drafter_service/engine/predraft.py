@@ -86,6 +86,9 @@ class Basis:
     next_token: int  # x[C]
     drafts: list[int]  # D_1..D_k as served (target vocabulary)
     pending: bool  # True: the rows' KV is not written yet (a hit answered without running them)
+    # [k, H] the head's outputs g_0..g_{k-1} of the plain step that served the drafts, when its eager loop kept them
+    # (then the forced pass only runs the row of D_k); None: the forced pass runs in full
+    features: torch.Tensor | None = None
 
     @property
     def end(self) -> int:
@@ -138,6 +141,7 @@ class PredraftCounters:
     passes_stopped: int = 0  # passes stopped by a real request
     passes_skipped: int = 0  # passes not started: expected to outlast the idle window between steps
     pass_seconds: float = 0.0  # step-thread time in passes, finished or stopped
+    short_forced_passes: int = 0  # groups whose forced pass reused the plain step's features (one row each)
 
 
 def _sampling_key(s: StepInput) -> tuple:
@@ -245,15 +249,17 @@ class Predrafter:
             self._settings_from(st, a)
         return False
 
-    def after_step(self, a, drafts: list[int]) -> None:
-        """After a plain step answered a sequence: its next pass prepares from this step."""
+    def after_step(self, a, drafts: list[int], features: torch.Tensor | None = None) -> None:
+        """After a plain step answered a sequence: its next pass prepares from this step (features: [k, H], the
+        step's own g_0..g_{k-1}, when it kept them)."""
         st: PredraftState | None = a.seq.predraft
         if st is None or not drafts:
             return
         s = a.step
         C = s.start_position + s.num_tokens
         st.basis = Basis(C - 1, s.token_ids[-1:].clone(), s.hidden_states[-1:].clone(), s.next_token, list(drafts),
-                         pending=False)
+                         pending=False, features=features if features is not None and features.shape[0] == len(drafts)
+                         else None)
         self._waiting[(a.seq.namespace, a.seq.sequence_id)] = a.seq
 
     def failed(self, seq: Sequence) -> None:
@@ -351,8 +357,8 @@ class Predrafter:
             # a sequence without it prepares nothing (pending rows then run with its next step)
             if (b is not None and k >= 1 and b.end + 2 * k + 1 < p.max_model_len
                     and p.table.resize(seq, max(b.end + k, len(seq.block_table) * p.block_size))):
-                groups.setdefault(k, []).append(seq)
-        for i, (k, seqs) in enumerate(groups.items()):
+                groups.setdefault((k, b.features is not None), []).append(seq)
+        for i, ((k, _), seqs) in enumerate(groups.items()):
             if not self._fits(len(seqs)):  # it would delay the next step: prepare nothing this time
                 self.counters.passes_skipped += 1
                 continue
@@ -390,6 +396,26 @@ class Predrafter:
         budgets = [min(st.budget, cap) for st in states]
         budget = max(budgets)
 
+        C = torch.tensor([b.end for b in bases], dtype=torch.int64)  # [n]
+        served = torch.tensor([b.drafts for b in bases], dtype=torch.int64)  # [n, k]
+        served_dev = served.to(dev)
+        if bases[0].features is not None:  # (a group either has them all or none)
+            # ---- forced pass, shortened: the plain step kept g_0..g_{k-1}; only the row of D_k runs ----
+            w = max(len(seq.block_table) for seq in seqs)
+            tables = torch.zeros(n, w, dtype=torch.int32)
+            for i, seq in enumerate(seqs):
+                tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+            kept = torch.stack([b.features for b in bases])  # [n, k, H]
+            out = model.forward(served_dev[:, k - 1], kept[:, k - 1], self._decode_meta(C - 1 + k, tables,
+                                                                                       tables.to(dev)), p.kv_layers)
+            for b in bases:
+                b.features = None  # (used: a retry after a stop runs the full pass)
+            self.counters.short_forced_passes += 1
+            feats = torch.cat([kept, model.next_hidden(out)[:, None]], 1)  # [n, k+1, H]
+            if flight.launched():
+                return False
+            return self._branch_outcomes(seqs, states, bases, k, budgets, budget, C, served, tables, feats, sp,
+                                         greedy, flight)
         # ---- forced pass, first step: pending rows with their KV write, or row C-1 without one ----
         md = build_step_metadata(
             start_positions=[b.start for b in bases], token_ids=[b.token_ids for b in bases],
@@ -410,10 +436,7 @@ class Predrafter:
 
         # ---- forced pass, decode j = 1..k: the served drafts as inputs (replayed from the decode graphs when
         # there are some: the forced tokens replace the graph's argmax between replays) ----
-        C = torch.tensor([b.end for b in bases], dtype=torch.int64)  # [n]
-        served = torch.tensor([b.drafts for b in bases], dtype=torch.int64)  # [n, k]
         tables = md.host_block_tables  # [n, w] int32
-        served_dev = served.to(dev)
         if graphs is not None and graphs.fits(n, k):
             rest = graphs.run_forced(served_dev, g0, C - 1, tables, k, between=flight.launched)
             if rest is None or flight.launched():
@@ -429,7 +452,17 @@ class Predrafter:
                 if flight.launched():
                     return False
             feats = torch.stack(g, 1)  # [n, k+1, H]
+        return self._branch_outcomes(seqs, states, bases, k, budgets, budget, C, served, tables, feats, sp, greedy,
+                                     flight)
 
+    def _branch_outcomes(self, seqs, states, bases, k: int, budgets: list[int], budget: int, C: torch.Tensor,
+                         served: torch.Tensor, tables: torch.Tensor, feats: torch.Tensor, sp: SamplingSettings,
+                         greedy: bool, flight: _InFlight) -> bool:
+        """From the features g_0..g_k ([n, k+1, H]) of the n sequences: the outcomes, the branches' block tables, the
+        branch pass, and each sequence's Branches. C [n], served [n, k], tables [n, w] int32 (host)."""
+        p, model = self.proposer, self.model
+        dev, bs, n = p.device, p.block_size, len(seqs)
+        graphs = p.decode_graphs
         # ---- outcomes: F_a candidates per a, the rejected draft excluded ----
         if flight.should_stop():
             return False

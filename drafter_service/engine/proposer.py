@@ -67,6 +67,7 @@ class _Drafts:
         self.top_k = top_k
         self.columns: list[tuple[list[int], DraftSample]] = []  # (batch index of each row, samples of the rows)
         self.host_tokens: list[list[int]] | None = None  # greedy graph path: [B] token lists, already on the host
+        self.features: dict[int, torch.Tensor] = {}  # batch index -> [k, H] g_0..g_{k-1} (pre-drafting, eager path)
 
     def add(self, rows: list[int], sample: DraftSample) -> None:
         self.columns.append((rows, sample))
@@ -330,7 +331,7 @@ class Proposer:
                     self.table.release(a.seq.namespace, a.seq.sequence_id)
         elif batch:
             try:
-                drafts, logprobs, top_ids, top_probs = self._run(batch)
+                drafts, logprobs, top_ids, top_probs, features = self._run(batch)
             except Exception as e:  # never leave a sequence claiming KV it may not have
                 log.exception("step failed")
                 self._fail_batch(batch, outputs, e)
@@ -345,7 +346,7 @@ class Proposer:
                     self.on_fatal(self.fatal)
             else:
                 self._failed_in_a_row = 0
-                for a, d, lp, ti, tp in zip(batch, drafts, logprobs, top_ids, top_probs):
+                for i, (a, d, lp, ti, tp) in enumerate(zip(batch, drafts, logprobs, top_ids, top_probs)):
                     p, m = a.step.start_position, a.step.num_tokens
                     a.seq.committed_len = p + m
                     a.seq.last_drafts, a.seq.last_drafts_base = d, p + m
@@ -354,7 +355,7 @@ class Proposer:
                     out.logprobs = lp if a.step.return_logprobs else []
                     out.top_k_ids, out.top_k_probs = ti, tp
                     if a.seq.predraft is not None:
-                        self.predraft.after_step(a, d)
+                        self.predraft.after_step(a, d, features.get(i))
         self.metrics.record_step(steps, outputs, time.perf_counter() - t0, self.kv.pool.num_free,
                                  self.kv.pool.num_blocks)
         self.metrics.live_sequences = len(self.table)
@@ -410,7 +411,7 @@ class Proposer:
             drafts = self._run_multi_layer(batch)
         else:
             raise ValueError(f"unknown drafting structure {drafting!r}")
-        return drafts.finish()
+        return (*drafts.finish(), drafts.features)
 
     # ---- sequential: first step over the committed rows, then one row per further draft ----
 
@@ -443,6 +444,11 @@ class Proposer:
         # ---- end CUDA fast path ----
         out.add(active, sample)
         tok, hidden_prev = sample.tokens, self.model.next_hidden(head_last)
+        # pre-drafting: with one k for every drafting sequence the features g_0..g_{k-1} of the decode rows are kept
+        # for its forced pass (predraft.py), which then needs to run only the row of draft k
+        keep_features = (any(a.seq.predraft is not None for a in batch)
+                         and len({ks[i] for i in active}) == 1)
+        features = [hidden_prev] if keep_features else None
         # decode steps j = 1..k-1: one row per sequence still drafting, at position C-1+j; the rows' block tables
         # and base positions are tensors, narrowed only when a sequence's k runs out
         ks_t = torch.tensor(ks)
@@ -471,6 +477,11 @@ class Proposer:
             sample = self._select(self.model.compute_logits(step_out), active, (positions + 1).tolist(), sp)
             out.add(active, sample)
             tok, hidden_prev = sample.tokens, self.model.next_hidden(step_out)
+            if features is not None:
+                features.append(hidden_prev)
+        if features is not None:  # g_0 and the k-1 decode rows' outputs
+            kept = torch.stack(features, 1)  # [n, k, H]: g_0..g_{k-1} of the drafting sequences, in active order
+            out.features = {i: kept[r] for r, i in enumerate(active) if batch[i].seq.predraft is not None}
         return out
 
     # ---- parallel (P-EAGLE): the committed rows and k-1 masked rows in one forward ----
