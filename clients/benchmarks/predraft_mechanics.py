@@ -153,6 +153,17 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
     asyncio.run_coroutine_threadsafe(server.start(), loop).result(600)
     proposer = server.runtime.proposer
     address = next(a for a in server.bound_addresses if a.startswith("unix:"))
+    step_s: list[float] = []  # the proposer's own step times (server side), to split the wait into step and the rest
+    plain_step = proposer.step
+
+    def timed_step(inputs):
+        t0 = time.perf_counter()
+        try:
+            return plain_step(inputs)
+        finally:
+            step_s.append(time.perf_counter() - t0)
+
+    proposer.step = timed_step
     width, vocab = server.runtime.limits.hidden_states_width, server.runtime.limits.vocab_size
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
@@ -202,6 +213,7 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
             # phase 1: pre-drafting off. phase 2: on; a step takes a prepared outcome for every sequence when all
             # of them have branches (a hit), else an unprepared one (a miss, or "busy" when the pass still ran)
             waits = {"plain": [], "predraft": []}
+            server_step = {"plain": [], "predraft": []}
             kinds = {"hit": [], "miss": [], "busy": []}
             for phase, f in (("plain", 0), ("predraft", budget)):
                 for i in range(iters + 2):
@@ -217,6 +229,7 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
                     assert all(r.predrafted for r in res.sequences) == (kind == "hit")
                     if i >= 2:
                         waits[phase].append(dt)
+                        server_step[phase].append(step_s[-1])
                         if f:
                             kinds[kind].append(dt)
             await client.release(ids)
@@ -227,6 +240,7 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
                     "sidecar_plain_p99": sorted(waits["plain"])[int(0.99 * len(waits["plain"]))] * 1e3,
                     **{f"sidecar_{kind}": med(v) for kind, v in kinds.items()},
                     **{f"sidecar_{kind}_steps": len(v) for kind, v in kinds.items()},
+                    "server_step_plain": med(server_step["plain"]), "server_step_predraft": med(server_step["predraft"]),
                     "server_passes": c.passes, "server_passes_stopped": c.passes_stopped,
                     "server_passes_skipped": c.passes_skipped}
 
@@ -294,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"(hit {r['sidecar_hit_steps']} x {fmt(r['sidecar_hit'])}, miss {r['sidecar_miss_steps']} x "
                       f"{fmt(r['sidecar_miss'])}, busy {r['sidecar_busy_steps']} x {fmt(r['sidecar_busy'])}); passes "
                       f"{r['server_passes']} done, {r['server_passes_stopped']} stopped, {r['server_passes_skipped']} "
-                      "skipped", flush=True)
+                      f"skipped; the proposer's step off / on {fmt(r['server_step_plain'])} / "
+                      f"{fmt(r['server_step_predraft'])}", flush=True)
     out = {"benchmark": "predraft_mechanics",
            "command": shlex.join(["python", "-m", "drafter_client.benchmarks.predraft_mechanics",
                                   *(sys.argv[1:] if argv is None else argv)]),
