@@ -249,18 +249,27 @@ class Predrafter:
             self._settings_from(st, a)
         return False
 
-    def after_step(self, a, drafts: list[int], features: torch.Tensor | None = None) -> None:
-        """After a plain step answered a sequence: its next pass prepares from this step (features: [k, H], the
-        step's own g_0..g_{k-1}, when it kept them)."""
-        st: PredraftState | None = a.seq.predraft
-        if st is None or not drafts:
+    def after_step(self, answered: list[tuple]) -> None:
+        """After a plain step: (admitted, drafts, features or None) of each pre-drafting sequence it answered; their
+        next pass prepares from it (features: [k, H], the step's own g_0..g_{k-1}, when it kept them). The last
+        committed row of each (token and target state) is copied once for all of them."""
+        answered = [(a, d, f) for a, d, f in answered if d and a.seq.predraft is not None]
+        if not answered:
             return
-        s = a.step
-        C = s.start_position + s.num_tokens
-        st.basis = Basis(C - 1, s.token_ids[-1:].clone(), s.hidden_states[-1:].clone(), s.next_token, list(drafts),
-                         pending=False, features=features if features is not None and features.shape[0] == len(drafts)
-                         else None)
-        self._waiting[(a.seq.namespace, a.seq.sequence_id)] = a.seq
+        tokens = torch.stack([a.step.token_ids[-1] for a, _, _ in answered])  # [n] x[C-1]
+        states = [a.step.hidden_states[-1] for a, _, _ in answered]
+        if len({(h.device, h.dtype) for h in states}) == 1:
+            hidden = torch.stack(states)  # [n, W]: one copy (the step's own tensors may be reused by the client)
+            last = [hidden[i : i + 1] for i in range(len(answered))]
+        else:
+            last = [h[None].clone() for h in states]
+        for i, (a, drafts, features) in enumerate(answered):
+            s = a.step
+            a.seq.predraft.basis = Basis(
+                s.start_position + s.num_tokens - 1, tokens[i : i + 1], last[i], s.next_token, list(drafts),
+                pending=False, features=features if features is not None and features.shape[0] == len(drafts)
+                else None)
+            self._waiting[(a.seq.namespace, a.seq.sequence_id)] = a.seq
 
     def failed(self, seq: Sequence) -> None:
         """The sequence's step failed: nothing of its pre-drafting is kept."""
@@ -353,14 +362,18 @@ class Predrafter:
             st = seq.predraft
             b = st.basis
             k = st.num_drafts
-            # room for every branch's k drafts below max_model_len, and the forced decode's scratch KV (to C+k-1);
-            # a sequence without it prepares nothing (pending rows then run with its next step)
-            if (b is not None and k >= 1 and b.end + 2 * k + 1 < p.max_model_len
-                    and p.table.resize(seq, max(b.end + k, len(seq.block_table) * p.block_size))):
+            # room for every branch's k drafts below max_model_len (else nothing is prepared: pending rows then run
+            # with the sequence's next step)
+            if b is not None and k >= 1 and b.end + 2 * k + 1 < p.max_model_len:
                 groups.setdefault((k, b.features is not None), []).append(seq)
         for i, ((k, _), seqs) in enumerate(groups.items()):
             if not self._fits(len(seqs)):  # it would delay the next step: prepare nothing this time
                 self.counters.passes_skipped += 1
+                continue
+            # the forced decode's scratch KV reaches position C+k-1; a sequence the pool cannot extend is left out
+            seqs = [seq for seq in seqs if p.table.resize(
+                seq, max(seq.predraft.basis.end + k, len(seq.block_table) * p.block_size))]
+            if not seqs:
                 continue
             t0 = time.perf_counter()
             finished = self._prepare_group(seqs, k, _InFlight(p.device, should_stop))

@@ -346,6 +346,7 @@ class Proposer:
                     self.on_fatal(self.fatal)
             else:
                 self._failed_in_a_row = 0
+                predrafting = []
                 for i, (a, d, lp, ti, tp) in enumerate(zip(batch, drafts, logprobs, top_ids, top_probs)):
                     p, m = a.step.start_position, a.step.num_tokens
                     a.seq.committed_len = p + m
@@ -355,7 +356,9 @@ class Proposer:
                     out.logprobs = lp if a.step.return_logprobs else []
                     out.top_k_ids, out.top_k_probs = ti, tp
                     if a.seq.predraft is not None:
-                        self.predraft.after_step(a, d, features.get(i))
+                        predrafting.append((a, d, features.get(i)))
+                if predrafting:
+                    self.predraft.after_step(predrafting)
         self.metrics.record_step(steps, outputs, time.perf_counter() - t0, self.kv.pool.num_free,
                                  self.kv.pool.num_blocks)
         self.metrics.live_sequences = len(self.table)
