@@ -115,6 +115,9 @@ class DecodeGraphs:
             self.draft_column = torch.zeros(1, dtype=torch.int64, **z)
             # columns 0..K: an engine step's drafts 1..K, or a pre-drafting branch's bonus token and drafts 1..K
             self.drafts_out = torch.zeros(max_bs, max_drafts + 1, dtype=torch.int64, **z)
+            # column j: the head's output g_j that step j + 1 takes as its hidden input (g_0 from the first step);
+            # pre-drafting's forced pass reuses g_0..g_{k-1} of a plain step (predraft.py)
+            self.hidden_steps = torch.zeros(max_bs, max_drafts + 1, H, dtype=dtype, **z)
             # where drafts_out lands on the host: pinned, so that the copy is asynchronous until the one sync
             self.drafts_host = (torch.zeros(max_bs, max_drafts + 1, dtype=torch.int64, pin_memory=True)
                                 if device.type == "cuda" else None)
@@ -165,6 +168,8 @@ class DecodeGraphs:
         # drafts_out[:, column] = this step's draft (the clamp only matters for the warm-up and capture runs)
         self.draft_column.add_(1).clamp_(max=self.max_drafts)
         self.drafts_out[:bs].scatter_(1, self.draft_column.expand(bs, 1), input_ids[:, None])
+        self.hidden_steps[:bs].scatter_(1, self.draft_column.view(1, 1, 1).expand(bs, 1, hidden.shape[1]),
+                                        hidden[:, None])
 
     def _first_step(self, bs: int, m: int) -> None:
         """The first draft step of a uniform batch of bs (padded) sequences with m rows each, on the static rows;
@@ -179,6 +184,7 @@ class DecodeGraphs:
         draft = ops.argmax(self.model.compute_logits(last), out=self.draft_ids[:bs])
         self.input_ids[:bs].copy_(self.model.draft_to_target(draft))
         self.hidden[:bs].copy_(self.model.next_hidden(last))
+        self.hidden_steps[:bs, 0].copy_(self.hidden[:bs])
         self.drafts_out[:bs, 0] = self.input_ids[:bs]
         self.draft_column.zero_()
 
@@ -240,7 +246,7 @@ class DecodeGraphs:
         buffer_bytes = sum(t.numel() * t.element_size() for t in (
             self.input_ids, self.hidden, self.positions, self.seq_lens, self.slot_mapping, self.block_tables,
             self.steps_left, self.query_start_loc, self.draft_ids, self.fs_input_ids, self.fs_hidden,
-            self.fs_positions, self.fs_slots, self.drafts_out))
+            self.fs_positions, self.fs_slots, self.drafts_out, self.hidden_steps))
         log.info("captured %d decode CUDA graphs (batch sizes %s) and %d first-step graphs (uniform batches of up to "
                  "%d sequences with 1..%d tokens each) in %.2f s; they hold %.1f MiB of device memory (graph pool, "
                  "kernels, workspaces), plus %.1f MiB of static buffers", len(self.graphs),
@@ -275,6 +281,7 @@ class DecodeGraphs:
         self._load_decode_rows(md, n, bs)
         self.input_ids[:n].copy_(first_tokens)
         self.hidden[:n].copy_(hidden)
+        self.hidden_steps[:n, 0].copy_(hidden)
         self.drafts_out[:n, 0].copy_(first_tokens)
         self.draft_column.zero_()
         return self._decode_and_collect(md, out, n, bs)
@@ -295,6 +302,11 @@ class DecodeGraphs:
         self._replay_first(bs, m)
         self.first_steps_run += 1
         return self._decode_and_collect(md, out, B, bs)
+
+    def kept_features(self, n: int, k: int) -> torch.Tensor:
+        """After an engine step of uniform k: g_0..g_{k-1} of its n drafting rows, [n, k, H] (a copy: the next
+        replays overwrite the buffer)."""
+        return self.hidden_steps[:n, :k].clone()
 
     def fits(self, n: int, steps: int) -> bool:
         """Whether run_rows can take n rows of `steps` decode steps."""

@@ -429,7 +429,7 @@ class Proposer:
         out = _Drafts(B, [a.step.top_k_probs for a in batch])
         # ---- CUDA fast path (cuda_graphs.py): a uniform greedy batch replays the first step from a graph too ----
         if sp.greedy_only and self.decode_graphs is not None and self.decode_graphs.can_run_first_step(md):
-            return self.decode_graphs.draft_all(md, out)
+            return self._keep_graph_features(batch, md, self.decode_graphs.draft_all(md, out))
         hidden_in = self.model.combine_hidden_states(md.hidden_states)
         head_out = self.model.forward(md.input_ids, hidden_in, meta, self.kv_layers)
 
@@ -443,7 +443,8 @@ class Proposer:
         sample = self._select(self.model.compute_logits(head_last), active, [seq_lens[i] for i in active], sp)
         # ---- CUDA fast path (cuda_graphs.py): greedy decode steps replayed from CUDA graphs, one copy to host ----
         if sp.greedy_only and self.decode_graphs is not None and self.decode_graphs.can_run(md):
-            return self.decode_graphs.draft(md, out, sample.tokens, self.model.next_hidden(head_last))
+            return self._keep_graph_features(
+                batch, md, self.decode_graphs.draft(md, out, sample.tokens, self.model.next_hidden(head_last)))
         # ---- end CUDA fast path ----
         out.add(active, sample)
         tok, hidden_prev = sample.tokens, self.model.next_hidden(head_last)
@@ -485,6 +486,15 @@ class Proposer:
         if features is not None:  # g_0 and the k-1 decode rows' outputs
             kept = torch.stack(features, 1)  # [n, k, H]: g_0..g_{k-1} of the drafting sequences, in active order
             out.features = {i: kept[r] for r, i in enumerate(active) if batch[i].seq.predraft is not None}
+        return out
+
+    def _keep_graph_features(self, batch: list[_Admitted], md: StepMetadata, out: _Drafts) -> _Drafts:
+        """After the graphs drafted a step of uniform k: the pre-drafting sequences' features g_0..g_{k-1}, for their
+        forced pass (as the eager loop keeps them)."""
+        ks = {md.num_drafts[i] for i in md.active}
+        if len(ks) == 1 and any(batch[i].seq.predraft is not None for i in md.active):
+            kept = self.decode_graphs.kept_features(len(md.active), ks.pop())
+            out.features = {i: kept[r] for r, i in enumerate(md.active) if batch[i].seq.predraft is not None}
         return out
 
     # ---- parallel (P-EAGLE): the committed rows and k-1 masked rows in one forward ----
