@@ -297,3 +297,23 @@ def test_a_pass_that_would_outlast_the_idle_window_is_not_started(tiny_model, tm
     assert 30 < tries < 40
     pd.observe_window(1.0)  # long verifications from now on: the average follows
     assert pd.window_s > 0.1
+
+
+def test_branches_give_way_when_a_step_needs_room(tiny_model, tmp_path):
+    """A full pool: a new sequence's step takes the blocks of prepared branches (dropped first) before any live
+    sequence is evicted or the step refused."""
+    head, target = tiny_model
+    rt = build_runtime(make_config(head, target, tmp_path, kv_cache_tokens=512, max_model_len=512))
+    proposer, width = rt.proposer, rt.limits.hidden_states_width
+    pd, pool = proposer.predraft, proposer.kv.pool
+    out = proposer.step([StepInput(NS, "a", 0, torch.arange(300), torch.randn(300, width), 3, 5,
+                                   predraft_branches=32)])[0]
+    assert out.code == 0 and pd.prepare(lambda: False)
+    assert pd.branch_blocks > 0
+    need = pool.num_free + 1  # blocks: more than are free, fewer than free + the branches' blocks
+    assert need * proposer.block_size < 512 and pool.num_free + pd.branch_blocks >= need
+    m = need * proposer.block_size - 4 - 1  # p + m + k - 1 positions: exactly `need` blocks
+    out = proposer.step([StepInput(NS, "b", 0, torch.arange(m), torch.randn(m, width), 3, 5)])[0]
+    assert out.code == 0, out.message
+    assert pd.branch_blocks == 0 and proposer.table.get(NS, "a") is not None  # nobody evicted
+    assert proposer.table.counters.evicted == 0

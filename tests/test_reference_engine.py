@@ -95,6 +95,29 @@ async def test_greedy_is_plain_greedy_decoding(bundled_server, target, greedy_pr
     assert free == total
 
 
+async def test_greedy_with_predrafting_is_plain_greedy_decoding(bundled_server, target, greedy_prompts, hf_greedy):
+    """Pre-drafting on (docs/predraft.md): the same tokens; the drafter counts acceptance on hits too; every block,
+    branch blocks included, is free at the end. (Whether passes fit between this engine's steps depends on the
+    machine: the fit check is off here so that they run, stopped or not; test_predraft.py checks the hits.)"""
+    pd = bundled_server.server.runtime.proposer.predraft
+    pd._fits = lambda n: True
+    try:
+        async with DrafterClient(bundled_server.uds, namespace="predraft") as drafter:
+            engine = ReferenceEngine(target, drafter, await drafter.get_info())
+            result = await engine.generate(greedy_prompts, SpecConfig(max_new_tokens=40, num_drafts=3,
+                                                                      predraft_branches=8))
+    finally:
+        del pd._fits
+    assert result.tokens == hf_greedy
+    acc = result.acceptance
+    assert acc.accepted_sent_back == acc.drafter_counted_accepted
+    assert 0 <= acc.predrafted_steps <= acc.answered_steps and acc.answered_steps > 0
+    assert pd.counters.passes + pd.counters.passes_stopped > 0
+    free, total = bundled_server.call(lambda: (bundled_server.server.runtime.kv.pool.num_free,
+                                               bundled_server.server.runtime.kv.num_blocks))
+    assert free == total and pd.branch_blocks == 0
+
+
 async def test_eos_stops_a_sequence(bundled_server, target, greedy_prompts, hf_greedy):
     eos = hf_greedy[0][5]  # a token the first prompt's greedy continuation emits at step 6
     async with DrafterClient(bundled_server.uds, namespace="eos") as drafter:
