@@ -94,8 +94,11 @@ def paged_attention_batched(
     in_ctx = torch.arange(L)[None, :] < ctx[:, None]  # [B, L]
     # [B, Hkv, L, D] views of one gathered copy each. Scores of positions outside the context are replaced by -inf
     # (NaN or not); V there is zeroed, since 0 * NaN would still be NaN.
-    k = k_cache[blocks].float().view(B, L, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache[blocks].float().view(B, L, num_kv_heads, head_dim)
+    # (index_select on [num_blocks, block_size * Hkv * D] rows: ~5x faster on the CPU than k_cache[blocks])
+    flat = blocks.reshape(-1)
+    k = torch.index_select(k_cache.reshape(k_cache.shape[0], -1), 0, flat).float()
+    k = k.view(B, L, num_kv_heads, head_dim).transpose(1, 2)
+    v = torch.index_select(v_cache.reshape(v_cache.shape[0], -1), 0, flat).float().view(B, L, num_kv_heads, head_dim)
     v = v.masked_fill_(~in_ctx[:, :, None, None], 0.0).transpose(1, 2)
     # query rows, padded per sequence: row j of sequence b is q[starts[b] + j] for j < q_lens[b]
     j = torch.arange(max_q)
