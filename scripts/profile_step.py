@@ -1,9 +1,12 @@
 """Profile one in-process engine step on CUDA (torch.profiler): GPU kernel time by kernel vs wall time.
 
-    python scripts/profile_step.py --preset llama3-8b --batch 1      # prints a table; --trace DIR writes a trace
+    python scripts/profile_step.py --preset llama3-8b --batches 1,128    # prints a table per batch size
+    python scripts/profile_step.py --batches 128 --host-profile         # + the python functions by own time
 """
 import argparse
+import cProfile
 import pathlib
+import pstats
 import sys
 import tempfile
 import time
@@ -24,6 +27,8 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--m", type=int, default=3)
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also run cProfile over 10 steps and print the python functions by own time (host work)")
     a = ap.parse_args()
     shape = b.PRESETS[a.preset]
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,6 +61,14 @@ def main() -> int:
             print(f"\n=== batch {batch}: wall {wall * 1e3:.2f} ms/step, GPU kernel time {gpu_total:.2f} ms/step, "
                   f"idle GPU {wall * 1e3 - gpu_total:.2f} ms ===")
             print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
+            if a.host_profile:
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(10):
+                    rt.proposer.step(inputs)
+                prof.disable()
+                print(f"--- batch {batch}: python functions by own time over 10 steps (cProfile adds overhead) ---")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(30)
             for s in inputs:
                 rt.proposer.table.release("bench", s.sequence_id)
     return 0
