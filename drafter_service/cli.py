@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     ap.add_argument("--no-tune-malloc", action="store_true",
                     help="leave glibc's malloc thresholds alone (by default large blocks are kept in the heap: "
                          "messages of many MiB then cost no page faults; docs/performance.md)")
+    ap.add_argument("--cpu-threads", type=int, default=d.cpu_threads,
+                    help="on CPU: torch threads for the draft step (0 = one per core); where the engine runs on the "
+                         "same cores, give the drafter its share (docs/performance.md)")
     ap.add_argument("--metrics-port", type=int, default=d.metrics_port,
                     help="Prometheus metrics on http://[::]:PORT/metrics, IPv6 and IPv4 (0 = off; docs/deployment.md)")
     ap.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
@@ -128,6 +131,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port,
         max_chunked_bytes=a.max_chunked_bytes, max_chunked_bytes_per_namespace=a.max_chunked_bytes_per_namespace,
         chunked_upload_timeout_s=a.chunked_upload_timeout_s, tune_malloc=not a.no_tune_malloc,
+        cpu_threads=a.cpu_threads,
         shutdown_grace_s=a.shutdown_grace_s, log_level=a.log_level, shared_memory=not a.no_shared_memory,
         shm_dir=a.shm_dir, shm_lease_s=a.shm_lease_s, cuda_graphs=a.cuda_graphs,
         first_step_graph_tokens=a.first_step_graph_tokens, step_channels=not a.no_step_channels,

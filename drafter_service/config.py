@@ -35,6 +35,10 @@ class ServerConfig:
     # Large blocks (messages, staging tensors) stay in the heap instead of fresh mmaps that every use page-faults
     # in again (server.keep_large_blocks_in_heap; docs/performance.md "Large steps over TCP"). glibc only.
     tune_malloc: bool = True
+    # CPU only: torch's intra-op threads for the draft step; 0 = torch's default (one per core). Where the engine
+    # shares the cores (a CPU sidecar), give each a share: two busy thread pools on the same cores slow both
+    # (docs/performance.md "CPU: a thread budget for the drafter")
+    cpu_threads: int = 0
     metrics_port: int = 0  # Prometheus metrics on http://[::]:PORT/metrics (IPv6 and IPv4); 0 = off
     shutdown_grace_s: float = 30.0
     log_level: str = "INFO"
@@ -80,6 +84,8 @@ class ServerConfig:
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128 (got {self.block_size})")
         if self.max_draft_tokens < 1:
             raise ValueError("max_draft_tokens must be >= 1")
+        if self.cpu_threads < 0:
+            raise ValueError("cpu_threads must be >= 0 (0: torch's default)")
         if self.first_step_graph_tokens < 0:
             raise ValueError("first_step_graph_tokens must be >= 0")
         if not self.listen:

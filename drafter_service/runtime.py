@@ -112,6 +112,8 @@ def build_runtime(cfg: ServerConfig) -> Runtime:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
+    elif cfg.cpu_threads:  # (process-wide: the step thread's ops use torch's intra-op pool)
+        torch.set_num_threads(cfg.cpu_threads)
     import json
     import pathlib
 

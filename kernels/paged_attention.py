@@ -67,9 +67,12 @@ def paged_attention_batched(
     the CPU serving path (ops.paged_attention on CPU tensors; the reference stays the plain loop that tests compare
     against). Every sequence's context is gathered into one padded [B, L, Hkv, D] tensor (L: the longest context,
     whole blocks) and its query rows into a padded [B, Hkv, G*Q, D] (Q: the longest query, G query heads per KV
-    head), so that two batched matmuls do the whole batch; padding is masked out.
+    head), so that two batched matmuls per KV head do the whole batch; padding is masked out.
+    The matmuls read K and V of one KV head as strided [B, L, D] views of the gathered copy (rows Hkv*D apart): BLAS
+    takes such matrices as they are, where a [B, Hkv, L, D] transpose would first be copied (that copy cost as much
+    as the attention itself on the CPU: batch 128 x 256 positions, 1 thread, 9-11 -> 4-5.4 ms per call).
     When padding would more than double the work of the per-sequence loop (a long prefill beside short decodes),
-    the loop runs instead."""
+    and for one sequence (fewer ops), the loop runs instead."""
     B = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -77,6 +80,8 @@ def paged_attention_batched(
     out = torch.empty_like(q) if out is None else out
     if B == 0 or q.shape[0] == 0:
         return out
+    if B == 1:
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=out)
     starts = query_start_loc.to(torch.int64)
     q_lens = starts[1:] - starts[:-1]  # [B]
     ctx = seq_lens.to(torch.int64)
@@ -92,27 +97,33 @@ def paged_attention_batched(
     blocks = torch.where(owned, block_tables[:, :n_blocks].long(), 0)
     L = n_blocks * block_size
     in_ctx = torch.arange(L)[None, :] < ctx[:, None]  # [B, L]
-    # [B, Hkv, L, D] views of one gathered copy each. Scores of positions outside the context are replaced by -inf
-    # (NaN or not); V there is zeroed, since 0 * NaN would still be NaN.
+    # One gathered copy each of K and V, [B, L, Hkv, D]. The positions outside a sequence's context (the rest of its
+    # last block, block 0 read in place of blocks it does not own) may hold anything, NaN included: they are zeroed,
+    # then masked by a -inf bias.
     # (index_select on [num_blocks, block_size * Hkv * D] rows: ~5x faster on the CPU than k_cache[blocks])
     flat = blocks.reshape(-1)
-    k = torch.index_select(k_cache.reshape(k_cache.shape[0], -1), 0, flat).float()
-    k = k.view(B, L, num_kv_heads, head_dim).transpose(1, 2)
+    k = torch.index_select(k_cache.reshape(k_cache.shape[0], -1), 0, flat).float().view(B, L, num_kv_heads, head_dim)
     v = torch.index_select(v_cache.reshape(v_cache.shape[0], -1), 0, flat).float().view(B, L, num_kv_heads, head_dim)
-    v = v.masked_fill_(~in_ctx[:, :, None, None], 0.0).transpose(1, 2)
+    outside = (~in_ctx).nonzero(as_tuple=True)  # (batch index, position) of each position outside the context
+    if outside[0].numel():
+        k[outside] = 0.0
+        v[outside] = 0.0
     # query rows, padded per sequence: row j of sequence b is q[starts[b] + j] for j < q_lens[b]
     j = torch.arange(max_q)
     row_valid = j[None, :] < q_lens[:, None]  # [B, Q]
     rows = (starts[:-1, None] + j[None, :]).clamp(max=q.shape[0] - 1)  # [B, Q]
     # GQA: query head h = kv * group + g reads KV head kv; the group's heads and rows share one matmul
-    qp = q[rows].float().reshape(B, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [B,Hkv,G,Q,D]
-    scores = torch.matmul(qp.reshape(B, num_kv_heads, group * max_q, head_dim), k.transpose(2, 3))  # [B,Hkv,G*Q,L]
-    scores = scores.view(B, num_kv_heads, group, max_q, L)
+    qp = q[rows].float().reshape(B, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).reshape(
+        B, num_kv_heads, group * max_q, head_dim)  # [B, Hkv, G*Q, D]
     q_pos = ctx[:, None] - q_lens[:, None] + j[None, :]  # [B, Q] position of each query row
     masked = torch.arange(L)[None, None, :] > q_pos[:, :, None]  # [B, Q, L] future positions, and past the context
-    scores.mul_(scale).masked_fill_(masked[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # (padding rows: all -inf)
-    o = torch.matmul(probs.view(B, num_kv_heads, group * max_q, L), v)  # [B, Hkv, G*Q, D]
+    bias = torch.zeros(B, 1, max_q, L, device=q.device).masked_fill_(masked[:, None], float("-inf"))
+    bias = bias.expand(B, group, max_q, L).reshape(B, group * max_q, L)  # [B, G*Q, L], one for every KV head
+    o = torch.empty(B, num_kv_heads, group * max_q, head_dim, device=q.device)
+    for h in range(num_kv_heads):
+        scores = torch.baddbmm(bias, qp[:, h], k[:, :, h].transpose(1, 2), alpha=scale)  # [B, G*Q, L]
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+        torch.matmul(probs, v[:, :, h], out=o[:, h])  # [B, G*Q, D]
     o = o.view(B, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4).reshape(B, max_q, num_q_heads,
                                                                                         head_dim)
     out[rows[row_valid]] = o[row_valid].to(out.dtype)

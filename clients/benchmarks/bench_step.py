@@ -309,6 +309,10 @@ def main() -> int:
                     help="CUDA: decode steps from CUDA graphs (in-process and sidecar)")
     ap.add_argument("--graphs-ab", action="store_true",
                     help="CUDA: also time the in-process proposer with --no-cuda-graphs (column eager ms)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU: torch threads of the in-process proposer and of the drafter (--cpu-threads), the same "
+                         "for both (default: half the cores, the other half being the engine's, as drafter-demo "
+                         "does; 0: torch's default, one per core, in both)")
     ap.add_argument("--drafter-flag", action="append", default=[],
                     help="an extra drafter-serve flag for the sidecar runs, e.g. --drafter-flag=--step-channel-"
                          "checksums=on (repeatable)")
@@ -322,6 +326,13 @@ def main() -> int:
     dtype_bytes = 2 if dtype in ("bfloat16", "float16") else 4
     max_len = max(context, a.prefill_tokens) + 64
     kv_tokens = (max(batches) + 8) * (context + 96) + max_len
+    threads = None  # CPU: torch threads of both the in-process proposer and the drafter (None: torch's default)
+    if device.type == "cpu":
+        threads = a.threads if a.threads is not None else max(1, (os.cpu_count() or 2) // 2)
+        if threads:
+            torch.set_num_threads(threads)
+            a.drafter_flag = [f"--cpu-threads={threads}", *a.drafter_flag]
+        print(f"CPU: {torch.get_num_threads()} torch thread(s) in-process and in the drafter", flush=True)
     from drafter_service.config import ServerConfig
     from drafter_service.runtime import build_runtime
 
@@ -387,12 +398,13 @@ def main() -> int:
                 if t_ipc is not None:
                     row.update(sidecar_channel_cuda_ipc_ms=t_ipc * 1e3,
                                channel_cuda_ipc_over_in_process=t_ipc * 1e3 / row["in_process_ms"])
-                    if ch_parts:  # means per channel step, server side: the proposer step, and parse/wait/reply
-                        row.update(channel_worker_ms=ch_parts["worker"] * 1e3, channel_parse_ms=ch_parts["parse"] * 1e3,
-                                   channel_wait_ms=ch_parts["wait"] * 1e3, channel_reply_ms=ch_parts["reply"] * 1e3)
-                        print(f"  channel, server side (mean): worker {ch_parts['worker'] * 1e3:.3f} ms, parse "
-                              f"{ch_parts['parse'] * 1e3:.3f}, wait {ch_parts['wait'] * 1e3:.3f}, reply "
-                              f"{ch_parts['reply'] * 1e3:.3f}", flush=True)
+                if ch_parts:  # means per channel step, server side: the proposer step, and parse/wait/reply
+                    row.update(channel_worker_ms=ch_parts["worker"] * 1e3, channel_parse_ms=ch_parts["parse"] * 1e3,
+                               channel_wait_ms=ch_parts["wait"] * 1e3, channel_reply_ms=ch_parts["reply"] * 1e3,
+                               channel_worker_over_in_process=ch_parts["worker"] * 1e3 / row["in_process_ms"])
+                    print(f"  channel, server side (mean): worker {ch_parts['worker'] * 1e3:.3f} ms, parse "
+                          f"{ch_parts['parse'] * 1e3:.3f}, wait {ch_parts['wait'] * 1e3:.3f}, reply "
+                          f"{ch_parts['reply'] * 1e3:.3f}", flush=True)
                 print(f"sidecar batch {b}: {t * 1e3:.2f} ms (on one stream: {t_stream * 1e3:.2f} ms, through a step "
                       f"channel: {t_channel * 1e3 if t_channel else float('nan'):.2f} ms, channel + CUDA IPC: "
                       f"{t_ipc * 1e3 if t_ipc else float('nan'):.2f} ms)", flush=True)
@@ -412,6 +424,7 @@ def main() -> int:
                   command=" ".join(shlex.quote(x) for x in sys.argv), drafter_flags=a.drafter_flag, preset=a.preset,
                   shape=shape, dtype=dtype, context=context, m=a.m, k=a.k, iters=a.iters,
                   cuda_graphs=a.cuda_graphs and device.type == "cuda", bandwidth_gbps=bw / 1e9, rows=rows,
+                  cpu_threads=torch.get_num_threads() if device.type == "cpu" else None,
                   prefill=prefill)
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -420,7 +433,8 @@ def main() -> int:
     ab = all("in_process_eager_ms" in r for r in rows)
     print(f"{'batch':>5} {'in-proc ms':>11} {'sidecar ms':>11} {'side/in':>8} {'stream ms':>10} {'channel ms':>10} "
           f"{'chan/in':>8} {'ch+IPC ms':>10} {'floor ms':>9} {'in/floor':>9} "
-          f"{'payload KB':>11} {'srv worker':>10} {'srv parse':>9} {'srv wait':>9} {'srv reply':>9} {'transport':>9}"
+          f"{'payload KB':>11} {'srv worker':>10} {'ch worker':>9} {'chw/in':>7} {'srv parse':>9} {'srv wait':>9} "
+          f"{'srv reply':>9} {'transport':>9}"
           + (f" {'eager ms':>9}" if ab else ""))
     for r in rows:
         print(f"{r['batch']:>5} {r['in_process_ms']:>11.2f} {r['sidecar_ms']:>11.2f} "
@@ -428,7 +442,9 @@ def main() -> int:
               f"{r.get('sidecar_channel_ms', float('nan')):>10.2f} {r.get('channel_over_in_process', float('nan')):>8.2f} "
               f"{r.get('sidecar_channel_cuda_ipc_ms', float('nan')):>10.2f} {r['floor_ms']:>9.3f} "
               f"{r['in_process_over_floor']:>9.2f} "
-              f"{r['payload_bytes'] / 1024:>11.1f} {r['sidecar_worker_ms']:>10.2f} {r['server_parse_ms']:>9.2f} "
+              f"{r['payload_bytes'] / 1024:>11.1f} {r['sidecar_worker_ms']:>10.2f} "
+              f"{r.get('channel_worker_ms', float('nan')):>9.2f} "
+              f"{r.get('channel_worker_over_in_process', float('nan')):>7.2f} {r['server_parse_ms']:>9.2f} "
               f"{r['server_wait_ms']:>9.2f} {r['server_reply_ms']:>9.2f} {r['transport_and_client_ms']:>9.2f}"
               + (f" {r['in_process_eager_ms']:>9.2f}" if ab else ""))
     if prefill:

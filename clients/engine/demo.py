@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--predraft-branches", type=int, default=0,
                     help="> 0: the sidecar prepares each step's drafts for up to this many verification outcomes "
                          "while the target verifies (docs/predraft.md)")
+    ap.add_argument("--step-channel", action=argparse.BooleanOptionalAction, default=True,
+                    help="send the steps through a shared-memory step channel, the same-node path "
+                         "(docs/step_channel.md); --no-step-channel: one unary gRPC call per step")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present) for both processes")
     ap.add_argument("--chart", default=str(DEFAULT_CHART),
                     help="PNG of acceptance by draft position (its folder is made); '' for none")
@@ -108,10 +111,12 @@ async def run_engine(args: argparse.Namespace, address: str, device: str, target
     total = cfg.max_new_tokens * len(ids)
     async with DrafterClient(address, namespace="drafter-demo") as drafter:
         info = await drafter.get_info()
+        channel = args.step_channel and await drafter.open_step_channel()
         print(f"drafter: {info.model_name} ({info.method}) on {info.device} {info.model_dtype}; target: "
               f"{target_dir} on {device}; {len(ids)} prompts in one batch, k = {cfg.num_drafts}, "
               f"{'greedy' if cfg.temperature == 0 else f'temperature {cfg.temperature}'}, "
-              f"{cfg.max_new_tokens} new tokens each")
+              f"{cfg.max_new_tokens} new tokens each; steps through "
+              f"{'a shared-memory step channel' if channel else 'unary gRPC'}")
         args.target_parameters = sum(p.numel() for p in target.model.parameters())
         engine = ReferenceEngine(target, drafter, info)
         warm = dataclasses.replace(cfg, max_new_tokens=4)  # first calls pay one-time costs: keep them out of timing
