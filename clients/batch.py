@@ -3,8 +3,11 @@
 An engine that keeps its batch as tensors (positions, token ids, the states of the committed rows, the next tokens)
 hands them over as they are: ``DrafterClient.propose_batch(StepBatch(...))`` returns ``BatchDrafts`` with the
 drafts of all sequences in one tensor and per-sequence codes, counts and lengths as tensors. No Python object per
-sequence is built on either side of the call (the protocol's per-sequence messages are written from the columns
-in one pass). ``propose(list[SequenceStep])`` is the per-sequence convenience over the same request.
+sequence is built on the client's side of the call: with a drafter that takes columnar requests
+(GetInfo.step_columns_supported) the request carries the columns as tensors (ProposeRequest.columns) and the reply
+the results as tensors (ProposeResponse.result_columns); with an older one the protocol's per-sequence messages are
+written from the columns in one pass. ``propose(list[SequenceStep])`` is the per-sequence convenience over the same
+request.
 """
 from dataclasses import dataclass, field
 
@@ -16,6 +19,12 @@ from drafter_client.messages import (RESYNC_CODES, UNAVAILABLE, ChunkedRequest, 
 from drafter_client.protocol import pb
 from drafter_client.protocol.wire import decode_tensor, encode_tensor
 from drafter_client.shm_ring import SharedTensorRef
+
+
+# A batch of at least this many sequences goes as a columnar request (when the drafter takes them): below it the
+# per-sequence messages cost the host less (a few fixed tensor ops against a few message fields; on the dev CPU
+# both cost the same at 32 sequences, columns 0.69x at 64 and 0.58x at 128-256: benchmarks/bench_request_codec.py).
+COLUMNS_MIN_SEQUENCES = 32
 
 
 @dataclass
@@ -83,8 +92,50 @@ def _column(value, n: int, dtype: torch.dtype) -> list:
     return [value] * n
 
 
+def _column_tensor(value, n: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """A per-sequence column as a [n] CPU tensor of dtype: the tensor's values, or one value repeated."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != n:
+            raise ValueError(f"{name} has {value.numel()} values for {n} sequences")
+        return value.detach().reshape(-1).to(device="cpu", dtype=dtype)
+    return torch.full((n,), value, dtype=dtype)
+
+
+def build_column_request(namespace: str, batch: StepBatch, request_id: int = 0) -> "pb.ProposeRequest":
+    """The batch's ProposeRequest with the steps as columns (ProposeRequest.columns: tensors, no message per
+    sequence), all but the hidden states (serialize_batch adds them). Needs GetInfo.step_columns_supported."""
+    n = len(batch)
+    req = pb.ProposeRequest(namespace=namespace, request_id=request_id)
+    c = req.columns
+    c.sequence_ids.extend(batch.sequence_ids)
+    m = _column_tensor(batch.num_tokens, n, torch.int64, "num_tokens")
+    total = int(m.sum())
+    if batch.token_ids.numel() != total:
+        raise ValueError(f"token_ids has {batch.token_ids.numel()} values; num_tokens adds up to {total}")
+    encode_tensor(_column_tensor(batch.start_positions, n, torch.int64, "start_positions"), into=c.start_positions)
+    encode_tensor(m, into=c.num_tokens)
+    encode_tensor(_column_tensor(batch.next_tokens, n, torch.int64, "next_tokens"), into=c.next_tokens)
+    encode_tensor(_column_tensor(batch.num_drafts, n, torch.int64, "num_drafts"), into=c.num_drafts)
+    # the optional columns only when some sequence needs them (unset: 0 for every sequence)
+    if isinstance(batch.temperature, torch.Tensor) or batch.temperature:
+        encode_tensor(_column_tensor(batch.temperature, n, torch.float32, "temperature"), into=c.temperatures)
+    if isinstance(batch.seed, torch.Tensor) or batch.seed:
+        seeds = batch.seed
+        if not isinstance(seeds, torch.Tensor) and seeds >= 2**63:  # a uint64 seed as the int64 of the same bits
+            seeds -= 2**64
+        encode_tensor(_column_tensor(seeds, n, torch.int64, "seed"), into=c.seeds)
+    if isinstance(batch.predraft_branches, torch.Tensor) or batch.predraft_branches:
+        encode_tensor(_column_tensor(batch.predraft_branches, n, torch.int64, "predraft_branches"),
+                      into=c.predraft_branches)
+    c.return_logprobs = batch.return_logprobs
+    c.top_k_probs = batch.top_k_probs
+    encode_tensor(batch.token_ids.detach().reshape(-1).to(torch.int64).cpu(), into=req.token_ids)
+    return req
+
+
 def build_batch_request(namespace: str, batch: StepBatch, request_id: int = 0) -> "pb.ProposeRequest":
-    """Every field of the batch's ProposeRequest but the hidden states (serialize_batch adds them)."""
+    """Every field of the batch's ProposeRequest but the hidden states (serialize_batch adds them), as one
+    SequenceStep message per sequence (for a drafter without columnar requests)."""
     n = len(batch)
     m = _column(batch.num_tokens, n, torch.int64)
     p = _column(batch.start_positions, n, torch.int64)
@@ -108,12 +159,15 @@ def build_batch_request(namespace: str, batch: StepBatch, request_id: int = 0) -
 
 
 def serialize_batch(namespace: str, batch: StepBatch, hidden_states: "torch.Tensor | SharedTensorRef | None" = None,
-                    request_id: int = 0, chunk_min_bytes: int | None = None) -> "bytes | bytearray | ChunkedRequest":
+                    request_id: int = 0, chunk_min_bytes: int | None = None,
+                    columns: bool = False) -> "bytes | bytearray | ChunkedRequest":
     """The batch's serialized ProposeRequest (hidden_states: in place of the batch's own, e.g. a ring slot); a
-    ChunkedRequest for ProposeChunked when the inline states reach chunk_min_bytes (None: never)."""
+    ChunkedRequest for ProposeChunked when the inline states reach chunk_min_bytes (None: never). columns: the steps
+    as columns (the drafter's GetInfo.step_columns_supported), else one message per sequence."""
     states = batch.hidden_states if hidden_states is None else hidden_states
     parts = None if isinstance(states, SharedTensorRef) else [states]
-    return serialize_with_states(build_batch_request(namespace, batch, request_id), states, parts, chunk_min_bytes)
+    build = build_column_request if columns else build_batch_request
+    return serialize_with_states(build(namespace, batch, request_id), states, parts, chunk_min_bytes)
 
 
 def parse_batch_response(resp: "pb.ProposeResponse", sequence_ids: list[str]) -> BatchDrafts:
@@ -121,6 +175,8 @@ def parse_batch_response(resp: "pb.ProposeResponse", sequence_ids: list[str]) ->
     draft counts do not add up or it answers another number of sequences."""
     if resp.HasField("error") and resp.error.code != 0:
         raise DrafterError(_status_code(resp.error.code), resp.error.message)
+    if resp.HasField("result_columns"):
+        return _parse_result_columns(resp, sequence_ids)
     results = resp.results
     if len(results) != len(sequence_ids):
         raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply answers {len(results)} sequences of "
@@ -138,6 +194,41 @@ def parse_batch_response(resp: "pb.ProposeResponse", sequence_ids: list[str]) ->
                       needs_resync=torch.isin(codes, torch.tensor(sorted(RESYNC_CODES))),
                       messages={i: results[i].status.message for i in codes.nonzero().flatten().tolist()},
                       request_id=resp.request_id, predrafted=predrafted.to(torch.bool))
+    if resp.HasField("draft_logprobs"):
+        out.logprobs = decode_tensor(resp.draft_logprobs, "draft_logprobs", (pb.FLOAT32,), 1).clone()
+    if resp.HasField("draft_top_k_ids"):
+        out.top_k_ids = decode_tensor(resp.draft_top_k_ids, "draft_top_k_ids", (pb.INT64,), 2).clone()
+        out.top_k_probs = decode_tensor(resp.draft_top_k_probs, "draft_top_k_probs", (pb.FLOAT32,), 2).clone()
+    return out
+
+
+def _parse_result_columns(resp: "pb.ProposeResponse", sequence_ids: list[str]) -> BatchDrafts:
+    """parse_batch_response for a reply with ResultColumns (the answer to a columnar request)."""
+    n = len(sequence_ids)
+    cols = resp.result_columns
+
+    def column(name: str, allowed: tuple[int, ...]) -> torch.Tensor:
+        try:
+            x = decode_tensor(getattr(cols, name), f"result_columns.{name}", allowed, 1)
+        except ValueError as e:
+            raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply is malformed: {e}") from None
+        if x.shape[0] != n:
+            raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply answers {x.shape[0]} sequences of {n}")
+        return x.to(torch.int64)
+
+    codes = column("status_codes", (pb.INT32,))
+    counts = column("num_drafts", (pb.INT32,))
+    flat = decode_tensor(resp.draft_token_ids, "draft_token_ids", (pb.INT64,), 1).clone()
+    if int(counts.sum()) != flat.numel():
+        raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply's num_drafts add up to {int(counts.sum())}, but "
+                                                     f"it holds {flat.numel()} draft ids")
+    messages = {p.index: p.status.message for p in cols.problems if p.index < n}
+    out = BatchDrafts(sequence_ids=list(sequence_ids), codes=codes.to(torch.int32), num_drafts=counts,
+                      draft_token_ids=flat, accepted_drafts=column("accepted_drafts", (pb.INT32,)),
+                      committed_lengths=column("committed_lengths", (pb.INT64,)),
+                      needs_resync=torch.isin(codes, torch.tensor(sorted(RESYNC_CODES))),
+                      messages={i: messages.get(i, "") for i in codes.nonzero().flatten().tolist()},
+                      request_id=resp.request_id, predrafted=column("predrafted", (pb.INT32,)).to(torch.bool))
     if resp.HasField("draft_logprobs"):
         out.logprobs = decode_tensor(resp.draft_logprobs, "draft_logprobs", (pb.FLOAT32,), 1).clone()
     if resp.HasField("draft_top_k_ids"):

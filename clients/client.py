@@ -18,7 +18,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_client.auth import bearer_metadata
-from drafter_client.batch import BatchDrafts, StepBatch, fallback_batch, parse_batch_response, serialize_batch
+from drafter_client.batch import (COLUMNS_MIN_SEQUENCES, BatchDrafts, StepBatch, fallback_batch, parse_batch_response,
+                                 serialize_batch)
 from drafter_client.breaker import CircuitBreaker
 from drafter_client.messages import (CHUNK_BYTES, CHUNKED_MIN_BYTES, FAULT_CODES, ChunkedRequest, DrafterError,
                                      ProposeResult, ReleaseResult, SequenceDrafts, SequenceStep, build_request,
@@ -142,6 +143,7 @@ class DrafterClient:
         self.steps_chunked = 0  # steps sent by ProposeChunked
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._next_request_id = 1
+        self._step_columns: bool | None = None  # GetInfo.step_columns_supported, once asked (propose_batch)
         # shared-memory data plane (enable_shared_memory)
         self.data_plane = "inline"  # "system" or "cuda" while a ring is registered
         self.steps_by_reference = 0  # steps whose hidden states went through the ring
@@ -239,11 +241,25 @@ class DrafterClient:
         with enable_shared_memory a tensor goes through the ring."""
         ids = batch.sequence_ids
         states = batch.hidden_states
+        # (below COLUMNS_MIN_SEQUENCES the per-sequence messages cost the host less: benchmarks/bench_request_codec.py)
+        columns = len(batch) >= COLUMNS_MIN_SEQUENCES and await self._columns_supported(self._step_timeout(timeout))
         return await self._step(
-            lambda ref, rid: serialize_batch(self.namespace, batch, ref, rid, self._chunk_min_bytes()),
+            lambda ref, rid: serialize_batch(self.namespace, batch, ref, rid, self._chunk_min_bytes(), columns),
             lambda: self._stage_states(states),
             states, lambda resp: parse_batch_response(resp, ids), lambda reason: fallback_batch(ids, reason),
             timeout)
+
+    async def _columns_supported(self, timeout: float | None) -> bool:
+        """Whether the drafter takes columnar requests (GetInfo.step_columns_supported), asked once; while it cannot be
+        asked (the drafter is down), batches go as per-sequence messages, which every drafter takes."""
+        if self._step_columns is None:
+            if self.breaker.state != "closed":  # (a sick drafter: no extra call before the step's own)
+                return False
+            try:
+                self._step_columns = (await self.get_info(timeout)).step_columns_supported
+            except DrafterError:
+                return False
+        return self._step_columns
 
     async def _step(self, serialize, stage, hidden_states, parse, fallback, timeout: float | None):
         """propose() and propose_batch(): stage the states (ring slot), serialize(states or slot ref, request id),

@@ -45,12 +45,18 @@ def test_padded_is_the_per_row_layout():
     assert d.padded().tolist() == [[1, 2, -1], [-1, -1, -1], [3, 4, 5]]
 
 
+@pytest.mark.parametrize("columns", [False, True])
 @pytest.mark.parametrize("channel", [False, True])
-async def test_batch_api_answers_as_the_per_sequence_api(server, channel):
+async def test_batch_api_answers_as_the_per_sequence_api(server, channel, columns, monkeypatch):
+    """columns: the batches go as columnar requests (ProposeRequest.columns, answered with result_columns); else as
+    per-sequence messages (batches below COLUMNS_MIN_SEQUENCES, or a drafter without columns)."""
+    import drafter_client.client
+
+    monkeypatch.setattr(drafter_client.client, "COLUMNS_MIN_SEQUENCES", 1 if columns else 10**9)
     rng = random.Random(channel)
     g = torch.Generator().manual_seed(1)
-    async with DrafterClient(server.uds, namespace=f"cols-{channel}") as cols, \
-            DrafterClient(server.uds, namespace=f"rows-{channel}") as rows:
+    async with DrafterClient(server.uds, namespace=f"cols-{channel}-{columns}") as cols, \
+            DrafterClient(server.uds, namespace=f"rows-{channel}-{columns}") as rows:
         if channel:
             assert await cols.open_step_channel() and await rows.open_step_channel()
         seqs = {f"s{i}": dict(tokens=[rng.randrange(V) for _ in range(rng.randint(3, 12) + 1)], sent=0)
@@ -91,6 +97,7 @@ async def test_batch_api_answers_as_the_per_sequence_api(server, channel):
                 s["tokens"] = s["tokens"] + new
                 s["hidden"] = torch.cat([s["hidden"], torch.randn(len(new), H, generator=g)])
         assert (cols.steps_through_channel > 0) == channel
+        assert cols._step_columns is (True if columns else None)  # asked GetInfo only when a batch could use columns
         await cols.release(list(seqs))
         await rows.release(list(seqs))
 

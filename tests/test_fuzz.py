@@ -29,6 +29,7 @@ REQUEST_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, gr
                  grpc.StatusCode.OUT_OF_RANGE}
 SEQUENCE_CODES = {0, 3, 5, 8, 9, 11}
 OUTCOMES: dict[str, int] = {}  # status name -> fuzz cases that got it (the last test checks the spread)
+COLUMN_OUTCOMES: dict[str, int] = {}  # the same, of the columnar requests alone
 FUZZ_SETTINGS = settings(max_examples=120, deadline=None, derandomize=True,
                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
@@ -115,8 +116,8 @@ def apply(req: "pb.ProposeRequest", edits) -> "pb.ProposeRequest":
 class Victim:
     """A sequence in its own namespace stepped between fuzz cases; its drafts must equal the naive reference."""
 
-    def __init__(self, stub, naive: NaiveEagle1):
-        self.stub, self.naive = stub, naive
+    def __init__(self, stub, naive: NaiveEagle1, sequence_id: str = "victim"):
+        self.stub, self.naive, self.sequence_id = stub, naive, sequence_id
         g = torch.Generator().manual_seed(7)
         self.tokens = torch.randint(0, V, (64,), generator=g).tolist()
         self.hidden = torch.randn(64, H, generator=g)
@@ -128,7 +129,7 @@ class Victim:
         m = self.length + 1 - p if self.length < 60 else 1
         if self.length >= 60:  # start over from position 0 (re-sent positions are allowed)
             p, m, self.length = 0, 8, 7
-        step = SequenceStep("victim", p, self.tokens[p : p + m], self.hidden[p : p + m], self.tokens[p + m], 3)
+        step = SequenceStep(self.sequence_id, p, self.tokens[p : p + m], self.hidden[p : p + m], self.tokens[p + m], 3)
         reply = self.stub.Propose(build_request("victim-ns", [step]), timeout=30)
         res = reply.results[0]
         assert res.status.code == 0, res.status.message
@@ -154,6 +155,111 @@ def fuzz_server(tiny_model, tmp_path_factory):
 def check_reply(reply: "pb.ProposeResponse") -> None:
     for res in reply.results:
         assert res.status.code in SEQUENCE_CODES, (res.status.code, res.status.message)
+    if reply.HasField("result_columns"):
+        codes = torch.frombuffer(bytearray(reply.result_columns.status_codes.raw), dtype=torch.int32).tolist()
+        assert set(codes) <= SEQUENCE_CODES, codes
+        assert {p.index for p in reply.result_columns.problems} == {i for i, c in enumerate(codes) if c}
+
+
+# ---- columnar requests (ProposeRequest.columns) ----
+
+COLUMNS = ["start_positions", "num_tokens", "next_tokens", "num_drafts", "temperatures", "seeds", "predraft_branches"]
+
+
+def good_column_request(namespace: str, prefix: str) -> "pb.ProposeRequest":
+    from drafter_client import StepBatch
+    from drafter_client.batch import build_column_request
+    from drafter_client.protocol.wire import encode_tensor
+
+    g = torch.Generator().manual_seed(3)
+    batch = StepBatch(sequence_ids=[f"{prefix}a", f"{prefix}b"], start_positions=torch.tensor([0, 0]),
+                      num_tokens=torch.tensor([3, 2]), token_ids=torch.randint(0, V, (5,), generator=g),
+                      hidden_states=torch.randn(5, H, generator=g), next_tokens=torch.tensor([7, 9]),
+                      num_drafts=torch.tensor([3, 2]), temperature=torch.tensor([0.0, 0.8]),
+                      seed=torch.tensor([1, -5]), predraft_branches=torch.tensor([0, 4]))
+    req = build_column_request(namespace, batch)
+    encode_tensor(batch.hidden_states, into=req.hidden_states)
+    return req
+
+
+@st.composite
+def column_mutations(draw):
+    """Edits of a well-formed columnar request: its columns' dtypes, shapes, bytes and values, its ids, a step
+    beside the columns, a shared-memory reference in a column; mixed with the edits of the tensors (mutations)."""
+    column = st.sampled_from(COLUMNS)
+    edits = st.one_of(
+        st.tuples(st.just("col_dtype"), st.tuples(column, st.sampled_from(DTYPES))),
+        st.tuples(st.just("col_shape"), st.tuples(column, st.lists(ints, max_size=3))),
+        st.tuples(st.just("col_raw"), st.tuples(column, st.binary(max_size=40))),
+        st.tuples(st.just("col_value"), st.tuples(column, st.integers(0, 1),
+                                                  st.one_of(ints, st.integers(-(2**63), 2**63 - 1)))),
+        st.tuples(st.just("col_unset"), column),
+        st.tuples(st.just("col_shm"), column),
+        st.tuples(st.just("ids"), st.lists(names, max_size=4)),
+        st.tuples(st.just("add_step"), st.just(True)),
+        st.tuples(st.just("col_top_k"), st.integers(0, 2**32 - 1)),
+    )
+    column_edits = draw(st.lists(edits, min_size=1, max_size=3))
+    return column_edits + (draw(mutations()) if draw(st.booleans()) else [])
+
+
+def apply_columns(req: "pb.ProposeRequest", edits) -> "pb.ProposeRequest":
+    r = pb.ProposeRequest()
+    r.CopyFrom(req)
+    c = r.columns
+    rest = []
+    for field, value in edits:
+        if field == "col_dtype":
+            getattr(c, value[0]).dtype = value[1]
+        elif field == "col_shape":
+            t = getattr(c, value[0])
+            del t.shape[:]
+            t.shape.extend(value[1])
+        elif field == "col_raw":
+            getattr(c, value[0]).raw = value[1]
+        elif field == "col_value":
+            t = getattr(c, value[0])
+            size = 4 if t.dtype in (pb.INT32, pb.FLOAT32) else 8
+            raw = bytearray(t.raw)
+            if len(raw) >= (value[1] + 1) * size:
+                packed = (struct.pack("<f", float(value[2])) if t.dtype == pb.FLOAT32 else
+                          struct.pack("<q", value[2]) if size == 8 else struct.pack("<i", value[2] % 2**31))
+                raw[value[1] * size:(value[1] + 1) * size] = packed
+                t.raw = bytes(raw)
+        elif field == "col_unset":
+            c.ClearField(value)
+        elif field == "col_shm":
+            getattr(c, value).shm.CopyFrom(pb.SharedMemoryRef(region="r", offset=0, byte_size=16))
+        elif field == "ids":
+            del c.sequence_ids[:]
+            c.sequence_ids.extend(value)
+        elif field == "add_step":
+            r.steps.add(sequence_id="extra", num_tokens=1)
+        elif field == "col_top_k":
+            c.top_k_probs = value
+        else:
+            rest.append((field, value))
+    return apply(r, rest)
+
+
+@FUZZ_SETTINGS
+@given(edits=column_mutations())
+def test_malformed_columnar_propose_gets_a_documented_status(fuzz_server, tiny_model, edits):
+    server, stub = fuzz_server
+    cache = test_malformed_columnar_propose_gets_a_documented_status
+    if getattr(cache, "victim", None) is None:
+        cache.victim = Victim(stub, NaiveEagle1(*tiny_model), "victim-cols")
+    req = apply_columns(good_column_request("fuzz-cols", "k"), edits)
+    try:
+        check_reply(stub.Propose(req, timeout=30))
+        outcome = "OK"
+    except grpc.RpcError as e:
+        assert e.code() in REQUEST_CODES, (e.code(), e.details(), edits)
+        assert e.details(), "a refusal names the problem"
+        outcome = e.code().name
+    OUTCOMES[outcome] = OUTCOMES.get(outcome, 0) + 1
+    COLUMN_OUTCOMES[outcome] = COLUMN_OUTCOMES.get(outcome, 0) + 1
+    cache.victim.step()
 
 
 @FUZZ_SETTINGS
@@ -205,7 +311,7 @@ def _code(number: int):
 
 
 def test_the_fuzzed_server_still_serves(fuzz_server):
-    """After both fuzz tests (module order): health SERVING and the victim still checked against the reference."""
+    """After the fuzz tests (module order): health SERVING and the victims still checked against the reference."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     server, stub = fuzz_server
@@ -213,9 +319,11 @@ def test_the_fuzzed_server_still_serves(fuzz_server):
         r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="drafter.v1.Drafter"))
     assert r.status == health_pb2.HealthCheckResponse.SERVING
     victims = [getattr(f, "victim", None) for f in (test_malformed_propose_gets_a_documented_status,
+                                                     test_malformed_columnar_propose_gets_a_documented_status,
                                                      test_malformed_step_channel_requests_get_a_documented_status)]
     assert all(v is not None and v.checked >= 50 for v in victims), [v and v.checked for v in victims]
     # not vacuous: the cases reached the accepting path and several refusal paths
     assert OUTCOMES.get("OK", 0) >= 5 and OUTCOMES.get("INVALID_ARGUMENT", 0) >= 20, OUTCOMES
     assert len(OUTCOMES) >= 3, OUTCOMES
-    print("fuzz outcomes over gRPC:", OUTCOMES)
+    assert COLUMN_OUTCOMES.get("OK", 0) >= 3 and COLUMN_OUTCOMES.get("INVALID_ARGUMENT", 0) >= 20, COLUMN_OUTCOMES
+    print("fuzz outcomes over gRPC:", OUTCOMES, "of them columnar:", COLUMN_OUTCOMES)

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64rafter/v1/drafter.proto\x12\ndrafter.v1\"D\n\x0fSharedMemoryRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\"|\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.drafter.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x03raw\x18\x03 \x01(\x0cH\x00\x12*\n\x03shm\x18\x04 \x01(\x0b\x32\x1b.drafter.v1.SharedMemoryRefH\x00\x42\x06\n\x04\x64\x61ta\"a\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\x03 \x01(\x08\x12\x13\n\x0btop_k_probs\x18\x04 \x01(\r\"\xc0\x01\n\x0cSequenceStep\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\x03\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnext_token\x18\x04 \x01(\x03\x12\x12\n\nnum_drafts\x18\x05 \x01(\r\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.drafter.v1.SamplingParams\x12\x19\n\x11predraft_branches\x18\x07 \x01(\r\"\xb2\x01\n\x0eProposeRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\'\n\x05steps\x18\x02 \x03(\x0b\x32\x18.drafter.v1.SequenceStep\x12%\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12)\n\rhidden_states\x18\x04 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\"Y\n\x0cProposeChunk\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.drafter.v1.ProposeRequest\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa4\x01\n\x0eSequenceResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\"\n\x06status\x18\x02 \x01(\x0b\x32\x12.drafter.v1.Status\x12\x12\n\nnum_drafts\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x04 \x01(\r\x12\x18\n\x10\x63ommitted_length\x18\x05 \x01(\x04\x12\x12\n\npredrafted\x18\x06 \x01(\x08\"\xaa\x02\n\x0fProposeResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.drafter.v1.SequenceResult\x12+\n\x0f\x64raft_token_ids\x18\x02 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12*\n\x0e\x64raft_logprobs\x18\x03 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12!\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x12.drafter.v1.Status\x12+\n\x0f\x64raft_top_k_ids\x18\x06 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12-\n\x11\x64raft_top_k_probs\x18\x07 \x01(\x0b\x32\x12.drafter.v1.Tensor\"9\n\x0eReleaseRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x14\n\x0csequence_ids\x18\x02 \x03(\t\"6\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\x12\x11\n\tnot_found\x18\x02 \x03(\t\"%\n\x0c\x44rainRequest\x12\x15\n\rgrace_seconds\x18\x01 \x01(\x01\">\n\rDrainResponse\x12\x16\n\x0elive_sequences\x18\x01 \x01(\r\x12\x15\n\rgrace_seconds\x18\x02 \x01(\x01\"\x10\n\x0eGetInfoRequest\"\x93\x06\n\x0fGetInfoResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x1b\n\x13hidden_states_width\x18\x05 \x01(\r\x12\x1c\n\x14hidden_states_source\x18\x06 \x01(\t\x12\x18\n\x10target_layer_ids\x18\x07 \x03(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\t \x01(\r\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x31\n\x16\x61\x63\x63\x65pted_hidden_dtypes\x18\x0b \x03(\x0e\x32\x11.drafter.v1.DType\x12\x30\n\x15\x61\x63\x63\x65pted_token_dtypes\x18\x0c \x03(\x0e\x32\x11.drafter.v1.DType\x12\x13\n\x0bmodel_dtype\x18\r \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0e \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x0f \x01(\x04\x12\x15\n\rkv_block_size\x18\x10 \x01(\r\x12\x16\n\x0ekv_free_tokens\x18\x11 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x12 \x01(\x04\x12\x1f\n\x17shared_memory_supported\x18\x13 \x01(\x08\x12\x18\n\x10\x64raft_vocab_size\x18\x14 \x01(\r\x12\x19\n\x11parallel_drafting\x18\x15 \x01(\x08\x12\x17\n\x0fmax_top_k_probs\x18\x16 \x01(\r\x12\x39\n\x13shared_memory_kinds\x18\x17 \x03(\x0e\x32\x1c.drafter.v1.SharedMemoryKind\x12#\n\x1bshared_memory_lease_seconds\x18\x18 \x01(\r\x12\x1b\n\x13step_channel_socket\x18\x19 \x01(\t\x12\x1a\n\x12predraft_supported\x18\x1a \x01(\x08\x12\x1d\n\x15max_predraft_branches\x18\x1b \x01(\r\"1\n\x12SystemSharedMemory\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"I\n\x10\x43udaSharedMemory\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\x05\"\xd2\x01\n\x1bRegisterSharedMemoryRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\x12\x30\n\x06system\x18\x04 \x01(\x0b\x32\x1e.drafter.v1.SystemSharedMemoryH\x00\x12,\n\x04\x63uda\x18\x05 \x01(\x0b\x32\x1c.drafter.v1.CudaSharedMemoryH\x00\x12\x15\n\rlease_seconds\x18\x06 \x01(\rB\x08\n\x06source\"\xe1\x01\n\x12SharedMemoryRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.drafter.v1.SharedMemoryKind\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x15\n\rlease_seconds\x18\x06 \x01(\r\x12\x1a\n\x12\x65xpires_in_seconds\x18\x07 \x01(\x01\x12\x17\n\x0freferences_read\x18\x08 \x01(\x04\x12\x12\n\nbytes_read\x18\t \x01(\x04\"N\n\x1cRegisterSharedMemoryResponse\x12.\n\x06region\x18\x01 \x01(\x0b\x32\x1e.drafter.v1.SharedMemoryRegion\"A\n\x1dUnregisterSharedMemoryRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\"I\n\x1eUnregisterSharedMemoryResponse\x12\x14\n\x0cunregistered\x18\x01 \x03(\t\x12\x11\n\tnot_found\x18\x02 \x03(\t\"=\n\x19SharedMemoryStatusRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\"M\n\x1aSharedMemoryStatusResponse\x12/\n\x07regions\x18\x01 \x03(\x0b\x32\x1e.drafter.v1.SharedMemoryRegion*\\\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT32\x10\x04\x12\t\n\x05INT64\x10\x05*P\n\x10SharedMemoryKind\x12\"\n\x1eSHARED_MEMORY_KIND_UNSPECIFIED\x10\x00\x12\n\n\x06SYSTEM\x10\x01\x12\x0c\n\x08\x43UDA_IPC\x10\x02\x32\xed\x05\n\x07\x44rafter\x12\x42\n\x07GetInfo\x12\x1a.drafter.v1.GetInfoRequest\x1a\x1b.drafter.v1.GetInfoResponse\x12\x42\n\x07Propose\x12\x1a.drafter.v1.ProposeRequest\x1a\x1b.drafter.v1.ProposeResponse\x12L\n\rProposeStream\x12\x1a.drafter.v1.ProposeRequest\x1a\x1b.drafter.v1.ProposeResponse(\x01\x30\x01\x12I\n\x0eProposeChunked\x12\x18.drafter.v1.ProposeChunk\x1a\x1b.drafter.v1.ProposeResponse(\x01\x12\x42\n\x07Release\x12\x1a.drafter.v1.ReleaseRequest\x1a\x1b.drafter.v1.ReleaseResponse\x12i\n\x14RegisterSharedMemory\x12\'.drafter.v1.RegisterSharedMemoryRequest\x1a(.drafter.v1.RegisterSharedMemoryResponse\x12o\n\x16UnregisterSharedMemory\x12).drafter.v1.UnregisterSharedMemoryRequest\x1a*.drafter.v1.UnregisterSharedMemoryResponse\x12\x63\n\x12SharedMemoryStatus\x12%.drafter.v1.SharedMemoryStatusRequest\x1a&.drafter.v1.SharedMemoryStatusResponse\x12<\n\x05\x44rain\x12\x18.drafter.v1.DrainRequest\x1a\x19.drafter.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64rafter/v1/drafter.proto\x12\ndrafter.v1\"D\n\x0fSharedMemoryRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\"|\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.drafter.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x03raw\x18\x03 \x01(\x0cH\x00\x12*\n\x03shm\x18\x04 \x01(\x0b\x32\x1b.drafter.v1.SharedMemoryRefH\x00\x42\x06\n\x04\x64\x61ta\"a\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\x03 \x01(\x08\x12\x13\n\x0btop_k_probs\x18\x04 \x01(\r\"\xc0\x01\n\x0cSequenceStep\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\x03\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnext_token\x18\x04 \x01(\x03\x12\x12\n\nnum_drafts\x18\x05 \x01(\r\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.drafter.v1.SamplingParams\x12\x19\n\x11predraft_branches\x18\x07 \x01(\r\"\xf3\x02\n\x0bStepColumns\x12\x14\n\x0csequence_ids\x18\x01 \x03(\t\x12+\n\x0fstart_positions\x18\x02 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12&\n\nnum_tokens\x18\x03 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12\'\n\x0bnext_tokens\x18\x04 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12&\n\nnum_drafts\x18\x05 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12(\n\x0ctemperatures\x18\x06 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12!\n\x05seeds\x18\x07 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12-\n\x11predraft_branches\x18\x08 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12\x17\n\x0freturn_logprobs\x18\t \x01(\x08\x12\x13\n\x0btop_k_probs\x18\n \x01(\r\"\xdc\x01\n\x0eProposeRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\'\n\x05steps\x18\x02 \x03(\x0b\x32\x18.drafter.v1.SequenceStep\x12(\n\x07\x63olumns\x18\x06 \x01(\x0b\x32\x17.drafter.v1.StepColumns\x12%\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12)\n\rhidden_states\x18\x04 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\"Y\n\x0cProposeChunk\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.drafter.v1.ProposeRequest\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa4\x01\n\x0eSequenceResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\"\n\x06status\x18\x02 \x01(\x0b\x32\x12.drafter.v1.Status\x12\x12\n\nnum_drafts\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x04 \x01(\r\x12\x18\n\x10\x63ommitted_length\x18\x05 \x01(\x04\x12\x12\n\npredrafted\x18\x06 \x01(\x08\"\x92\x02\n\rResultColumns\x12(\n\x0cstatus_codes\x18\x01 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12&\n\nnum_drafts\x18\x02 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12+\n\x0f\x61\x63\x63\x65pted_drafts\x18\x03 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12-\n\x11\x63ommitted_lengths\x18\x04 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12&\n\npredrafted\x18\x05 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12+\n\x08problems\x18\x06 \x03(\x0b\x32\x19.drafter.v1.IndexedStatus\"B\n\rIndexedStatus\x12\r\n\x05index\x18\x01 \x01(\r\x12\"\n\x06status\x18\x02 \x01(\x0b\x32\x12.drafter.v1.Status\"\xdd\x02\n\x0fProposeResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.drafter.v1.SequenceResult\x12\x31\n\x0eresult_columns\x18\x08 \x01(\x0b\x32\x19.drafter.v1.ResultColumns\x12+\n\x0f\x64raft_token_ids\x18\x02 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12*\n\x0e\x64raft_logprobs\x18\x03 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12!\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x12.drafter.v1.Status\x12+\n\x0f\x64raft_top_k_ids\x18\x06 \x01(\x0b\x32\x12.drafter.v1.Tensor\x12-\n\x11\x64raft_top_k_probs\x18\x07 \x01(\x0b\x32\x12.drafter.v1.Tensor\"9\n\x0eReleaseRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x14\n\x0csequence_ids\x18\x02 \x03(\t\"6\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\x12\x11\n\tnot_found\x18\x02 \x03(\t\"%\n\x0c\x44rainRequest\x12\x15\n\rgrace_seconds\x18\x01 \x01(\x01\">\n\rDrainResponse\x12\x16\n\x0elive_sequences\x18\x01 \x01(\r\x12\x15\n\rgrace_seconds\x18\x02 \x01(\x01\"\x10\n\x0eGetInfoRequest\"\xb3\x06\n\x0fGetInfoResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x1b\n\x13hidden_states_width\x18\x05 \x01(\r\x12\x1c\n\x14hidden_states_source\x18\x06 \x01(\t\x12\x18\n\x10target_layer_ids\x18\x07 \x03(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\t \x01(\r\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x31\n\x16\x61\x63\x63\x65pted_hidden_dtypes\x18\x0b \x03(\x0e\x32\x11.drafter.v1.DType\x12\x30\n\x15\x61\x63\x63\x65pted_token_dtypes\x18\x0c \x03(\x0e\x32\x11.drafter.v1.DType\x12\x13\n\x0bmodel_dtype\x18\r \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0e \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x0f \x01(\x04\x12\x15\n\rkv_block_size\x18\x10 \x01(\r\x12\x16\n\x0ekv_free_tokens\x18\x11 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x12 \x01(\x04\x12\x1f\n\x17shared_memory_supported\x18\x13 \x01(\x08\x12\x18\n\x10\x64raft_vocab_size\x18\x14 \x01(\r\x12\x19\n\x11parallel_drafting\x18\x15 \x01(\x08\x12\x17\n\x0fmax_top_k_probs\x18\x16 \x01(\r\x12\x39\n\x13shared_memory_kinds\x18\x17 \x03(\x0e\x32\x1c.drafter.v1.SharedMemoryKind\x12#\n\x1bshared_memory_lease_seconds\x18\x18 \x01(\r\x12\x1b\n\x13step_channel_socket\x18\x19 \x01(\t\x12\x1a\n\x12predraft_supported\x18\x1a \x01(\x08\x12\x1d\n\x15max_predraft_branches\x18\x1b \x01(\r\x12\x1e\n\x16step_columns_supported\x18\x1c \x01(\x08\"1\n\x12SystemSharedMemory\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"I\n\x10\x43udaSharedMemory\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\x05\"\xd2\x01\n\x1bRegisterSharedMemoryRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\x12\x30\n\x06system\x18\x04 \x01(\x0b\x32\x1e.drafter.v1.SystemSharedMemoryH\x00\x12,\n\x04\x63uda\x18\x05 \x01(\x0b\x32\x1c.drafter.v1.CudaSharedMemoryH\x00\x12\x15\n\rlease_seconds\x18\x06 \x01(\rB\x08\n\x06source\"\xe1\x01\n\x12SharedMemoryRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.drafter.v1.SharedMemoryKind\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x15\n\rlease_seconds\x18\x06 \x01(\r\x12\x1a\n\x12\x65xpires_in_seconds\x18\x07 \x01(\x01\x12\x17\n\x0freferences_read\x18\x08 \x01(\x04\x12\x12\n\nbytes_read\x18\t \x01(\x04\"N\n\x1cRegisterSharedMemoryResponse\x12.\n\x06region\x18\x01 \x01(\x0b\x32\x1e.drafter.v1.SharedMemoryRegion\"A\n\x1dUnregisterSharedMemoryRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\"I\n\x1eUnregisterSharedMemoryResponse\x12\x14\n\x0cunregistered\x18\x01 \x03(\t\x12\x11\n\tnot_found\x18\x02 \x03(\t\"=\n\x19SharedMemoryStatusRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\"M\n\x1aSharedMemoryStatusResponse\x12/\n\x07regions\x18\x01 \x03(\x0b\x32\x1e.drafter.v1.SharedMemoryRegion*\\\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT32\x10\x04\x12\t\n\x05INT64\x10\x05*P\n\x10SharedMemoryKind\x12\"\n\x1eSHARED_MEMORY_KIND_UNSPECIFIED\x10\x00\x12\n\n\x06SYSTEM\x10\x01\x12\x0c\n\x08\x43UDA_IPC\x10\x02\x32\xed\x05\n\x07\x44rafter\x12\x42\n\x07GetInfo\x12\x1a.drafter.v1.GetInfoRequest\x1a\x1b.drafter.v1.GetInfoResponse\x12\x42\n\x07Propose\x12\x1a.drafter.v1.ProposeRequest\x1a\x1b.drafter.v1.ProposeResponse\x12L\n\rProposeStream\x12\x1a.drafter.v1.ProposeRequest\x1a\x1b.drafter.v1.ProposeResponse(\x01\x30\x01\x12I\n\x0eProposeChunked\x12\x18.drafter.v1.ProposeChunk\x1a\x1b.drafter.v1.ProposeResponse(\x01\x12\x42\n\x07Release\x12\x1a.drafter.v1.ReleaseRequest\x1a\x1b.drafter.v1.ReleaseResponse\x12i\n\x14RegisterSharedMemory\x12\'.drafter.v1.RegisterSharedMemoryRequest\x1a(.drafter.v1.RegisterSharedMemoryResponse\x12o\n\x16UnregisterSharedMemory\x12).drafter.v1.UnregisterSharedMemoryRequest\x1a*.drafter.v1.UnregisterSharedMemoryResponse\x12\x63\n\x12SharedMemoryStatus\x12%.drafter.v1.SharedMemoryStatusRequest\x1a&.drafter.v1.SharedMemoryStatusResponse\x12<\n\x05\x44rain\x12\x18.drafter.v1.DrainRequest\x1a\x19.drafter.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'drafter.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=3268
-  _globals['_DTYPE']._serialized_end=3360
-  _globals['_SHAREDMEMORYKIND']._serialized_start=3362
-  _globals['_SHAREDMEMORYKIND']._serialized_end=3442
+  _globals['_DTYPE']._serialized_start=4112
+  _globals['_DTYPE']._serialized_end=4204
+  _globals['_SHAREDMEMORYKIND']._serialized_start=4206
+  _globals['_SHAREDMEMORYKIND']._serialized_end=4286
   _globals['_SHAREDMEMORYREF']._serialized_start=40
   _globals['_SHAREDMEMORYREF']._serialized_end=108
   _globals['_TENSOR']._serialized_start=110
@@ -43,46 +43,52 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_end=333
   _globals['_SEQUENCESTEP']._serialized_start=336
   _globals['_SEQUENCESTEP']._serialized_end=528
-  _globals['_PROPOSEREQUEST']._serialized_start=531
-  _globals['_PROPOSEREQUEST']._serialized_end=709
-  _globals['_PROPOSECHUNK']._serialized_start=711
-  _globals['_PROPOSECHUNK']._serialized_end=800
-  _globals['_STATUS']._serialized_start=802
-  _globals['_STATUS']._serialized_end=841
-  _globals['_SEQUENCERESULT']._serialized_start=844
-  _globals['_SEQUENCERESULT']._serialized_end=1008
-  _globals['_PROPOSERESPONSE']._serialized_start=1011
-  _globals['_PROPOSERESPONSE']._serialized_end=1309
-  _globals['_RELEASEREQUEST']._serialized_start=1311
-  _globals['_RELEASEREQUEST']._serialized_end=1368
-  _globals['_RELEASERESPONSE']._serialized_start=1370
-  _globals['_RELEASERESPONSE']._serialized_end=1424
-  _globals['_DRAINREQUEST']._serialized_start=1426
-  _globals['_DRAINREQUEST']._serialized_end=1463
-  _globals['_DRAINRESPONSE']._serialized_start=1465
-  _globals['_DRAINRESPONSE']._serialized_end=1527
-  _globals['_GETINFOREQUEST']._serialized_start=1529
-  _globals['_GETINFOREQUEST']._serialized_end=1545
-  _globals['_GETINFORESPONSE']._serialized_start=1548
-  _globals['_GETINFORESPONSE']._serialized_end=2335
-  _globals['_SYSTEMSHAREDMEMORY']._serialized_start=2337
-  _globals['_SYSTEMSHAREDMEMORY']._serialized_end=2386
-  _globals['_CUDASHAREDMEMORY']._serialized_start=2388
-  _globals['_CUDASHAREDMEMORY']._serialized_end=2461
-  _globals['_REGISTERSHAREDMEMORYREQUEST']._serialized_start=2464
-  _globals['_REGISTERSHAREDMEMORYREQUEST']._serialized_end=2674
-  _globals['_SHAREDMEMORYREGION']._serialized_start=2677
-  _globals['_SHAREDMEMORYREGION']._serialized_end=2902
-  _globals['_REGISTERSHAREDMEMORYRESPONSE']._serialized_start=2904
-  _globals['_REGISTERSHAREDMEMORYRESPONSE']._serialized_end=2982
-  _globals['_UNREGISTERSHAREDMEMORYREQUEST']._serialized_start=2984
-  _globals['_UNREGISTERSHAREDMEMORYREQUEST']._serialized_end=3049
-  _globals['_UNREGISTERSHAREDMEMORYRESPONSE']._serialized_start=3051
-  _globals['_UNREGISTERSHAREDMEMORYRESPONSE']._serialized_end=3124
-  _globals['_SHAREDMEMORYSTATUSREQUEST']._serialized_start=3126
-  _globals['_SHAREDMEMORYSTATUSREQUEST']._serialized_end=3187
-  _globals['_SHAREDMEMORYSTATUSRESPONSE']._serialized_start=3189
-  _globals['_SHAREDMEMORYSTATUSRESPONSE']._serialized_end=3266
-  _globals['_DRAFTER']._serialized_start=3445
-  _globals['_DRAFTER']._serialized_end=4194
+  _globals['_STEPCOLUMNS']._serialized_start=531
+  _globals['_STEPCOLUMNS']._serialized_end=902
+  _globals['_PROPOSEREQUEST']._serialized_start=905
+  _globals['_PROPOSEREQUEST']._serialized_end=1125
+  _globals['_PROPOSECHUNK']._serialized_start=1127
+  _globals['_PROPOSECHUNK']._serialized_end=1216
+  _globals['_STATUS']._serialized_start=1218
+  _globals['_STATUS']._serialized_end=1257
+  _globals['_SEQUENCERESULT']._serialized_start=1260
+  _globals['_SEQUENCERESULT']._serialized_end=1424
+  _globals['_RESULTCOLUMNS']._serialized_start=1427
+  _globals['_RESULTCOLUMNS']._serialized_end=1701
+  _globals['_INDEXEDSTATUS']._serialized_start=1703
+  _globals['_INDEXEDSTATUS']._serialized_end=1769
+  _globals['_PROPOSERESPONSE']._serialized_start=1772
+  _globals['_PROPOSERESPONSE']._serialized_end=2121
+  _globals['_RELEASEREQUEST']._serialized_start=2123
+  _globals['_RELEASEREQUEST']._serialized_end=2180
+  _globals['_RELEASERESPONSE']._serialized_start=2182
+  _globals['_RELEASERESPONSE']._serialized_end=2236
+  _globals['_DRAINREQUEST']._serialized_start=2238
+  _globals['_DRAINREQUEST']._serialized_end=2275
+  _globals['_DRAINRESPONSE']._serialized_start=2277
+  _globals['_DRAINRESPONSE']._serialized_end=2339
+  _globals['_GETINFOREQUEST']._serialized_start=2341
+  _globals['_GETINFOREQUEST']._serialized_end=2357
+  _globals['_GETINFORESPONSE']._serialized_start=2360
+  _globals['_GETINFORESPONSE']._serialized_end=3179
+  _globals['_SYSTEMSHAREDMEMORY']._serialized_start=3181
+  _globals['_SYSTEMSHAREDMEMORY']._serialized_end=3230
+  _globals['_CUDASHAREDMEMORY']._serialized_start=3232
+  _globals['_CUDASHAREDMEMORY']._serialized_end=3305
+  _globals['_REGISTERSHAREDMEMORYREQUEST']._serialized_start=3308
+  _globals['_REGISTERSHAREDMEMORYREQUEST']._serialized_end=3518
+  _globals['_SHAREDMEMORYREGION']._serialized_start=3521
+  _globals['_SHAREDMEMORYREGION']._serialized_end=3746
+  _globals['_REGISTERSHAREDMEMORYRESPONSE']._serialized_start=3748
+  _globals['_REGISTERSHAREDMEMORYRESPONSE']._serialized_end=3826
+  _globals['_UNREGISTERSHAREDMEMORYREQUEST']._serialized_start=3828
+  _globals['_UNREGISTERSHAREDMEMORYREQUEST']._serialized_end=3893
+  _globals['_UNREGISTERSHAREDMEMORYRESPONSE']._serialized_start=3895
+  _globals['_UNREGISTERSHAREDMEMORYRESPONSE']._serialized_end=3968
+  _globals['_SHAREDMEMORYSTATUSREQUEST']._serialized_start=3970
+  _globals['_SHAREDMEMORYSTATUSREQUEST']._serialized_end=4031
+  _globals['_SHAREDMEMORYSTATUSRESPONSE']._serialized_start=4033
+  _globals['_SHAREDMEMORYSTATUSRESPONSE']._serialized_end=4110
+  _globals['_DRAFTER']._serialized_start=4289
+  _globals['_DRAFTER']._serialized_end=5038
 # @@protoc_insertion_point(module_scope)

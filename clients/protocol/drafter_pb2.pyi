@@ -83,19 +83,45 @@ class SequenceStep(_message.Message):
     predraft_branches: int
     def __init__(self, sequence_id: _Optional[str] = ..., start_position: _Optional[int] = ..., num_tokens: _Optional[int] = ..., next_token: _Optional[int] = ..., num_drafts: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., predraft_branches: _Optional[int] = ...) -> None: ...
 
+class StepColumns(_message.Message):
+    __slots__ = ("sequence_ids", "start_positions", "num_tokens", "next_tokens", "num_drafts", "temperatures", "seeds", "predraft_branches", "return_logprobs", "top_k_probs")
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURES_FIELD_NUMBER: _ClassVar[int]
+    SEEDS_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_PROBS_FIELD_NUMBER: _ClassVar[int]
+    sequence_ids: _containers.RepeatedScalarFieldContainer[str]
+    start_positions: Tensor
+    num_tokens: Tensor
+    next_tokens: Tensor
+    num_drafts: Tensor
+    temperatures: Tensor
+    seeds: Tensor
+    predraft_branches: Tensor
+    return_logprobs: bool
+    top_k_probs: int
+    def __init__(self, sequence_ids: _Optional[_Iterable[str]] = ..., start_positions: _Optional[_Union[Tensor, _Mapping]] = ..., num_tokens: _Optional[_Union[Tensor, _Mapping]] = ..., next_tokens: _Optional[_Union[Tensor, _Mapping]] = ..., num_drafts: _Optional[_Union[Tensor, _Mapping]] = ..., temperatures: _Optional[_Union[Tensor, _Mapping]] = ..., seeds: _Optional[_Union[Tensor, _Mapping]] = ..., predraft_branches: _Optional[_Union[Tensor, _Mapping]] = ..., return_logprobs: _Optional[bool] = ..., top_k_probs: _Optional[int] = ...) -> None: ...
+
 class ProposeRequest(_message.Message):
-    __slots__ = ("namespace", "steps", "token_ids", "hidden_states", "request_id")
+    __slots__ = ("namespace", "steps", "columns", "token_ids", "hidden_states", "request_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     steps: _containers.RepeatedCompositeFieldContainer[SequenceStep]
+    columns: StepColumns
     token_ids: Tensor
     hidden_states: Tensor
     request_id: int
-    def __init__(self, namespace: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, namespace: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., columns: _Optional[_Union[StepColumns, _Mapping]] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class ProposeChunk(_message.Message):
     __slots__ = ("request", "offset", "data")
@@ -131,9 +157,34 @@ class SequenceResult(_message.Message):
     predrafted: bool
     def __init__(self, sequence_id: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., num_drafts: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., committed_length: _Optional[int] = ..., predrafted: _Optional[bool] = ...) -> None: ...
 
+class ResultColumns(_message.Message):
+    __slots__ = ("status_codes", "num_drafts", "accepted_drafts", "committed_lengths", "predrafted", "problems")
+    STATUS_CODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFTED_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    status_codes: Tensor
+    num_drafts: Tensor
+    accepted_drafts: Tensor
+    committed_lengths: Tensor
+    predrafted: Tensor
+    problems: _containers.RepeatedCompositeFieldContainer[IndexedStatus]
+    def __init__(self, status_codes: _Optional[_Union[Tensor, _Mapping]] = ..., num_drafts: _Optional[_Union[Tensor, _Mapping]] = ..., accepted_drafts: _Optional[_Union[Tensor, _Mapping]] = ..., committed_lengths: _Optional[_Union[Tensor, _Mapping]] = ..., predrafted: _Optional[_Union[Tensor, _Mapping]] = ..., problems: _Optional[_Iterable[_Union[IndexedStatus, _Mapping]]] = ...) -> None: ...
+
+class IndexedStatus(_message.Message):
+    __slots__ = ("index", "status")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    status: Status
+    def __init__(self, index: _Optional[int] = ..., status: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+
 class ProposeResponse(_message.Message):
-    __slots__ = ("results", "draft_token_ids", "draft_logprobs", "request_id", "error", "draft_top_k_ids", "draft_top_k_probs")
+    __slots__ = ("results", "result_columns", "draft_token_ids", "draft_logprobs", "request_id", "error", "draft_top_k_ids", "draft_top_k_probs")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -141,13 +192,14 @@ class ProposeResponse(_message.Message):
     DRAFT_TOP_K_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOP_K_PROBS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SequenceResult]
+    result_columns: ResultColumns
     draft_token_ids: Tensor
     draft_logprobs: Tensor
     request_id: int
     error: Status
     draft_top_k_ids: Tensor
     draft_top_k_probs: Tensor
-    def __init__(self, results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., draft_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., draft_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[Status, _Mapping]] = ..., draft_top_k_ids: _Optional[_Union[Tensor, _Mapping]] = ..., draft_top_k_probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., result_columns: _Optional[_Union[ResultColumns, _Mapping]] = ..., draft_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., draft_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[Status, _Mapping]] = ..., draft_top_k_ids: _Optional[_Union[Tensor, _Mapping]] = ..., draft_top_k_probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("namespace", "sequence_ids")
@@ -184,7 +236,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("server_version", "model_name", "method", "hidden_size", "hidden_states_width", "hidden_states_source", "target_layer_ids", "vocab_size", "max_draft_tokens", "max_model_len", "accepted_hidden_dtypes", "accepted_token_dtypes", "model_dtype", "device", "kv_capacity_tokens", "kv_block_size", "kv_free_tokens", "max_message_bytes", "shared_memory_supported", "draft_vocab_size", "parallel_drafting", "max_top_k_probs", "shared_memory_kinds", "shared_memory_lease_seconds", "step_channel_socket", "predraft_supported", "max_predraft_branches")
+    __slots__ = ("server_version", "model_name", "method", "hidden_size", "hidden_states_width", "hidden_states_source", "target_layer_ids", "vocab_size", "max_draft_tokens", "max_model_len", "accepted_hidden_dtypes", "accepted_token_dtypes", "model_dtype", "device", "kv_capacity_tokens", "kv_block_size", "kv_free_tokens", "max_message_bytes", "shared_memory_supported", "draft_vocab_size", "parallel_drafting", "max_top_k_probs", "shared_memory_kinds", "shared_memory_lease_seconds", "step_channel_socket", "predraft_supported", "max_predraft_branches", "step_columns_supported")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +264,7 @@ class GetInfoResponse(_message.Message):
     STEP_CHANNEL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     PREDRAFT_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
     MAX_PREDRAFT_BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    STEP_COLUMNS_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     model_name: str
     method: str
@@ -239,7 +292,8 @@ class GetInfoResponse(_message.Message):
     step_channel_socket: str
     predraft_supported: bool
     max_predraft_branches: int
-    def __init__(self, server_version: _Optional[str] = ..., model_name: _Optional[str] = ..., method: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_states_width: _Optional[int] = ..., hidden_states_source: _Optional[str] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., accepted_hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., accepted_token_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., model_dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shared_memory_supported: _Optional[bool] = ..., draft_vocab_size: _Optional[int] = ..., parallel_drafting: _Optional[bool] = ..., max_top_k_probs: _Optional[int] = ..., shared_memory_kinds: _Optional[_Iterable[_Union[SharedMemoryKind, str]]] = ..., shared_memory_lease_seconds: _Optional[int] = ..., step_channel_socket: _Optional[str] = ..., predraft_supported: _Optional[bool] = ..., max_predraft_branches: _Optional[int] = ...) -> None: ...
+    step_columns_supported: bool
+    def __init__(self, server_version: _Optional[str] = ..., model_name: _Optional[str] = ..., method: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_states_width: _Optional[int] = ..., hidden_states_source: _Optional[str] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., accepted_hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., accepted_token_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., model_dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shared_memory_supported: _Optional[bool] = ..., draft_vocab_size: _Optional[int] = ..., parallel_drafting: _Optional[bool] = ..., max_top_k_probs: _Optional[int] = ..., shared_memory_kinds: _Optional[_Iterable[_Union[SharedMemoryKind, str]]] = ..., shared_memory_lease_seconds: _Optional[int] = ..., step_channel_socket: _Optional[str] = ..., predraft_supported: _Optional[bool] = ..., max_predraft_branches: _Optional[int] = ..., step_columns_supported: _Optional[bool] = ...) -> None: ...
 
 class SystemSharedMemory(_message.Message):
     __slots__ = ("key", "offset")

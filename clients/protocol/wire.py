@@ -83,6 +83,11 @@ def encode_int64s(values: list[int], into: "pb.Tensor | None" = None) -> "pb.Ten
     return _fill(into, pb.INT64, [len(values)], array.array("q", values).tobytes())
 
 
+def encode_int32s(values: list[int], into: "pb.Tensor | None" = None) -> "pb.Tensor":
+    """A python list as an int32 [n] tensor message (the reply's per-sequence columns)."""
+    return _fill(into, pb.INT32, [len(values)], array.array("i", values).tobytes())
+
+
 def encode_float32s(values: list[float], into: "pb.Tensor | None" = None) -> "pb.Tensor":
     return _fill(into, pb.FLOAT32, [len(values)], array.array("f", values).tobytes())
 

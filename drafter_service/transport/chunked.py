@@ -19,7 +19,7 @@ import torch
 
 from drafter_client.protocol import pb
 from drafter_client.protocol.wire import TORCH_DTYPE, dtype_name
-from drafter_service.transport.validation import HIDDEN_DTYPES, Limits, RequestError, invalid
+from drafter_service.transport.validation import HIDDEN_DTYPES, Limits, RequestError, committed_rows, invalid
 
 # ProposeChunk's fields (proto/drafter/v1/drafter.proto)
 _REQUEST, _OFFSET, _DATA = 1, 2, 3
@@ -136,7 +136,7 @@ def staging_tensor(req: "pb.ProposeRequest", limits: Limits) -> torch.Tensor:
     shape = list(t.shape)
     if len(shape) != 2:
         raise invalid(f"hidden_states.shape is {shape}; expected 2 dimensions")
-    total = sum(s.num_tokens for s in req.steps)
+    total = committed_rows(req)
     if total > limits.max_request_tokens:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"the steps carry {total} committed tokens; at most {limits.max_request_tokens} per "

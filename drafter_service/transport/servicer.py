@@ -22,7 +22,7 @@ from drafter_service import tracing
 from drafter_service.logs import request_context
 from drafter_service.transport.validation import (HIDDEN_DTYPES, TOKEN_DTYPES, RequestError, check_namespace, check_sequence_id,
                          parse_propose)
-from drafter_client.protocol.wire import encode_float32s, encode_int64s, encode_tensor
+from drafter_client.protocol.wire import encode_float32s, encode_int32s, encode_int64s, encode_tensor
 
 log = logging.getLogger(__name__)
 
@@ -30,38 +30,57 @@ MAX_RELEASE_IDS = 65536
 
 
 def build_response(outputs: list[StepOutput], sequence_ids: list[str], request_id: int) -> "pb.ProposeResponse":
-    results, drafts, logprobs = [], [], []
-    any_logprobs = False
-    for sid, o in zip(sequence_ids, outputs):
-        results.append(pb.SequenceResult(
-            sequence_id=sid, num_drafts=len(o.drafts), accepted_drafts=o.accepted_drafts,
-            committed_length=o.committed_length, predrafted=o.predrafted) if o.code == 0 and not o.message
-            else pb.SequenceResult(
-            sequence_id=sid, status=pb.Status(code=o.code, message=o.message), num_drafts=len(o.drafts),
-            accepted_drafts=o.accepted_drafts, committed_length=o.committed_length))  # (status OK: left unset)
-        drafts += o.drafts
-        if o.logprobs:
-            any_logprobs = True
-            logprobs += o.logprobs
-        else:
-            logprobs += [0.0] * len(o.drafts)
+    results = [pb.SequenceResult(
+        sequence_id=sid, num_drafts=len(o.drafts), accepted_drafts=o.accepted_drafts,
+        committed_length=o.committed_length, predrafted=o.predrafted) if o.code == 0 and not o.message
+        else pb.SequenceResult(
+        sequence_id=sid, status=pb.Status(code=o.code, message=o.message), num_drafts=len(o.drafts),
+        accepted_drafts=o.accepted_drafts, committed_length=o.committed_length)  # (status OK: left unset)
+        for sid, o in zip(sequence_ids, outputs)]
     resp = pb.ProposeResponse(results=results, request_id=request_id)
-    encode_int64s(drafts, into=resp.draft_token_ids)
-    if any_logprobs:
-        encode_float32s(logprobs, into=resp.draft_logprobs)
+    _encode_drafts(outputs, [len(o.drafts) for o in outputs], resp)
+    return resp
+
+
+def build_column_response(outputs: list[StepOutput], request_id: int) -> "pb.ProposeResponse":
+    """The reply to a columnar request (ProposeRequest.columns): the per-sequence results as ResultColumns tensors,
+    a message only for the sequences with a status; drafts, log-probabilities and top-N as build_response writes
+    them."""
+    resp = pb.ProposeResponse(request_id=request_id)
+    cols = resp.result_columns
+    codes = [o.code for o in outputs]
+    counts = [len(o.drafts) for o in outputs]
+    encode_int32s(codes, into=cols.status_codes)
+    encode_int32s(counts, into=cols.num_drafts)
+    encode_int32s([o.accepted_drafts for o in outputs], into=cols.accepted_drafts)
+    encode_int64s([o.committed_length for o in outputs], into=cols.committed_lengths)
+    encode_int32s([int(o.predrafted) for o in outputs], into=cols.predrafted)
+    if any(codes):
+        cols.problems.extend(pb.IndexedStatus(index=i, status=pb.Status(code=o.code, message=o.message))
+                             for i, o in enumerate(outputs) if o.code)
+    _encode_drafts(outputs, counts, resp)
+    return resp
+
+
+def _encode_drafts(outputs: list[StepOutput], counts: list[int], resp: "pb.ProposeResponse") -> None:
+    """draft_token_ids, and draft_logprobs / draft_top_k_* when any sequence has them, for the whole batch."""
+    encode_int64s(list(itertools.chain.from_iterable(o.drafts for o in outputs)), into=resp.draft_token_ids)
+    if any(o.logprobs for o in outputs):
+        encode_float32s(list(itertools.chain.from_iterable(o.logprobs or [0.0] * n for o, n in zip(outputs, counts))),
+                        into=resp.draft_logprobs)
     width = max((o.top_k_ids.shape[1] for o in outputs if o.top_k_ids is not None), default=0)
     if width:  # [sum k, N], rows of sequences that asked for fewer (or none) padded with -1 / 0
-        ids = torch.full((len(drafts), width), -1, dtype=torch.int64)
-        probs = torch.zeros(len(drafts), width, dtype=torch.float32)
+        total = sum(counts)
+        ids = torch.full((total, width), -1, dtype=torch.int64)
+        probs = torch.zeros(total, width, dtype=torch.float32)
         r = 0
-        for o in outputs:
+        for o, n in zip(outputs, counts):
             if o.top_k_ids is not None:
-                ids[r : r + len(o.drafts), : o.top_k_ids.shape[1]] = o.top_k_ids
-                probs[r : r + len(o.drafts), : o.top_k_probs.shape[1]] = o.top_k_probs
-            r += len(o.drafts)
+                ids[r : r + n, : o.top_k_ids.shape[1]] = o.top_k_ids
+                probs[r : r + n, : o.top_k_probs.shape[1]] = o.top_k_probs
+            r += n
         encode_tensor(ids, into=resp.draft_top_k_ids)
         encode_tensor(probs, into=resp.draft_top_k_probs)
-    return resp
 
 
 def shared_memory_table(runtime: Runtime) -> RegionTable | None:
@@ -160,7 +179,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             shared_memory_lease_seconds=math.ceil(rt.config.shm_lease_s) if self.regions is not None else 0,
             step_channel_socket=self.step_channel_socket,
             predraft_supported=rt.limits.max_predraft_branches > 0,
-            max_predraft_branches=rt.limits.max_predraft_branches)
+            max_predraft_branches=rt.limits.max_predraft_branches, step_columns_supported=True)
 
     def decode_propose(self, request, hidden: torch.Tensor | None = None) -> tuple[list[StepInput], bool]:
         """Check and decode one engine step (a Propose, a ProposeStream message or a step-channel request; runs on
@@ -185,6 +204,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return steps, self.ingest_only
 
     def encode_propose(self, outputs: list[StepOutput], request) -> "pb.ProposeResponse":
+        if request.HasField("columns"):
+            return build_column_response(outputs, request.request_id)
         return build_response(outputs, [s.sequence_id for s in request.steps], request.request_id)
 
     async def _propose(self, request, transport: str = "unary", metadata=None, owner: str | None = None,

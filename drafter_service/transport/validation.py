@@ -63,29 +63,14 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
     hidden: the request's hidden states when they did not come in the message (ProposeChunked's staging tensor,
     whose header chunked.staging_tensor checked); req.hidden_states is then not read."""
     check_namespace(req.namespace)
-    n = len(req.steps)
-    if n > limits.max_request_seqs:
-        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"steps has {n} sequences; at most {limits.max_request_seqs} per request")
-    # One pass over the steps, each field read once (protobuf attribute access is the cost at large batches); the
-    # precise error is worked out only for a step that fails the combined check (_step_error).
-    seen: set[str] = set()
-    # (sequence_id, start_position, num_tokens, next_token, num_drafts, temperature, seed, logprobs, N, branches)
-    fields = []
-    max_k, vocab, max_n = limits.max_draft_tokens, limits.vocab_size, limits.max_top_k_probs
-    # a server that cannot pre-draft ignores the field (it is a hint); one that can refuses a budget above its limit
-    max_f = limits.max_predraft_branches or 2**32
-    for i, s in enumerate(req.steps):
-        sid, p, m, nxt, k = s.sequence_id, s.start_position, s.num_tokens, s.next_token, s.num_drafts
-        sp, f = s.sampling, s.predraft_branches
-        t, top_n = sp.temperature, sp.top_k_probs
-        if (not 0 < len(sid) <= MAX_ID_LEN or sid in seen or p < 0 or m < 1 or k > max_k or not 0 <= nxt < vocab
-                or not 0 <= t < math.inf or top_n > max_n or f > max_f):
-            _step_error(i, s, seen, limits)
-        seen.add(sid)
-        fields.append((sid, p, m, nxt, k, t, sp.seed, sp.return_logprobs, top_n,
-                       f if limits.max_predraft_branches else 0))
-    total = sum(f[2] for f in fields)
+    if req.HasField("columns"):
+        if len(req.steps):
+            raise invalid("the request has both steps and columns; send one of them")
+        columns = _parse_columns(req.columns, limits)
+    else:
+        columns = _parse_steps(req.steps, limits)
+    sids, ps, ms, nxts, ks, temps, seeds, lps, top_ns, branches = columns
+    total = sum(ms)
     if total > limits.max_request_tokens:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"the steps carry {total} committed tokens; at most {limits.max_request_tokens} per "
@@ -105,17 +90,137 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
         raise invalid(f"hidden_states has {hidden.shape[1]} columns; this model takes "
                       f"{limits.hidden_states_width} (GetInfo.hidden_states_width)")
     token_ids = token_ids.to(torch.int64)
-    _check_vocabulary(token_ids, vocab)
-    if n == 1:  # (the common decode step at batch 1: no split)
+    _check_vocabulary(token_ids, limits.vocab_size)
+    if len(ms) == 1:  # (the common decode step at batch 1: no split)
         per_step = [(token_ids, hidden)]
     else:
-        sizes = [f[2] for f in fields]
-        per_step = zip(token_ids.split(sizes), hidden.split(sizes))
+        per_step = zip(token_ids.split(ms), hidden.split(ms))
     ns = req.namespace
     return [StepInput(namespace=ns, sequence_id=sid, start_position=p, token_ids=tok, hidden_states=hid,
                       next_token=nxt, num_drafts=k, temperature=t, seed=seed, return_logprobs=lp, top_k_probs=top_n,
                       predraft_branches=f)
-            for (sid, p, m, nxt, k, t, seed, lp, top_n, f), (tok, hid) in zip(fields, per_step)]
+            for sid, p, nxt, k, t, seed, lp, top_n, f, (tok, hid)
+            in zip(sids, ps, nxts, ks, temps, seeds, lps, top_ns, branches, per_step)]
+
+
+def _check_sequence_count(n: int, limits: Limits) -> None:
+    if n > limits.max_request_seqs:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"steps has {n} sequences; at most {limits.max_request_seqs} per request")
+
+
+def _parse_steps(steps, limits: Limits) -> tuple[list, ...]:
+    """The per-sequence SequenceStep messages, checked, as ten parallel lists (parse_propose's columns)."""
+    _check_sequence_count(len(steps), limits)
+    # One pass over the steps, each field read once (protobuf attribute access is the cost at large batches); the
+    # precise error is worked out only for a step that fails the combined check (_step_error).
+    seen: set[str] = set()
+    # (sequence_id, start_position, num_tokens, next_token, num_drafts, temperature, seed, logprobs, N, branches)
+    fields = []
+    max_k, vocab, max_n = limits.max_draft_tokens, limits.vocab_size, limits.max_top_k_probs
+    # a server that cannot pre-draft ignores the field (it is a hint); one that can refuses a budget above its limit
+    max_f = limits.max_predraft_branches or 2**32
+    for i, s in enumerate(steps):
+        sid, p, m, nxt, k = s.sequence_id, s.start_position, s.num_tokens, s.next_token, s.num_drafts
+        sp, f = s.sampling, s.predraft_branches
+        t, top_n = sp.temperature, sp.top_k_probs
+        if (not 0 < len(sid) <= MAX_ID_LEN or sid in seen or p < 0 or m < 1 or k > max_k or not 0 <= nxt < vocab
+                or not 0 <= t < math.inf or top_n > max_n or f > max_f):
+            _step_error(i, s, seen, limits)
+        seen.add(sid)
+        fields.append((sid, p, m, nxt, k, t, sp.seed, sp.return_logprobs, top_n,
+                       f if limits.max_predraft_branches else 0))
+    if not fields:
+        return ([],) * 10
+    return tuple(list(column) for column in zip(*fields))
+
+
+INT_DTYPES = (pb.INT32, pb.INT64)
+
+
+def committed_rows(req: "pb.ProposeRequest") -> int:
+    """The request's committed tokens (rows of token_ids / hidden_states) as its steps or columns give them, before
+    the rest of the request is read (ProposeChunked sizes its staging tensor with it); the column is checked."""
+    if not req.HasField("columns"):
+        return sum(s.num_tokens for s in req.steps)
+    c = req.columns
+    try:
+        m = decode_tensor(c.num_tokens, "columns.num_tokens", INT_DTYPES, rank=1).to(torch.int64)
+    except WireError as e:
+        raise invalid(str(e)) from None
+    if m.shape[0] != len(c.sequence_ids):
+        raise invalid(f"columns.num_tokens has {m.shape[0]} values for {len(c.sequence_ids)} sequence_ids")
+    if bool((m < 1).any()):
+        i = int((m < 1).nonzero()[0, 0])
+        raise invalid(f"columns.num_tokens[{i}] is {m[i].item()}; a step carries at least one committed token")
+    return int(m.sum())
+
+
+def _parse_columns(c: "pb.StepColumns", limits: Limits) -> tuple[list, ...]:
+    """A columnar request's steps (StepColumns), checked, as the ten lists of parse_propose. Each column is decoded
+    with one torch.frombuffer and turned into a list in one call; the range checks are min/max over the lists (C
+    loops, no tensor op per check: cheap at any batch size). Each error names the column and the first offending
+    index."""
+    sids = list(c.sequence_ids)
+    n = len(sids)
+    _check_sequence_count(n, limits)
+    if n:
+        lens = list(map(len, sids))
+        if min(lens) == 0 or max(lens) > MAX_ID_LEN:
+            i = next(i for i, length in enumerate(lens) if not 0 < length <= MAX_ID_LEN)
+            check_sequence_id(sids[i], f"columns.sequence_ids[{i}]")
+        if len(set(sids)) != n:
+            seen: set[str] = set()
+            i = next(i for i, sid in enumerate(sids) if sid in seen or seen.add(sid))
+            raise invalid(f"columns.sequence_ids[{i}] {sids[i]!r} appears twice in one request")
+
+    def column(name: str, allowed: tuple[int, ...], optional: bool = False) -> list:
+        if optional and not c.HasField(name):
+            return [0] * n
+        try:
+            x = decode_tensor(getattr(c, name), f"columns.{name}", allowed, rank=1)
+        except WireError as e:
+            raise invalid(str(e)) from None
+        if x.shape[0] != n:
+            raise invalid(f"columns.{name} has {x.shape[0]} values for {n} sequence_ids")
+        return x.tolist()
+
+    def check(name: str, values: list, ok: Callable, why: str) -> None:
+        i = next(i for i, v in enumerate(values) if not ok(v))
+        raise invalid(f"columns.{name}[{i}] is {values[i]}; {why}")
+
+    p = column("start_positions", INT_DTYPES)
+    m = column("num_tokens", INT_DTYPES)
+    nxt = column("next_tokens", INT_DTYPES)
+    k = column("num_drafts", INT_DTYPES)
+    t = column("temperatures", (pb.FLOAT32,), optional=True)
+    seeds = column("seeds", (pb.INT64,), optional=True)
+    f = column("predraft_branches", INT_DTYPES, optional=True)
+    vocab, max_k = limits.vocab_size, limits.max_draft_tokens
+    max_f = limits.max_predraft_branches or 2**32  # (a server that cannot pre-draft ignores the column)
+    if n:
+        if min(p) < 0:
+            check("start_positions", p, lambda v: v >= 0, "positions are >= 0")
+        if min(m) < 1:
+            check("num_tokens", m, lambda v: v >= 1, "a step carries at least one committed token")
+        if min(nxt) < 0 or max(nxt) >= vocab:
+            check("next_tokens", nxt, lambda v: 0 <= v < vocab, f"outside the vocabulary [0, {vocab})")
+        if min(k) < 0 or max(k) > max_k:
+            check("num_drafts", k, lambda v: 0 <= v <= max_k,
+                  f"this server drafts 0 to {max_k} (GetInfo.max_draft_tokens)")
+        if min(t) < 0 or not math.isfinite(sum(t)):  # (the sum is finite exactly when every value is)
+            check("temperatures", t, lambda v: 0 <= v < math.inf, "must be finite and >= 0")
+        if min(f) < 0 or max(f) > max_f:
+            check("predraft_branches", f, lambda v: 0 <= v <= max_f,
+                  f"at most {limits.max_predraft_branches} (GetInfo.max_predraft_branches)")
+        if min(seeds) < 0:  # the wire's uint64 seeds travel as int64 bits: back to the uint64 value
+            seeds = [s + 2**64 if s < 0 else s for s in seeds]
+    if c.top_k_probs > limits.max_top_k_probs:
+        raise invalid(f"columns.top_k_probs is {c.top_k_probs}; at most {limits.max_top_k_probs} "
+                      "(GetInfo.max_top_k_probs)")
+    if not limits.max_predraft_branches:
+        f = [0] * n
+    return sids, p, m, nxt, k, t, seeds, [c.return_logprobs] * n, [c.top_k_probs] * n, f
 
 
 SMALL_CHECK_TOKENS = 64  # up to this many token ids, the range check runs in python (cheaper than tensor ops)

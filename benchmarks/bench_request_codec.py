@@ -1,0 +1,136 @@
+"""Host work of one engine step's request and reply, per wire form (a script, not a test).
+
+For each batch size, one decode step (m committed tokens per sequence, k drafts, hidden states [B*m, W] bf16) is
+taken through the four host-side phases that surround the proposer, in one process, with no network:
+
+  client pack    the engine's step -> request bytes  (what DrafterClient serializes before sending)
+  server parse   request bytes -> the proposer's inputs, every check included (DrafterServicer.decode_propose)
+  server reply   the proposer's outputs -> reply bytes  (DrafterServicer.encode_propose)
+  client parse   reply bytes -> what the engine reads  (ProposeResult / BatchDrafts)
+
+in three forms:
+
+  rows          propose(list[SequenceStep]): one SequenceStep message per sequence, SequenceResult per sequence
+  batch-rows    propose_batch(StepBatch) to a drafter without columnar requests: messages written from columns
+  batch-cols    propose_batch(StepBatch) to a drafter with GetInfo.step_columns_supported: ProposeRequest.columns
+                and ProposeResponse.result_columns, tensors both ways (no message per sequence)
+
+Timings alternate the forms within each round (median over rounds of the per-round median); the machine's noise is
+shown by the spread over rounds. Prints a table, writes JSON.
+
+    python benchmarks/bench_request_codec.py                       # batch 1, 32, 128, 256; width 4096
+    python benchmarks/bench_request_codec.py --batches 128 --width 64
+"""
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from drafter_client import SequenceStep, StepBatch  # noqa: E402
+from drafter_client.batch import parse_batch_response, serialize_batch  # noqa: E402
+from drafter_client.messages import parse_response, serialize_request  # noqa: E402
+from drafter_client.protocol import pb  # noqa: E402
+from drafter_service.engine.step_io import StepOutput  # noqa: E402
+from drafter_service.transport.servicer import build_column_response, build_response  # noqa: E402
+from drafter_service.transport.validation import Limits, parse_propose  # noqa: E402
+
+FORMS = ("rows", "batch-rows", "batch-cols")
+PHASES = ("client pack", "server parse", "server reply", "client parse")
+
+
+def make_step(batch: int, m: int, k: int, width: int, vocab: int):
+    g = torch.Generator().manual_seed(batch)
+    tokens = torch.randint(0, vocab, (batch, m + 1), generator=g)
+    hidden = torch.randn(batch * m, width, generator=g).to(torch.bfloat16)
+    steps = [SequenceStep(f"seq-{b}", 1000, tokens[b, :m], hidden[b * m:(b + 1) * m], int(tokens[b, m]), k)
+             for b in range(batch)]
+    cols = StepBatch(sequence_ids=[s.sequence_id for s in steps], start_positions=torch.full((batch,), 1000),
+                     num_tokens=torch.full((batch,), m), token_ids=tokens[:, :m].reshape(-1), hidden_states=hidden,
+                     next_tokens=tokens[:, m].clone(), num_drafts=k)
+    outputs = [StepOutput(drafts=torch.randint(0, vocab, (k,), generator=g).tolist(), accepted_drafts=1,
+                          committed_length=1000 + m) for _ in range(batch)]
+    return steps, cols, outputs
+
+
+def one_round(form: str, steps, cols, outputs, limits: Limits, reps: int) -> dict[str, float]:
+    ids = cols.sequence_ids
+    times = {p: [] for p in PHASES}
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        if form == "rows":
+            data = serialize_request("bench", steps, None, 1)
+        else:
+            data = serialize_batch("bench", cols, request_id=1, columns=form == "batch-cols")
+        t1 = time.perf_counter()
+        req = pb.ProposeRequest.FromString(bytes(data))
+        parse_propose(req, limits)
+        t2 = time.perf_counter()
+        resp = (build_column_response(outputs, 1) if req.HasField("columns")
+                else build_response(outputs, [s.sequence_id for s in req.steps], 1)).SerializeToString()
+        t3 = time.perf_counter()
+        reply = pb.ProposeResponse.FromString(resp)
+        parse_response(reply) if form == "rows" else parse_batch_response(reply, ids)
+        t4 = time.perf_counter()
+        for p, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            times[p].append(dt)
+    return {p: statistics.median(v) for p, v in times.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,32,128,256")
+    ap.add_argument("--m", type=int, default=3, help="committed tokens per sequence")
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--width", type=int, default=4096, help="hidden-state columns (Llama-3.1-8B EAGLE-1: 4096)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default="bench_out/request_codec.json")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    limits = Limits(hidden_states_width=a.width, vocab_size=128256, max_draft_tokens=8, max_request_tokens=1 << 20,
+                    max_request_seqs=4096)
+    rows = []
+    for batch in [int(b) for b in a.batches.split(",")]:
+        steps, cols, outputs = make_step(batch, a.m, a.k, a.width, 128256)
+        rounds = {f: [] for f in FORMS}
+        for _ in range(a.rounds):
+            for form in FORMS:
+                rounds[form].append(one_round(form, steps, cols, outputs, limits, a.reps))
+        for form in FORMS:
+            row = dict(batch=batch, form=form)
+            for p in PHASES:
+                values = [r[p] * 1e3 for r in rounds[form]]
+                row[p] = statistics.median(values)
+                row[p + " spread"] = [min(values), max(values)]
+            row["total"] = sum(row[p] for p in PHASES)
+            rows.append(row)
+            print(f"batch {batch:4d} {form:10s} " + "  ".join(f"{p} {row[p]:.3f}" for p in PHASES)
+                  + f"  total {row['total']:.3f} ms", flush=True)
+    result = dict(benchmark="bench_request_codec", date=datetime.datetime.now().isoformat(timespec="seconds"),
+                  device=f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1 torch thread",
+                  python=platform.python_version(), torch=torch.__version__, m=a.m, k=a.k, width=a.width,
+                  rounds=a.rounds, reps=a.reps, command=" ".join(sys.argv), rows=rows)
+    out = pathlib.Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\n{result['device']}, {result['date']}; m={a.m}, k={a.k}, width {a.width}; ms per step, median of "
+          f"{a.rounds} rounds")
+    print(f"{'batch':>5} {'form':>10} " + " ".join(f"{p:>13}" for p in PHASES) + f" {'total':>8} {'vs rows':>8}")
+    base = {r["batch"]: r["total"] for r in rows if r["form"] == "rows"}
+    for r in rows:
+        print(f"{r['batch']:>5} {r['form']:>10} " + " ".join(f"{r[p]:>13.3f}" for p in PHASES)
+              + f" {r['total']:>8.3f} {r['total'] / base[r['batch']]:>8.2f}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

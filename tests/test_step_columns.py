@@ -1,0 +1,209 @@
+"""Columnar requests and replies (ProposeRequest.columns, ProposeResponse.result_columns): a columnar request decodes
+to exactly the steps its per-sequence twin decodes to, every bad column value is refused naming the column and the
+index, and a columnar reply parses to the same BatchDrafts as the per-sequence reply of the same outputs. (The
+server round trip against the per-sequence API is in tests/test_batch_api.py.)"""
+import random
+
+import grpc
+import pytest
+import torch
+
+from drafter_client import SequenceStep, StepBatch
+from drafter_client.batch import build_column_request, parse_batch_response, serialize_batch
+from drafter_client.messages import build_request
+from drafter_client.protocol import pb
+from drafter_client.protocol.wire import encode_tensor
+from drafter_service.engine.step_io import StepOutput
+from drafter_service.transport.servicer import build_column_response, build_response
+from drafter_service.transport.validation import Limits, RequestError, committed_rows, parse_propose
+
+W, V = 16, 1000
+LIMITS = Limits(hidden_states_width=W, vocab_size=V, max_draft_tokens=8, max_request_tokens=4096,
+                max_request_seqs=64, max_top_k_probs=16, max_predraft_branches=32)
+
+
+def random_batch(rng: random.Random, n: int, sampled: bool) -> tuple[StepBatch, list[SequenceStep]]:
+    """The same step as a StepBatch and as SequenceSteps (per-sequence sampling only where the batch has columns)."""
+    m = [rng.randint(1, 5) for _ in range(n)]
+    temps = [rng.choice([0.0, 0.7, 1.3]) for _ in range(n)] if sampled else [0.0] * n
+    seeds = [rng.choice([0, 5, 2**63 + 11, 2**64 - 1]) for _ in range(n)] if sampled else [0] * n
+    lp, top = (True, 4) if sampled else (False, 0)
+    steps = [SequenceStep(f"seq-{i}", rng.randrange(200), [rng.randrange(V) for _ in range(m[i])],
+                          torch.randn(m[i], W).to(torch.bfloat16), rng.randrange(V), rng.randrange(9),
+                          temperature=temps[i], seed=seeds[i], return_logprobs=lp, top_k_probs=top,
+                          predraft_branches=rng.choice([0, 8, 32])) for i in range(n)]
+    as_int64 = [s - 2**64 if s >= 2**63 else s for s in seeds]  # (a tensor column holds the uint64 seeds' bits)
+    batch = StepBatch(
+        sequence_ids=[s.sequence_id for s in steps], start_positions=torch.tensor([s.start_position for s in steps]),
+        num_tokens=torch.tensor(m), token_ids=torch.tensor([t for s in steps for t in s.token_ids]),
+        hidden_states=torch.cat([s.hidden_states for s in steps]), next_tokens=torch.tensor([s.next_token for s in steps]),
+        num_drafts=torch.tensor([s.num_drafts for s in steps]), temperature=torch.tensor(temps),
+        seed=torch.tensor(as_int64), return_logprobs=lp, top_k_probs=top,
+        predraft_branches=torch.tensor([s.predraft_branches for s in steps]))
+    return batch, steps
+
+
+def parse_bytes(data) -> list:
+    return parse_propose(pb.ProposeRequest.FromString(bytes(data)), LIMITS)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_columns_decode_to_the_steps_of_the_per_sequence_request(sampled):
+    rng = random.Random(sampled)
+    for n in (1, 2, 7, 64):
+        batch, steps = random_batch(rng, n, sampled)
+        by_cols = parse_bytes(serialize_batch("ns", batch, request_id=4, columns=True))
+        by_rows = parse_propose(pb.ProposeRequest.FromString(build_request("ns", steps).SerializeToString()), LIMITS)
+        assert len(by_cols) == len(by_rows) == n
+        for c, r in zip(by_cols, by_rows):
+            for f in ("namespace", "sequence_id", "start_position", "next_token", "num_drafts", "seed",
+                      "return_logprobs", "top_k_probs", "predraft_branches"):
+                assert getattr(c, f) == getattr(r, f), f
+            assert c.temperature == pytest.approx(r.temperature)
+            assert torch.equal(c.token_ids, r.token_ids) and torch.equal(c.hidden_states, r.hidden_states)
+
+
+def test_an_all_greedy_batch_sends_no_optional_column():
+    batch, _ = random_batch(random.Random(0), 5, sampled=False)
+    batch.temperature, batch.seed, batch.predraft_branches = 0.0, 0, 0
+    req = build_column_request("ns", batch)
+    assert not any(req.columns.HasField(f) for f in ("temperatures", "seeds", "predraft_branches"))
+    assert all(s.temperature == 0 and s.seed == 0 and s.predraft_branches == 0
+               for s in parse_bytes(serialize_batch("ns", batch, columns=True)))
+
+
+def _request(n: int = 4) -> pb.ProposeRequest:
+    batch, _ = random_batch(random.Random(n), n, sampled=True)
+    return pb.ProposeRequest.FromString(bytes(serialize_batch("ns", batch, columns=True)))
+
+
+def _set(column: str, index: int, value):
+    def mutate(req):
+        c = getattr(req.columns, column)
+        dtype = torch.float32 if c.dtype == pb.FLOAT32 else torch.int64
+        x = torch.frombuffer(bytearray(c.raw), dtype=dtype).clone()
+        x[index] = value
+        encode_tensor(x, into=c)
+    return mutate
+
+
+def _both(req):
+    req.steps.append(pb.SequenceStep(sequence_id="x", num_tokens=1))
+
+
+def _short(req):
+    encode_tensor(torch.zeros(3, dtype=torch.int64), into=req.columns.start_positions)
+
+
+def _float_positions(req):
+    encode_tensor(torch.zeros(4, dtype=torch.float32), into=req.columns.start_positions)
+
+
+def _shm_column(req):
+    req.columns.num_drafts.shm.region = "r"
+
+
+def _ids(ids):
+    def mutate(req):
+        del req.columns.sequence_ids[:]
+        req.columns.sequence_ids.extend(ids)
+    return mutate
+
+
+def _top_k(req):
+    req.columns.top_k_probs = 17
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (_set("start_positions", 2, -1), "columns.start_positions[2] is -1"),
+    (_set("num_tokens", 1, 0), "columns.num_tokens[1] is 0"),
+    (_set("next_tokens", 3, V), f"columns.next_tokens[3] is {V}; outside the vocabulary"),
+    (_set("num_drafts", 0, 9), "columns.num_drafts[0] is 9"),
+    (_set("num_drafts", 1, -2), "columns.num_drafts[1] is -2"),
+    (_set("temperatures", 2, float("nan")), "columns.temperatures[2] is nan"),
+    (_set("temperatures", 1, -0.5), "columns.temperatures[1] is -0.5"),
+    (_set("predraft_branches", 3, 33), "columns.predraft_branches[3] is 33"),
+    (_top_k, "columns.top_k_probs is 17"),
+    (_both, "both steps and columns"),
+    (_short, "columns.start_positions has 3 values for 4 sequence_ids"),
+    (_float_positions, "columns.start_positions.dtype is FLOAT32"),
+    (_shm_column, "columns.num_drafts.shm"),
+    (_ids(["a", "b", "a", "c"]), "columns.sequence_ids[2] 'a' appears twice"),
+    (_ids(["a", "", "b", "c"]), "columns.sequence_ids[1] is empty"),
+    (_ids(["a", "b", "c", "d" * 300]), "columns.sequence_ids[3] is 300 characters"),
+])
+def test_bad_columns_are_refused_by_name(mutate, message):
+    req = _request()
+    mutate(req)
+    with pytest.raises(RequestError) as e:
+        parse_propose(req, LIMITS)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in e.value.message, e.value.message
+
+
+def test_too_many_sequences_or_tokens_are_resource_exhausted():
+    batch, _ = random_batch(random.Random(1), 65, sampled=False)
+    with pytest.raises(RequestError) as e:
+        parse_bytes(serialize_batch("ns", batch, columns=True))
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    req = _request()
+    _set("num_tokens", 0, 5000)(req)
+    with pytest.raises(RequestError) as e:
+        parse_propose(req, LIMITS)
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_committed_rows_checks_the_column_first():
+    req = _request()
+    assert committed_rows(req) == int(torch.frombuffer(bytearray(req.columns.num_tokens.raw), dtype=torch.int64).sum())
+    _set("num_tokens", 2, -7)(req)
+    with pytest.raises(RequestError, match=r"columns.num_tokens\[2\] is -7"):
+        committed_rows(req)
+
+
+def random_outputs(rng: random.Random, n: int) -> list[StepOutput]:
+    outs = []
+    for i in range(n):
+        o = StepOutput(accepted_drafts=rng.randrange(4), committed_length=rng.randrange(1000),
+                       predrafted=rng.random() < 0.3)
+        if rng.random() < 0.25:
+            o.code, o.message = rng.choice([(5, "unknown sequence"), (9, "gap: start_position 9"),
+                                            (8, "KV pool full")])
+            o.predrafted = False
+        else:
+            k = rng.randrange(6)
+            o.drafts = [rng.randrange(V) for _ in range(k)]
+            if rng.random() < 0.5:
+                o.logprobs = [-rng.random() for _ in range(k)]
+            if k and rng.random() < 0.5:
+                width = rng.randint(1, 4)
+                o.top_k_ids = torch.randint(0, V, (k, width))
+                o.top_k_probs = torch.rand(k, width)
+        outs.append(o)
+    return outs
+
+
+def test_a_column_reply_parses_as_the_per_sequence_reply():
+    rng = random.Random(3)
+    for n in (1, 5, 40):
+        outs = random_outputs(rng, n)
+        ids = [f"s{i}" for i in range(n)]
+        by_rows = parse_batch_response(pb.ProposeResponse.FromString(
+            build_response(outs, ids, 9).SerializeToString()), ids)
+        reply = pb.ProposeResponse.FromString(build_column_response(outs, 9).SerializeToString())
+        assert not reply.results  # no message per sequence
+        by_cols = parse_batch_response(reply, ids)
+        for f in ("codes", "num_drafts", "draft_token_ids", "accepted_drafts", "committed_lengths", "needs_resync",
+                  "predrafted", "logprobs", "top_k_ids", "top_k_probs"):
+            a, b = getattr(by_cols, f), getattr(by_rows, f)
+            assert (a is None and b is None) or torch.equal(a, b), f
+        assert by_cols.messages == by_rows.messages and by_cols.request_id == by_rows.request_id == 9
+
+
+def test_a_column_reply_for_another_batch_size_is_internal():
+    outs = random_outputs(random.Random(0), 3)
+    reply = pb.ProposeResponse.FromString(build_column_response(outs, 1).SerializeToString())
+    from drafter_client.messages import DrafterError
+    with pytest.raises(DrafterError) as e:
+        parse_batch_response(reply, ["a", "b"])
+    assert e.value.code == grpc.StatusCode.INTERNAL
