@@ -87,6 +87,13 @@ class _Drafts:
         top_probs: list[list[torch.Tensor]] = [[] for _ in range(B)]
         if not self.columns:
             return tokens, logprobs, [None] * B, [None] * B
+        everyone = list(range(B))
+        if all(rows == everyone and sample.top_ids is None for rows, sample in self.columns):
+            # every sequence drafted every column (one k for all, no top-N): one [B, k] copy, rows as the lists
+            tokens = torch.stack([c[1].tokens for c in self.columns], 1).cpu().tolist()
+            if self.columns[0][1].logprobs is not None:
+                logprobs = torch.stack([c[1].logprobs for c in self.columns], 1).cpu().tolist()
+            return tokens, logprobs, [None] * B, [None] * B
         flat_tok = torch.cat([c[1].tokens for c in self.columns]).cpu().tolist()
         with_lp = self.columns[0][1].logprobs is not None
         flat_lp = torch.cat([c[1].logprobs for c in self.columns]).cpu().tolist() if with_lp else None
