@@ -54,3 +54,46 @@ def test_namespaces_are_separate_and_no_block_is_shared():
         owned = [b for s in seqs.values() for b in s.block_table]
         assert len(owned) == len(set(owned)), "a block is owned twice"
         assert len(owned) + pool.num_free == 64, "a block leaked"
+        if step % 50 == 0:
+            check_tensor_rows(table, seqs.values())
+
+
+def check_tensor_rows(table: SequenceTable, live) -> None:
+    """Each live sequence's row of the block-tables tensor holds its list then zeros; every other row is zero."""
+    t = table.block_tables.tensor
+    rows = set()
+    for s in live:
+        assert s.table_row >= 0 and s.table_row not in rows, "a row is shared"
+        rows.add(s.table_row)
+        n = len(s.block_table)
+        assert t[s.table_row, :n].tolist() == s.block_table and not t[s.table_row, n:].any()
+    free = [r for r in range(t.shape[0]) if r not in rows]
+    assert not t[free].any(), "a free row is not zero"
+
+
+def test_block_tables_tensor_follows_resize_release_and_eviction():
+    """The tensor rows mirror the lists through growth past the tensor's rows, shrinking, release and eviction."""
+    rng = random.Random(1)
+    pool = BlockPool(400)
+    table = SequenceTable(pool, block_size=4, max_model_len=160)
+    live = {}
+    for step in range(3000):
+        sid = f"s{rng.randrange(150)}"  # more sequences than the tensor's first 64 rows
+        s = table.get("ns", sid)
+        if s is None:
+            s = Sequence("ns", sid, last_step=step)
+            if table.resize(s, rng.randint(1, 12)):
+                table.add(s)
+                live[sid] = s
+        elif rng.random() < 0.1:
+            table.release("ns", sid)
+            del live[sid]
+        elif rng.random() < 0.05:
+            if table.evict_idle(step + 1, sequences=3):
+                live = {k: v for k, v in live.items() if table.get("ns", k) is not None}
+        else:
+            table.resize(s, rng.randint(1, 160 if rng.random() < 0.1 else 12))
+        if step % 100 == 0:
+            check_tensor_rows(table, live.values())
+    check_tensor_rows(table, live.values())
+    assert table.block_tables.tensor.shape[0] >= 128  # it grew

@@ -7,6 +7,7 @@ import torch
 from drafter_service.cli import parse_args
 from drafter_service.engine.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes, padded_batch_size
 from drafter_service.engine import step_metadata
+from drafter_service.engine.block_tables import BlockTables
 from drafter_service.engine.step_metadata import build_step_metadata
 
 
@@ -31,9 +32,10 @@ def naive_metadata(starts, token_ids, next_tokens, num_drafts, tables, block_siz
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("packing", ["lists", "vectorized"])
+@pytest.mark.parametrize("packing", ["lists", "vectorized", "vectorized-table-rows"])
 def test_step_metadata_matches_per_sequence_reference(seed, packing, monkeypatch):
-    """Both ways of packing the host buffer (python lists for small steps, vectorized torch for large ones)."""
+    """Every way of packing the host buffer: python lists for small steps, vectorized torch for large ones, with
+    the block tables from the lists or gathered from the sequence table's rows (BlockTables)."""
     monkeypatch.setattr(step_metadata, "SMALL_STEP_ROWS", 10**9 if packing == "lists" else 0)
     rng = random.Random(seed)
     block_size = rng.choice([8, 16, 32])
@@ -56,8 +58,18 @@ def test_step_metadata_matches_per_sequence_reference(seed, packing, monkeypatch
         next_tokens.append(rng.randrange(1000))
         num_drafts.append(k)
         tables.append(blocks)
+    table_rows = None
+    if packing == "vectorized-table-rows":  # rows handed out in another order than the batch, stale rows between
+        bt = BlockTables(max_blocks=max(len(t) for t in tables) + 3, rows=2)
+        rows = [bt.assign() for _ in range(2 * B)]
+        rng.shuffle(rows)
+        for row, table in zip(rows, tables):
+            bt.write(row, 0, table)
+        for row in rows[B:]:
+            bt.write(row, 0, [7] * 3)
+        table_rows = (bt, rows[:B])
     md = build_step_metadata(starts, token_ids, hidden, next_tokens, num_drafts, tables, temperatures, seeds,
-                             top_ks, block_size, torch.device("cpu"))
+                             top_ks, block_size, torch.device("cpu"), table_rows=table_rows)
     ref = naive_metadata(starts, token_ids, next_tokens, num_drafts, tables, block_size)
     meta = md.first_step
     assert md.input_ids.tolist() == ref["ids"] and md.input_ids.dtype == torch.int64

@@ -140,7 +140,7 @@ class Proposer:
         self.block_size = kv.block_size
         self.max_model_len = max_model_len
         self.device = device
-        self.table = SequenceTable(kv.pool, kv.block_size, sequence_limits)
+        self.table = SequenceTable(kv.pool, kv.block_size, sequence_limits, max_model_len)
         self.clock = time.monotonic  # the lease's clock (tests replace it)
         self._step_serial = 0  # numbers the steps: a sequence whose last_step is the current one is not idle
         self._expiry_due = 0.0  # no sequence can expire before this clock time (expire_idle)
@@ -429,7 +429,7 @@ class Proposer:
         dev = self.device
         B = len(batch)
         # ---- step metadata (step_metadata.py): vectorized on the host, one host->device copy for the step ----
-        md = StepMetadata.build(batch, self.block_size, dev)
+        md = StepMetadata.build(batch, self.block_size, dev, self.table.block_tables)
         sp = self._sampling(batch, md)
         meta, seq_lens, block_tables = md.first_step, md.host_seq_lens, md.host_block_tables
         # ---- end step metadata ----

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from typing import Callable
 from dataclasses import dataclass, field
 
+from drafter_service.engine.block_tables import BlockTables
 from drafter_service.engine.kv_cache import BlockPool
 
 GONE_KEYS_KEPT = 16384  # how many dropped keys are remembered for the NOT_FOUND message (oldest forgotten first)
@@ -56,6 +57,7 @@ class Sequence:
     namespace: str
     sequence_id: str
     block_table: list[int] = field(default_factory=list)  # block ids, in position order
+    table_row: int = -1  # its row of SequenceTable.block_tables (the same ids as a tensor); -1: none yet
     committed_len: int = 0  # draft-KV of positions [0, committed_len) was written from committed tokens
     last_drafts: list[int] = field(default_factory=list)  # drafts given at the last step...
     last_drafts_base: int = 0  # ...for positions last_drafts_base + 1, + 2, ...
@@ -69,9 +71,13 @@ class Sequence:
 class SequenceTable:
     """All live sequences and the blocks they hold. Only the step worker thread touches it."""
 
-    def __init__(self, pool: BlockPool, block_size: int, limits: SequenceLimits | None = None):
+    def __init__(self, pool: BlockPool, block_size: int, limits: SequenceLimits | None = None,
+                 max_model_len: int | None = None):
         self.pool = pool
         self.block_size = block_size
+        # every sequence's block table as a tensor row, kept equal to its list (resize, _drop)
+        max_blocks = -(-max_model_len // block_size) if max_model_len else pool.num_blocks
+        self.block_tables = BlockTables(min(max_blocks, pool.num_blocks))
         self.limits = limits or SequenceLimits()
         self.counters = SequenceCounters()
         self._seqs: OrderedDict[tuple[str, str], Sequence] = OrderedDict()  # least recently used first
@@ -118,9 +124,13 @@ class SequenceTable:
             if blocks is None:
                 return False
             seq.block_table.extend(blocks)
+            if seq.table_row < 0:
+                seq.table_row = self.block_tables.assign()
+            self.block_tables.write(seq.table_row, have, blocks)
         elif want < have:
             self.pool.free(seq.block_table[want:])
             del seq.block_table[want:]
+            self.block_tables.clear(seq.table_row, want)
         if want != have:
             self._ns_blocks[seq.namespace] = self._ns_blocks.get(seq.namespace, 0) + want - have
         return True
@@ -221,6 +231,9 @@ class SequenceTable:
             self._ns_blocks.pop(seq.namespace, None)
         self.pool.free(seq.block_table)
         seq.block_table = []
+        if seq.table_row >= 0:
+            self.block_tables.release(seq.table_row)
+            seq.table_row = -1
         if seq.owner is not None:
             owned = self._owned.get(seq.owner)
             if owned is not None:

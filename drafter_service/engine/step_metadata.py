@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from drafter_service.engine.block_tables import BlockTables
 from drafter_service.models.attention_metadata import AttentionMetadata
 from drafter_service.engine.sampling import seed_to_int64
 
@@ -65,8 +66,10 @@ class StepMetadata:
     host_block_tables: torch.Tensor  # [B, w] int32 (CPU)
 
     @classmethod
-    def build(cls, batch, block_size: int, device: torch.device) -> "StepMetadata":
-        """From the proposer's admitted batch (``a.step``: StepInput, ``a.seq``: Sequence, ``a.num_drafts``)."""
+    def build(cls, batch, block_size: int, device: torch.device,
+              tables: BlockTables | None = None) -> "StepMetadata":
+        """From the proposer's admitted batch (``a.step``: StepInput, ``a.seq``: Sequence, ``a.num_drafts``);
+        tables: the sequence table's block tables, whose rows (``a.seq.table_row``) a large step gathers."""
         return build_step_metadata(
             start_positions=[a.step.start_position for a in batch],
             token_ids=[a.step.token_ids for a in batch],
@@ -77,7 +80,8 @@ class StepMetadata:
             temperatures=[a.step.temperature for a in batch],
             seeds=[seed_to_int64(a.step.seed) for a in batch],
             top_ks=[a.step.top_k_probs for a in batch],
-            block_size=block_size, device=device)
+            block_size=block_size, device=device,
+            table_rows=(tables, [a.seq.table_row for a in batch]) if tables is not None else None)
 
 
 SMALL_STEP_ROWS = 64  # up to this many first-step rows, the host buffer is built with plain python lists
@@ -86,15 +90,23 @@ SMALL_STEP_ROWS = 64  # up to this many first-step rows, the host buffer is buil
 def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor], hidden_states: list[torch.Tensor],
                         next_tokens: list[int], num_drafts: list[int], block_tables: list[list[int]],
                         temperatures: list[float], seeds: list[int], top_ks: list[int], block_size: int,
-                        device: torch.device) -> StepMetadata:
+                        device: torch.device,
+                        table_rows: "tuple[BlockTables, list[int]] | None" = None) -> StepMetadata:
     """Packs the host buffer (two ways, same bytes: python lists for a small step, where ~50 small tensor ops would
-    cost more than the lists; vectorized torch above SMALL_STEP_ROWS rows), copies it to the device once."""
+    cost more than the lists; vectorized torch above SMALL_STEP_ROWS rows), copies it to the device once.
+    table_rows: (the block tables tensor, each sequence's row of it) holding the same tables as block_tables: a
+    large step gathers them from there instead of flattening the lists."""
     B = len(start_positions)
     q_lens = [t.shape[0] for t in token_ids]  # m_i >= 1
     T, w = sum(q_lens), max(len(t) for t in block_tables)
-    pack = _pack_lists if T <= SMALL_STEP_ROWS else _pack_vectorized
-    host, active, seq_lens = pack(start_positions, token_ids, q_lens, next_tokens, num_drafts, block_tables,
-                                  temperatures, seeds, top_ks, block_size, w)
+    if T <= SMALL_STEP_ROWS:
+        host, active, seq_lens = _pack_lists(start_positions, token_ids, q_lens, next_tokens, num_drafts,
+                                             block_tables, temperatures, seeds, top_ks, block_size, w)
+    else:
+        tables = (table_rows[0].gather(table_rows[1], w) if table_rows is not None
+                  else _tables_from_lists(block_tables, w))
+        host, active, seq_lens = _pack_vectorized(start_positions, token_ids, q_lens, next_tokens, num_drafts,
+                                                  tables, temperatures, seeds, top_ks, block_size)
     n = len(active)
     wide_sizes = [T, T, T, B, B, n, n, n]
     narrow_sizes = [B + 1, B, B * w, B, n, n]
@@ -143,25 +155,30 @@ def _pack_lists(start_positions, token_ids, q_lens, next_tokens, num_drafts, blo
     return host, active, seq_lens
 
 
-def _pack_vectorized(start_positions, token_ids, q_lens, next_tokens, num_drafts, block_tables, temperatures, seeds,
-                     top_ks, block_size, w) -> tuple[torch.Tensor, list[int], list[int]]:
-    """The host buffer of a large step (prefill), vectorized over the batch: no per-sequence tensor op."""
+def _tables_from_lists(block_tables: list[list[int]], w: int) -> torch.Tensor:
+    """[B, w] int32, zero-padded: the concatenated tables scattered under a "column < table length" mask."""
+    table_lens = torch.tensor([len(t) for t in block_tables], dtype=torch.int64)
+    tables = torch.zeros(len(block_tables), w, dtype=torch.int32)
+    tables[torch.arange(w)[None, :] < table_lens[:, None]] = torch.tensor(
+        list(itertools.chain.from_iterable(block_tables)), dtype=torch.int32)
+    return tables
+
+
+def _pack_vectorized(start_positions, token_ids, q_lens, next_tokens, num_drafts, block_tables_i32, temperatures,
+                     seeds, top_ks, block_size) -> tuple[torch.Tensor, list[int], list[int]]:
+    """The host buffer of a large step (prefill, or many sequences), vectorized over the batch: no per-sequence
+    tensor op. block_tables_i32: [B, w] int32, zero-padded."""
     B = len(start_positions)
     i64 = torch.int64
     p = torch.tensor(start_positions, dtype=i64)  # [B]
     q = torch.tensor(q_lens, dtype=i64)  # [B]
     k = torch.tensor(num_drafts, dtype=i64)  # [B]
-    table_lens = torch.tensor([len(t) for t in block_tables], dtype=i64)  # [B]
     T = int(q.sum())
 
     qsl = torch.zeros(B + 1, dtype=i64)
     torch.cumsum(q, 0, out=qsl[1:])
     seq_lens = p + q  # [B]
-
-    # block tables [B, w], zero-padded: scatter the concatenated tables under a "column < table length" mask
-    tables = torch.zeros(B, w, dtype=i64)
-    tables[torch.arange(w)[None, :] < table_lens[:, None]] = torch.tensor(
-        list(itertools.chain.from_iterable(block_tables)), dtype=i64)
+    tables = block_tables_i32.to(i64)  # [B, w]
 
     # first-step rows
     row_seq = torch.repeat_interleave(torch.arange(B), q)  # [T] sequence of each row
@@ -182,7 +199,7 @@ def _pack_vectorized(start_positions, token_ids, q_lens, next_tokens, num_drafts
     temperature = torch.tensor(temperatures, dtype=torch.float32)
     wide = [input_ids, positions, slots, torch.tensor(seeds, dtype=i64), torch.tensor(top_ks, dtype=i64),
             draft_index, draft_rows, draft_positions]
-    narrow = [qsl.to(torch.int32), seq_lens.to(torch.int32), tables.flatten().to(torch.int32),
+    narrow = [qsl.to(torch.int32), seq_lens.to(torch.int32), block_tables_i32.flatten(),
               temperature.view(torch.int32), draft_seq_lens.to(torch.int32), draft_steps.to(torch.int32)]
     host = torch.cat([torch.cat(wide).view(torch.int32), *narrow])
     return host, draft_index.tolist(), seq_lens.tolist()
