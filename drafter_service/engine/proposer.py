@@ -194,10 +194,12 @@ class Proposer:
             positions_needed = p + m  # every layer works on the committed positions only
         else:
             positions_needed = p + m + max(k - 1, 0)  # scratch KV of the draft positions but the last
-        refusal = self._make_room(seq, is_new, self.table.blocks_missing(seq, positions_needed))
-        if refusal is not None:
-            out.code, out.message = RESOURCE_EXHAUSTED, refusal
-            return None
+        missing = self.table.blocks_missing(seq, positions_needed)
+        if is_new or missing:  # (a known sequence within its blocks, the common decode step: nothing to make room for)
+            refusal = self._make_room(seq, is_new, missing)
+            if refusal is not None:
+                out.code, out.message = RESOURCE_EXHAUSTED, refusal
+                return None
         if not self.table.resize(seq, positions_needed):  # (cannot happen: _make_room left the blocks free)
             out.code, out.message = INTERNAL, f"KV pool: {self.kv.pool.num_free} blocks free after making room"
             return None
@@ -285,12 +287,13 @@ class Proposer:
         p, m = s.start_position, s.num_tokens
         if not drafts or not (p <= base + 1 <= p + m):
             return 0
+        committed = s.token_ids.tolist()  # (one conversion, not a tensor index per compared token)
         accepted = 0
         for i, d in enumerate(drafts, start=1):
             pos = base + i
             if pos > p + m:
                 break
-            tok = s.next_token if pos == p + m else int(s.token_ids[pos - p])
+            tok = s.next_token if pos == p + m else committed[pos - p]
             if tok != d:
                 break
             accepted += 1
