@@ -97,3 +97,19 @@ def test_block_tables_tensor_follows_resize_release_and_eviction():
             check_tensor_rows(table, live.values())
     check_tensor_rows(table, live.values())
     assert table.block_tables.tensor.shape[0] >= 128  # it grew
+
+
+def test_rows_grown_inside_a_step_can_be_released_outside_one():
+    """A step (inference mode) may grow the tensor; Release and the leases free rows outside inference mode."""
+    import torch
+
+    pool = BlockPool(200)
+    table = SequenceTable(pool, block_size=4, max_model_len=64)
+    seqs = [Sequence("ns", f"s{i}") for i in range(100)]  # past the first 64 rows
+    with torch.inference_mode():
+        for s in seqs:
+            assert table.resize(s, 3)
+            table.add(s)
+    for s in seqs[::2]:
+        assert table.release("ns", s.sequence_id)
+    check_tensor_rows(table, seqs[1::2])

@@ -22,8 +22,11 @@ class BlockTables:
         """A free row (all zero) for a new sequence."""
         if not self._free:
             old = self.tensor.shape[0]
-            grown = torch.zeros(2 * old, self.max_blocks, dtype=torch.int32)
-            grown[:old] = self.tensor
+            # a normal tensor even when grown inside a step's inference mode: Release and the leases update it
+            # outside one, which an inference tensor refuses
+            with torch.inference_mode(False):
+                grown = torch.zeros(2 * old, self.max_blocks, dtype=torch.int32)
+                grown[:old] = self.tensor
             self.tensor = grown
             self._free = list(range(2 * old - 1, old - 1, -1))
         return self._free.pop()
