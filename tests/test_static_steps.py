@@ -1,10 +1,11 @@
-"""The static-buffer steps that cuda_graphs.py captures (first step of a uniform batch, decode steps), run eagerly
+"""The static-buffer steps that cuda_graphs.py captures (first step, decode steps), run eagerly
 on the CPU: the same code a CUDA graph records, checked in CI against the plain proposer and the naive fp64
 reference. The graphs themselves (capture and replay) are checked on the GPU in test_cuda_fast_path.py.
 
-A uniform batch (every sequence brings the same number m of committed tokens and asks for drafts) runs its first
-step on the static rows, with padding sequences up to the padded batch size; the others run it eagerly. Drafts
-must be identical, and so must the KV pools afterwards (padding rows write nothing).
+A batch whose sequences all ask for drafts and bring at most first_step_tokens committed tokens each runs its first
+step on the static rows: every sequence padded to the batch's largest m (its real rows last), padding sequences up
+to the padded batch size; the others run it eagerly. Drafts must be identical, and so must the KV pools afterwards
+(padding rows write nothing).
 """
 import asyncio
 
@@ -54,8 +55,8 @@ def test_which_batches_take_the_static_first_step(tiny_model, tmp_path):
     assert graphs.first_sizes == [1, 2, 4, 8]
     g = torch.Generator().manual_seed(0)
 
-    def md(ms: list[int], ks: list[int]) -> StepMetadata:
-        steps = [StepInput("ns", f"s{i}", 0, torch.randint(0, 512, (m,), generator=g), torch.randn(m, 64), 1, k)
+    def md(ms: list[int], ks: list[int], start: int = 0) -> StepMetadata:
+        steps = [StepInput("ns", f"s{i}", start, torch.randint(0, 512, (m,), generator=g), torch.randn(m, 64), 1, k)
                  for i, (m, k) in enumerate(zip(ms, ks))]
         batch = [type("A", (), dict(step=s, seq=type("S", (), dict(block_table=[i]))(), num_drafts=s.num_drafts))()
                  for i, s in enumerate(steps)]
@@ -64,10 +65,52 @@ def test_which_batches_take_the_static_first_step(tiny_model, tmp_path):
     assert graphs.can_run_first_step(md([3], [5]))
     assert graphs.can_run_first_step(md([2, 2, 2], [1, 4, 2]))  # k may differ: steps_left masks the rows
     assert graphs.can_run_first_step(md([4] * 8, [2] * 8))
-    assert not graphs.can_run_first_step(md([2, 3], [2, 2]))  # m differs
+    assert graphs.can_run_first_step(md([2, 3], [2, 2], start=10))  # m differs: padded to 3 rows each
+    assert graphs.can_run_first_step(md([1, 4, 2, 1], [3, 1, 2, 5], start=3))  # contexts 4..7 >= M = 4
+    assert not graphs.can_run_first_step(md([1, 4, 2, 1], [3, 1, 2, 5], start=2))  # context 3 < M = 4
+    assert not graphs.can_run_first_step(md([2, 3], [2, 2]))  # context 2 < M = 3: no room for the padding rows
     assert not graphs.can_run_first_step(md([5], [2]))  # m > first_step_tokens
     assert not graphs.can_run_first_step(md([2, 2], [2, 0]))  # a prefill chunk (k = 0) in the batch
     assert not graphs.can_run_first_step(md([1] * 9, [2] * 9))  # more sequences than the largest size
+
+
+def mixed_batches(num_seqs: int, seed: int, width: int = 64, vocab: int = 512):
+    """A prefill of 24..40 tokens per sequence (eager), then steps where each sequence re-sends one position and
+    brings 1..8 rows of its own (m differs between sequences and steps), k = 1..6."""
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(0, vocab, (num_seqs, 400), generator=g)
+    hid = torch.randn(num_seqs, 400, width, generator=g)
+    pos = torch.randint(24, 41, (num_seqs,), generator=g).tolist()
+    batches = [[StepInput("ns", f"s{i}", 0, toks[i, :p], hid[i, :p], int(toks[i, p]), 0)
+                for i, p in enumerate(pos)]]
+    for _ in range(12):
+        ms = torch.randint(1, 9, (num_seqs,), generator=g).tolist()
+        ks = torch.randint(1, 7, (num_seqs,), generator=g).tolist()
+        batch = []
+        for i in range(num_seqs):
+            p, m = pos[i] - 1, ms[i]
+            batch.append(StepInput("ns", f"s{i}", p, toks[i, p : p + m], hid[i, p : p + m], int(toks[i, p + m]),
+                                   ks[i]))
+            pos[i] = p + m
+        batches.append(batch)
+    return batches
+
+
+@pytest.mark.parametrize("num_seqs", [3, 8, 13])
+def test_mixed_m_first_step_matches_eager(tiny_model, tmp_path, num_seqs):
+    """Batches of mixed m (1..8 rows per sequence): the padded static first step gives the eager drafts and the same
+    KV, with padding rows inside sequences (right-aligned real rows) and padding sequences (13 -> 16)."""
+    plain = build_runtime(make_config(*tiny_model, tmp_path / "plain"))
+    static = with_static_steps(build_runtime(make_config(*tiny_model, tmp_path / "static")), max_batch_seqs=16)
+    batches = mixed_batches(num_seqs, seed=num_seqs)
+    assert any(len({len(s.token_ids) for s in b}) > 1 for b in batches[1:])
+    for batch in batches:
+        want = [(o.code, o.drafts) for o in plain.proposer.step(batch)]
+        got = [(o.code, o.drafts) for o in static.proposer.step(batch)]
+        assert got == want
+        assert all(code == 0 for code, _ in got)
+    assert static.proposer.decode_graphs.first_steps_run == len(batches) - 1  # every step after the prefill
+    torch.testing.assert_close(static.kv.kv, plain.kv.kv, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
@@ -105,6 +148,22 @@ def test_padded_uniform_batches_on_cuda_match_cpu(tiny_model, tmp_path):
     for m in (1, 3, 2, 5, 8, 4, 1):
         batches.append(steps(p - 1, m, 3))  # re-sends one position, then m - 1 new ones
         p += m - 1
+    for batch in batches:
+        want = [o.drafts for o in cpu.proposer.step(batch)]
+        got = [o.drafts for o in gpu.proposer.step(batch)]
+        assert got == want
+    assert gpu.proposer.decode_graphs.first_steps_run == len(batches) - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_seqs", [5, 40])
+def test_mixed_m_batches_on_cuda_match_cpu(tiny_model, tmp_path, num_seqs):
+    """Mixed m (1..8 rows per sequence) on the captured first-step graphs, batch 5 (padded to 8) and 40 (to 48,
+    above the old limit of 32): CUDA graphs == CPU, every step after the prefill replayed from a first-step graph."""
+    cpu = build_runtime(make_config(*tiny_model, tmp_path / "cpu"))
+    gpu = build_runtime(make_config(*tiny_model, tmp_path / "gpu", device="cuda", dtype="float32",
+                                    max_batch_seqs=64))
+    batches = mixed_batches(num_seqs, seed=100 + num_seqs)
     for batch in batches:
         want = [o.drafts for o in cpu.proposer.step(batch)]
         got = [o.drafts for o in gpu.proposer.step(batch)]

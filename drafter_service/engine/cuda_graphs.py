@@ -31,22 +31,27 @@ device->host synchronization. (K = --max-draft-tokens.)
 Only greedy steps use the graphs (every sequence at temperature 0, no logprobs, no top-k); the proposer runs the
 others, and batches of more than MAX_GRAPH_BATCH drafting sequences, with its eager decode loop.
 
-The first draft step (draft 1), when the batch is uniform. Its rows are the committed tokens, m_i per sequence, so
-its shapes vary with the batch. A *uniform* batch (every sequence brings the same m <= --first-step-graph-tokens
-tokens and asks for drafts, at most MAX_FIRST_STEP_GRAPH_BATCH sequences: at batch 1 every step is uniform) is
-replayed from one more graph per (padded batch size, m), captured at start-up too. It reads its own static rows
-and writes the decode buffers above, so the whole greedy step is graph replays between one batch of device copies
-in and one copy of the drafts out:
+The first draft step (draft 1). Its rows are the committed tokens, m_i per sequence, so its shapes vary with the
+batch. It is replayed from one more graph per (padded batch size, M), captured at start-up too, when every sequence
+asks for drafts, M = max m_i <= --first-step-graph-tokens, every context holds at least M positions and the batch
+pads to a captured size (up to MAX_FIRST_STEP_GRAPH_BATCH): each sequence gets M rows, its m_i real rows *last*
+(right-aligned, as the seeds' padded drafter keeps a fixed number of rows per request), the M - m_i rows before them
+padding. The attention kernel places query row j of a sequence at seq_len - M + j, so the real rows sit at their
+own positions p_i .. p_i+m_i-1 and the padding rows at the positions just before p_i (already in the cache; they
+read it, write nothing, and their outputs are dropped). Row i*M + M - 1 gives draft 1 for every sequence, so the
+graph's query_start_loc (i * M) and its last rows are constants. A uniform batch (every m_i = M) is the case with
+no padding rows. The graph reads its own static rows and writes the decode buffers above, so the whole greedy step
+is graph replays between one batch of device copies in and one copy of the drafts out:
 
   static buffer      shape              before the first-step replay
-  fs_input_ids       [R] int64          row t of sequence i: x[t+1], its last row next_token (rows i*m .. i*m+m-1)
-  fs_hidden          [R, W]             the target hidden states of the rows (model dtype)
-  fs_positions       [R] int64          p_i + r
-  fs_slots           [R] int64          the rows' KV slots; PADDING_SLOT_ID for the padding sequences' rows
-  seq_lens           (decode buffer)    p_i + m; m for padding sequences (their rows are positions 0..m-1)
+  fs_input_ids       [R] int64          real row j of sequence i (row i*M + M - m_i + j): x[t+1], its last row
+                                        next_token; padding rows keep whatever they held
+  fs_hidden          [R, W]             the target hidden states of the real rows (model dtype); padding rows as above
+  fs_positions       [R] int64          seq_len_i - M + r for row r of sequence i (p_i + j on the real rows)
+  fs_slots           [R] int64          the real rows' KV slots; PADDING_SLOT_ID for every padding row
+  seq_lens           (decode buffer)    p_i + m_i; M for padding sequences (their rows are positions 0..M-1)
   block_tables       (decode buffer)    as for decode
-  R = MAX_FIRST_STEP_GRAPH_BATCH * --first-step-graph-tokens; query_start_loc (i * m) and the rows that give
-  draft 1 (i * m + m - 1) are constants of the graph.
+  R = MAX_FIRST_STEP_GRAPH_BATCH * --first-step-graph-tokens.
 Padding sequences (B <= i < bs) read block 0 of the pool and write nothing; their outputs are discarded.
 
 On the CPU (tests) the same static-buffer steps run eagerly, with no graphs.
@@ -65,7 +70,7 @@ from drafter_service.engine.step_metadata import StepMetadata
 log = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 256  # larger batches run the eager decode loop
-MAX_FIRST_STEP_GRAPH_BATCH = 32  # uniform batches of more sequences run the first step eagerly
+MAX_FIRST_STEP_GRAPH_BATCH = MAX_GRAPH_BATCH  # batches of more sequences run the first step eagerly
 
 
 def graph_batch_sizes(max_batch_seqs: int) -> list[int]:
@@ -87,7 +92,7 @@ def padded_batch_size(n: int, sizes: list[int]) -> int | None:
 
 class DecodeGraphs:
     """Static buffers, one CUDA graph per padded batch size for one greedy decode step, and one per (padded batch
-    size, m) for the first step of a uniform batch."""
+    size, M) for the first step (every sequence's rows padded to the batch's largest m, M)."""
 
     def __init__(self, model, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  max_model_len: int, max_batch_seqs: int, dtype: torch.dtype, device: torch.device,
@@ -121,7 +126,7 @@ class DecodeGraphs:
             # where drafts_out lands on the host: pinned, so that the copy is asynchronous until the one sync
             self.drafts_host = (torch.zeros(max_bs, max_drafts + 1, dtype=torch.int64, pin_memory=True)
                                 if device.type == "cuda" else None)
-        # first step of uniform batches: padded batch sizes up to MAX_FIRST_STEP_GRAPH_BATCH, m = 1..first_step_tokens
+        # first step: padded batch sizes up to MAX_FIRST_STEP_GRAPH_BATCH, M = 1..first_step_tokens rows per sequence
         self.first_sizes = [s for s in self.sizes if s <= MAX_FIRST_STEP_GRAPH_BATCH] if first_step_tokens > 0 else []
         self.first_step_tokens = first_step_tokens if self.first_sizes else 0
         max_fs = self.first_sizes[-1] if self.first_sizes else 0
@@ -135,7 +140,7 @@ class DecodeGraphs:
             self.fs_query_start_loc = {m: (seq * m).to(torch.int32) for m in range(1, self.first_step_tokens + 1)}
             self.fs_last_rows = {m: seq[1:] * m - 1 for m in range(1, self.first_step_tokens + 1)}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded batch size -> graph; empty: run eagerly
-        self.first_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (padded batch size, m) -> graph
+        self.first_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (padded batch size, M) -> graph
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.steps_run = 0  # engine steps whose decode steps ran here
@@ -172,8 +177,8 @@ class DecodeGraphs:
                                         hidden[:, None])
 
     def _first_step(self, bs: int, m: int) -> None:
-        """The first draft step of a uniform batch of bs (padded) sequences with m rows each, on the static rows;
-        writes draft 1 and the head output of each sequence's last row into the decode buffers."""
+        """The first draft step of bs (padded) sequences with m rows each (real rows right-aligned), on the static
+        rows; writes draft 1 and the head output of each sequence's last row into the decode buffers."""
         T = bs * m
         meta = AttentionMetadata(positions=self.fs_positions[:T], slot_mapping=self.fs_slots[:T],
                                  query_start_loc=self.fs_query_start_loc[m][: bs + 1], seq_lens=self.seq_lens[:bs],
@@ -247,8 +252,8 @@ class DecodeGraphs:
             self.input_ids, self.hidden, self.positions, self.seq_lens, self.slot_mapping, self.block_tables,
             self.steps_left, self.query_start_loc, self.draft_ids, self.fs_input_ids, self.fs_hidden,
             self.fs_positions, self.fs_slots, self.drafts_out, self.hidden_steps))
-        log.info("captured %d decode CUDA graphs (batch sizes %s) and %d first-step graphs (uniform batches of up to "
-                 "%d sequences with 1..%d tokens each) in %.2f s; they hold %.1f MiB of device memory (graph pool, "
+        log.info("captured %d decode CUDA graphs (batch sizes %s) and %d first-step graphs (batches of up to "
+                 "%d sequences with up to 1..%d tokens each) in %.2f s; they hold %.1f MiB of device memory (graph pool, "
                  "kernels, workspaces), plus %.1f MiB of static buffers", len(self.graphs),
                  ",".join(map(str, self.sizes)), len(self.first_graphs), self.first_sizes[-1] if self.first_sizes else 0,
                  self.first_step_tokens, self.capture_seconds, self.capture_bytes / 2**20, buffer_bytes / 2**20)
@@ -256,11 +261,13 @@ class DecodeGraphs:
     # ---- one engine step ----
 
     def can_run_first_step(self, md: StepMetadata) -> bool:
-        """Whether this (greedy) step's first draft step can replay a first-step graph: every sequence drafts and
-        brings the same number m of rows, m <= first_step_tokens, and the batch pads to a captured size."""
-        B, T, m = len(md.num_drafts), md.input_ids.shape[0], md.first_step.max_query_len
-        return (0 < m <= self.first_step_tokens and len(md.active) == B and T == B * m
-                and padded_batch_size(B, self.first_sizes) is not None and max(md.num_drafts) <= self.max_drafts)
+        """Whether this (greedy) step's first draft step can replay a first-step graph: every sequence drafts, its
+        largest m (M) is <= first_step_tokens, every context holds at least M positions (the padding rows sit
+        before the real ones), and the batch pads to a captured size."""
+        B, M = len(md.num_drafts), md.first_step.max_query_len
+        return (0 < M <= self.first_step_tokens and len(md.active) == B
+                and padded_batch_size(B, self.first_sizes) is not None and max(md.num_drafts) <= self.max_drafts
+                and min(md.host_seq_lens) >= M)
 
     def can_run(self, md: StepMetadata) -> bool:
         """Whether the decode steps of this (greedy) step can replay the decode graphs."""
@@ -287,19 +294,31 @@ class DecodeGraphs:
         return self._decode_and_collect(md, out, n, bs)
 
     def draft_all(self, md: StepMetadata, out):
-        """Drafts 1..k of a uniform batch (can_run_first_step): the first step replayed too."""
-        B, m = len(md.num_drafts), md.first_step.max_query_len
+        """Drafts 1..k of a batch that can_run_first_step: the first step replayed too."""
+        B, M = len(md.num_drafts), md.first_step.max_query_len
         bs = padded_batch_size(B, self.first_sizes)
-        T, R = B * m, bs * m
+        T, R = md.input_ids.shape[0], bs * M
         self._load_decode_rows(md, B, bs)  # block tables and seq_lens (p + m) serve the first step as well
-        self.fs_input_ids[:T].copy_(md.input_ids)
-        self.fs_hidden[:T].copy_(md.hidden_states)
-        self.fs_positions[:T].copy_(md.first_step.positions)
-        self.fs_slots[:T].copy_(md.first_step.slot_mapping)
-        if B < bs:  # padding sequences: rows at positions 0..m-1 whose slots write nothing
-            self.seq_lens[B:bs].fill_(m)
+        if B < bs:  # padding sequences: rows at positions 0..M-1 whose slots write nothing
+            self.seq_lens[B:bs].fill_(M)
+        # row r of sequence i sits at seq_len_i - M + r (p_i + j on its real rows; 0..M-1 for padding sequences)
+        offsets = torch.arange(M, 0, -1, device=self.device)  # [M] M .. 1
+        torch.sub(self.seq_lens[:bs, None], offsets, out=self.fs_positions[:R].view(bs, M))
+        if T == B * M:  # uniform: the rows are already in place
+            self.fs_input_ids[:T].copy_(md.input_ids)
+            self.fs_hidden[:T].copy_(md.hidden_states)
+            self.fs_slots[:T].copy_(md.first_step.slot_mapping)
             self.fs_slots[T:R].fill_(ops.PADDING_SLOT_ID)
-        self._replay_first(bs, m)
+        else:  # row t of sequence s goes to padded row (s + 1) * M - (qsl[s + 1] - t): its m_s real rows last
+            ends = md.first_step.query_start_loc[1:].to(torch.int64)  # [B] qsl[s + 1]
+            seq = torch.repeat_interleave(torch.arange(B, device=self.device), ends.diff(prepend=ends.new_zeros(1)),
+                                          output_size=T)  # [T] sequence of each row
+            dest = (seq + 1) * M - ends[seq] + torch.arange(T, device=self.device)  # [T]
+            self.fs_slots[:R].fill_(ops.PADDING_SLOT_ID)
+            self.fs_slots.index_copy_(0, dest, md.first_step.slot_mapping)
+            self.fs_input_ids.index_copy_(0, dest, md.input_ids)
+            self.fs_hidden.index_copy_(0, dest, md.hidden_states.to(self.fs_hidden.dtype))
+        self._replay_first(bs, M)
         self.first_steps_run += 1
         return self._decode_and_collect(md, out, B, bs)
 

@@ -437,7 +437,7 @@ class Proposer:
         meta, seq_lens, block_tables = md.first_step, md.host_seq_lens, md.host_block_tables
         # ---- end step metadata ----
         out = _Drafts(B, [a.step.top_k_probs for a in batch])
-        # ---- CUDA fast path (cuda_graphs.py): a uniform greedy batch replays the first step from a graph too ----
+        # ---- CUDA fast path (cuda_graphs.py): a greedy batch of small m replays the first step from a graph too ----
         if sp.greedy_only and self.decode_graphs is not None and self.decode_graphs.can_run_first_step(md):
             return self._keep_graph_features(batch, md, self.decode_graphs.draft_all(md, out))
         hidden_in = self.model.combine_hidden_states(md.hidden_states)
