@@ -61,9 +61,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                     help="on CUDA: capture the decode steps as CUDA graphs at start-up and replay them "
                          "(--no-cuda-graphs: run them eagerly)")
     ap.add_argument("--first-step-graph-tokens", type=int, default=d.first_step_graph_tokens,
-                    help="with CUDA graphs: also replay the first draft step of greedy batches of <= 32 sequences "
-                         "that all bring the same number m <= N of committed tokens (one graph per padded batch "
-                         "size and m, captured at start-up); 0 = run every first step eagerly")
+                    help="with CUDA graphs: also replay the first draft step of greedy batches whose sequences all "
+                         "draft and bring at most N committed tokens each, padded to the batch's largest m (one "
+                         "graph per padded batch size and m, captured at start-up); 0 = run every first step "
+                         "eagerly")
     ap.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message size limit")
     ap.add_argument("--max-chunked-bytes", type=int, default=d.max_chunked_bytes,
                     help="hidden-state bytes of all ProposeChunked uploads in flight (staging memory)")
