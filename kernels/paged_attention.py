@@ -7,6 +7,8 @@ The K/V of every context position (the new rows too) must already be in the cach
 GQA: query head h reads KV head ``h // (Hq // Hkv)``.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from drafter_kernels._triton_shim import DEFAULT_SM_COUNT, device_sm_count, tl, triton
@@ -23,6 +25,7 @@ def paged_attention_ref(
     *,
     max_query_len: int | None = None,  # host-side upper bound of the query lengths (only the Triton path uses it)
     out: torch.Tensor | None = None,  # [T, Hq, D]; rows owned by no sequence are left untouched
+    context_cache: dict | None = None,  # only paged_attention_batched uses it (GatheredContext)
 ) -> torch.Tensor:  # [T, Hq, D], dtype of q
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -62,6 +65,7 @@ def paged_attention_batched(
     *,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    context_cache: dict | None = None,
 ) -> torch.Tensor:
     """paged_attention_ref's function, for the whole batch in a few tensor ops instead of a loop over sequences:
     the CPU serving path (ops.paged_attention on CPU tensors; the reference stays the plain loop that tests compare
@@ -72,7 +76,12 @@ def paged_attention_batched(
     takes such matrices as they are, where a [B, Hkv, L, D] transpose would first be copied (that copy cost as much
     as the attention itself on the CPU: batch 128 x 256 positions, 1 thread, 9-11 -> 4-5.4 ms per call).
     When padding would more than double the work of the per-sequence loop (a long prefill beside short decodes),
-    and for one sequence (fewer ops), the loop runs instead."""
+    and for one sequence (fewer ops), the loop runs instead.
+    context_cache: a dict the caller keeps for the forwards of one engine step (the first draft step and its decode
+    steps, where the same sequences' contexts only grow): the gathered copy is kept there per layer (GatheredContext,
+    keyed by the layer's cache) and a later call re-gathers only the blocks written since, instead of the whole
+    context (batch 128 x 256 positions: most of the step's time). Valid only while nothing but these calls' own new
+    rows is written to the sequences' blocks."""
     B = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -100,10 +109,13 @@ def paged_attention_batched(
     # One gathered copy each of K and V, [B, L, Hkv, D]. The positions outside a sequence's context (the rest of its
     # last block, block 0 read in place of blocks it does not own) may hold anything, NaN included: they are zeroed,
     # then masked by a -inf bias.
-    # (index_select on [num_blocks, block_size * Hkv * D] rows: ~5x faster on the CPU than k_cache[blocks])
-    flat = blocks.reshape(-1)
-    k = torch.index_select(k_cache.reshape(k_cache.shape[0], -1), 0, flat).float().view(B, L, num_kv_heads, head_dim)
-    v = torch.index_select(v_cache.reshape(v_cache.shape[0], -1), 0, flat).float().view(B, L, num_kv_heads, head_dim)
+    key = k_cache.data_ptr()
+    kept = context_cache.get(key) if context_cache is not None else None
+    if kept is None or not kept.refresh(k_cache, v_cache, blocks, ctx, block_size):
+        kept = GatheredContext.gather(k_cache, v_cache, blocks, ctx, block_size)
+        if context_cache is not None:
+            context_cache[key] = kept
+    k, v = kept.k[:, :L], kept.v[:, :L]
     outside = (~in_ctx).nonzero(as_tuple=True)  # (batch index, position) of each position outside the context
     if outside[0].numel():
         k[outside] = 0.0
@@ -128,6 +140,71 @@ def paged_attention_batched(
                                                                                         head_dim)
     out[rows[row_valid]] = o[row_valid].to(out.dtype)
     return out
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, Hkv, D], blocks [B, n] int64 -> [B, n, block_size * Hkv * D] float32 copy.
+    (index_select on [num_blocks, block_size * Hkv * D] rows: ~5x faster on the CPU than cache[blocks])"""
+    rows = torch.index_select(cache.reshape(cache.shape[0], -1), 0, blocks.reshape(-1))
+    return rows.float().view(*blocks.shape, -1)
+
+
+@dataclass
+class GatheredContext:
+    """One layer's K/V context of a batch, gathered by paged_attention_batched and kept in its context_cache for
+    the next forward of the same engine step. Room for one block more than gathered, so that the decode steps'
+    new positions fit without a new buffer."""
+    blocks: torch.Tensor  # [B, n] int64: the block ids gathered (0 for table entries a sequence did not own)
+    k: torch.Tensor  # [B, (n + 1) * block_size, Hkv, D] float32: positions [0, fresh_len) equal the paged cache
+    v: torch.Tensor
+    fresh_len: torch.Tensor  # [B] int64: the context length at the last call
+
+    @classmethod
+    def gather(cls, k_cache, v_cache, blocks: torch.Tensor, ctx: torch.Tensor, block_size: int) -> "GatheredContext":
+        B, n = blocks.shape
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        # the spare column gathers block 0 too: one gather straight into the buffer (its content is masked until the
+        # column is re-gathered for positions of its own)
+        with_spare = torch.cat([blocks, blocks.new_zeros(B, 1)], 1)
+        if k_cache.dtype == torch.float32:
+            row = block_size * num_kv_heads * head_dim
+            k = torch.empty(B, n + 1, row, device=k_cache.device)
+            v = torch.empty_like(k)
+            torch.index_select(k_cache.reshape(k_cache.shape[0], -1), 0, with_spare.reshape(-1), out=k.view(-1, row))
+            torch.index_select(v_cache.reshape(v_cache.shape[0], -1), 0, with_spare.reshape(-1), out=v.view(-1, row))
+        else:
+            k, v = _gather_blocks(k_cache, with_spare), _gather_blocks(v_cache, with_spare)
+        shape = (B, (n + 1) * block_size, num_kv_heads, head_dim)
+        return cls(blocks=blocks, k=k.view(shape), v=v.view(shape), fresh_len=ctx.clone())
+
+    def refresh(self, k_cache, v_cache, blocks: torch.Tensor, ctx: torch.Tensor, block_size: int) -> bool:
+        """Bring the copy up to the contexts ctx [B] of blocks [B, n] (this call's tables), re-gathering only the
+        blocks that hold positions [fresh_len, ctx). False (nothing changed) when it cannot: another batch, a
+        shorter context, more blocks than the buffer holds, or a block of the known positions that moved."""
+        B, n = blocks.shape
+        n_kept = self.blocks.shape[1]
+        capacity = self.k.shape[1] // block_size
+        if B != self.blocks.shape[0] or n > capacity or bool((ctx < self.fresh_len).any()):
+            return False
+        known_blocks = -(-self.fresh_len // block_size)  # [B] blocks holding the known positions
+        cols = torch.arange(min(n, n_kept))
+        known = cols[None, :] < known_blocks[:, None]
+        if not torch.equal(torch.where(known, blocks[:, : cols.numel()], 0),
+                           torch.where(known, self.blocks[:, : cols.numel()], 0)):
+            return False
+        first = self.fresh_len // block_size  # [B] first block with a position not known yet (or not written)
+        count = int((-(-ctx // block_size) - first).max())  # blocks to re-gather per sequence
+        if count > 0:
+            cols = (first[:, None] + torch.arange(count)[None, :]).clamp(max=n - 1)  # [B, count] (repeats: same data)
+            ids = blocks.gather(1, cols)
+            row = self.k.shape[2] * self.k.shape[3] * block_size
+            index = cols[:, :, None].expand(B, count, row)
+            self.k.view(B, capacity, row).scatter_(1, index, _gather_blocks(k_cache, ids))
+            self.v.view(B, capacity, row).scatter_(1, index, _gather_blocks(v_cache, ids))
+        # columns below `first` were checked equal, the rest re-gathered from this call's blocks
+        self.blocks = blocks
+        self.fresh_len = ctx.clone()
+        return True
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -361,6 +438,7 @@ def paged_attention_triton(
     *,
     max_query_len: int | None = None,  # host-side bound of the query lengths; None means "up to T" (no host sync)
     out: torch.Tensor | None = None,  # [T, Hq, D]
+    context_cache: dict | None = None,  # ignored: the kernel reads the paged cache in place
 ) -> torch.Tensor:
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

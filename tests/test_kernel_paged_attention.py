@@ -228,3 +228,85 @@ def test_batched_cpu_path_falls_back_to_the_loop_when_padding_dominates():
     expected = attention.paged_attention_ref(*args, 0.25, out=poisoned(args[0].shape, torch.float32, "cpu"))
     actual = attention.paged_attention_batched(*args, 0.25, out=poisoned(args[0].shape, torch.float32, "cpu"))
     assert_matches(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def _growing_batch(seed: int, B: int, steps: int, block_size: int = 16, num_kv_heads: int = 2, head_dim: int = 16):
+    """B sequences of random contexts in a NaN-poisoned pool, each with room (blocks in its table) for `steps` more
+    positions: (k_cache, v_cache, block_tables, ctx, gen)."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(1, 70, (B,), generator=gen)
+    per_seq = (-(-(ctx + steps) // block_size)).tolist()
+    num_blocks = sum(per_seq) + 4
+    ids = torch.randperm(num_blocks, generator=gen)
+    tables = torch.full((B, max(per_seq) + 1), 10**6, dtype=torch.int32)
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    v_cache = k_cache.clone()
+    used = 0
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = ids[used : used + n].int()
+        used += n
+        pos = torch.arange(int(ctx[b]))
+        blocks, offsets = tables[b, pos // block_size].long(), pos % block_size
+        k_cache[blocks, offsets] = torch.randn(len(pos), num_kv_heads, head_dim, generator=gen)
+        v_cache[blocks, offsets] = torch.randn(len(pos), num_kv_heads, head_dim, generator=gen)
+    return k_cache, v_cache, tables, ctx, gen
+
+
+def _write_next_position(k_cache, v_cache, tables, ctx, gen, block_size: int = 16):
+    """Every sequence's next position gets fresh K/V (what a decode step's write_kv does); returns ctx + 1."""
+    b = torch.arange(len(ctx))
+    blocks, offsets = tables[b, ctx // block_size].long(), ctx % block_size
+    k_cache[blocks, offsets] = torch.randn(len(ctx), *k_cache.shape[2:], generator=gen)
+    v_cache[blocks, offsets] = torch.randn(len(ctx), *v_cache.shape[2:], generator=gen)
+    return ctx + 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_cpu_path_reuses_the_gathered_context_across_decode_steps(seed):
+    """The context_cache of one engine step: the first call gathers, the decode steps after it (one new position per
+    sequence, written to the cache between calls, crossing block boundaries) re-gather only their newest blocks and
+    still equal the reference, with NaN in every cache position not written yet."""
+    B, steps = 9 + seed, 20
+    k_cache, v_cache, tables, ctx, gen = _growing_batch(seed, B, steps)
+    cache: dict = {}
+    kept = None
+    for step in range(steps):
+        if step:
+            ctx = _write_next_position(k_cache, v_cache, tables, ctx, gen)
+        q = torch.randn(B, 4, 16, generator=gen)
+        args = (q, k_cache, v_cache, tables, ctx.int(), torch.arange(B + 1, dtype=torch.int32), 0.25)
+        expected = attention.paged_attention_ref(*args)
+        actual = attention.paged_attention_batched(*args, context_cache=cache)
+        assert_matches(actual, expected, atol=1e-5, rtol=1e-5)
+        (entry,) = cache.values()
+        assert kept is None or entry is kept  # refreshed in place, never gathered again
+        kept = entry
+
+
+def test_batched_cpu_path_gathers_again_when_the_batch_changes():
+    """A cached context is not reused for another batch: fewer sequences (the decode loop dropping finished ones), or
+    a known position's block replaced (its data copied to another block)."""
+    k_cache, v_cache, tables, ctx, gen = _growing_batch(11, 12, 4)
+    cache: dict = {}
+
+    def call(tables, ctx):
+        B = len(ctx)
+        q = torch.randn(B, 4, 16, generator=gen)
+        args = (q, k_cache, v_cache, tables, ctx.int(), torch.arange(B + 1, dtype=torch.int32), 0.25)
+        assert_matches(attention.paged_attention_batched(*args, context_cache=cache),
+                       attention.paged_attention_ref(*args), atol=1e-5, rtol=1e-5)
+        return next(iter(cache.values()))
+
+    first = call(tables, ctx)
+    ctx = _write_next_position(k_cache, v_cache, tables, ctx, gen)
+    narrowed = call(tables[:7], ctx[:7])
+    assert narrowed is not first and narrowed.k.shape[0] == 7
+    # sequence 2's first block moves: same data in a block nobody owned, new K/V in the old one
+    spare = next(b for b in range(k_cache.shape[0]) if not (tables == b).any())  # a block no sequence owns
+    tables = tables[:7].clone()
+    old = int(tables[2, 0])
+    k_cache[spare], v_cache[spare] = k_cache[old].clone(), v_cache[old].clone()
+    k_cache[old], v_cache[old] = torch.randn_like(k_cache[old]), torch.randn_like(v_cache[old])
+    tables[2, 0] = spare
+    moved = call(tables, ctx[:7])
+    assert moved is not narrowed

@@ -440,6 +440,10 @@ class Proposer:
         # ---- CUDA fast path (cuda_graphs.py): a greedy batch of small m replays the first step from a graph too ----
         if sp.greedy_only and self.decode_graphs is not None and self.decode_graphs.can_run_first_step(md):
             return self._keep_graph_features(batch, md, self.decode_graphs.draft_all(md, out))
+        # CPU: the first step's gathered context is kept for the decode steps (the same sequences, one more position
+        # each step), which then re-gather only their newest block
+        context_cache = {} if dev.type == "cpu" else None
+        meta.context_cache = context_cache
         hidden_in = self.model.combine_hidden_states(md.hidden_states)
         head_out = self.model.forward(md.input_ids, hidden_in, meta, self.kv_layers)
 
@@ -486,7 +490,7 @@ class Proposer:
                 positions=positions.to(dev), slot_mapping=slot.to(dev),
                 query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev),
                 seq_lens=(positions + 1).to(torch.int32).to(dev),
-                block_tables=tables_dev, max_query_len=1)
+                block_tables=tables_dev, max_query_len=1, context_cache=context_cache)
             step_out = self.model.forward(tok, hidden_prev, meta, self.kv_layers)
             sample = self._select(self.model.compute_logits(step_out), active, (positions + 1).tolist(), sp)
             out.add(active, sample)

@@ -12,3 +12,6 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32: context length of sequence i, its new rows included
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int  # host-side max of the query lengths (1 for decode steps)
+    # CPU: the forwards of one engine step share one dict, in which the batched attention keeps each layer's gathered
+    # context between them (kernels/paged_attention.py, GatheredContext); None: gather every time
+    context_cache: dict | None = None

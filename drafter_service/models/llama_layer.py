@@ -64,7 +64,7 @@ class LlamaAttention:
         q, k = ops.apply_rope(q, k, meta.positions, cos_sin_cache)
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                  self.scale, max_query_len=meta.max_query_len)
+                                  self.scale, max_query_len=meta.max_query_len, context_cache=meta.context_cache)
         return linear(out.reshape(n, d.num_heads * d.head_dim), self.o_w, self.o_b)
 
 
