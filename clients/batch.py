@@ -40,7 +40,8 @@ class StepBatch:
     next_tokens: torch.Tensor  # [B] int: x[p + m] of each sequence
     num_drafts: "torch.Tensor | int"  # [B] int, or one k for every sequence
     temperature: "torch.Tensor | float" = 0.0  # [B] float, or one for all (0: greedy)
-    seed: "torch.Tensor | int" = 0  # [B] int, or one for all
+    seed: "torch.Tensor | int" = 0  # [B] int, or one for all: uint64 seeds; in an int64 tensor, those of 2**63 and up
+    # as the int64 of the same bits (negative)
     return_logprobs: bool = False
     top_k_probs: int = 0
     predraft_branches: "torch.Tensor | int" = 0  # [B] int, or one F for all: pre-drafting budget (docs/predraft.md)
@@ -142,7 +143,7 @@ def build_batch_request(namespace: str, batch: StepBatch, request_id: int = 0) -
     nxt = _column(batch.next_tokens, n, torch.int64)
     k = _column(batch.num_drafts, n, torch.int64)
     temp = _column(batch.temperature, n, torch.float32)
-    seed = _column(batch.seed, n, torch.int64)
+    seed = [s + 2**64 if s < 0 else s for s in _column(batch.seed, n, torch.int64)]  # (uint64 on the wire)
     branches = _column(batch.predraft_branches, n, torch.int64)
     if batch.token_ids.numel() != sum(m):
         raise ValueError(f"token_ids has {batch.token_ids.numel()} values; num_tokens adds up to {sum(m)}")

@@ -242,7 +242,12 @@ class DrafterClient:
         ids = batch.sequence_ids
         states = batch.hidden_states
         # (below COLUMNS_MIN_SEQUENCES the per-sequence messages cost the host less: benchmarks/bench_request_codec.py)
-        columns = len(batch) >= COLUMNS_MIN_SEQUENCES and await self._columns_supported(self._step_timeout(timeout))
+        # one deadline for the step: a first GetInfo (asked once per client) comes out of the step's time
+        timeout = self._step_timeout(timeout)
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        columns = len(batch) >= COLUMNS_MIN_SEQUENCES and await self._columns_supported(timeout)
+        if deadline is not None:
+            timeout = max(0.0, deadline - time.monotonic())
         return await self._step(
             lambda ref, rid: serialize_batch(self.namespace, batch, ref, rid, self._chunk_min_bytes(), columns),
             lambda: self._stage_states(states),

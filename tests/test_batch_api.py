@@ -3,6 +3,8 @@ drafter: same drafts, codes, counts and lengths over steps with random acceptanc
 log-probabilities, the step channel and the fallback of a drafter that is not there."""
 import random
 
+import grpc
+
 import pytest
 import torch
 
@@ -35,6 +37,24 @@ def test_serialized_batch_is_the_per_sequence_request():
         got = pb.ProposeRequest.FromString(bytes(serialize_batch("ns", as_batch(steps_t, temperature, logprobs),
                                                                  request_id=3)))
         assert got == build_request("ns", steps_t, request_id=3)
+
+
+def test_uint64_seeds_go_alike_as_messages_and_as_columns():
+    """Seeds of 2**63 and up, in an int64 seed column as the int64 of the same bits (negative), reach the drafter as
+    the same uint64 seeds in both forms (messages: below 32 sequences or a drafter without columns)."""
+    from drafter_service.transport.validation import Limits, parse_propose
+
+    limits = Limits(hidden_states_width=H, vocab_size=V, max_draft_tokens=8, max_request_tokens=4096,
+                    max_request_seqs=64)
+    steps = [SequenceStep(f"s{i}", 0, [1, 2], torch.randn(2, H), 3, 2) for i in range(3)]
+    wanted = [2**64 - 1, 2**63, 5]
+    for seed in (torch.tensor([-1, -(2**63), 5]), -1, 2**64 - 1):
+        batch = as_batch(steps, temperature=0.5)
+        batch.seed = seed
+        expect = wanted if isinstance(seed, torch.Tensor) else [2**64 - 1] * 3
+        for columns in (False, True):
+            req = pb.ProposeRequest.FromString(bytes(serialize_batch("ns", batch, request_id=1, columns=columns)))
+            assert [s.seed for s in parse_propose(req, limits)] == expect, (seed, columns)
 
 
 def test_padded_is_the_per_row_layout():
@@ -118,3 +138,31 @@ async def test_batch_api_falls_back_when_the_drafter_is_not_there(tmp_path):
         r = await c.propose_batch(as_batch(steps))
     assert r.fallback and r.codes.tolist() == [14, 14] and r.draft_token_ids.numel() == 0
     assert r.padded().shape == (2, 0) and set(r.messages) == {0, 1}
+
+
+async def test_the_first_batch_asks_get_info_within_the_step_deadline(tmp_path, monkeypatch):
+    """A batch large enough for columns asks GetInfo first (once per client); that call comes out of the step's
+    deadline: the step itself gets only what is left, so the whole call stays within step_timeout_s."""
+    import asyncio
+
+    from drafter_client import DrafterError
+    from drafter_client.client import COLUMNS_MIN_SEQUENCES
+
+    n = COLUMNS_MIN_SEQUENCES
+    steps = [SequenceStep(f"s{i}", 0, [1], torch.randn(1, H), 2, 2) for i in range(n)]
+    async with DrafterClient(f"unix:{tmp_path / 'none.sock'}", namespace="x", step_timeout_s=0.5) as c:
+        async def slow_get_info(timeout=None):
+            assert timeout == 0.5
+            await asyncio.sleep(0.3)
+            raise DrafterError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer")
+
+        given = []
+
+        async def send_step(payload, timeout):
+            given.append(timeout)
+            raise DrafterError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer")
+
+        monkeypatch.setattr(c, "get_info", slow_get_info)
+        monkeypatch.setattr(c, "_send_step", send_step)
+        r = await c.propose_batch(as_batch(steps))
+    assert r.fallback and len(given) == 1 and given[0] <= 0.5 - 0.3, given

@@ -288,3 +288,29 @@ def test_cli_flags_and_config_checks():
     for bad in (dict(chunked_upload_timeout_s=0), dict(max_chunked_bytes=-1)):
         with pytest.raises(ValueError):
             ServerConfig(model="m", **bad)
+
+
+@pytest.mark.parametrize("num_tokens", [[2**63 - 1, 2], [2**63 - 1, 2**63 - 1, 6]])
+def test_num_tokens_that_overflow_int64_are_refused_by_name(num_tokens):
+    """columns.num_tokens whose sum wraps around in int64 (to a negative or a small count): the header's staging
+    size is refused as a request error, never a RuntimeError of torch.empty (UNKNOWN to the client)."""
+    from drafter_client.protocol.wire import encode_tensor
+    from drafter_service.transport.chunked import staging_tensor
+    from drafter_service.transport.validation import Limits, RequestError, committed_rows
+
+    limits = Limits(hidden_states_width=H, vocab_size=512, max_draft_tokens=8, max_request_tokens=4096,
+                    max_request_seqs=64)
+    req = pb.ProposeRequest(namespace="ns")
+    c = req.columns
+    c.sequence_ids.extend([f"s{i}" for i in range(len(num_tokens))])
+    for name in ("start_positions", "next_tokens", "num_drafts"):
+        encode_tensor(torch.zeros(len(num_tokens), dtype=torch.int64), into=getattr(c, name))
+    encode_tensor(torch.tensor(num_tokens, dtype=torch.int64), into=c.num_tokens)
+    assert committed_rows(req) == sum(num_tokens)  # exact, no wrap-around
+    for rows in (-(2**63 - 1), 4, sum(num_tokens) % 2**63):
+        req.hidden_states.dtype = pb.FLOAT32
+        del req.hidden_states.shape[:]
+        req.hidden_states.shape.extend([rows, H])
+        with pytest.raises(RequestError) as e:
+            staging_tensor(req, limits)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "committed tokens" in e.value.message

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import ServerThread, make_config
 from drafter_client import DrafterClient, DrafterError, SequenceStep
 from drafter_client.auth import tls_credentials
+from drafter_client.messages import ChunkedRequest, _request_without_states
 from drafter_client.protocol import pb
 from drafter_client.step_channel import StepChannel, StepChannelError
 
@@ -168,6 +169,28 @@ async def test_bearer_tokens_are_bound_to_namespaces(tiny_model, tokens_file, tm
             assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
         async with DrafterClient(s.uds, namespace="ops", token=TOKEN_ANY) as ops:
             assert (await ops.drain(1.0)).grace_seconds == 1.0
+
+
+async def test_chunked_uploads_are_checked_like_every_other_call(tiny_model, tokens_file, tmp_path):
+    """ProposeChunked (a client stream whose first chunk carries the request): no token is UNAUTHENTICATED, a
+    namespace the token does not cover is PERMISSION_DENIED, and neither touches the namespace's sequences."""
+    head, target = tiny_model
+    g = torch.Generator().manual_seed(5)
+    prompt = SequenceStep("c", 0, torch.randint(0, 512, (300,), generator=g), torch.randn(300, H, generator=g), 4, 2)
+    with ServerThread(make_config(head, target, tmp_path, auth_token_file=str(tokens_file))) as s:
+        async with DrafterClient(s.tcp, namespace="ns-a", token=TOKEN_A, chunk_min_bytes=0) as a:
+            r = await a.propose([prompt])
+            assert r.sequences[0].ok and r.sequences[0].committed_length == 300 and a.steps_chunked == 1
+        one_token = SequenceStep("c", 0, [1], torch.zeros(1, H), 2, 0)  # would restart "c" at position 0
+        restart = ChunkedRequest(_request_without_states("ns-a", [one_token], 9), [one_token.hidden_states])
+        for token, code in ((None, grpc.StatusCode.UNAUTHENTICATED), (TOKEN_B, grpc.StatusCode.PERMISSION_DENIED)):
+            async with DrafterClient(s.tcp, namespace="ns-a", token=token) as other:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await other._propose_chunked(iter(list(restart.messages(64))), timeout=30, metadata=other._metadata)
+                assert e.value.code() == code, e.value
+        async with DrafterClient(s.tcp, namespace="ns-a", token=TOKEN_A) as a:
+            r = await a.propose([step("c", 300)])  # the sequence was not restarted by the refused uploads
+            assert r.sequences[0].ok, r.sequences[0].message
 
 
 def test_sockets_are_owner_and_group_only_and_group_is_settable(tiny_model, tmp_path):

@@ -136,7 +136,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort(e.code, e.message)
 
         async def check_or_abort(allowed, request, context):
-            namespace = getattr(request, "namespace", None)
+            namespace = getattr(request, "namespace", None)  # (a ProposeChunked chunk: its request's, first only)
             if namespace is not None:
                 try:
                     auth.check(allowed, namespace)
@@ -174,7 +174,31 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.stream_stream_rpc_method_handler(stream, handler.request_deserializer,
                                                          handler.response_serializer)
-        return handler
+        if handler.stream_unary is not None:  # ProposeChunked: the request rides in its first chunk
+            inner_upload = handler.stream_unary
+
+            async def upload(request_iterator, context):
+                allowed = await allowed_or_abort(context)
+
+                async def checked():
+                    async for request in request_iterator:
+                        await check_or_abort(allowed, request, context)
+                        yield request
+
+                return await inner_upload(checked(), context)
+
+            return grpc.stream_unary_rpc_method_handler(upload, handler.request_deserializer,
+                                                        handler.response_serializer)
+        inner_out = handler.unary_stream  # the last kind (the Drafter has none today): checked all the same
+
+        async def replies(request, context):
+            allowed = await allowed_or_abort(context)
+            await check_or_abort(allowed, request, context)
+            async for reply in inner_out(request, context):
+                yield reply
+
+        return grpc.unary_stream_rpc_method_handler(replies, handler.request_deserializer,
+                                                    handler.response_serializer)
 
 
 def server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.ServerCredentials:

@@ -34,6 +34,11 @@ class Chunk:
     data: memoryview
     error: str = ""  # a message that does not parse: the handler answers INVALID_ARGUMENT with this
 
+    @property
+    def namespace(self) -> str | None:
+        """The request's namespace (first chunk), for the auth interceptor's check; None on later chunks."""
+        return self.request.namespace if self.request is not None else None
+
 
 def _varint(buf: memoryview, i: int) -> tuple[int, int]:
     """(value, next index) of the varint at buf[i]; raises ValueError when it is cut or longer than 10 bytes."""

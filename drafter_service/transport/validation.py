@@ -153,7 +153,7 @@ def committed_rows(req: "pb.ProposeRequest") -> int:
     if bool((m < 1).any()):
         i = int((m < 1).nonzero()[0, 0])
         raise invalid(f"columns.num_tokens[{i}] is {m[i].item()}; a step carries at least one committed token")
-    return int(m.sum())
+    return sum(m.tolist())  # (python ints: a torch sum of int64 values wraps around)
 
 
 def _parse_columns(c: "pb.StepColumns", limits: Limits) -> tuple[list, ...]:
