@@ -79,11 +79,10 @@ def record_step(transport: str, request, phases: dict[str, float], code: str = "
     ns = {k: _epoch_ns(v, now_perf, now_ns) for k, v in phases.items()}
     end = ns.get("replied") or max(ns.values())
     parent = propagate.extract({k: v for k, v in (metadata or ()) if isinstance(v, str)}) if metadata else None
-    steps = list(request.steps)
+    sequences, committed, asked = _request_size(request)
     attrs = {"drafter.transport": transport, "drafter.namespace": request.namespace,
-             "drafter.request_id": int(request.request_id), "drafter.sequences": len(steps),
-             "drafter.committed_tokens": sum(s.num_tokens for s in steps),
-             "drafter.drafts_asked": sum(s.num_drafts for s in steps), "drafter.status": code}
+             "drafter.request_id": int(request.request_id), "drafter.sequences": sequences,
+             "drafter.committed_tokens": committed, "drafter.drafts_asked": asked, "drafter.status": code}
     span = tracer.start_span("drafter.step", context=parent, start_time=ns["enter"], attributes=attrs)
     if code != "OK":
         span.set_status(trace.Status(trace.StatusCode.ERROR, code))
@@ -93,3 +92,23 @@ def record_step(transport: str, request, phases: dict[str, float], code: str = "
         if a in ns and b in ns:
             tracer.start_span(name, context=ctx, start_time=ns[a]).end(end_time=ns[b])
     span.end(end_time=end)
+
+
+def _request_size(request) -> tuple[int, int, int]:
+    """(sequences, committed tokens, drafts asked) of a request, per-sequence messages or columns (a column that
+    does not decode, in a refused request, counts 0)."""
+    if not request.HasField("columns"):
+        steps = request.steps
+        return len(steps), sum(s.num_tokens for s in steps), sum(s.num_drafts for s in steps)
+    from drafter_client.protocol import pb
+    from drafter_client.protocol.wire import WireError, decode_tensor
+
+    c = request.columns
+
+    def total(t) -> int:
+        try:
+            return sum(decode_tensor(t, "", (pb.INT32, pb.INT64), rank=1).tolist())
+        except WireError:
+            return 0
+
+    return len(c.sequence_ids), total(c.num_tokens), total(c.num_drafts)

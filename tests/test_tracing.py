@@ -53,6 +53,24 @@ async def test_a_span_per_step_on_every_path(tiny_model, tmp_path, exporter):
     assert refused.attributes["drafter.status"] == "INVALID_ARGUMENT" and not refused.status.is_ok
 
 
+async def test_columnar_requests_are_counted_too(tiny_model, tmp_path, exporter):
+    """A batch sent as columns (propose_batch from COLUMNS_MIN_SEQUENCES sequences) has the same span attributes."""
+    from drafter_client import StepBatch
+    from drafter_client.client import COLUMNS_MIN_SEQUENCES
+
+    n = COLUMNS_MIN_SEQUENCES
+    batch = StepBatch(sequence_ids=[f"s{i}" for i in range(n)], start_positions=torch.zeros(n, dtype=torch.int64),
+                      num_tokens=torch.full((n,), 2), token_ids=torch.ones(2 * n, dtype=torch.int64),
+                      hidden_states=torch.randn(2 * n, H), next_tokens=torch.full((n,), 3), num_drafts=4)
+    with ServerThread(make_config(*tiny_model, tmp_path)) as s:
+        async with DrafterClient(s.uds, namespace="traced") as c:
+            r = await c.propose_batch(batch)
+            assert not r.fallback and c._step_columns
+    (span,) = steps_of(exporter)
+    assert span.attributes["drafter.sequences"] == n and span.attributes["drafter.committed_tokens"] == 2 * n
+    assert span.attributes["drafter.drafts_asked"] == 4 * n
+
+
 async def test_the_engines_trace_is_the_parent(tiny_model, tmp_path, exporter):
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     with ServerThread(make_config(*tiny_model, tmp_path)) as s:
