@@ -238,7 +238,8 @@ class _StepCollector:
                           "nothing prepared (the pass was stopped, skipped or had no room).", pc.unprepared)
             yield counter("drafter_predraft_branches_prepared", "Branches prepared by pre-drafting passes.",
                           pc.branches_prepared)
-            yield counter("drafter_predraft_passes", "Pre-drafting passes that finished.", pc.passes)
+            yield counter("drafter_predraft_passes", "Pre-drafting passes that finished, with at least one batch of "
+                          "sequences prepared.", pc.passes)
             yield counter("drafter_predraft_passes_stopped", "Pre-drafting passes stopped because a request "
                           "arrived (each makes the next passes back off).", pc.passes_stopped)
             yield counter("drafter_predraft_passes_skipped", "Pre-drafting passes not started because they were "

@@ -169,7 +169,75 @@ def test_branches_and_later_steps_match_naive(method, temperature, static_decode
     for sid in ("a", "b"):
         proposer.table.release(NS, sid)
     assert proposer.kv.pool.num_free == proposer.kv.pool.num_blocks  # no branch block leaked
-    assert proposer.predraft.branch_blocks == 0
+
+
+@pytest.mark.parametrize("method,temperature,static_decode", [
+    ("eagle1", 0.0, True), ("eagle1", 0.8, False), ("eagle3", 0.0, False)])
+def test_passes_over_several_sequences_match_naive(method, temperature, static_decode, tiny_model, tmp_path):
+    """Four sequences stepping together (a random subset each step), one pass over all of them between steps: every
+    answer, predrafted or plain, equals the naive reference, and every block comes back."""
+    head, target, ref = heads(method, tiny_model, tmp_path)
+    naive = Naive(ref)
+    rt = build_runtime(make_config(head, target, tmp_path, max_model_len=512))
+    proposer = rt.proposer
+    if static_decode:
+        proposer.decode_graphs = DecodeGraphs(proposer.model, proposer.kv_layers, rt.config.block_size,
+                                              rt.max_model_len, 64, rt.dtype, rt.device, max_drafts=8)
+    width, vocab = rt.limits.hidden_states_width, rt.limits.vocab_size
+    rng, gen = random.Random(7), torch.Generator().manual_seed(7)
+    k, budget, seed = 3, 6, 1234
+    seqs = {}
+    for sid in "abcd":
+        P = rng.choice([5, 14, 19, 30])
+        seqs[sid] = dict(tokens=[rng.randrange(vocab) for _ in range(P + 1)],
+                         hidden=torch.randn(P, width, generator=gen))
+
+    def step(sid: str, p: int) -> StepInput:
+        t, h = seqs[sid]["tokens"], seqs[sid]["hidden"]
+        C = len(t) - 1
+        return StepInput(NS, sid, p, torch.tensor(t[p:C]), h[p:C], t[C], k, temperature=temperature, seed=seed,
+                         predraft_branches=budget)
+
+    def expect(sid: str, prefix_len: int, forced: list[int]) -> list[int]:
+        t, h = seqs[sid]["tokens"], seqs[sid]["hidden"]
+        return naive.drafts(t[: prefix_len + 1], h[:prefix_len], forced, k,
+                            picker(temperature, seed, prefix_len + len(forced)))
+
+    for sid, out in zip(seqs, proposer.step([step(sid, 0) for sid in seqs])):
+        assert out.code == 0 and out.drafts == expect(sid, len(seqs[sid]["tokens"]) - 1, [])
+        seqs[sid]["drafts"] = out.drafts
+    hits = plain = 0
+    for _ in range(14):
+        if rng.random() < 0.8:
+            assert proposer.predraft.prepare(lambda: False)
+        stepping = [sid for sid in seqs if rng.random() < 0.85]
+        outcome = {}
+        for sid in stepping:
+            st = proposer.table.get(NS, sid).predraft
+            prepared = list(st.branches.outcomes) if st.branches is not None else []
+            C, d = len(seqs[sid]["tokens"]) - 1, seqs[sid]["drafts"]
+            if prepared and rng.random() < 0.6:
+                a, b = rng.choice(prepared)
+            else:
+                a = rng.randint(0, k)
+                b = rng.choice([t for t in range(vocab) if a == k or t != d[a]])
+            seqs[sid]["tokens"] += d[:a] + [b]
+            seqs[sid]["hidden"] = torch.cat([seqs[sid]["hidden"], torch.randn(a + 1, width, generator=gen)])
+            outcome[sid] = (C, a, b)
+        for sid, out in zip(stepping, proposer.step([step(sid, outcome[sid][0]) for sid in stepping])):
+            C, a, b = outcome[sid]
+            assert out.code == 0, out.message
+            if out.predrafted:
+                hits += 1
+                assert out.drafts == expect(sid, C, seqs[sid]["drafts"][:a] + [b]), (sid, C, a, b)
+            else:
+                plain += 1
+                assert out.drafts == expect(sid, len(seqs[sid]["tokens"]) - 1, []), (sid, C, a, b)
+            seqs[sid]["drafts"] = out.drafts
+    assert hits >= 5 and plain >= 5, (hits, plain)
+    for sid in seqs:
+        proposer.table.release(NS, sid)
+    assert proposer.kv.pool.num_free == proposer.kv.pool.num_blocks
 
 
 def test_stopped_pass_keeps_nothing_and_backs_off(tiny_model, tmp_path):
@@ -183,16 +251,16 @@ def test_stopped_pass_keeps_nothing_and_backs_off(tiny_model, tmp_path):
     used = proposer.kv.pool.num_blocks - proposer.kv.pool.num_free
     assert not pd.prepare(lambda: True)  # a request is waiting: stop after the first forward
     assert pd.counters.passes_stopped == 1 and proposer.table.get(NS, "s").predraft.branches is None
-    assert proposer.kv.pool.num_blocks - proposer.kv.pool.num_free == used + pd.branch_blocks == used
+    assert proposer.kv.pool.num_blocks - proposer.kv.pool.num_free == used
     assert not pd.has_work()  # backing off: 2 steps
     proposer.step([StepInput(NS, "other", 0, torch.arange(2), hidden[:2], 1, 0)])
     proposer.step([StepInput(NS, "other", 2, torch.arange(1), hidden[:1], 1, 0)])
     assert pd.has_work() and pd.prepare(lambda: False)
     st = proposer.table.get(NS, "s").predraft
     assert st.branches is not None and len(st.branches.outcomes) == 8
-    assert pd.branch_blocks == len(st.branches.blocks) > 0
-    # the branches give way when a real step needs their blocks, and leave with their sequence
-    assert pd.drop_all_branches() > 0 and pd.branch_blocks == 0
+    # the branches' private blocks went back to the pool when the pass ended: only the sequences' own are held
+    held = sum(len(proposer.table.get(NS, sid).block_table) for sid in ("s", "other"))
+    assert proposer.kv.pool.num_blocks - proposer.kv.pool.num_free == held
     proposer.table.release(NS, "s")
     proposer.table.release(NS, "other")
     assert proposer.kv.pool.num_free == proposer.kv.pool.num_blocks
@@ -205,10 +273,8 @@ def test_a_step_without_budget_turns_it_off(tiny_model, tmp_path):
     proposer.step([StepInput(NS, "s", 0, torch.arange(4), torch.randn(4, width), 3, 2, predraft_branches=4)])
     assert proposer.predraft.prepare(lambda: False)
     assert proposer.table.get(NS, "s").predraft.branches is not None
-    before = proposer.kv.pool.num_free
     proposer.step([StepInput(NS, "s", 4, torch.tensor([3]), torch.randn(1, width), 5, 2)])
-    assert proposer.table.get(NS, "s").predraft is None and proposer.predraft.branch_blocks == 0
-    assert proposer.kv.pool.num_free > before and not proposer.predraft.has_work()
+    assert proposer.table.get(NS, "s").predraft is None and not proposer.predraft.has_work()
 
 
 @pytest.mark.parametrize("path", ["unary", "stream", "channel"])
@@ -289,7 +355,7 @@ def test_a_pass_that_would_outlast_the_idle_window_is_not_started(tiny_model, tm
     out = proposer.step([StepInput(NS, "s", 0, torch.arange(5), torch.randn(5, width), 3, 3, predraft_branches=4)])[0]
     assert out.code == 0 and pd.has_work()
     assert pd.prepare(lambda: False)  # (nothing stopped it: it did not start)
-    assert pd.counters.passes_skipped == 1 and pd.counters.passes == 1 and pd.counters.branches_prepared == 0
+    assert pd.counters.passes_skipped == 1 and pd.counters.passes == 0 and pd.counters.branches_prepared == 0
     assert proposer.table.get(NS, "s").predraft.branches is None and not pd.has_work()
     tries = 0
     while not pd._fits(1):  # 5% less each skip: 10 ms -> below 0.8 * 2 ms after ~36 skips
@@ -299,9 +365,10 @@ def test_a_pass_that_would_outlast_the_idle_window_is_not_started(tiny_model, tm
     assert pd.window_s > 0.1
 
 
-def test_branches_give_way_when_a_step_needs_room(tiny_model, tmp_path):
-    """A full pool: a new sequence's step takes the blocks of prepared branches (dropped first) before any live
-    sequence is evicted or the step refused."""
+def test_branches_hold_no_blocks_after_their_pass(tiny_model, tmp_path):
+    """A branch's KV is read only during its pass (a hit is answered from the drafts on the host): its private blocks
+    go back to the pool when the pass ends, so that a full pool serves a new sequence with the prepared branches
+    still in place, nobody evicted."""
     head, target = tiny_model
     rt = build_runtime(make_config(head, target, tmp_path, kv_cache_tokens=512, max_model_len=512))
     proposer, width = rt.proposer, rt.limits.hidden_states_width
@@ -309,11 +376,96 @@ def test_branches_give_way_when_a_step_needs_room(tiny_model, tmp_path):
     out = proposer.step([StepInput(NS, "a", 0, torch.arange(300), torch.randn(300, width), 3, 5,
                                    predraft_branches=32)])[0]
     assert out.code == 0 and pd.prepare(lambda: False)
-    assert pd.branch_blocks > 0
-    need = pool.num_free + 1  # blocks: more than are free, fewer than free + the branches' blocks
-    assert need * proposer.block_size < 512 and pool.num_free + pd.branch_blocks >= need
-    m = need * proposer.block_size - 4 - 1  # p + m + k - 1 positions: exactly `need` blocks
+    seq = proposer.table.get(NS, "a")
+    assert seq.predraft.branches is not None and pd.counters.branches_prepared > 0
+    assert pool.num_blocks - pool.num_free == len(seq.block_table)  # the sequence's own blocks only
+    m = pool.num_free * proposer.block_size - 4 - 1  # p + m + k - 1 positions: every free block
     out = proposer.step([StepInput(NS, "b", 0, torch.arange(m), torch.randn(m, width), 3, 5)])[0]
     assert out.code == 0, out.message
-    assert pd.branch_blocks == 0 and proposer.table.get(NS, "a") is not None  # nobody evicted
-    assert proposer.table.counters.evicted == 0
+    assert seq.predraft.branches is not None and proposer.table.counters.evicted == 0
+
+
+class _DyingChannel:
+    """The part of ChannelSet the scheduler uses: one open channel, whose client is found gone (liveness check in
+    poll) while a pre-drafting pass runs; it created sequence "b"."""
+
+    def __init__(self):
+        self.wake = self.release_owner = None
+        self.closed = False
+
+    def open_count(self) -> int:
+        return 0 if self.closed else 1
+
+    def poll(self, enqueue) -> bool:
+        import traceback
+
+        if not self.closed and any(f.name == "_prepare_group" for f in traceback.extract_stack()):
+            self.closed = True
+            self.release_owner("step channel 1")
+        return False
+
+    def close_all(self, why: str) -> None:
+        pass
+
+
+async def test_a_channel_gone_during_a_pass_frees_its_sequences_after_it(tiny_model, tmp_path):
+    """The scheduler polls the step channels from inside a pass; a channel whose client died frees its sequences
+    as a job between batches (the pass stops for it), never under the running pass: no leaked block, no crash."""
+    from drafter_service.engine.scheduler import StepScheduler
+
+    head, target = tiny_model
+    rt = build_runtime(make_config(head, target, tmp_path))
+    proposer, width = rt.proposer, rt.limits.hidden_states_width
+    scheduler = StepScheduler(proposer, 100000, 256)
+    channel = _DyingChannel()
+    scheduler.attach_channels(channel)
+    scheduler.start()
+    try:
+        steps = [StepInput(NS, "a", 0, torch.arange(9), torch.randn(9, width), 3, 3, predraft_branches=8),
+                 StepInput(NS, "b", 0, torch.arange(9), torch.randn(9, width), 3, 2, predraft_branches=8,
+                           owner="step channel 1")]
+        assert [o.code for o in await scheduler.submit(steps)] == [0, 0]
+        for _ in range(200):  # the pass runs on the idle step thread
+            if channel.closed and proposer.table.get(NS, "b") is None:
+                break
+            await asyncio.sleep(0.01)
+        assert channel.closed and proposer.table.get(NS, "b") is None
+        later = await asyncio.wait_for(scheduler.submit([StepInput(NS, "c", 0, torch.arange(4),
+                                                                   torch.randn(4, width), 3, 3)]), 30)
+        assert later[0].code == 0 and scheduler._thread.is_alive()
+        await scheduler.run_exclusive(lambda: [proposer.table.release(NS, sid) for sid in ("a", "c")])
+        assert proposer.kv.pool.num_free == proposer.kv.pool.num_blocks
+    finally:
+        await scheduler.stop()
+
+
+async def test_a_pass_that_raises_leaves_the_step_thread_serving(tiny_model, tmp_path, monkeypatch):
+    """An exception inside a pass (a device error, a bug) is logged; prepared work is dropped and the sequences go
+    on with plain steps; the step thread keeps answering."""
+    from drafter_service.engine.scheduler import StepScheduler
+
+    head, target = tiny_model
+    rt = build_runtime(make_config(head, target, tmp_path))
+    proposer, width = rt.proposer, rt.limits.hidden_states_width
+    pd = proposer.predraft
+
+    def broken(should_stop):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(pd, "_prepare", broken)
+    scheduler = StepScheduler(proposer, 100000, 256)
+    scheduler.start()
+    try:
+        out = await scheduler.submit([StepInput(NS, "a", 0, torch.arange(9), torch.randn(9, width), 3, 3,
+                                                predraft_branches=8)])
+        assert out[0].code == 0
+        for _ in range(200):
+            if not pd.has_work():
+                break
+            await asyncio.sleep(0.01)
+        assert not pd.has_work() and proposer.table.get(NS, "a").predraft.basis is None
+        out = await asyncio.wait_for(scheduler.submit([StepInput(NS, "a", 9, torch.tensor([3]),
+                                                                 torch.randn(1, width), 4, 3)]), 30)
+        assert out[0].code == 0 and not out[0].predrafted and scheduler._thread.is_alive()
+    finally:
+        await scheduler.stop()

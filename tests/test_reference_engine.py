@@ -115,7 +115,7 @@ async def test_greedy_with_predrafting_is_plain_greedy_decoding(bundled_server, 
     assert pd.counters.passes + pd.counters.passes_stopped > 0
     free, total = bundled_server.call(lambda: (bundled_server.server.runtime.kv.pool.num_free,
                                                bundled_server.server.runtime.kv.num_blocks))
-    assert free == total and pd.branch_blocks == 0
+    assert free == total
 
 
 async def test_eos_stops_a_sequence(bundled_server, target, greedy_prompts, hf_greedy):

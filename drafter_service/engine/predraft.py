@@ -19,7 +19,9 @@ While the engine verifies, the step thread, idle otherwise, prepares that next s
                 step on a hit. A branch sees the sequence's KV below C+a (real below C, the forced pass's scratch
                 from C) through its own block table: the sequence's blocks before the one holding C+a, a private
                 copy of that block (copy on write: one block per branch, never the context) and private blocks after
-                it. Greedy branches replay the decode CUDA graphs when there are some (cuda_graphs.py).
+                it. Greedy branches replay the decode CUDA graphs when there are some (cuda_graphs.py). The
+                private blocks go back to the pool when the branch pass ends: a hit is answered from the drafts
+                on the host, and nothing reads a branch's KV again.
 
 At the next step, a hit (start position C, tokens x[C], D_1..D_a and next token b of a prepared branch, the same k and
 sampling settings) is answered from the branch at once, with no device work; the hit step's rows then wait, with
@@ -27,12 +29,13 @@ their target states, for the next pass's first step ("pending"), or are prepende
 comes first. A miss runs as a plain step. Either way the sequence's branches are freed at that step.
 
 The pass runs on the step thread only when no request is queued, and stops between two forwards as soon as one is
-(should_stop), with at most two forwards in flight on the device: a real step waits at most for those. A stopped
-pass keeps no branch, and the next 2^n steps (n stopped passes in a row, n <= 5) prepare nothing. A pass is not even
+(should_stop), with at most two forwards in flight on the device: a real step waits at most for those. The group
+(sequences of one k) it stops in keeps no branch (groups finished before the stop keep theirs), and the next 2^n
+steps (n stopped passes in a row, n <= 5) prepare nothing. A pass is not even
 started when its expected time (the average of earlier passes over as many sequences, by powers of two) exceeds
 FIT_SHARE of the average idle window between a batch and the next request (the scheduler reports it): a drafter
-too busy to prepare falls back to plain drafting by itself, and tries again now and then (ESTIMATE_DECAY). Branches hold at most BRANCH_POOL_SHARE of the KV pool,
-and are dropped first when a real step needs room.
+too busy to prepare falls back to plain drafting by itself, and tries again now and then (ESTIMATE_DECAY). A pass's
+branches take at most BRANCH_POOL_SHARE of the KV pool while it runs, and only free blocks.
 
 Sequential heads only (EAGLE-1, EAGLE-3), whose next_hidden is their output (so L_j = compute_logits(g_j)); parallel
 and multi-layer heads ignore predraft_branches (GetInfo.predraft_supported is false).
@@ -53,7 +56,7 @@ from drafter_service.engine.step_metadata import build_step_metadata
 from drafter_service.models.attention_metadata import AttentionMetadata
 
 MAX_PREDRAFT_BRANCHES = 64  # largest budget per sequence (GetInfo.max_predraft_branches)
-BRANCH_POOL_SHARE = 0.25  # the branches of all sequences hold at most this share of the KV pool's blocks
+BRANCH_POOL_SHARE = 0.25  # a pass's branches take at most this share of the KV pool's blocks (until it ends)
 MAX_BACKOFF_EXPONENT = 5  # after n stopped passes in a row, 2^min(n, 5) steps prepare nothing
 FIT_SHARE = 1.0  # a pass starts only when its expected time is at most this share of the expected idle window
 EMA = 0.2  # weight of the newest observation in the idle-window and pass-time averages
@@ -109,7 +112,6 @@ class Branches:
     logprobs: list[list[float]] | None  # when the sequence asked for them
     top_ids: list[torch.Tensor] | None  # [k, N] per branch, when it asked for N > 0
     top_probs: list[torch.Tensor] | None
-    blocks: list[int]  # private KV blocks of all its branches
 
 
 @dataclass
@@ -137,7 +139,7 @@ class PredraftCounters:
     misses: int = 0  # steps of a sequence with branches whose outcome none of them had
     unprepared: int = 0  # steps of a pre-drafting sequence that found nothing prepared
     branches_prepared: int = 0
-    passes: int = 0  # preparation passes that finished
+    passes: int = 0  # preparation passes that finished, with at least one group of sequences prepared
     passes_stopped: int = 0  # passes stopped by a real request
     passes_skipped: int = 0  # passes not started: expected to outlast the idle window between steps
     pass_seconds: float = 0.0  # step-thread time in passes, finished or stopped
@@ -183,8 +185,7 @@ class Predrafter:
         self.counters = PredraftCounters()
         pool = proposer.kv.pool
         self.pool = pool
-        self.max_branch_blocks = max(1, int(BRANCH_POOL_SHARE * pool.num_blocks))
-        self.branch_blocks = 0  # held by branches now
+        self.max_branch_blocks = max(1, int(BRANCH_POOL_SHARE * pool.num_blocks))  # per pass
         self._waiting: dict[tuple[str, str], Sequence] = {}  # a basis, no branches yet: the next pass's work
         self._with_branches: dict[tuple[str, str], Sequence] = {}
         self._stopped_in_a_row = 0
@@ -288,12 +289,16 @@ class Predrafter:
         self._waiting.pop((seq.namespace, seq.sequence_id), None)
         seq.predraft = None
 
-    def drop_all_branches(self) -> int:
-        """Free every prepared branch (a real step needs the blocks); returns the blocks freed."""
-        freed = self.branch_blocks
+    def reset(self) -> None:
+        """After a pass raised: every prepared branch and waiting basis is dropped (the sequences draft plain steps
+        until they ask again), and passes wait for the longest back-off."""
         for seq in list(self._with_branches.values()):
             self._free_branches(seq)
-        return freed
+        for seq in self._waiting.values():
+            if seq.predraft is not None:
+                seq.predraft.basis = None
+        self._waiting.clear()
+        self._skip_steps = 2 ** MAX_BACKOFF_EXPONENT
 
     def observe_window(self, seconds: float) -> None:
         """The scheduler's idle time between a batch's end and the next request's arrival (0: one was waiting)."""
@@ -318,7 +323,7 @@ class Predrafter:
             self._pass_s[size] = seconds if old is None or seconds < old else (1 - EMA) * old + EMA * seconds
 
     def has_work(self) -> bool:
-        return bool(self._waiting) and self._skip_steps == 0
+        return bool(self._waiting) and self._skip_steps == 0 and self.proposer.fatal is None
 
     def _hit_row(self, st: PredraftState, br: Branches, a) -> int | None:
         s = a.step
@@ -335,11 +340,8 @@ class Predrafter:
         st.budget, st.num_drafts, st.sampling = a.step.predraft_branches, a.num_drafts, _sampling_key(a.step)
 
     def _free_branches(self, seq: Sequence) -> None:
-        st = seq.predraft
-        if st is not None and st.branches is not None:
-            self.pool.free(st.branches.blocks)
-            self.branch_blocks -= len(st.branches.blocks)
-            st.branches = None
+        if seq.predraft is not None:
+            seq.predraft.branches = None
         self._with_branches.pop((seq.namespace, seq.sequence_id), None)
 
     # ---- the preparation pass (scheduler.py runs it when no request is queued) ----
@@ -366,6 +368,7 @@ class Predrafter:
             # with the sequence's next step)
             if b is not None and k >= 1 and b.end + 2 * k + 1 < p.max_model_len:
                 groups.setdefault((k, b.features is not None), []).append(seq)
+        ran = False
         for i, ((k, _), seqs) in enumerate(groups.items()):
             if not self._fits(len(seqs)):  # it would delay the next step: prepare nothing this time
                 self.counters.passes_skipped += 1
@@ -376,6 +379,7 @@ class Predrafter:
             if not seqs:
                 continue
             t0 = time.perf_counter()
+            ran = True
             finished = self._prepare_group(seqs, k, _InFlight(p.device, should_stop))
             self._timed(len(seqs), time.perf_counter() - t0, finished)
             if not finished:
@@ -386,8 +390,9 @@ class Predrafter:
                 self._stopped_in_a_row += 1
                 self._skip_steps = 2 ** min(self._stopped_in_a_row, MAX_BACKOFF_EXPONENT)
                 return False
-        self.counters.passes += 1
-        self._stopped_in_a_row = 0
+        if ran:  # (a pass whose every group was skipped is no finished pass: the back-off goes on)
+            self.counters.passes += 1
+            self._stopped_in_a_row = 0
         return True
 
     def _prepare_group(self, seqs: list[Sequence], k: int, flight: _InFlight) -> bool:
@@ -415,9 +420,7 @@ class Predrafter:
         if bases[0].features is not None:  # (a group either has them all or none)
             # ---- forced pass, shortened: the plain step kept g_0..g_{k-1}; only the row of D_k runs ----
             w = max(len(seq.block_table) for seq in seqs)
-            tables = torch.zeros(n, w, dtype=torch.int32)
-            for i, seq in enumerate(seqs):
-                tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+            tables = p.table.block_tables.gather([seq.table_row for seq in seqs], w)  # [n, w] int32
             kept = torch.stack([b.features for b in bases])  # [n, k, H]
             out = model.forward(served_dev[:, k - 1], kept[:, k - 1], self._decode_meta(C - 1 + k, tables,
                                                                                        tables.to(dev)), p.kv_layers)
@@ -434,7 +437,8 @@ class Predrafter:
             start_positions=[b.start for b in bases], token_ids=[b.token_ids for b in bases],
             hidden_states=[b.hidden_states for b in bases], next_tokens=[b.next_token for b in bases],
             num_drafts=[k] * n, block_tables=[seq.block_table for seq in seqs], temperatures=list(temperature),
-            seeds=[seed_to_int64(x) for x in seed], top_ks=list(top_k), block_size=bs, device=dev)
+            seeds=[seed_to_int64(x) for x in seed], top_ks=list(top_k), block_size=bs, device=dev,
+            table_rows=(p.table.block_tables, [seq.table_row for seq in seqs]))
         rows = torch.tensor([b.token_ids.shape[0] for b in bases])
         rerun = torch.repeat_interleave(torch.tensor([not b.pending for b in bases]), rows)  # [T]
         if bool(rerun.any()):
@@ -496,7 +500,7 @@ class Predrafter:
         blk0 = start // bs
         last_blk = (start + k - 1) // bs
         new_count = last_blk - blk0 + 1
-        room = min(self.max_branch_blocks - self.branch_blocks, self.pool.num_free)
+        room = min(self.max_branch_blocks, self.pool.num_free)
         keep = new_count.cumsum(0) <= room  # the branches that fit, in order
         if not bool(keep.all()):
             si, aa, bonus, start, blk0, last_blk, new_count = (
@@ -505,42 +509,43 @@ class Predrafter:
         if nb == 0:
             return True
         total = int(new_count.sum())
-        new_ids = torch.tensor(self.pool.allocate(total), dtype=torch.int64)
-        first_new = new_count.cumsum(0) - new_count  # [nb] index of each branch's first private block
-        W = int(last_blk.max()) + 1
-        seq_tables = torch.zeros(n, max(W, tables.shape[1]), dtype=torch.int64)
-        seq_tables[:, : tables.shape[1]] = tables
-        col = torch.arange(W)[None, :]
-        shared = col < blk0[:, None]
-        private = (col >= blk0[:, None]) & (col <= last_blk[:, None])
-        branch_tables = torch.zeros(nb, W, dtype=torch.int64)
-        branch_tables[shared] = seq_tables[si, :W][shared]
-        branch_tables[private] = new_ids[(first_new[:, None] + col - blk0[:, None])[private]]
-        cow = start % bs != 0  # the block holding the first row also holds positions before it: copy them
-        if bool(cow.any()):
-            src = seq_tables[si[cow], blk0[cow]].to(dev)
-            dst = new_ids[first_new[cow]].to(dev)
-            p.kv.kv[:, :, dst] = p.kv.kv[:, :, src]
-        blocks = new_ids.tolist()
-        self.branch_blocks += total
+        blocks = self.pool.allocate(total)
+        new_ids = torch.tensor(blocks, dtype=torch.int64)
+        try:
+            first_new = new_count.cumsum(0) - new_count  # [nb] index of each branch's first private block
+            W = int(last_blk.max()) + 1
+            seq_tables = torch.zeros(n, max(W, tables.shape[1]), dtype=torch.int64)
+            seq_tables[:, : tables.shape[1]] = tables
+            col = torch.arange(W)[None, :]
+            shared = col < blk0[:, None]
+            private = (col >= blk0[:, None]) & (col <= last_blk[:, None])
+            branch_tables = torch.zeros(nb, W, dtype=torch.int64)
+            branch_tables[shared] = seq_tables[si, :W][shared]
+            branch_tables[private] = new_ids[(first_new[:, None] + col - blk0[:, None])[private]]
+            cow = start % bs != 0  # the block holding the first row also holds positions before it: copy them
+            if bool(cow.any()):
+                src = seq_tables[si[cow], blk0[cow]].to(dev)
+                dst = new_ids[first_new[cow]].to(dev)
+                p.kv.kv[:, :, dst] = p.kv.kv[:, :, src]
 
-        # ---- branch pass: k rows each, from (b, g_a) at position C+a ----
-        hidden0 = feats[si.to(dev), aa.to(dev)]  # [nb, H]
-        if greedy and graphs is not None and graphs.fits(nb, k):
-            tokens = graphs.run_rows(bonus.to(dev), hidden0, start - 1, branch_tables.to(torch.int32), k,
-                                     between=flight.launched)
-            result = None if tokens is None else (tokens, None, None, None)
-        else:
-            result = self._branch_decode(bonus.to(dev), hidden0, start, branch_tables, si, k, sp, flight)
-        if result is None:  # stopped
+            # ---- branch pass: k rows each, from (b, g_a) at position C+a ----
+            hidden0 = feats[si.to(dev), aa.to(dev)]  # [nb, H]
+            if greedy and graphs is not None and graphs.fits(nb, k):
+                tokens = graphs.run_rows(bonus.to(dev), hidden0, start - 1, branch_tables.to(torch.int32), k,
+                                         between=flight.launched)
+                result = None if tokens is None else (tokens, None, None, None)
+            else:
+                result = self._branch_decode(bonus.to(dev), hidden0, start, branch_tables, si, k, sp, flight)
+        finally:
+            # the branches' drafts are on the host now (or the pass stopped): their blocks go back to the pool (later
+            # work on the device stream comes after the pass's, so a step that takes them overwrites them in order)
             self.pool.free(blocks)
-            self.branch_blocks -= total
+        if result is None:  # stopped
             return False
         tokens, lps, top_ids, top_probs = result  # [nb, k] host; [nb, k]; [nb, k, N]; [nb, k, N] or None
 
-        # ---- per sequence: its branches and their blocks ----
+        # ---- per sequence: its branches ----
         counts = torch.bincount(si, minlength=n).tolist()
-        per_branch_blocks = new_ids.split(new_count.tolist())
         tok_rows, aa_l, bonus_l = tokens.tolist(), aa.tolist(), bonus.tolist()
         lp_rows = lps.tolist() if lps is not None else None
         r = 0
@@ -554,8 +559,7 @@ class Predrafter:
                 outcomes={(aa_l[r + j], bonus_l[r + j]): j for j in range(c)}, drafts=tok_rows[r : r + c],
                 logprobs=lp_rows[r : r + c] if lp_rows is not None else None,
                 top_ids=[top_ids[r + j, :, :N] for j in range(c)] if top_ids is not None and N else None,
-                top_probs=[top_probs[r + j, :, :N] for j in range(c)] if top_ids is not None and N else None,
-                blocks=torch.cat(per_branch_blocks[r : r + c]).tolist())
+                top_probs=[top_probs[r + j, :, :N] for j in range(c)] if top_ids is not None and N else None)
             self._with_branches[(seq.namespace, seq.sequence_id)] = seq
             r += c
         self.counters.branches_prepared += nb

@@ -237,8 +237,6 @@ class Proposer:
                 t.counters.quota_refusals += 1
                 return (f"quota: the drafter holds {len(t)} sequences, at most {lim.max_sequences} "
                         "(--max-sequences), none of them idle; release finished sequences or lower the load")
-        if missing > self.kv.pool.num_free:  # prepared branches give way first
-            self.predraft.drop_all_branches()
         free = self.kv.pool.num_free
         if missing > free and not t.evict_idle(serial, blocks=missing - free):
             t.counters.pool_refusals += 1

@@ -105,7 +105,9 @@ class StepScheduler:
     def attach_channels(self, channels) -> None:
         self._channels = channels
         channels.wake = self._wake.set  # a new channel wakes a sleeping thread so that it starts polling
-        channels.release_owner = self.proposer.release_owner  # a channel whose client went frees its sequences
+        # a channel whose client went frees its sequences, as a job between batches: a poll from inside a pre-drafting
+        # pass must not change the table under it (the job also stops the pass)
+        channels.release_owner = lambda owner: self.call_soon(self.proposer.release_owner, owner)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -191,7 +193,11 @@ class StepScheduler:
             if self._stopping:
                 break
             if self.proposer.predraft.has_work():  # idle: prepare the next steps' drafts, until a request comes
-                self.proposer.predraft.prepare(lambda: self._request_waiting(channels))
+                try:
+                    self.proposer.predraft.prepare(lambda: self._request_waiting(channels))
+                except Exception:  # (never the step thread's end: the sequences go on with plain steps)
+                    log.exception("pre-drafting pass failed; prepared branches dropped")
+                    self.proposer.predraft.reset()
                 if channels is not None and self._queue:
                     last_channel_request = time.monotonic()
                 continue
