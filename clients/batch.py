@@ -195,12 +195,7 @@ def parse_batch_response(resp: "pb.ProposeResponse", sequence_ids: list[str]) ->
                       needs_resync=torch.isin(codes, torch.tensor(sorted(RESYNC_CODES))),
                       messages={i: results[i].status.message for i in codes.nonzero().flatten().tolist()},
                       request_id=resp.request_id, predrafted=predrafted.to(torch.bool))
-    if resp.HasField("draft_logprobs"):
-        out.logprobs = decode_tensor(resp.draft_logprobs, "draft_logprobs", (pb.FLOAT32,), 1).clone()
-    if resp.HasField("draft_top_k_ids"):
-        out.top_k_ids = decode_tensor(resp.draft_top_k_ids, "draft_top_k_ids", (pb.INT64,), 2).clone()
-        out.top_k_probs = decode_tensor(resp.draft_top_k_probs, "draft_top_k_probs", (pb.FLOAT32,), 2).clone()
-    return out
+    return _with_distributions(out, resp)
 
 
 def _parse_result_columns(resp: "pb.ProposeResponse", sequence_ids: list[str]) -> BatchDrafts:
@@ -230,12 +225,7 @@ def _parse_result_columns(resp: "pb.ProposeResponse", sequence_ids: list[str]) -
                       needs_resync=torch.isin(codes, torch.tensor(sorted(RESYNC_CODES))),
                       messages={i: messages.get(i, "") for i in codes.nonzero().flatten().tolist()},
                       request_id=resp.request_id, predrafted=column("predrafted", (pb.INT32,)).to(torch.bool))
-    if resp.HasField("draft_logprobs"):
-        out.logprobs = decode_tensor(resp.draft_logprobs, "draft_logprobs", (pb.FLOAT32,), 1).clone()
-    if resp.HasField("draft_top_k_ids"):
-        out.top_k_ids = decode_tensor(resp.draft_top_k_ids, "draft_top_k_ids", (pb.INT64,), 2).clone()
-        out.top_k_probs = decode_tensor(resp.draft_top_k_probs, "draft_top_k_probs", (pb.FLOAT32,), 2).clone()
-    return out
+    return _with_distributions(out, resp)
 
 
 def fallback_batch(sequence_ids: list[str], reason: str) -> BatchDrafts:
@@ -247,3 +237,13 @@ def fallback_batch(sequence_ids: list[str], reason: str) -> BatchDrafts:
                        committed_lengths=zeros.clone(), needs_resync=torch.zeros(n, dtype=torch.bool),
                        messages={i: reason for i in range(n)}, fallback=True, fallback_reason=reason,
                        predrafted=torch.zeros(n, dtype=torch.bool))
+
+
+def _with_distributions(out: BatchDrafts, resp: "pb.ProposeResponse") -> BatchDrafts:
+    """The reply's draft log-probabilities and top-N distributions, when it has them, into out."""
+    if resp.HasField("draft_logprobs"):
+        out.logprobs = decode_tensor(resp.draft_logprobs, "draft_logprobs", (pb.FLOAT32,), 1).clone()
+    if resp.HasField("draft_top_k_ids"):
+        out.top_k_ids = decode_tensor(resp.draft_top_k_ids, "draft_top_k_ids", (pb.INT64,), 2).clone()
+        out.top_k_probs = decode_tensor(resp.draft_top_k_probs, "draft_top_k_probs", (pb.FLOAT32,), 2).clone()
+    return out

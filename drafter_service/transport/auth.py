@@ -143,6 +143,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 except AuthError as e:
                     await context.abort(e.code, e.message)
 
+        async def checked(requests, allowed, context):
+            async for request in requests:
+                await check_or_abort(allowed, request, context)
+                yield request
+
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
@@ -163,13 +168,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
             async def stream(request_iterator, context):
                 allowed = await allowed_or_abort(context)
-
-                async def checked():
-                    async for request in request_iterator:
-                        await check_or_abort(allowed, request, context)
-                        yield request
-
-                async for reply in inner_stream(checked(), context):
+                async for reply in inner_stream(checked(request_iterator, allowed, context), context):
                     yield reply
 
             return grpc.stream_stream_rpc_method_handler(stream, handler.request_deserializer,
@@ -179,13 +178,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
             async def upload(request_iterator, context):
                 allowed = await allowed_or_abort(context)
-
-                async def checked():
-                    async for request in request_iterator:
-                        await check_or_abort(allowed, request, context)
-                        yield request
-
-                return await inner_upload(checked(), context)
+                return await inner_upload(checked(request_iterator, allowed, context), context)
 
             return grpc.stream_unary_rpc_method_handler(upload, handler.request_deserializer,
                                                         handler.response_serializer)
