@@ -3,10 +3,11 @@
 An engine that keeps its batch as tensors (positions, token ids, the states of the committed rows, the next tokens)
 hands them over as they are: ``DrafterClient.propose_batch(StepBatch(...))`` returns ``BatchDrafts`` with the
 drafts of all sequences in one tensor and per-sequence codes, counts and lengths as tensors. No Python object per
-sequence is built on the client's side of the call: with a drafter that takes columnar requests
-(GetInfo.step_columns_supported) the request carries the columns as tensors (ProposeRequest.columns) and the reply
-the results as tensors (ProposeResponse.result_columns); with an older one the protocol's per-sequence messages are
-written from the columns in one pass. ``propose(list[SequenceStep])`` is the per-sequence convenience over the same
+sequence is built on the client's side of the call: from COLUMNS_MIN_SEQUENCES (32) sequences, with a drafter that
+takes columnar requests (GetInfo.step_columns_supported), the request carries the columns as tensors
+(ProposeRequest.columns) and the reply the results as tensors (ProposeResponse.result_columns); below that, or with
+an older drafter, the protocol's per-sequence messages are written from the columns in one pass. Inline states of
+chunk_min_bytes (2 MiB) or more go by ProposeChunked either way. ``propose(list[SequenceStep])`` is the per-sequence convenience over the same
 request.
 """
 from dataclasses import dataclass, field
@@ -22,8 +23,9 @@ from drafter_client.shm_ring import SharedTensorRef
 
 
 # A batch of at least this many sequences goes as a columnar request (when the drafter takes them): below it the
-# per-sequence messages cost the host less (a few fixed tensor ops against a few message fields; on the dev CPU
-# both cost the same at 32 sequences, columns 0.69x at 64 and 0.58x at 128-256: benchmarks/bench_request_codec.py).
+# per-sequence messages cost the host less (a few fixed tensor ops against a few message fields). On the dev CPU
+# (docs/bench/request_codec_cpu_2026-11-25.json) the columns' host work was 0.90x the batch API's messages at 32
+# sequences, 0.80x at 64, 0.73x at 128, 0.76x at 256; at batch 1 1.7x: benchmarks/bench_request_codec.py.
 COLUMNS_MIN_SEQUENCES = 32
 
 

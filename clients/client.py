@@ -236,9 +236,11 @@ class DrafterClient:
 
     async def propose_batch(self, batch: StepBatch, timeout: float | None = None) -> BatchDrafts:
         """One engine step for a batch given as columns (drafter_client.batch.StepBatch), answered as columns
-        (BatchDrafts): the same request, deadline, fallback and circuit breaker as propose(), without a Python
-        object per sequence. batch.hidden_states may be a SharedTensorRef into a region the caller registered;
-        with enable_shared_memory a tensor goes through the ring."""
+        (BatchDrafts): the same deadline, fallback and circuit breaker as propose(), without a Python object per
+        sequence. From COLUMNS_MIN_SEQUENCES (32) sequences, to a drafter with GetInfo.step_columns_supported, the
+        request goes as columns (asked once per client, within the step's deadline); else as per-sequence messages;
+        large inline states by ProposeChunked. batch.hidden_states may be a SharedTensorRef into a region the
+        caller registered; with enable_shared_memory a tensor goes through the ring."""
         ids = batch.sequence_ids
         states = batch.hidden_states
         # (below COLUMNS_MIN_SEQUENCES the per-sequence messages cost the host less: benchmarks/bench_request_codec.py)

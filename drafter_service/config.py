@@ -23,8 +23,9 @@ class ServerConfig:
     max_sequences_per_namespace: int = 0  # live sequences of one namespace; 0 = no limit
     namespace_pool_share: float = 1.0  # fraction of the KV blocks one namespace may hold, in (0, 1]
     cuda_graphs: bool = True  # CUDA only: decode steps replayed from CUDA graphs captured at start-up
-    # with cuda_graphs: the first draft step of a uniform greedy batch (<= 32 sequences, each with the same number
-    # m <= this of committed tokens) is replayed from a graph too; one graph per (padded batch, m); 0 = never
+    # with cuda_graphs: the first draft step of a greedy batch whose sequences all draft and bring at most this many
+    # committed tokens each (padded to the batch's largest m, up to 256 sequences) is replayed from a graph too; one
+    # graph per (padded batch, m); 0 = never
     first_step_graph_tokens: int = 8
     max_message_bytes: int = 256 * 1024 * 1024
     # ProposeChunked uploads (docs/protocol.md): staging bytes in flight, for the server and for one namespace, and
@@ -37,7 +38,7 @@ class ServerConfig:
     tune_malloc: bool = True
     # CPU only: torch's intra-op threads for the draft step; 0 = torch's default (one per core). Where the engine
     # shares the cores (a CPU sidecar), give each a share: two busy thread pools on the same cores slow both
-    # (docs/performance.md "CPU: a thread budget for the drafter")
+    # (docs/performance.md "Columnar requests: the host work around the proposer")
     cpu_threads: int = 0
     metrics_port: int = 0  # Prometheus metrics on http://[::]:PORT/metrics (IPv6 and IPv4); 0 = off
     shutdown_grace_s: float = 30.0

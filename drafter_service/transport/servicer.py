@@ -260,21 +260,27 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         """One step whose hidden states come in chunks (transport/chunked.py). ``chunks`` yields chunked.Chunk:
         server.py registers this method with chunked.parse_chunk as its deserializer."""
         await self._ready(context)
-        limit_s = self.runtime.config.chunked_upload_timeout_s
         try:
-            try:
-                async with asyncio.timeout(limit_s):
-                    return await self._propose_chunked(chunks, context.invocation_metadata())
-            except TimeoutError:
-                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"the chunked upload did not finish within {limit_s:g} s "
-                                   "(--chunked-upload-timeout-s)") from None
+            return await self._propose_chunked(chunks, context.invocation_metadata())
         except RequestError as e:
             await self._fail(context, e)
 
     async def _propose_chunked(self, chunks, metadata) -> "pb.ProposeResponse":
+        # the upload (first chunk to last) within --chunked-upload-timeout-s; the step after it is not counted
+        limit_s = self.runtime.config.chunked_upload_timeout_s
+        deadline = asyncio.get_running_loop().time() + limit_s
+
+        async def uploading(awaitable):
+            try:
+                async with asyncio.timeout_at(deadline):
+                    return await awaitable
+            except TimeoutError:
+                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"the chunked upload did not finish within {limit_s:g} s "
+                                   "(--chunked-upload-timeout-s)") from None
+
         chunks = aiter(chunks)
-        first = await anext(chunks, None)
+        first = await uploading(anext(chunks, None))
         error = first_chunk_error(first)
         if error is not None:
             raise error
@@ -285,7 +291,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.staging.acquire(namespace, nbytes)
         try:  # _propose checks the whole request before receive() takes any data
             return await self._propose(request, "chunked", metadata, hidden=staging,
-                                       receive=lambda: receive_states(first, chunks, staging))
+                                       receive=lambda: uploading(receive_states(first, chunks, staging)))
         finally:
             self.staging.release(namespace, nbytes)
 
