@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                     help="with CUDA graphs: also replay the first draft step of greedy batches whose sequences all "
                          "draft and bring at most N committed tokens each, padded to the batch's largest m (one "
                          "graph per padded batch size and m, captured at start-up); 0 = run every first step "
-                         "eagerly")
+                         "eagerly; at most 16")
     ap.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message size limit")
     ap.add_argument("--max-chunked-bytes", type=int, default=d.max_chunked_bytes,
                     help="hidden-state bytes of all ProposeChunked uploads in flight (staging memory)")

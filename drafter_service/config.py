@@ -87,8 +87,9 @@ class ServerConfig:
             raise ValueError("max_draft_tokens must be >= 1")
         if self.cpu_threads < 0:
             raise ValueError("cpu_threads must be >= 0 (0: torch's default)")
-        if self.first_step_graph_tokens < 0:
-            raise ValueError("first_step_graph_tokens must be >= 0")
+        if not 0 <= self.first_step_graph_tokens <= 16:  # (cuda_graphs.MAX_FIRST_STEP_GRAPH_TOKENS)
+            raise ValueError(f"first_step_graph_tokens must be in [0, 16] (got {self.first_step_graph_tokens}): one "
+                             "first-step CUDA graph per padded batch size and m is captured at start-up")
         if not self.listen:
             raise ValueError("at least one --listen address is needed")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:

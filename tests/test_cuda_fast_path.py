@@ -146,8 +146,9 @@ def test_graph_step_synchronizes_once(tiny_model, tmp_path):
         steps = [SequenceStep(f"q{i}", 0, torch.randint(0, 512, (20,), generator=g),
                               torch.randn(20, 64, generator=g), 3, 0) for i in range(5)]
         asyncio.run(drafter.propose(steps))  # prefill, and warm-up of every kernel
-        decode = [SequenceStep(s.sequence_id, 17, s.token_ids[17:], s.hidden_states[17:], 4, 1 + i)
-                  for i, s in enumerate(steps)]
+        # mixed m (1..3 rows): the first step is padded into the first-step graphs' layout
+        decode = [SequenceStep(s.sequence_id, 17 + i % 3, s.token_ids[17 + i % 3:], s.hidden_states[17 + i % 3:], 4,
+                               1 + i) for i, s in enumerate(steps)]
         asyncio.run(drafter.propose(decode))
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("warn")
@@ -161,7 +162,9 @@ def test_graph_step_synchronizes_once(tiny_model, tmp_path):
         return sum("synchroniz" in str(w.message) for w in caught)
 
     graphs = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32"))
-    # the first propose is a prefill (k = 0: no decode steps); the two decode proposes replay graphs
+    # the first propose is a prefill (k = 0: no decode steps); the two decode proposes replay graphs, the first
+    # step included
     assert count_syncs(graphs) <= 1 and graphs.proposer.decode_graphs.steps_run == 2
+    assert graphs.proposer.decode_graphs.first_steps_run == 2
     eager = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32", cuda_graphs=False))
     assert count_syncs(eager) > 4

@@ -175,14 +175,16 @@ def test_branches_and_later_steps_match_naive(method, temperature, static_decode
     ("eagle1", 0.0, True), ("eagle1", 0.8, False), ("eagle3", 0.0, False)])
 def test_passes_over_several_sequences_match_naive(method, temperature, static_decode, tiny_model, tmp_path):
     """Four sequences stepping together (a random subset each step), one pass over all of them between steps: every
-    answer, predrafted or plain, equals the naive reference, and every block comes back."""
+    answer, predrafted or plain, equals the naive reference, and every block comes back. With static_decode the
+    static-buffer steps serve the engine's first steps too (padded mixed m: the graphs' layout on CUDA)."""
     head, target, ref = heads(method, tiny_model, tmp_path)
     naive = Naive(ref)
     rt = build_runtime(make_config(head, target, tmp_path, max_model_len=512))
     proposer = rt.proposer
     if static_decode:
         proposer.decode_graphs = DecodeGraphs(proposer.model, proposer.kv_layers, rt.config.block_size,
-                                              rt.max_model_len, 64, rt.dtype, rt.device, max_drafts=8)
+                                              rt.max_model_len, 64, rt.dtype, rt.device, first_step_tokens=8,
+                                              max_drafts=8)
     width, vocab = rt.limits.hidden_states_width, rt.limits.vocab_size
     rng, gen = random.Random(7), torch.Generator().manual_seed(7)
     k, budget, seed = 3, 6, 1234
@@ -235,6 +237,8 @@ def test_passes_over_several_sequences_match_naive(method, temperature, static_d
                 assert out.drafts == expect(sid, len(seqs[sid]["tokens"]) - 1, []), (sid, C, a, b)
             seqs[sid]["drafts"] = out.drafts
     assert hits >= 5 and plain >= 5, (hits, plain)
+    if static_decode:
+        assert proposer.decode_graphs.first_steps_run >= 3
     for sid in seqs:
         proposer.table.release(NS, sid)
     assert proposer.kv.pool.num_free == proposer.kv.pool.num_blocks

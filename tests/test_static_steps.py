@@ -74,6 +74,32 @@ def test_which_batches_take_the_static_first_step(tiny_model, tmp_path):
     assert not graphs.can_run_first_step(md([1] * 9, [2] * 9))  # more sequences than the largest size
 
 
+def test_first_step_graphs_skip_batches_mostly_padding(tiny_model, tmp_path):
+    """A big batch of mostly 1-token steps with one 8-token step would run 8x its rows through the graph: eager
+    instead (bs * M <= max(2 T, FIRST_STEP_SMALL_ROWS)); small padded batches still take the graph. And the flag is
+    bounded: one graph per (size, m) is captured."""
+    from drafter_service.config import ServerConfig
+
+    rt = with_static_steps(build_runtime(make_config(*tiny_model, tmp_path)), max_batch_seqs=256)
+    graphs = rt.proposer.decode_graphs
+    g = torch.Generator().manual_seed(1)
+
+    def md(ms: list[int]) -> StepMetadata:
+        steps = [StepInput("ns", f"s{i}", 20, torch.randint(0, 512, (m,), generator=g), torch.randn(m, 64), 1, 3)
+                 for i, m in enumerate(ms)]
+        batch = [type("A", (), dict(step=s, seq=type("S", (), dict(block_table=[i, i + 1]))(),
+                                    num_drafts=s.num_drafts))() for i, s in enumerate(steps)]
+        return StepMetadata.build(batch, rt.kv.block_size, rt.device)
+
+    assert graphs.can_run_first_step(md([1] * 31 + [8]))  # 32 x 8 = 256 rows: small enough
+    assert not graphs.can_run_first_step(md([1] * 63 + [8]))  # 64 x 8 = 512 rows for 71 real ones
+    assert graphs.can_run_first_step(md([4] * 63 + [8]))  # 512 rows for 260: at most twice
+    assert graphs.can_run_first_step(md([3] * 200))  # uniform
+    with pytest.raises(ValueError, match="first_step_graph_tokens"):
+        make_config(*tiny_model, tmp_path, first_step_graph_tokens=17)
+    assert isinstance(make_config(*tiny_model, tmp_path, first_step_graph_tokens=16), ServerConfig)
+
+
 def mixed_batches(num_seqs: int, seed: int, width: int = 64, vocab: int = 512):
     """A prefill of 24..40 tokens per sequence (eager), then steps where each sequence re-sends one position and
     brings 1..8 rows of its own (m differs between sequences and steps), k = 1..6."""

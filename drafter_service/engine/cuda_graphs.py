@@ -71,6 +71,8 @@ log = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 256  # larger batches run the eager decode loop
 MAX_FIRST_STEP_GRAPH_BATCH = MAX_GRAPH_BATCH  # batches of more sequences run the first step eagerly
+MAX_FIRST_STEP_GRAPH_TOKENS = 16  # --first-step-graph-tokens at most: graphs (sizes x m) and their pool stay bounded
+FIRST_STEP_SMALL_ROWS = 256  # padded first steps of up to this many rows replay a graph whatever their padding
 
 
 def graph_batch_sizes(max_batch_seqs: int) -> list[int]:
@@ -263,10 +265,12 @@ class DecodeGraphs:
     def can_run_first_step(self, md: StepMetadata) -> bool:
         """Whether this (greedy) step's first draft step can replay a first-step graph: every sequence drafts, its
         largest m (M) is <= first_step_tokens, every context holds at least M positions (the padding rows sit
-        before the real ones), and the batch pads to a captured size."""
-        B, M = len(md.num_drafts), md.first_step.max_query_len
-        return (0 < M <= self.first_step_tokens and len(md.active) == B
-                and padded_batch_size(B, self.first_sizes) is not None and max(md.num_drafts) <= self.max_drafts
+        before the real ones), the batch pads to a captured size, and the padded rows are at most twice the real
+        ones (or few): a large batch of mostly short steps runs fewer rows eagerly than the graph would."""
+        B, M, T = len(md.num_drafts), md.first_step.max_query_len, md.input_ids.shape[0]
+        bs = padded_batch_size(B, self.first_sizes)
+        return (0 < M <= self.first_step_tokens and len(md.active) == B and bs is not None
+                and bs * M <= max(2 * T, FIRST_STEP_SMALL_ROWS) and max(md.num_drafts) <= self.max_drafts
                 and min(md.host_seq_lens) >= M)
 
     def can_run(self, md: StepMetadata) -> bool:

@@ -396,6 +396,8 @@ class Predrafter:
         return True
 
     def _prepare_group(self, seqs: list[Sequence], k: int, flight: _InFlight) -> bool:
+        # (host tensors go to the device with non_blocking=True: a blocking copy synchronizes the stream, and the pass
+        # keeps IN_FLIGHT forwards queued while it polls for requests; the sources are fresh tensors nobody reuses)
         p, model = self.proposer, self.model
         dev, bs = p.device, p.block_size
         n = len(seqs)
@@ -404,9 +406,9 @@ class Predrafter:
         temperature, seed, logprobs, top_k = zip(*(st.sampling for st in states))
         greedy = not any(temperature) and not any(logprobs) and not any(top_k)
         sp = SamplingSettings(
-            temperature=torch.tensor(temperature, dtype=torch.float32).to(dev),
-            seed=torch.tensor([seed_to_int64(x) for x in seed], dtype=torch.int64).to(dev),
-            top_k=torch.tensor(top_k, dtype=torch.int64).to(dev), want_logprobs=any(logprobs), greedy_only=greedy)
+            temperature=torch.tensor(temperature, dtype=torch.float32).to(dev, non_blocking=True),
+            seed=torch.tensor([seed_to_int64(x) for x in seed], dtype=torch.int64).to(dev, non_blocking=True),
+            top_k=torch.tensor(top_k, dtype=torch.int64).to(dev, non_blocking=True), want_logprobs=any(logprobs), greedy_only=greedy)
         # the branches of one pass fit the largest decode graph (MAX_GRAPH_BATCH rows), so that the branch pass
         # replays graphs: at large batches each sequence gets fewer branches
         graphs = p.decode_graphs
@@ -416,14 +418,14 @@ class Predrafter:
 
         C = torch.tensor([b.end for b in bases], dtype=torch.int64)  # [n]
         served = torch.tensor([b.drafts for b in bases], dtype=torch.int64)  # [n, k]
-        served_dev = served.to(dev)
+        served_dev = served.to(dev, non_blocking=True)
         if bases[0].features is not None:  # (a group either has them all or none)
             # ---- forced pass, shortened: the plain step kept g_0..g_{k-1}; only the row of D_k runs ----
             w = max(len(seq.block_table) for seq in seqs)
             tables = p.table.block_tables.gather([seq.table_row for seq in seqs], w)  # [n, w] int32
             kept = torch.stack([b.features for b in bases])  # [n, k, H]
             out = model.forward(served_dev[:, k - 1], kept[:, k - 1], self._decode_meta(C - 1 + k, tables,
-                                                                                       tables.to(dev)), p.kv_layers)
+                                                                                       tables.to(dev, non_blocking=True)), p.kv_layers)
             for b in bases:
                 b.features = None  # (used: a retry after a stop runs the full pass)
             self.counters.short_forced_passes += 1
@@ -442,7 +444,7 @@ class Predrafter:
         rows = torch.tensor([b.token_ids.shape[0] for b in bases])
         rerun = torch.repeat_interleave(torch.tensor([not b.pending for b in bases]), rows)  # [T]
         if bool(rerun.any()):
-            md.first_step.slot_mapping.masked_fill_(rerun.to(dev), ops.PADDING_SLOT_ID)
+            md.first_step.slot_mapping.masked_fill_(rerun.to(dev, non_blocking=True), ops.PADDING_SLOT_ID)
         head_out = model.forward(md.input_ids, model.combine_hidden_states(md.hidden_states), md.first_step,
                                  p.kv_layers)
         for b in bases:  # (written: every later step on this device stream sees these rows' KV)
@@ -524,18 +526,18 @@ class Predrafter:
             branch_tables[private] = new_ids[(first_new[:, None] + col - blk0[:, None])[private]]
             cow = start % bs != 0  # the block holding the first row also holds positions before it: copy them
             if bool(cow.any()):
-                src = seq_tables[si[cow], blk0[cow]].to(dev)
-                dst = new_ids[first_new[cow]].to(dev)
+                src = seq_tables[si[cow], blk0[cow]].to(dev, non_blocking=True)
+                dst = new_ids[first_new[cow]].to(dev, non_blocking=True)
                 p.kv.kv[:, :, dst] = p.kv.kv[:, :, src]
 
             # ---- branch pass: k rows each, from (b, g_a) at position C+a ----
-            hidden0 = feats[si.to(dev), aa.to(dev)]  # [nb, H]
+            hidden0 = feats[si.to(dev, non_blocking=True), aa.to(dev, non_blocking=True)]  # [nb, H]
             if greedy and graphs is not None and graphs.fits(nb, k):
-                tokens = graphs.run_rows(bonus.to(dev), hidden0, start - 1, branch_tables.to(torch.int32), k,
+                tokens = graphs.run_rows(bonus.to(dev, non_blocking=True), hidden0, start - 1, branch_tables.to(torch.int32), k,
                                          between=flight.launched)
                 result = None if tokens is None else (tokens, None, None, None)
             else:
-                result = self._branch_decode(bonus.to(dev), hidden0, start, branch_tables, si, k, sp, flight)
+                result = self._branch_decode(bonus.to(dev, non_blocking=True), hidden0, start, branch_tables, si, k, sp, flight)
         finally:
             # the branches' drafts are on the host now (or the pass stopped): their blocks go back to the pool (later
             # work on the device stream comes after the pass's, so a step that takes them overwrites them in order)
@@ -571,9 +573,9 @@ class Predrafter:
         dev, bs = self.proposer.device, self.proposer.block_size
         n = pos.shape[0]
         slot = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).to(torch.int64) * bs + pos % bs
-        return AttentionMetadata(positions=pos.to(dev), slot_mapping=slot.to(dev),
-                                 query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev),
-                                 seq_lens=(pos + 1).to(torch.int32).to(dev), block_tables=tables_dev,
+        return AttentionMetadata(positions=pos.to(dev, non_blocking=True), slot_mapping=slot.to(dev, non_blocking=True),
+                                 query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev, non_blocking=True),
+                                 seq_lens=(pos + 1).to(torch.int32).to(dev, non_blocking=True), block_tables=tables_dev,
                                  max_query_len=1)
 
     def _branch_decode(self, tok: torch.Tensor, hidden: torch.Tensor, start: torch.Tensor, tables: torch.Tensor,
@@ -581,7 +583,7 @@ class Predrafter:
         """The eager branch pass: k rows per branch, sampled as the sequence asked (rows of sp: si). Returns host
         tensors (tokens [nb, k], logprobs [nb, k] or None, top ids / probs [nb, k, N] or None), None when stopped."""
         p, model = self.proposer, self.model
-        tables_dev = tables.to(torch.int32).to(p.device)
+        tables_dev = tables.to(torch.int32).to(p.device, non_blocking=True)
         rows = si.tolist()
         samples = []
         for j in range(k):
