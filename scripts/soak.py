@@ -9,11 +9,16 @@ The drafter is drafter-serve in a child process on a tiny random EAGLE-1 head (t
 small KV pool and a short sequence lease. Each engine is a process
 with its own DrafterClient (a per-step deadline, fallback, circuit breaker); engine i talks unary Propose, a
 ProposeStream, a step channel or the batch API (propose_batch) (i % 4; all but the step channel over TCP through
-a proxy that can cut connections, the step channel on the Unix socket). It keeps --sequences sequences with random tokens and hidden states, accepts a random
+a proxy that can cut connections, the step channel on the Unix socket). Engines of odd index ask for pre-drafting
+(--predraft-branches, docs/predraft.md), so that passes, branches and hits run through the same faults; the batch
+engines keep --batch-sequences sequences, enough for columnar requests (ProposeRequest.columns). An engine keeps
+--sequences sequences with random tokens and hidden states, accepts a random
 number of the drafts each step (a new sequence takes the place of a finished one, which is released), resends from
 the last confirmed position after a step without drafts and from position 0 when the reply says needs_resync, and
 checks one drafting step in --check-every against the naive reference (recomputing the sequence without a KV
-cache). Faults, one every --fault-every-s, in turn:
+cache); an answer the drafter prepared while the engine verified (predrafted) is checked every time, against the
+reference of its branch (the served drafts and the bonus token with the head's own features). Faults, one every
+--fault-every-s, in turn:
   - cut: the proxy aborts every open TCP connection (a reset mid-stream);
   - kill: an engine is SIGKILLed (its sequences are never released) and a new one starts;
   - restart: the drafter is SIGKILLed and started again at the same address (every sequence is lost);
@@ -68,15 +73,19 @@ class Engine:
         import torch
 
         from naive_eagle import NaiveEagle1
+        from naive_predraft import Naive
 
         self.torch = torch
         self.index, self.address, self.args = index, address, args
         self.rng = random.Random(1000 + index)
         self.gen = torch.Generator().manual_seed(index)
         self.naive = NaiveEagle1(head, target)
+        self.branch_naive = Naive(self.naive)
+        self.budget = args["predraft_branches"] if index % 2 else 0  # engines of odd index pre-draft
         self.next_id = 0
         self.stats = dict(steps=0, steps_with_drafts=0, fallback_steps=0, resyncs=0, checked=0, mismatches=0,
-                          late_steps=0, fallback_reasons={}, latencies_ms=[], fallback_latencies_ms=[])
+                          late_steps=0, predrafted=0, fallback_reasons={}, fallback_examples={}, latencies_ms=[],
+                          fallback_latencies_ms=[])
 
     def new_sequence(self) -> dict:
         self.next_id += 1
@@ -89,7 +98,8 @@ class Engine:
 
         p = s["sent"]
         n = len(s["tokens"]) - 1  # committed tokens with hidden states; tokens[-1] is the next token
-        return SequenceStep(s["sid"], p, s["tokens"][p:n], s["hidden"][p:n], s["tokens"][n], K)
+        return SequenceStep(s["sid"], p, s["tokens"][p:n], s["hidden"][p:n], s["tokens"][n], K,
+                            predraft_branches=self.budget)
 
     async def client(self):
         from drafter_client import DrafterClient
@@ -102,7 +112,8 @@ class Engine:
 
     async def run(self, results, stop_at: float) -> None:
         torch = self.torch
-        seqs = [self.new_sequence() for _ in range(self.args["sequences"])]
+        count = self.args["batch_sequences" if self.args["mode"] == "batch" else "sequences"]
+        seqs = [self.new_sequence() for _ in range(count)]
         client, session = await self.client()
         deadline = self.args["deadline_s"]
         try:
@@ -123,26 +134,46 @@ class Engine:
                     self.stats["fallback_steps"] += 1
                     why = reply.fallback_reason.split(":")[0][:40]
                     self.stats["fallback_reasons"][why] = self.stats["fallback_reasons"].get(why, 0) + 1
+                    self.stats["fallback_examples"].setdefault(why, reply.fallback_reason[:300])
                 await asyncio.sleep(self.args["target_step_s"])  # the target verifies the drafts
                 for s, st, r in zip(seqs, steps, reply.sequences):
                     if r.ok:
                         s["sent"] = st.start_position + len(st.token_ids)
                         drafts = r.drafts.tolist()
                         self.stats["steps_with_drafts"] += 1
-                        if self.rng.random() < 1 / self.args["check_every"]:
+                        if r.predrafted:  # prepared during the last verification: the branch of this outcome
+                            # (the context below C = the step's start with the target's states; then x[C]'s
+                            # successors D_1..D_a and the bonus, the step's other tokens, with the head's features)
+                            self.stats["predrafted"] += 1
+                            c = st.start_position
+                            forced = [int(t) for t in st.token_ids[1:]] + [st.next_token]
+                            want = self.branch_naive.drafts(s["tokens"][: c + 1], s["hidden"][:c], forced,
+                                                            len(drafts), lambda logits, j: int(logits.argmax()))
+                        elif self.rng.random() < 1 / self.args["check_every"]:
                             want = self.naive.drafts(s["tokens"], s["hidden"], len(drafts))
+                        else:
+                            want = None
+                        if want is not None:
                             self.stats["checked"] += 1
                             if drafts != want:
                                 self.stats["mismatches"] += 1
-                                print(f"MISMATCH engine {self.index} {s['sid']}: {drafts} != {want}", flush=True)
+                                print(f"MISMATCH engine {self.index} {s['sid']} (predrafted {r.predrafted}): "
+                                      f"{drafts} != {want}", flush=True)
                         accepted = drafts[: self.rng.randint(0, len(drafts))]
                     else:
                         accepted = []
                         if r.needs_resync:  # the drafter lost the context: resend it whole next step
                             s["sent"] = 0
                             self.stats["resyncs"] += 1
-                    # the target commits the accepted drafts and its own next token (a random one here)
-                    new = accepted + [self.rng.randrange(V)]
+                    # the target commits the accepted drafts and its own next token: a random one, or (pre-drafting
+                    # engines, now and then) the drafter's likeliest after the accepted ones, so that hits happen
+                    bonus = self.rng.randrange(V)
+                    if r.ok and self.budget and self.rng.random() < self.args["likely_bonus"]:
+                        n, rejected = len(s["tokens"]) - 1, drafts[len(accepted)] if len(accepted) < len(drafts) else -1
+                        bonus = self.branch_naive.drafts(
+                            s["tokens"], s["hidden"], accepted, 1,
+                            lambda logits, j: next(int(t) for t in logits.topk(2).indices if int(t) != rejected))[0]
+                    new = accepted + [bonus]
                     s["hidden"] = torch.cat([s["hidden"], torch.randn(len(new), H, generator=self.gen)])
                     s["tokens"] = s["tokens"] + new
                 finished = [s for s in seqs if len(s["tokens"]) > self.args["max_len"]]
@@ -156,6 +187,7 @@ class Engine:
             await client.close()
         self.stats["streams_opened"] = session.streams_opened if session is not None else 0
         self.stats["breaker_opened"] = client.breaker.times_opened
+        self.stats["columnar"] = bool(client._step_columns) and self.args["mode"] == "batch"  # requests as columns
         lat, fb = self.stats.pop("latencies_ms"), self.stats.pop("fallback_latencies_ms")
         results.put(dict(self.stats, index=self.index, mode=self.args["mode"], latencies_ms=lat,
                          fallback_latencies_ms=fb))
@@ -173,7 +205,8 @@ def as_batch(steps):
                      token_ids=torch.tensor([t for s in steps for t in s.token_ids]),
                      hidden_states=torch.cat([s.hidden_states for s in steps]),
                      next_tokens=torch.tensor([s.next_token for s in steps]),
-                     num_drafts=torch.tensor([s.num_drafts for s in steps]))
+                     num_drafts=torch.tensor([s.num_drafts for s in steps]),
+                     predraft_branches=torch.tensor([s.predraft_branches for s in steps]))
 
 
 def as_result(b):
@@ -181,8 +214,8 @@ def as_result(b):
     from types import SimpleNamespace
 
     drafts = b.draft_token_ids.split(b.num_drafts.tolist())
-    seqs = [SimpleNamespace(ok=int(c) == 0, drafts=d, needs_resync=bool(rs))
-            for c, d, rs in zip(b.codes.tolist(), drafts, b.needs_resync.tolist())]
+    seqs = [SimpleNamespace(ok=int(c) == 0, drafts=d, needs_resync=bool(rs), predrafted=bool(pd))
+            for c, d, rs, pd in zip(b.codes.tolist(), drafts, b.needs_resync.tolist(), b.predrafted.tolist())]
     return SimpleNamespace(sequences=seqs, fallback=b.fallback, fallback_reason=b.fallback_reason)
 
 
@@ -281,6 +314,15 @@ def held_tokens(address: str) -> int:
     return asyncio.run(go())
 
 
+def logged_errors(drafter) -> list[str]:
+    """The drafter's ERROR log lines with what follows each (its traceback), from the log of its current process."""
+    try:
+        lines = drafter.log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return ["\n".join(lines[i : i + 30]) for i, line in enumerate(lines) if " ERROR " in line or "[ERROR]" in line]
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -293,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration-s", type=float, default=60.0)
     ap.add_argument("--engines", type=int, default=4, help="engine i uses MODES[i % 4]")
     ap.add_argument("--sequences", type=int, default=12, help="per engine")
+    ap.add_argument("--batch-sequences", type=int, default=32,
+                    help="per batch-API engine (from 32 its requests go as columns)")
+    ap.add_argument("--predraft-branches", type=int, default=8,
+                    help="the pre-drafting budget of the engines of odd index (0: none pre-drafts)")
+    ap.add_argument("--likely-bonus", type=float, default=0.25,
+                    help="pre-drafting engines: the share of steps whose bonus token is the drafter's likeliest "
+                         "(the naive reference's) instead of a random one, so that prepared branches are hit")
     ap.add_argument("--max-len", type=int, default=96, help="a sequence is finished (released) past this length")
     ap.add_argument("--kv-tokens", type=int, default=8192, help="the drafter's pool (small: the flood fills it)")
     ap.add_argument("--lease-s", type=float, default=3.0, help="the drafter's --sequence-lease-s")
@@ -323,8 +372,10 @@ def main(argv: list[str] | None = None) -> int:
             "--sequence-lease-s", str(a.lease_s), "--log-level", "WARNING"]).start()
         address = drafter.address
         proxy = CuttingProxy(pathlib.Path(address.removeprefix("unix:")))
-        engine_args = dict(sequences=a.sequences, max_len=a.max_len, deadline_s=a.deadline_s, slack_s=a.slack_s,
-                           check_every=a.check_every, target_step_s=a.target_step_ms / 1e3)
+        engine_args = dict(sequences=a.sequences, batch_sequences=a.batch_sequences, max_len=a.max_len,
+                           deadline_s=a.deadline_s, slack_s=a.slack_s, check_every=a.check_every,
+                           target_step_s=a.target_step_ms / 1e3, predraft_branches=a.predraft_branches,
+                           likely_bonus=a.likely_bonus)
         engines, modes = {}, {}
 
         def start_engine(i: int, mode: str | None = None) -> None:
@@ -345,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         fault_at = time.monotonic() + a.fault_every_s
         turn = 0
         connections_cut = 0
+        drafter_errors: list[str] = []
         while time.monotonic() < stop_at - 1.0:
             time.sleep(0.1)
             if rss_start is None and time.monotonic() > t_start + min(5.0, a.duration_s / 10):
@@ -359,12 +411,14 @@ def main(argv: list[str] | None = None) -> int:
                 connections_cut += n
                 print(f"[{time.monotonic() - t_start:6.1f}s] cut {n} connections", flush=True)
             elif kind == "kill":
-                victim = sorted(engines)[turn % len(engines)]
+                victim = sorted(engines)[faults["kill"] % len(engines)]  # the first kill takes engine 0, ...
                 engines.pop(victim).kill()  # SIGKILL: its sequences are never released
+                next_engine += (next_engine - victim) % 2  # (the same parity: pre-drafting or not, as the victim)
                 start_engine(next_engine, modes[victim])
                 next_engine += 1
             elif kind == "restart":
                 drafter.kill()
+                drafter_errors += logged_errors(drafter)  # (the new process starts a new log)
                 drafter.start()
                 rss_start = None  # a new process: measure its growth from its own warm state
             elif kind == "flood":
@@ -382,17 +436,21 @@ def main(argv: list[str] | None = None) -> int:
         rss_end = rss_mib(drafter.proc.pid)
         time.sleep(a.lease_s + 1.5)  # sequences of killed engines and floods expire
         held = held_tokens(address)
+        drafter_errors += logged_errors(drafter)
         drafter.close()
     crashed = [r for r in reports if "crashed" in r]
     reports = [r for r in reports if "crashed" not in r]
     lat = [x for r in reports for x in r["latencies_ms"]]
     fb = [x for r in reports for x in r["fallback_latencies_ms"]]
     total = {k: sum(r[k] for r in reports) for k in ("steps", "steps_with_drafts", "fallback_steps", "resyncs",
-                                                       "checked", "mismatches", "late_steps")}
+                                                       "checked", "predrafted", "mismatches", "late_steps")}
     result = dict(benchmark="soak", date=datetime.datetime.now().isoformat(timespec="seconds"),
                   device=f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                   command=" ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]), args=vars(a),
-                  engines_reporting=len(reports), engines_crashed=len(crashed), faults=faults, connections_cut=connections_cut, **total, leaked_kv_tokens=held,
+                  engines_reporting=len(reports), engines_crashed=len(crashed), faults=faults,
+                  columnar_engines=sum(r["columnar"] for r in reports),
+                  connections_cut=connections_cut, **total, leaked_kv_tokens=held,
+                  drafter_errors=len(drafter_errors), drafter_error_samples=drafter_errors[:3],
                   step_ms_p50=percentile(lat, 0.5), step_ms_p99=percentile(lat, 0.99),
                   fallback_step_ms_p50=percentile(fb, 0.5), fallback_step_ms_p99=percentile(fb, 0.99),
                   drafter_rss_mib_start=rss_start, drafter_rss_mib_end=rss_end)
@@ -400,18 +458,26 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"\nsoak {a.duration_s:.0f} s, {a.engines} engines x {a.sequences} sequences, {result['date']}")
-    for key in ("engines_reporting", "engines_crashed", "faults", "connections_cut", "steps", "steps_with_drafts", "fallback_steps", "resyncs", "checked",
-                "mismatches", "late_steps", "leaked_kv_tokens", "step_ms_p50", "step_ms_p99",
+    for key in ("engines_reporting", "engines_crashed", "columnar_engines", "faults", "connections_cut", "steps",
+                "steps_with_drafts",
+                "fallback_steps", "resyncs", "checked", "predrafted", "mismatches", "drafter_errors", "late_steps", "leaked_kv_tokens", "step_ms_p50", "step_ms_p99",
                 "fallback_step_ms_p50", "fallback_step_ms_p99",
                 "drafter_rss_mib_start", "drafter_rss_mib_end"):
         v = result[key]
         print(f"  {key:22s} {v:.2f}" if isinstance(v, float) else f"  {key:22s} {v}")
     for r in sorted(reports, key=lambda r: r["index"]):
         print(f"  engine {r['index']} ({r['mode']}): {r['steps']} steps, "
-              f"{r['steps_with_drafts']} drafting sequence-steps, {r['fallback_steps']} fallback steps, "
+              f"{r['steps_with_drafts']} drafting sequence-steps ({r['predrafted']} predrafted), "
+              f"{r['fallback_steps']} fallback steps, "
               f"{r['resyncs']} resyncs, breaker opened {r['breaker_opened']}x; fallbacks: {r['fallback_reasons']}")
+        for why, example in r["fallback_examples"].items():
+            if not why.startswith(("UNAVAILABLE", "circuit breaker", "DEADLINE_EXCEEDED")):
+                print(f"    {why}: {example}")
     print(f"wrote {out}")
-    bad = total["mismatches"] or total["late_steps"] or held or crashed or not total["checked"]
+    for sample in drafter_errors[:1]:
+        print(f"the drafter logged {len(drafter_errors)} errors; the first:\n{sample}")
+    bad = (total["mismatches"] or total["late_steps"] or held or crashed or not total["checked"]
+           or drafter_errors)
     return 1 if bad else 0
 
 

@@ -1,10 +1,12 @@
 """A short run of the fault and soak harness (scripts/soak.py; the longer run's figures are in docs/reliability.md).
 
-Four engine processes (unary, stream, step channel, batch API) drive a drafter process while the harness cuts their TCP
-connections, SIGKILLs an engine, floods the KV pool and SIGKILLs and restarts the drafter. The harness itself checks
-drafts against the naive reference; this test asserts its verdict: no mismatch, no engine step past its deadline,
-no engine that crashed (an exception out of the client), no KV left held once every engine is gone, and that every
-fault kind was injected and drafts were checked.
+Four engine processes (unary, stream, step channel, batch API with columnar requests; the stream and batch engines
+pre-drafting) drive a drafter process while the harness cuts their TCP connections, SIGKILLs an engine, floods the KV
+pool and SIGKILLs and restarts the drafter. The harness itself checks drafts against the naive reference (predrafted
+answers against their branch's); this test asserts its verdict: no mismatch, no engine step past its deadline, no
+engine that crashed (an exception out of the client), no error in the drafter's log, no KV left held once every
+engine is gone, and that every fault kind was injected, drafts were checked, prepared branches were served and the
+batch engine's requests went as columns.
 """
 import json
 import pathlib
@@ -29,4 +31,6 @@ def test_short_soak_with_every_fault(tmp_path):
     assert all(r["faults"][k] >= 1 for k in ("cut", "flood", "kill", "restart")), summary
     assert r["connections_cut"] >= 1, summary
     assert r["checked"] > 0 and r["steps_with_drafts"] > 0, summary
+    assert r["predrafted"] > 0 and r["columnar_engines"] >= 1, summary
+    assert r["drafter_errors"] == 0, summary
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
