@@ -69,13 +69,12 @@ def paged_attention_batched(
 ) -> torch.Tensor:
     """paged_attention_ref's function, for the whole batch in a few tensor ops instead of a loop over sequences:
     the CPU serving path (ops.paged_attention on CPU tensors; the reference stays the plain loop that tests compare
-    against). Every sequence's context is gathered into one padded [B, L, Hkv, D] tensor (L: the longest context,
-    whole blocks) and its query rows into a padded [B, Hkv, G*Q, D] (Q: the longest query, G query heads per KV
-    head), so that two batched matmuls per KV head do the whole batch; padding is masked out.
-    The matmuls read K and V of one KV head as strided [B, L, D] views of the gathered copy (rows Hkv*D apart): BLAS
-    takes such matrices as they are, where a [B, Hkv, L, D] transpose would first be copied (that copy cost as much
-    as the attention itself on the CPU: batch 128 x 256 positions, 1 thread, 9-11 -> 4-5.4 ms per call).
-    When padding would more than double the work of the per-sequence loop (a long prefill beside short decodes),
+    against). Every sequence's context is gathered into one padded head-major [B, Hkv, L, D] tensor (L: the longest
+    context, whole blocks; GatheredContext) and its query rows into a padded [B, Hkv, G*Q, D] (Q: the longest query,
+    G query heads per KV head), so that two batched matmuls over the B * Hkv (sequence, KV head) pairs do the whole
+    batch; padding is masked out. The head-major copy costs a transpose at the gather (an earlier version read
+    strided [B, L, D] views of a token-major copy instead: torch's CPU bmm then loops over the matrices one by one);
+    with a context_cache the gather happens once per engine step. When padding would more than double the work of the per-sequence loop (a long prefill beside short decodes),
     and for one sequence (fewer ops), the loop runs instead.
     context_cache: a dict the caller keeps for the forwards of one engine step (the first draft step and its decode
     steps, where the same sequences' contexts only grow): the gathered copy is kept there per layer (GatheredContext,
@@ -115,11 +114,11 @@ def paged_attention_batched(
         kept = GatheredContext.gather(k_cache, v_cache, blocks, ctx, block_size)
         if context_cache is not None:
             context_cache[key] = kept
-    k, v = kept.k[:, :L], kept.v[:, :L]
+    k, v = kept.k[:, :, :L], kept.v[:, :, :L]  # [B, Hkv, L, D]
     outside = (~in_ctx).nonzero(as_tuple=True)  # (batch index, position) of each position outside the context
     if outside[0].numel():
-        k[outside] = 0.0
-        v[outside] = 0.0
+        k.transpose(1, 2)[outside] = 0.0
+        v.transpose(1, 2)[outside] = 0.0
     # query rows, padded per sequence: row j of sequence b is q[starts[b] + j] for j < q_lens[b]
     j = torch.arange(max_q)
     row_valid = j[None, :] < q_lens[:, None]  # [B, Q]
@@ -130,16 +129,24 @@ def paged_attention_batched(
     q_pos = ctx[:, None] - q_lens[:, None] + j[None, :]  # [B, Q] position of each query row
     masked = torch.arange(L)[None, None, :] > q_pos[:, :, None]  # [B, Q, L] future positions, and past the context
     bias = torch.zeros(B, 1, max_q, L, device=q.device).masked_fill_(masked[:, None], float("-inf"))
-    bias = bias.expand(B, group, max_q, L).reshape(B, group * max_q, L)  # [B, G*Q, L], one for every KV head
-    o = torch.empty(B, num_kv_heads, group * max_q, head_dim, device=q.device)
-    for h in range(num_kv_heads):
-        scores = torch.baddbmm(bias, qp[:, h], k[:, :, h].transpose(1, 2), alpha=scale)  # [B, G*Q, L]
-        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
-        torch.matmul(probs, v[:, :, h], out=o[:, h])  # [B, G*Q, D]
+    # [B * Hkv, G*Q, L]: the same bias for every KV head
+    bias = bias.expand(B, num_kv_heads * group, max_q, L).reshape(B * num_kv_heads, group * max_q, L)
+    # every (sequence, KV head) is one matrix of the batched matmuls: the kept layout is head-major, so [B * Hkv, L, D]
+    # is a view with plain row strides (no copy, and BLAS's batched path, not a loop over matrices)
+    scores = torch.baddbmm(bias, qp.reshape(B * num_kv_heads, group * max_q, head_dim),
+                           k.reshape(B * num_kv_heads, L, head_dim).transpose(1, 2), alpha=scale)
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    o = torch.bmm(probs, v.reshape(B * num_kv_heads, L, head_dim))  # [B * Hkv, G*Q, D]
     o = o.view(B, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4).reshape(B, max_q, num_q_heads,
                                                                                         head_dim)
     out[rows[row_valid]] = o[row_valid].to(out.dtype)
     return out
+
+
+def _head_major(rows: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:
+    """[B, n, block_size * Hkv * D] gathered blocks -> [B, Hkv, n, block_size * D] (a copy)."""
+    B, n = rows.shape[:2]
+    return rows.view(B, n, block_size, num_kv_heads, -1).permute(0, 3, 1, 2, 4).reshape(B, num_kv_heads, n, -1)
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -152,30 +159,23 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 @dataclass
 class GatheredContext:
     """One layer's K/V context of a batch, gathered by paged_attention_batched and kept in its context_cache for
-    the next forward of the same engine step. Room for one block more than gathered, so that the decode steps'
-    new positions fit without a new buffer."""
+    the next forward of the same engine step. Head-major (one [positions, D] matrix per sequence and KV head, what
+    the batched matmuls read without a copy; the gather transposes once). Room for one block more than gathered, so
+    that the decode steps' new positions fit without a new buffer."""
     blocks: torch.Tensor  # [B, n] int64: the block ids gathered (0 for table entries a sequence did not own)
-    k: torch.Tensor  # [B, (n + 1) * block_size, Hkv, D] float32: positions [0, fresh_len) equal the paged cache
+    k: torch.Tensor  # [B, Hkv, (n + 1) * block_size, D] float32: positions [0, fresh_len) equal the paged cache
     v: torch.Tensor
     fresh_len: torch.Tensor  # [B] int64: the context length at the last call
 
     @classmethod
     def gather(cls, k_cache, v_cache, blocks: torch.Tensor, ctx: torch.Tensor, block_size: int) -> "GatheredContext":
         B, n = blocks.shape
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        # the spare column gathers block 0 too: one gather straight into the buffer (its content is masked until the
-        # column is re-gathered for positions of its own)
+        # the spare column gathers block 0 too (its content is masked until it is re-gathered for positions of its own)
         with_spare = torch.cat([blocks, blocks.new_zeros(B, 1)], 1)
-        if k_cache.dtype == torch.float32:
-            row = block_size * num_kv_heads * head_dim
-            k = torch.empty(B, n + 1, row, device=k_cache.device)
-            v = torch.empty_like(k)
-            torch.index_select(k_cache.reshape(k_cache.shape[0], -1), 0, with_spare.reshape(-1), out=k.view(-1, row))
-            torch.index_select(v_cache.reshape(v_cache.shape[0], -1), 0, with_spare.reshape(-1), out=v.view(-1, row))
-        else:
-            k, v = _gather_blocks(k_cache, with_spare), _gather_blocks(v_cache, with_spare)
-        shape = (B, (n + 1) * block_size, num_kv_heads, head_dim)
-        return cls(blocks=blocks, k=k.view(shape), v=v.view(shape), fresh_len=ctx.clone())
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k, v = (_head_major(_gather_blocks(c, with_spare), block_size, num_kv_heads) for c in (k_cache, v_cache))
+        shape = (B, num_kv_heads, (n + 1) * block_size, head_dim)
+        return cls(blocks=blocks, k=k.reshape(shape), v=v.reshape(shape), fresh_len=ctx.clone())
 
     def refresh(self, k_cache, v_cache, blocks: torch.Tensor, ctx: torch.Tensor, block_size: int) -> bool:
         """Bring the copy up to the contexts ctx [B] of blocks [B, n] (this call's tables), re-gathering only the
@@ -183,7 +183,7 @@ class GatheredContext:
         shorter context, more blocks than the buffer holds, or a block of the known positions that moved."""
         B, n = blocks.shape
         n_kept = self.blocks.shape[1]
-        capacity = self.k.shape[1] // block_size
+        capacity = self.k.shape[2] // block_size
         if B != self.blocks.shape[0] or n > capacity or bool((ctx < self.fresh_len).any()):
             return False
         known_blocks = -(-self.fresh_len // block_size)  # [B] blocks holding the known positions
@@ -197,10 +197,11 @@ class GatheredContext:
         if count > 0:
             cols = (first[:, None] + torch.arange(count)[None, :]).clamp(max=n - 1)  # [B, count] (repeats: same data)
             ids = blocks.gather(1, cols)
-            row = self.k.shape[2] * self.k.shape[3] * block_size
-            index = cols[:, :, None].expand(B, count, row)
-            self.k.view(B, capacity, row).scatter_(1, index, _gather_blocks(k_cache, ids))
-            self.v.view(B, capacity, row).scatter_(1, index, _gather_blocks(v_cache, ids))
+            num_kv_heads, row = self.k.shape[1], block_size * self.k.shape[3]
+            index = cols[:, None, :, None].expand(B, num_kv_heads, count, row)
+            for kept, cache in ((self.k, k_cache), (self.v, v_cache)):
+                kept.view(B, num_kv_heads, capacity, row).scatter_(
+                    2, index, _head_major(_gather_blocks(cache, ids), block_size, num_kv_heads))
         # columns below `first` were checked equal, the rest re-gathered from this call's blocks
         self.blocks = blocks
         self.fresh_len = ctx.clone()

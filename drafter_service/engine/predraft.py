@@ -445,6 +445,8 @@ class Predrafter:
         rerun = torch.repeat_interleave(torch.tensor([not b.pending for b in bases]), rows)  # [T]
         if bool(rerun.any()):
             md.first_step.slot_mapping.masked_fill_(rerun.to(dev, non_blocking=True), ops.PADDING_SLOT_ID)
+        context_cache = {} if dev.type == "cpu" else None  # (CPU attention: the first step's context, kept)
+        md.first_step.context_cache = context_cache
         head_out = model.forward(md.input_ids, model.combine_hidden_states(md.hidden_states), md.first_step,
                                  p.kv_layers)
         for b in bases:  # (written: every later step on this device stream sees these rows' KV)
@@ -466,7 +468,8 @@ class Predrafter:
             for j in range(1, k + 1):
                 pos = C - 1 + j
                 out = model.forward(served_dev[:, j - 1], g[-1],
-                                    self._decode_meta(pos, tables, md.first_step.block_tables), p.kv_layers)
+                                    self._decode_meta(pos, tables, md.first_step.block_tables, context_cache),
+                                    p.kv_layers)
                 g.append(model.next_hidden(out))
                 if flight.launched():
                     return False
@@ -567,16 +570,18 @@ class Predrafter:
         self.counters.branches_prepared += nb
         return True
 
-    def _decode_meta(self, pos: torch.Tensor, tables: torch.Tensor, tables_dev: torch.Tensor) -> AttentionMetadata:
+    def _decode_meta(self, pos: torch.Tensor, tables: torch.Tensor, tables_dev: torch.Tensor,
+                     context_cache: dict | None = None) -> AttentionMetadata:
         """One query row per sequence at positions pos [n] (host int64), block tables [n, w] (host, and on the
-        device)."""
+        device); context_cache: shared by the forwards of one loop over the same rows (the CPU attention keeps the
+        gathered context there)."""
         dev, bs = self.proposer.device, self.proposer.block_size
         n = pos.shape[0]
         slot = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).to(torch.int64) * bs + pos % bs
         return AttentionMetadata(positions=pos.to(dev, non_blocking=True), slot_mapping=slot.to(dev, non_blocking=True),
                                  query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev, non_blocking=True),
                                  seq_lens=(pos + 1).to(torch.int32).to(dev, non_blocking=True), block_tables=tables_dev,
-                                 max_query_len=1)
+                                 max_query_len=1, context_cache=context_cache)
 
     def _branch_decode(self, tok: torch.Tensor, hidden: torch.Tensor, start: torch.Tensor, tables: torch.Tensor,
                        si: torch.Tensor, k: int, sp: SamplingSettings, flight: _InFlight):
@@ -586,9 +591,11 @@ class Predrafter:
         tables_dev = tables.to(torch.int32).to(p.device, non_blocking=True)
         rows = si.tolist()
         samples = []
+        context_cache = {} if p.device.type == "cpu" else None  # (CPU attention: the branches' context, kept)
         for j in range(k):
             pos = start + j
-            out = model.forward(tok, hidden, self._decode_meta(pos, tables.to(torch.int32), tables_dev), p.kv_layers)
+            out = model.forward(tok, hidden, self._decode_meta(pos, tables.to(torch.int32), tables_dev, context_cache),
+                                p.kv_layers)
             sample = p._select(model.compute_logits(out), rows, (pos + 1).tolist(), sp)
             samples.append(sample)
             tok, hidden = sample.tokens, model.next_hidden(out)
