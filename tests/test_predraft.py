@@ -427,3 +427,22 @@ async def test_a_pass_that_raises_leaves_the_step_thread_serving(tiny_model, tmp
         assert out[0].code == 0 and not out[0].predrafted and scheduler._thread.is_alive()
     finally:
         await scheduler.stop()
+
+
+def test_a_pass_keeps_within_the_namespace_share(tiny_model, tmp_path):
+    """A pass extends a sequence's blocks by the forced decode's scratch position: not past its namespace's share of
+    the pool (--namespace-pool-share); such a sequence is left out of the pass, the others are prepared."""
+    head, target = tiny_model
+    rt = build_runtime(make_config(head, target, tmp_path, kv_cache_tokens=1024, namespace_pool_share=0.125))
+    proposer, width = rt.proposer, rt.limits.hidden_states_width
+    table, bs = proposer.table, proposer.block_size
+    limit = table.namespace_block_limit
+    m, k = limit * bs - 4, 5  # p + m + k - 1 positions: exactly the namespace's share; the pass would need one more
+    out = proposer.step([StepInput("full", "s", 0, torch.arange(m), torch.randn(m, width), 3, k,
+                                   predraft_branches=8)])[0]
+    assert out.code == 0 and table.namespace_blocks("full") == limit
+    out = proposer.step([StepInput("roomy", "t", 0, torch.arange(9), torch.randn(9, width), 3, k,
+                                   predraft_branches=8)])[0]
+    assert out.code == 0 and proposer.predraft.prepare(lambda: False)
+    assert table.get("full", "s").predraft.branches is None and table.namespace_blocks("full") == limit
+    assert table.get("roomy", "t").predraft.branches is not None

@@ -373,9 +373,9 @@ class Predrafter:
             if not self._fits(len(seqs)):  # it would delay the next step: prepare nothing this time
                 self.counters.passes_skipped += 1
                 continue
-            # the forced decode's scratch KV reaches position C+k-1; a sequence the pool cannot extend is left out
-            seqs = [seq for seq in seqs if p.table.resize(
-                seq, max(seq.predraft.basis.end + k, len(seq.block_table) * p.block_size))]
+            # the forced decode's scratch KV reaches position C+k-1; a sequence the pool cannot extend, or whose
+            # namespace would pass its share of the pool (--namespace-pool-share), is left out
+            seqs = [seq for seq in seqs if self._extend(seq, seq.predraft.basis.end + k)]
             if not seqs:
                 continue
             t0 = time.perf_counter()
@@ -394,6 +394,15 @@ class Predrafter:
             self.counters.passes += 1
             self._stopped_in_a_row = 0
         return True
+
+    def _extend(self, seq: Sequence, positions: int) -> bool:
+        """Blocks for the sequence's first `positions` positions, within the pool and its namespace's share."""
+        t = self.proposer.table
+        missing = t.blocks_missing(seq, positions)
+        limit = t.namespace_block_limit
+        if missing and limit is not None and t.namespace_blocks(seq.namespace) + missing > limit:
+            return False
+        return t.resize(seq, max(positions, len(seq.block_table) * t.block_size))
 
     def _prepare_group(self, seqs: list[Sequence], k: int, flight: _InFlight) -> bool:
         # (host tensors go to the device with non_blocking=True: a blocking copy synchronizes the stream, and the pass
