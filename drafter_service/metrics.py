@@ -242,8 +242,9 @@ class _StepCollector:
                           "sequences prepared.", pc.passes)
             yield counter("drafter_predraft_passes_stopped", "Pre-drafting passes stopped because a request "
                           "arrived (each makes the next passes back off).", pc.passes_stopped)
-            yield counter("drafter_predraft_passes_skipped", "Pre-drafting passes not started because they were "
-                          "expected to outlast the idle time between steps (the drafter falls back).",
+            yield counter("drafter_predraft_passes_skipped", "Batches of a pre-drafting pass (one per k) not started "
+                          "because they were expected to outlast the idle time between steps (the drafter falls "
+                          "back).",
                           pc.passes_skipped)
             yield counter("drafter_predraft_pass_seconds", "Step-thread seconds spent in pre-drafting passes, "
                           "finished or stopped.", pc.pass_seconds)

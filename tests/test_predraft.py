@@ -398,19 +398,21 @@ async def test_a_channel_gone_during_a_pass_frees_its_sequences_after_it(tiny_mo
 
 
 async def test_a_pass_that_raises_leaves_the_step_thread_serving(tiny_model, tmp_path, monkeypatch):
-    """An exception inside a pass (a device error, a bug) is logged; prepared work is dropped and the sequences go
-    on with plain steps; the step thread keeps answering."""
+    """An exception inside a pass (a device error, a bug) is logged; prepared branches are dropped and the sequences
+    go on with plain steps; the step thread keeps answering."""
     from drafter_service.engine.scheduler import StepScheduler
 
     head, target = tiny_model
     rt = build_runtime(make_config(head, target, tmp_path))
     proposer, width = rt.proposer, rt.limits.hidden_states_width
     pd = proposer.predraft
+    raised = []
 
-    def broken(should_stop):
+    def broken(*args):
+        raised.append(1)
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(pd, "_prepare", broken)
+    monkeypatch.setattr(pd, "_prepare_group", broken)
     scheduler = StepScheduler(proposer, 100000, 256)
     scheduler.start()
     try:
@@ -418,15 +420,52 @@ async def test_a_pass_that_raises_leaves_the_step_thread_serving(tiny_model, tmp
                                                 predraft_branches=8)])
         assert out[0].code == 0
         for _ in range(200):
-            if not pd.has_work():
+            if raised and not pd.has_work():
                 break
             await asyncio.sleep(0.01)
-        assert not pd.has_work() and proposer.table.get(NS, "a").predraft.basis is None
+        assert raised and not pd.has_work() and proposer.table.get(NS, "a").predraft.branches is None
         out = await asyncio.wait_for(scheduler.submit([StepInput(NS, "a", 9, torch.tensor([3]),
                                                                  torch.randn(1, width), 4, 3)]), 30)
         assert out[0].code == 0 and not out[0].predrafted and scheduler._thread.is_alive()
     finally:
         await scheduler.stop()
+
+
+def test_a_hit_stays_right_when_the_next_pass_raises(tiny_model, tmp_path, monkeypatch):
+    """A hit leaves its rows' KV to be written later (by the next pass, or with the next step). When that pass
+    raises, the scheduler's reset() keeps the pending rows: the next plain step still equals the naive reference."""
+    head, target, ref = heads("eagle1", tiny_model, tmp_path)
+    naive = Naive(ref)
+    rt = build_runtime(make_config(head, target, tmp_path))
+    proposer, width = rt.proposer, rt.limits.hidden_states_width
+    pd = proposer.predraft
+    k, g = 3, torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 512, (12,), generator=g).tolist()  # x[0..11]; x[11] the next token
+    hidden = torch.randn(11, width, generator=g)
+    out = proposer.step([StepInput(NS, "s", 0, torch.tensor(tokens[:11]), hidden, tokens[11], k,
+                                   predraft_branches=8)])[0]
+    assert out.code == 0 and pd.prepare(lambda: False)
+    (a, b), _ = next(iter(proposer.table.get(NS, "s").predraft.branches.outcomes.items()))
+    tokens += out.drafts[:a] + [b]  # the engine accepted a drafts, then the bonus b of a prepared branch
+    hidden = torch.cat([hidden, torch.randn(a + 1, width, generator=g)])
+    out = proposer.step([StepInput(NS, "s", 11, torch.tensor(tokens[11 : 12 + a]), hidden[11:], b, k,
+                                   predraft_branches=8)])[0]
+    assert out.code == 0 and out.predrafted and proposer.table.get(NS, "s").predraft.basis.pending
+
+    def broken(*args):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(pd, "_prepare_group", broken)
+    with pytest.raises(RuntimeError):
+        pd.prepare(lambda: False)
+    pd.reset()  # what the scheduler does after a pass raised
+    tokens += out.drafts[:1] + [7]
+    hidden = torch.cat([hidden, torch.randn(2, width, generator=g)])
+    C = len(tokens) - 1
+    out = proposer.step([StepInput(NS, "s", 12 + a, torch.tensor(tokens[12 + a : C]), hidden[12 + a :],
+                                   tokens[C], k)])[0]
+    assert out.code == 0 and not out.predrafted
+    assert out.drafts == naive.drafts(tokens, hidden, [], k, picker(0.0, 0, C))
 
 
 def test_a_pass_keeps_within_the_namespace_share(tiny_model, tmp_path):

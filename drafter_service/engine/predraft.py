@@ -141,7 +141,7 @@ class PredraftCounters:
     branches_prepared: int = 0
     passes: int = 0  # preparation passes that finished, with at least one group of sequences prepared
     passes_stopped: int = 0  # passes stopped by a real request
-    passes_skipped: int = 0  # passes not started: expected to outlast the idle window between steps
+    passes_skipped: int = 0  # batches of a pass (one per k) not started: expected to outlast the idle window
     pass_seconds: float = 0.0  # step-thread time in passes, finished or stopped
     short_forced_passes: int = 0  # groups whose forced pass reused the plain step's features (one row each)
 
@@ -290,13 +290,11 @@ class Predrafter:
         seq.predraft = None
 
     def reset(self) -> None:
-        """After a pass raised: every prepared branch and waiting basis is dropped (the sequences draft plain steps
-        until they ask again), and passes wait for the longest back-off."""
+        """After a pass raised: every prepared branch is dropped and passes wait for the longest back-off. The
+        sequences keep their basis: a pending one (a hit answered, its rows' KV not written yet) must still reach
+        the KV with the sequence's next step (admit prepends it); any other is dropped at that step."""
         for seq in list(self._with_branches.values()):
             self._free_branches(seq)
-        for seq in self._waiting.values():
-            if seq.predraft is not None:
-                seq.predraft.basis = None
         self._waiting.clear()
         self._skip_steps = 2 ** MAX_BACKOFF_EXPONENT
 
