@@ -315,12 +315,16 @@ def held_tokens(address: str) -> int:
 
 
 def logged_errors(drafter) -> list[str]:
-    """The drafter's ERROR log lines with what follows each (its traceback), from the log of its current process."""
+    """The drafter's ERROR / CRITICAL log lines and uncaught exceptions (a thread's traceback on stderr, which goes
+    to the same log), each with what follows it, from the log of its current process."""
     try:
         lines = drafter.log_path.read_text(errors="replace").splitlines()
     except OSError:
         return []
-    return ["\n".join(lines[i : i + 30]) for i, line in enumerate(lines) if " ERROR " in line or "[ERROR]" in line]
+    marks = (" ERROR ", " CRITICAL ", "Exception in thread", "Traceback (most recent call last)")
+    starts = [i for i, line in enumerate(lines) if any(m in line for m in marks)]
+    # (a logged error's own traceback follows it: one entry per block)
+    return ["\n".join(lines[i : i + 30]) for n, i in enumerate(starts) if n == 0 or i - starts[n - 1] > 30]
 
 
 def percentile(values: list[float], q: float) -> float:
