@@ -238,13 +238,13 @@ class DrafterClient:
         """One engine step for a batch given as columns (drafter_client.batch.StepBatch), answered as columns
         (BatchDrafts): the same deadline, fallback and circuit breaker as propose(), without a Python object per
         sequence. From COLUMNS_MIN_SEQUENCES (32) sequences, to a drafter with GetInfo.step_columns_supported, the
-        request goes as columns (asked once per client, within the step's deadline); else as per-sequence messages;
+        request goes as columns (asked once, again after a fault, within the step's deadline); else as messages;
         large inline states by ProposeChunked. batch.hidden_states may be a SharedTensorRef into a region the
         caller registered; with enable_shared_memory a tensor goes through the ring."""
         ids = batch.sequence_ids
         states = batch.hidden_states
         # (below COLUMNS_MIN_SEQUENCES the per-sequence messages cost the host less: benchmarks/bench_request_codec.py)
-        # one deadline for the step: a first GetInfo (asked once per client) comes out of the step's time
+        # one deadline for the step: a first GetInfo (asked once, and again after a fault) comes out of the step's time
         timeout = self._step_timeout(timeout)
         deadline = time.monotonic() + timeout if timeout is not None else None
         columns = len(batch) >= COLUMNS_MIN_SEQUENCES and await self._columns_supported(timeout)
@@ -257,8 +257,9 @@ class DrafterClient:
             timeout)
 
     async def _columns_supported(self, timeout: float | None) -> bool:
-        """Whether the drafter takes columnar requests (GetInfo.step_columns_supported), asked once; while it cannot be
-        asked (the drafter is down), batches go as per-sequence messages, which every drafter takes."""
+        """Whether the drafter takes columnar requests (GetInfo.step_columns_supported), asked once and again after a
+        fault (the drafter may come back as another version, a rollback); while it cannot be asked (the drafter is
+        down), batches go as per-sequence messages, which every drafter takes."""
         if self._step_columns is None:
             if self.breaker.state != "closed":  # (a sick drafter: no extra call before the step's own)
                 return False
@@ -352,6 +353,8 @@ class DrafterClient:
             self._answered()
             raise e
         reason = f"{e.code.name}: {e.message}"
+        # the drafter may come back as another version (a rollback): ask again whether it takes columnar requests
+        self._step_columns = None
         backoff = self.breaker.failure(reason)
         log.warning("the drafter at %s failed a call (%s): no drafts for %.2f s, then a probe (%d failures in a row)",
                     self.target, reason, backoff, self.breaker.failures)

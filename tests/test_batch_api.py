@@ -166,3 +166,26 @@ async def test_the_first_batch_asks_get_info_within_the_step_deadline(tmp_path, 
         monkeypatch.setattr(c, "_send_step", send_step)
         r = await c.propose_batch(as_batch(steps))
     assert r.fallback and len(given) == 1 and given[0] <= 0.5 - 0.3, given
+
+
+async def test_a_failed_drafter_is_asked_again_whether_it_takes_columns(tmp_path, monkeypatch):
+    """After a fault (the drafter down, maybe replaced by another version: a rollback), the next columnar-size batch
+    asks GetInfo again instead of trusting the answer of the drafter before."""
+    from drafter_client import DrafterError
+    from drafter_client.client import COLUMNS_MIN_SEQUENCES
+
+    steps = [SequenceStep(f"s{i}", 0, [1], torch.randn(1, H), 2, 2) for i in range(COLUMNS_MIN_SEQUENCES)]
+    async with DrafterClient(f"unix:{tmp_path / 'none.sock'}", namespace="x", step_timeout_s=0.5) as c:
+        asked = []
+
+        async def get_info(timeout=None):
+            asked.append(1)
+            return pb.GetInfoResponse(step_columns_supported=True)
+
+        async def send_step(payload, timeout):
+            raise DrafterError(grpc.StatusCode.UNAVAILABLE, "down")
+
+        monkeypatch.setattr(c, "get_info", get_info)
+        monkeypatch.setattr(c, "_send_step", send_step)
+        assert (await c.propose_batch(as_batch(steps))).fallback and len(asked) == 1
+        assert c._step_columns is None  # forgotten with the fault: the batch after the breaker's probe asks again
