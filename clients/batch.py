@@ -7,8 +7,8 @@ sequence is built on the client's side of the call: from COLUMNS_MIN_SEQUENCES (
 takes columnar requests (GetInfo.step_columns_supported), the request carries the columns as tensors
 (ProposeRequest.columns) and the reply the results as tensors (ProposeResponse.result_columns); below that, or with
 an older drafter, the protocol's per-sequence messages are written from the columns in one pass. Inline states of
-chunk_min_bytes (2 MiB) or more go by ProposeChunked either way. ``propose(list[SequenceStep])`` is the per-sequence convenience over the same
-request.
+chunk_min_bytes (2 MiB) or more go by ProposeChunked either way. ``propose(list[SequenceStep])`` is the per-sequence
+convenience over the same request.
 """
 from dataclasses import dataclass, field
 

@@ -1,6 +1,10 @@
 """Server configuration: one dataclass, filled by the CLI (cli.py) or directly by tests and benchmarks."""
 from dataclasses import dataclass, field
 
+# --first-step-graph-tokens at most: one first-step CUDA graph per (padded batch size, m) is captured at start-up,
+# so the graphs and their memory pool stay bounded (engine/cuda_graphs.py)
+MAX_FIRST_STEP_GRAPH_TOKENS = 16
+
 
 @dataclass
 class ServerConfig:
@@ -87,9 +91,10 @@ class ServerConfig:
             raise ValueError("max_draft_tokens must be >= 1")
         if self.cpu_threads < 0:
             raise ValueError("cpu_threads must be >= 0 (0: torch's default)")
-        if not 0 <= self.first_step_graph_tokens <= 16:  # (cuda_graphs.MAX_FIRST_STEP_GRAPH_TOKENS)
-            raise ValueError(f"first_step_graph_tokens must be in [0, 16] (got {self.first_step_graph_tokens}): one "
-                             "first-step CUDA graph per padded batch size and m is captured at start-up")
+        if not 0 <= self.first_step_graph_tokens <= MAX_FIRST_STEP_GRAPH_TOKENS:
+            raise ValueError(f"first_step_graph_tokens must be in [0, {MAX_FIRST_STEP_GRAPH_TOKENS}] (got "
+                             f"{self.first_step_graph_tokens}): one first-step CUDA graph per padded batch size and "
+                             "m is captured at start-up")
         if not self.listen:
             raise ValueError("at least one --listen address is needed")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:

@@ -74,8 +74,9 @@ def paged_attention_batched(
     G query heads per KV head), so that two batched matmuls over the B * Hkv (sequence, KV head) pairs do the whole
     batch; padding is masked out. The head-major copy costs a transpose at the gather (an earlier version read
     strided [B, L, D] views of a token-major copy instead: torch's CPU bmm then loops over the matrices one by one);
-    with a context_cache the gather happens once per engine step. When padding would more than double the work of the per-sequence loop (a long prefill beside short decodes),
-    and for one sequence (fewer ops), the loop runs instead.
+    with a context_cache the gather happens once per engine step. When padding would more than double the work of
+    the per-sequence loop (a long prefill beside short decodes), and for one sequence (fewer ops), the loop runs
+    instead.
     context_cache: a dict the caller keeps for the forwards of one engine step (the first draft step and its decode
     steps, where the same sequences' contexts only grow): the gathered copy is kept there per layer (GatheredContext,
     keyed by the layer's cache) and a later call re-gathers only the blocks written since, instead of the whole

@@ -463,10 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=2))
     print(f"\nsoak {a.duration_s:.0f} s, {a.engines} engines x {a.sequences} sequences, {result['date']}")
     for key in ("engines_reporting", "engines_crashed", "columnar_engines", "faults", "connections_cut", "steps",
-                "steps_with_drafts",
-                "fallback_steps", "resyncs", "checked", "predrafted", "mismatches", "drafter_errors", "late_steps", "leaked_kv_tokens", "step_ms_p50", "step_ms_p99",
-                "fallback_step_ms_p50", "fallback_step_ms_p99",
-                "drafter_rss_mib_start", "drafter_rss_mib_end"):
+                "steps_with_drafts", "fallback_steps", "resyncs", "checked", "predrafted", "mismatches",
+                "drafter_errors", "late_steps", "leaked_kv_tokens", "step_ms_p50", "step_ms_p99",
+                "fallback_step_ms_p50", "fallback_step_ms_p99", "drafter_rss_mib_start", "drafter_rss_mib_end"):
         v = result[key]
         print(f"  {key:22s} {v:.2f}" if isinstance(v, float) else f"  {key:22s} {v}")
     for r in sorted(reports, key=lambda r: r["index"]):

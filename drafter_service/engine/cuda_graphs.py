@@ -71,7 +71,6 @@ log = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 256  # larger batches run the eager decode loop
 MAX_FIRST_STEP_GRAPH_BATCH = MAX_GRAPH_BATCH  # batches of more sequences run the first step eagerly
-MAX_FIRST_STEP_GRAPH_TOKENS = 16  # --first-step-graph-tokens at most: graphs (sizes x m) and their pool stay bounded
 FIRST_STEP_SMALL_ROWS = 256  # padded first steps of up to this many rows replay a graph whatever their padding
 
 
@@ -255,8 +254,8 @@ class DecodeGraphs:
             self.steps_left, self.query_start_loc, self.draft_ids, self.fs_input_ids, self.fs_hidden,
             self.fs_positions, self.fs_slots, self.drafts_out, self.hidden_steps))
         log.info("captured %d decode CUDA graphs (batch sizes %s) and %d first-step graphs (batches of up to "
-                 "%d sequences with up to 1..%d tokens each) in %.2f s; they hold %.1f MiB of device memory (graph pool, "
-                 "kernels, workspaces), plus %.1f MiB of static buffers", len(self.graphs),
+                 "%d sequences with up to 1..%d tokens each) in %.2f s; they hold %.1f MiB of device memory "
+                 "(graph pool, kernels, workspaces), plus %.1f MiB of static buffers", len(self.graphs),
                  ",".join(map(str, self.sizes)), len(self.first_graphs), self.first_sizes[-1] if self.first_sizes else 0,
                  self.first_step_tokens, self.capture_seconds, self.capture_bytes / 2**20, buffer_bytes / 2**20)
 

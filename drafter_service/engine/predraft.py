@@ -415,7 +415,8 @@ class Predrafter:
         sp = SamplingSettings(
             temperature=torch.tensor(temperature, dtype=torch.float32).to(dev, non_blocking=True),
             seed=torch.tensor([seed_to_int64(x) for x in seed], dtype=torch.int64).to(dev, non_blocking=True),
-            top_k=torch.tensor(top_k, dtype=torch.int64).to(dev, non_blocking=True), want_logprobs=any(logprobs), greedy_only=greedy)
+            top_k=torch.tensor(top_k, dtype=torch.int64).to(dev, non_blocking=True), want_logprobs=any(logprobs),
+            greedy_only=greedy)
         # the branches of one pass fit the largest decode graph (MAX_GRAPH_BATCH rows), so that the branch pass
         # replays graphs: at large batches each sequence gets fewer branches
         graphs = p.decode_graphs
@@ -431,8 +432,8 @@ class Predrafter:
             w = max(len(seq.block_table) for seq in seqs)
             tables = p.table.block_tables.gather([seq.table_row for seq in seqs], w)  # [n, w] int32
             kept = torch.stack([b.features for b in bases])  # [n, k, H]
-            out = model.forward(served_dev[:, k - 1], kept[:, k - 1], self._decode_meta(C - 1 + k, tables,
-                                                                                       tables.to(dev, non_blocking=True)), p.kv_layers)
+            meta = self._decode_meta(C - 1 + k, tables, tables.to(dev, non_blocking=True))
+            out = model.forward(served_dev[:, k - 1], kept[:, k - 1], meta, p.kv_layers)
             for b in bases:
                 b.features = None  # (used: a retry after a stop runs the full pass)
             self.counters.short_forced_passes += 1
@@ -543,11 +544,12 @@ class Predrafter:
             # ---- branch pass: k rows each, from (b, g_a) at position C+a ----
             hidden0 = feats[si.to(dev, non_blocking=True), aa.to(dev, non_blocking=True)]  # [nb, H]
             if greedy and graphs is not None and graphs.fits(nb, k):
-                tokens = graphs.run_rows(bonus.to(dev, non_blocking=True), hidden0, start - 1, branch_tables.to(torch.int32), k,
-                                         between=flight.launched)
+                tokens = graphs.run_rows(bonus.to(dev, non_blocking=True), hidden0, start - 1,
+                                         branch_tables.to(torch.int32), k, between=flight.launched)
                 result = None if tokens is None else (tokens, None, None, None)
             else:
-                result = self._branch_decode(bonus.to(dev, non_blocking=True), hidden0, start, branch_tables, si, k, sp, flight)
+                result = self._branch_decode(bonus.to(dev, non_blocking=True), hidden0, start, branch_tables, si, k,
+                                             sp, flight)
         finally:
             # the branches' drafts are on the host now (or the pass stopped): their blocks go back to the pool (later
             # work on the device stream comes after the pass's, so a step that takes them overwrites them in order)
