@@ -112,8 +112,11 @@ def build_runtime(cfg: ServerConfig) -> Runtime:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
-    elif cfg.cpu_threads:  # (process-wide: the step thread's ops use torch's intra-op pool)
-        torch.set_num_threads(cfg.cpu_threads)
+    # (process-wide: the step thread's ops use torch's intra-op pool.) On CUDA the host side of a step is small
+    # tensors (step metadata, block tables): one thread, unless asked, since a CPU op that wakes a pool of one thread
+    # per core costs milliseconds in a VM (torch.repeat_interleave took 1-2 ms per call with 16 on an H100 VM).
+    if cfg.cpu_threads or device.type == "cuda":
+        torch.set_num_threads(cfg.cpu_threads or 1)
     import json
     import pathlib
 

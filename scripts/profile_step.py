@@ -27,6 +27,8 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--m", type=int, default=3)
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--cpu-threads", type=int, default=0, help="torch threads for the host side (0: the server's "
+                    "default on CUDA, 1)")
     ap.add_argument("--host-profile", action="store_true",
                     help="also run cProfile over 10 steps and print the python functions by own time (host work)")
     a = ap.parse_args()
@@ -36,7 +38,7 @@ def main() -> int:
         cfg = ServerConfig(model=str(head), target_model=str(target), device="cuda", dtype="bfloat16",
                            kv_cache_tokens=max(200_000, 300 * (a.context + 64)),  # 256 sequences fit
                            max_model_len=a.context + 64, max_batch_seqs=512,
-                           cuda_graphs=not a.no_cuda_graphs)
+                           cuda_graphs=not a.no_cuda_graphs, cpu_threads=a.cpu_threads)
         rt = build_runtime(cfg)
         width = rt.limits.hidden_states_width
         for batch in [int(x) for x in a.batches.split(",")]:
@@ -58,7 +60,7 @@ def main() -> int:
                     rt.proposer.step(inputs)
             events = prof.key_averages()
             gpu_total = sum(e.self_device_time_total for e in events) / 5 / 1e3  # ms per step
-            print(f"\n=== batch {batch}: wall {wall * 1e3:.2f} ms/step, GPU kernel time {gpu_total:.2f} ms/step, "
+            print(f"\n=== batch {batch} ({torch.get_num_threads()} host threads): wall {wall * 1e3:.2f} ms/step, GPU kernel time {gpu_total:.2f} ms/step, "
                   f"idle GPU {wall * 1e3 - gpu_total:.2f} ms ===")
             print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
             if a.host_profile:

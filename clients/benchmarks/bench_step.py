@@ -183,8 +183,10 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
     server-side part of those, the median per step on one ProposeStream (client.stream()), the median per step
     through a shared-memory step channel (client.open_step_channel(); None where it cannot be opened), and (device
     a GPU) the median per step through the channel with the hidden states on that GPU, passed by CUDA IPC
-    reference (enable_shared_memory(kind="cuda"): the engine's copy into a slot, then a descriptor)."""
+    reference (enable_shared_memory(kind="cuda"): the engine's copy into a slot, then a descriptor), and the median
+    per step through the channel with the batch API (propose_batch(StepBatch): columns in, columns out)."""
     from drafter_client import DrafterClient
+    from drafter_client.batch import StepBatch
     from drafter_client.messages import build_request
 
     prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
@@ -212,7 +214,7 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
                 r = await session.recv()
                 stream_times.append(time.perf_counter() - t0)
                 assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
-        channel_times, channel_parts, channel_ipc_times = [], None, []
+        channel_times, channel_parts, channel_ipc_times, channel_batch_times = [], None, [], []
         # the request area must hold a whole step (EAGLE-3 at batch 256: 3 x 4096 bf16 columns x 768 rows > 16 MiB)
         request_bytes = max(16 * 2**20, 2 * build_request("bench", decode, None).ByteSize())
         if await c.open_step_channel(request_bytes=request_bytes):
@@ -227,6 +229,18 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
                 after = scrape_server_seconds(metrics_port)
                 channel_parts = {key: (after[key] - before[key]) / iters for key in after}
             assert c.steps_through_channel == iters + 3, "every step should have gone through the channel"
+            # the same step as an engine that keeps its batch as tensors sends it (columns from 32 sequences)
+            as_batch = StepBatch([s.sequence_id for s in decode], torch.tensor([s.start_position for s in decode]),
+                                 torch.tensor([len(s.token_ids) for s in decode]),
+                                 torch.cat([torch.as_tensor(s.token_ids) for s in decode]),
+                                 torch.cat([s.hidden_states for s in decode]),
+                                 torch.tensor([s.next_token for s in decode]), k)
+            for i in range(iters + 3):
+                t0 = time.perf_counter()
+                r = await c.propose_batch(as_batch)
+                channel_batch_times.append(time.perf_counter() - t0)
+                assert not r.fallback and int(r.codes.abs().sum()) == 0 and bool((r.num_drafts == k).all())
+            assert c.steps_through_channel == 2 * (iters + 3), "every step should have gone through the channel"
             if device is not None and device.type == "cuda":
                 on_gpu = [dataclasses.replace(s, hidden_states=s.hidden_states.to(device)) for s in decode]
                 plane = await c.enable_shared_memory(batch * m, dtype=torch.bfloat16, kind="cuda", device=device)
@@ -243,8 +257,9 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
     med = {key: statistics.median(p[key] for p in parts[3:]) for key in parts[0]} if parts else None
     t_channel = statistics.median(channel_times[3:]) if channel_times else None
     t_channel_ipc = statistics.median(channel_ipc_times[3:]) if channel_ipc_times else None
+    t_channel_batch = statistics.median(channel_batch_times[3:]) if channel_batch_times else None
     return (statistics.median(times[3:]), med, statistics.median(stream_times[3:]), t_channel, channel_parts,
-            t_channel_ipc)
+            t_channel_ipc, t_channel_batch)
 
 
 def prefill_step(tokens: int, width: int, vocab: int, sequence_id: str = "prefill"):
@@ -380,7 +395,7 @@ def main() -> int:
         try:
             for row in rows:
                 b = row["batch"]
-                t, parts, t_stream, t_channel, ch_parts, t_ipc = asyncio.run(bench_sidecar(
+                t, parts, t_stream, t_channel, ch_parts, t_ipc, t_batch = asyncio.run(bench_sidecar(
                     f"unix:{sock}", b, context, a.m, a.k, a.iters, width, shape["vocab_size"], a.metrics_port, device))
                 # server side: the proposer step alone (worker), and the Propose handler by phase; what the
                 # client sees beyond parse + wait + reply is gRPC transport plus the client's own packing/parsing
@@ -395,6 +410,9 @@ def main() -> int:
                 if t_channel is not None:
                     row.update(sidecar_channel_ms=t_channel * 1e3,
                                channel_over_in_process=t_channel * 1e3 / row["in_process_ms"])
+                if t_batch is not None:
+                    row.update(sidecar_channel_batch_api_ms=t_batch * 1e3,
+                               channel_batch_api_over_in_process=t_batch * 1e3 / row["in_process_ms"])
                 if t_ipc is not None:
                     row.update(sidecar_channel_cuda_ipc_ms=t_ipc * 1e3,
                                channel_cuda_ipc_over_in_process=t_ipc * 1e3 / row["in_process_ms"])
@@ -406,7 +424,8 @@ def main() -> int:
                           f"{ch_parts['parse'] * 1e3:.3f}, wait {ch_parts['wait'] * 1e3:.3f}, reply "
                           f"{ch_parts['reply'] * 1e3:.3f}", flush=True)
                 print(f"sidecar batch {b}: {t * 1e3:.2f} ms (on one stream: {t_stream * 1e3:.2f} ms, through a step "
-                      f"channel: {t_channel * 1e3 if t_channel else float('nan'):.2f} ms, channel + CUDA IPC: "
+                      f"channel: {t_channel * 1e3 if t_channel else float('nan'):.2f} ms, batch API through it: "
+                      f"{t_batch * 1e3 if t_batch else float('nan'):.2f} ms, channel + CUDA IPC: "
                       f"{t_ipc * 1e3 if t_ipc else float('nan'):.2f} ms)", flush=True)
             if prefill:
                 t = asyncio.run(bench_prefill_sidecar(f"unix:{sock}", a.prefill_tokens, a.iters, width,
@@ -424,7 +443,7 @@ def main() -> int:
                   command=" ".join(shlex.quote(x) for x in sys.argv), drafter_flags=a.drafter_flag, preset=a.preset,
                   shape=shape, dtype=dtype, context=context, m=a.m, k=a.k, iters=a.iters,
                   cuda_graphs=a.cuda_graphs and device.type == "cuda", bandwidth_gbps=bw / 1e9, rows=rows,
-                  cpu_threads=torch.get_num_threads() if device.type == "cpu" else None,
+                  cpu_threads=torch.get_num_threads(),  # host threads of the in-process proposer
                   prefill=prefill)
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -432,7 +451,7 @@ def main() -> int:
     print(f"\n{result['device']}, {a.preset}, {dtype}, context {context}, m={a.m}, k={a.k}, {result['date']}")
     ab = all("in_process_eager_ms" in r for r in rows)
     print(f"{'batch':>5} {'in-proc ms':>11} {'sidecar ms':>11} {'side/in':>8} {'stream ms':>10} {'channel ms':>10} "
-          f"{'chan/in':>8} {'ch+IPC ms':>10} {'floor ms':>9} {'in/floor':>9} "
+          f"{'chan/in':>8} {'batch ms':>9} {'bat/in':>7} {'ch+IPC ms':>10} {'floor ms':>9} {'in/floor':>9} "
           f"{'payload KB':>11} {'srv worker':>10} {'ch worker':>9} {'chw/in':>7} {'srv parse':>9} {'srv wait':>9} "
           f"{'srv reply':>9} {'transport':>9}"
           + (f" {'eager ms':>9}" if ab else ""))
@@ -440,6 +459,8 @@ def main() -> int:
         print(f"{r['batch']:>5} {r['in_process_ms']:>11.2f} {r['sidecar_ms']:>11.2f} "
               f"{r['sidecar_over_in_process']:>8.2f} {r['sidecar_stream_ms']:>10.2f} "
               f"{r.get('sidecar_channel_ms', float('nan')):>10.2f} {r.get('channel_over_in_process', float('nan')):>8.2f} "
+              f"{r.get('sidecar_channel_batch_api_ms', float('nan')):>9.2f} "
+              f"{r.get('channel_batch_api_over_in_process', float('nan')):>7.2f} "
               f"{r.get('sidecar_channel_cuda_ipc_ms', float('nan')):>10.2f} {r['floor_ms']:>9.3f} "
               f"{r['in_process_over_floor']:>9.2f} "
               f"{r['payload_bytes'] / 1024:>11.1f} {r['sidecar_worker_ms']:>10.2f} "
