@@ -3,6 +3,7 @@
 The chunked path gives the same drafts as one message; malformed chunk streams get a status naming the problem;
 the staging limits and the upload time limit hold, and leave the server and other clients unharmed."""
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -314,3 +315,21 @@ def test_num_tokens_that_overflow_int64_are_refused_by_name(num_tokens):
         with pytest.raises(RequestError) as e:
             staging_tensor(req, limits)
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "committed tokens" in e.value.message
+
+
+async def test_a_refused_upload_reports_its_status_while_the_client_still_writes(tiny_model, tmp_path):
+    """The server refuses an upload at its first chunk while the client is still writing the rest. grpcio's asyncio
+    client reports a write that fails after the server's answer as INTERNAL "Internal error from Core" in place of
+    that answer (grpc/grpc#36066); the server reads what is left of a refused upload first, so that every refusal
+    arrives with its own code and message."""
+    head, target = tiny_model
+    cfg = make_config(head, target, tmp_path, max_chunked_bytes_per_namespace=NBYTES // 2)
+    with ServerThread(cfg) as srv:
+        big = prefill("big", rows=8000)  # 2 MB of states, in 125 chunks of 16 KiB: more than flow control lets out
+        async with DrafterClient(srv.tcp, namespace="a", chunk_min_bytes=0, chunk_bytes=16384) as a:
+            for i in range(20):
+                with pytest.raises(DrafterError) as e:
+                    await a.propose([dataclasses.replace(big, sequence_id=f"s{i}")])
+                assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, (i, e.value)
+                assert "--max-chunked-bytes-per-namespace" in e.value.message
+            assert srv.server.servicer.staging.in_flight == 0

@@ -12,6 +12,7 @@ the staging tensor is sized by the checked header (so at most max_request_tokens
 bytes of all uploads in flight are capped per namespace and for the server (StagingBudget), chunks must come in
 order without gaps or overlaps and add up to exactly the tensor's size, and an upload has a time limit.
 """
+import asyncio
 from dataclasses import dataclass
 
 import grpc
@@ -20,6 +21,10 @@ import torch
 from drafter_client.protocol import pb
 from drafter_client.protocol.wire import TORCH_DTYPE, dtype_name
 from drafter_service.transport.validation import HIDDEN_DTYPES, Limits, RequestError, committed_rows, invalid
+
+# What the server reads of a refused upload before it answers (drain_refused): at most this much, for at most this long
+DRAIN_MAX_BYTES = 64 * 2**20
+DRAIN_MAX_S = 2.0
 
 # ProposeChunk's fields (proto/drafter/v1/drafter.proto)
 _REQUEST, _OFFSET, _DATA = 1, 2, 3
@@ -199,3 +204,21 @@ def first_chunk_error(chunk: "Chunk | None") -> "RequestError | None":
         return invalid(f"chunk 0 starts at byte {chunk.offset} of hidden_states; expected 0")
     return None
 
+
+
+async def drain_refused(chunks, max_bytes: int = DRAIN_MAX_BYTES, max_s: float = DRAIN_MAX_S) -> bool:
+    """Read and drop what is left of a refused upload, until the client half-closes (True) or max_bytes / max_s run
+    out (False: the answer goes now). A server that answers a client stream while the client still writes races
+    those writes, and grpcio's asyncio client then reports INTERNAL "Internal error from Core" in place of the
+    server's status (grpc/grpc#36066), which a client takes for a drafter fault; answered after the last chunk, the
+    refusal arrives with its own code and message. Nothing read is kept (chunk data are views of the message)."""
+    seen = 0
+    try:
+        async with asyncio.timeout(max_s):
+            async for chunk in chunks:
+                seen += len(chunk.data)
+                if seen > max_bytes:
+                    return False
+    except TimeoutError:
+        return False
+    return True

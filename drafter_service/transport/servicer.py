@@ -14,7 +14,7 @@ from drafter_service import __version__
 from drafter_client.protocol import pb, pb_grpc
 from drafter_service.runtime import Runtime
 from drafter_service.engine.scheduler import StepScheduler
-from drafter_service.transport.chunked import (StagingBudget, first_chunk_error, receive_states,
+from drafter_service.transport.chunked import (StagingBudget, drain_refused, first_chunk_error, receive_states,
                                                staging_tensor)
 from drafter_service.transport.shm_regions import RegionTable, ShmSettings
 from drafter_service.engine.step_io import StepInput, StepOutput
@@ -260,9 +260,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         """One step whose hidden states come in chunks (transport/chunked.py). ``chunks`` yields chunked.Chunk:
         server.py registers this method with chunked.parse_chunk as its deserializer."""
         await self._ready(context)
+        chunks = aiter(chunks)  # (the upload's, then drain_refused's)
         try:
             return await self._propose_chunked(chunks, context.invocation_metadata())
         except RequestError as e:
+            if e.code != grpc.StatusCode.DEADLINE_EXCEEDED:  # (a stalled upload is not waited for again)
+                await drain_refused(chunks)
             await self._fail(context, e)
 
     async def _propose_chunked(self, chunks, metadata) -> "pb.ProposeResponse":
