@@ -60,7 +60,8 @@ def main() -> int:
                     rt.proposer.step(inputs)
             events = prof.key_averages()
             gpu_total = sum(e.self_device_time_total for e in events) / 5 / 1e3  # ms per step
-            print(f"\n=== batch {batch} ({torch.get_num_threads()} host threads): wall {wall * 1e3:.2f} ms/step, GPU kernel time {gpu_total:.2f} ms/step, "
+            print(f"\n=== batch {batch} ({torch.get_num_threads()} host threads): wall {wall * 1e3:.2f} ms/step, "
+                  f"GPU kernel time {gpu_total:.2f} ms/step, "
                   f"idle GPU {wall * 1e3 - gpu_total:.2f} ms ===")
             print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
             if a.host_profile:

@@ -137,10 +137,13 @@ def run_batch(rt, B: int, context: int, k: int, budget: int, iters: int, seed: i
         name + "_spread": [min(v) * 1e3, max(v) * 1e3] for name, v in times.items()}
 
 
-def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, verify_ms: float, seed: int) -> dict:
+def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, verify_ms: float, seed: int,
+                warmup: int = 20) -> dict:
     """The engine's wait for drafts through a step channel (plain, hit, miss), the drafter in a thread of this
     process (so that the benchmark can pick prepared outcomes from its proposer; the GIL is shared, so the waits are
-    if anything too long). Between two steps the engine "verifies" for verify_ms (a sleep): the pass runs then."""
+    if anything too long). Between two steps the engine "verifies" for verify_ms (a sleep): the pass runs then. Each
+    phase times iters steps after `warmup` (the drafter's averages of the idle window and of the pass time settle;
+    a first pass that compiles kernels is measured again after PROBE_AFTER_SKIPS skipped ones, predraft.py)."""
     import asyncio
     import threading
 
@@ -216,7 +219,7 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
             server_step = {"plain": [], "predraft": []}
             kinds = {"hit": [], "miss": [], "busy": []}
             for phase, f in (("plain", 0), ("predraft", budget)):
-                for i in range(iters + 2):
+                for i in range(iters + warmup):
                     await asyncio.sleep(verify_ms / 1e3)
                     hits = {}
                     for sid in ids:
@@ -227,7 +230,7 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
                     kind = "hit" if len(hits) == B else "busy" if proposer.predraft._waiting else "miss"
                     dt, res = await send(make(hits if kind == "hit" else unprepared(), f))
                     assert all(r.predrafted for r in res.sequences) == (kind == "hit")
-                    if i >= 2:
+                    if i >= warmup:
                         waits[phase].append(dt)
                         server_step[phase].append(step_s[-1])
                         if f:
@@ -261,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-k", type=int, default=5)
     ap.add_argument("--context", type=int, default=None)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=20, help="steps before the timed ones in each sidecar phase")
     ap.add_argument("--verify-ms", type=float, default=12.0,
                     help="the engine's verification time to compare the pass with (e.g. an 8B target at batch 1)")
     ap.add_argument("--sidecar", action=argparse.BooleanOptionalAction, default=True,
@@ -272,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in a.batches.split(",")]
     device = torch.device(a.device)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    max_len = context + 16 * (a.iters + 2) * (a.k + 1) + 64
+    max_len = context + (16 * (a.iters + 2) + 2 * a.warmup) * (a.k + 1) + 64
     from drafter_service.config import ServerConfig
     from drafter_service.runtime import build_runtime
 
@@ -302,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"engine's wait through a step channel (verification {a.verify_ms} ms), median ms: batch, "
                   "pre-drafting off, on (hit / miss / busy: steps of each kind and their median)")
             for r in rows:
-                r.update(run_sidecar(cfg, r["batch"], context, a.k, a.budget, a.iters, a.verify_ms, seed=r["batch"]))
+                r.update(run_sidecar(cfg, r["batch"], context, a.k, a.budget, a.iters, a.verify_ms, seed=r["batch"],
+                                     warmup=a.warmup))
                 fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
                 print(f"{'':12}{r['batch']:>5} off {fmt(r['sidecar_plain'])} on {fmt(r['sidecar_predraft'])} "
                       f"(hit {r['sidecar_hit_steps']} x {fmt(r['sidecar_hit'])}, miss {r['sidecar_miss_steps']} x "
@@ -317,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
            "machine": {"platform": platform.platform(), "python": platform.python_version(),
                        "torch": torch.__version__, "device": str(device),
                        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None},
-           "preset": a.preset, "context": context, "k": a.k, "budget": a.budget, "iters": a.iters,
+           "preset": a.preset, "context": context, "k": a.k, "budget": a.budget, "iters": a.iters, "warmup": a.warmup,
            "verify_ms": a.verify_ms, "rows": rows}
     path = pathlib.Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,9 @@ The pass runs on the step thread only when no request is queued, and stops betwe
 steps (n stopped passes in a row, n <= 5) prepare nothing. A pass is not even
 started when its expected time (the average of earlier passes over as many sequences, by powers of two) exceeds
 FIT_SHARE of the average idle window between a batch and the next request (the scheduler reports it): a drafter
-too busy to prepare falls back to plain drafting by itself, and tries again now and then (ESTIMATE_DECAY). A pass's
+too busy to prepare falls back to plain drafting by itself, and tries again now and then: after PROBE_AFTER_SKIPS
+skips in a row a pass of that size runs once anyway and measures itself again (an estimate set by a slow pass, the
+first one compiling kernels or one a request stopped, would otherwise keep passes off for good). A pass's
 branches take at most BRANCH_POOL_SHARE of the KV pool while it runs, and only free blocks.
 
 Sequential heads only (EAGLE-1, EAGLE-3), whose next_hidden is their output (so L_j = compute_logits(g_j)); parallel
@@ -58,9 +60,11 @@ from drafter_service.models.attention_metadata import AttentionMetadata
 MAX_PREDRAFT_BRANCHES = 64  # largest budget per sequence (GetInfo.max_predraft_branches)
 BRANCH_POOL_SHARE = 0.25  # a pass's branches take at most this share of the KV pool's blocks (until it ends)
 MAX_BACKOFF_EXPONENT = 5  # after n stopped passes in a row, 2^min(n, 5) steps prepare nothing
-FIT_SHARE = 1.0  # a pass starts only when its expected time is at most this share of the expected idle window
+# a pass starts only when its expected time is at most this share of the expected idle window (one that fills the
+# whole window on average outlasts it half of the time, and then delays the next step)
+FIT_SHARE = 0.8
 EMA = 0.2  # weight of the newest observation in the idle-window and pass-time averages
-ESTIMATE_DECAY = 0.95  # a skipped pass lowers its size's time estimate by 5%, so that passes are tried again
+PROBE_AFTER_SKIPS = 16  # a pass size skipped this many times in a row runs once anyway, to measure itself again
 IN_FLIGHT = 2  # forwards a pass may have queued on the device at once
 # The acceptance-rate estimate of a sequence starts at 0.7, as if it had seen 2.8 accepted and 1.2 rejected drafts.
 PRIOR_ACCEPTED, PRIOR_REJECTED = 2.8, 1.2
@@ -192,6 +196,7 @@ class Predrafter:
         self._skip_steps = 0  # steps left before the next pass may run (back-off after stopped passes)
         self.window_s: float | None = None  # average idle time between a batch's end and the next request
         self._pass_s: dict[int, float] = {}  # sequences' bit length -> average seconds of a pass of that size
+        self._skips: dict[int, int] = {}  # sequences' bit length -> passes of that size skipped in a row
         proposer.table.on_drop = self.forget
 
     # ---- at admission and after a step (proposer.step) ----
@@ -304,12 +309,16 @@ class Predrafter:
 
     def _fits(self, n: int) -> bool:
         """Whether a pass over n sequences is expected to end before the next request arrives."""
-        estimate = self._pass_s.get(n.bit_length())
-        if estimate is None or self.window_s is None:
-            return True  # (try: the pass measures itself)
-        if estimate <= FIT_SHARE * self.window_s:
+        size = n.bit_length()
+        estimate = self._pass_s.get(size)
+        if estimate is None or self.window_s is None or estimate <= FIT_SHARE * self.window_s:
+            self._skips[size] = 0
+            return True  # (no estimate yet: try, the pass measures itself)
+        skips = self._skips.get(size, 0) + 1
+        if skips > PROBE_AFTER_SKIPS:  # a probe: the pass runs and its time replaces the estimate (_timed)
+            self._skips[size] = 0
             return True
-        self._pass_s[n.bit_length()] = estimate * ESTIMATE_DECAY
+        self._skips[size] = skips
         return False
 
     def _timed(self, n: int, seconds: float, finished: bool) -> None:
