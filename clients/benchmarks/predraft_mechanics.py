@@ -35,6 +35,12 @@ import torch
 
 from drafter_client.benchmarks.bench_step import PRESETS, write_random_head
 
+# The client's wait for a reply: no busy-polling (it polls every 100 us). The drafter runs in a thread of this
+# process, and a client that spins holds the GIL the step thread needs: on the 2-core dev CPU (tiny head, batch 1,
+# 10 ms verification) the drafter's own step took 22.0-22.4 ms with the default spin and 6.0-6.3 ms without it,
+# against 1.9 ms in-process. An engine in a process of its own may spin: it takes nothing from the drafter.
+CLIENT_SPIN_S = 0.0
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -176,7 +182,7 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
 
     async def main() -> dict:
         async with DrafterClient(address, namespace="mech", step_timeout_s=None) as client:
-            assert await client.open_step_channel(request_bytes=64 * 2**20)
+            assert await client.open_step_channel(request_bytes=64 * 2**20, spin_s=CLIENT_SPIN_S)
             state = {}
             for c in range(0, B, 8):
                 res = await client.propose([SequenceStep(sid, 0, tokens[sid][:context], pool[:context],
@@ -245,6 +251,7 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
                     **{f"sidecar_{kind}_steps": len(v) for kind, v in kinds.items()},
                     "server_step_plain": med(server_step["plain"]), "server_step_predraft": med(server_step["predraft"]),
                     "server_passes": c.passes, "server_passes_stopped": c.passes_stopped,
+                    "server_pass_ms": c.pass_seconds / max(1, c.passes + c.passes_stopped) * 1e3,
                     "server_passes_skipped": c.passes_skipped}
 
     try:
@@ -313,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"(hit {r['sidecar_hit_steps']} x {fmt(r['sidecar_hit'])}, miss {r['sidecar_miss_steps']} x "
                       f"{fmt(r['sidecar_miss'])}, busy {r['sidecar_busy_steps']} x {fmt(r['sidecar_busy'])}); passes "
                       f"{r['server_passes']} done, {r['server_passes_stopped']} stopped, {r['server_passes_skipped']} "
-                      f"skipped; the proposer's step off / on {fmt(r['server_step_plain'])} / "
+                      f"skipped, {r['server_pass_ms']:.2f} ms each; the proposer's step off / on {fmt(r['server_step_plain'])} / "
                       f"{fmt(r['server_step_predraft'])}", flush=True)
     out = {"benchmark": "predraft_mechanics",
            "command": shlex.join(["python", "-m", "drafter_client.benchmarks.predraft_mechanics",
