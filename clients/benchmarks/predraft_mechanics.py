@@ -38,7 +38,10 @@ from drafter_client.benchmarks.bench_step import PRESETS, write_random_head
 # The client's wait for a reply: no busy-polling (it polls every 100 us). The drafter runs in a thread of this
 # process, and a client that spins holds the GIL the step thread needs: on the 2-core dev CPU (tiny head, batch 1,
 # 10 ms verification) the drafter's own step took 22.0-22.4 ms with the default spin and 6.0-6.3 ms without it,
-# against 1.9 ms in-process. An engine in a process of its own may spin: it takes nothing from the drafter.
+# against 1.9 ms in-process. An engine in a process of its own may spin: it takes nothing from the drafter. Likewise
+# the drafter's step thread does not spin after a request here (--step-channel-spin-s 0): with its spin, the same run
+# with a 40 ms verification had the drafter's step at 6.7 ms and its passes at 13.3 ms, without it 4.3 and 8.1 ms
+# (3.8 ms in-process). Both spins are for processes of their own, with a core each.
 CLIENT_SPIN_S = 0.0
 
 
@@ -297,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ServerConfig(model=str(head), target_model=str(target), device=a.device, dtype=dtype,
                            kv_cache_tokens=(max(batches) * 2 + 8) * max_len, max_model_len=max_len,
                            max_batch_seqs=max(256, max(batches)), max_draft_tokens=max(8, a.k),
-                           listen=[f"unix:{tmp}/drafter.sock"], log_level="WARNING")
+                           listen=[f"unix:{tmp}/drafter.sock"], log_level="WARNING",
+                           step_channel_spin_s=0.0)  # (no busy step thread either: CLIENT_SPIN_S says why)
         print(f"in-process: {'batch':>5} {'plain ms':>9} {'pass ms':>8} {'hit ms':>7} {'miss ms':>8} "
               f"{'pass/verify':>11}")
         for B in batches:
