@@ -4,7 +4,7 @@ For each batch size, one decode step (m committed tokens per sequence, k drafts,
 taken through the four host-side phases that surround the proposer, in one process, with no network:
 
   client pack    the engine's step -> request bytes  (what DrafterClient serializes before sending)
-  server parse   request bytes -> the proposer's inputs, every check included (DrafterServicer.decode_propose)
+  server parse   request bytes -> the proposer's inputs, every check included (read_request, parse_propose)
   server reply   the proposer's outputs -> reply bytes  (DrafterServicer.encode_propose)
   client parse   reply bytes -> what the engine reads  (ProposeResult / BatchDrafts)
 
@@ -40,6 +40,8 @@ from drafter_client.messages import parse_response, serialize_request  # noqa: E
 from drafter_client.protocol import pb  # noqa: E402
 from drafter_service.engine.step_io import StepOutput  # noqa: E402
 from drafter_service.transport.servicer import build_column_response, build_response  # noqa: E402
+from drafter_service.server import keep_large_blocks_in_heap  # noqa: E402
+from drafter_service.transport.received_request import read_request  # noqa: E402
 from drafter_service.transport.validation import Limits, parse_propose  # noqa: E402
 
 FORMS = ("rows", "batch-rows", "batch-cols")
@@ -70,8 +72,9 @@ def one_round(form: str, steps, cols, outputs, limits: Limits, reps: int) -> dic
         else:
             data = serialize_batch("bench", cols, request_id=1, columns=form == "batch-cols")
         t1 = time.perf_counter()
-        req = pb.ProposeRequest.FromString(bytes(data))
-        parse_propose(req, limits)
+        received = read_request(bytes(data))  # as the server reads Propose, ProposeStream and channel requests
+        req = received.request
+        parse_propose(req, limits, None, None, received.states)
         t2 = time.perf_counter()
         resp = (build_column_response(outputs, 1) if req.HasField("columns")
                 else build_response(outputs, [s.sequence_id for s in req.steps], 1)).SerializeToString()
@@ -93,8 +96,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench_out/request_codec.json")
+    ap.add_argument("--no-tune-malloc", action="store_true",
+                    help="leave glibc's malloc thresholds alone (the drafter tunes them at start, as here by default: "
+                         "messages of many MiB then cost no page faults)")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    tuned = not a.no_tune_malloc and keep_large_blocks_in_heap()
     limits = Limits(hidden_states_width=a.width, vocab_size=128256, max_draft_tokens=8, max_request_tokens=1 << 20,
                     max_request_seqs=4096)
     rows = []
@@ -117,7 +124,7 @@ def main() -> int:
     result = dict(benchmark="bench_request_codec", date=datetime.datetime.now().isoformat(timespec="seconds"),
                   device=f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1 torch thread",
                   python=platform.python_version(), torch=torch.__version__, m=a.m, k=a.k, width=a.width,
-                  rounds=a.rounds, reps=a.reps, command=" ".join(sys.argv), rows=rows)
+                  rounds=a.rounds, reps=a.reps, malloc_tuned=tuned, command=" ".join(sys.argv), rows=rows)
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

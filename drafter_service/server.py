@@ -28,6 +28,7 @@ from drafter_service.engine.scheduler import StepScheduler
 from drafter_service.transport.auth import (AuthInterceptor, Authorizer, load_tokens, restrict_socket,
                                             server_credentials)
 from drafter_service.transport.chunked import parse_chunk
+from drafter_service.transport.received_request import read_request
 from drafter_service.transport.servicer import DrafterServicer
 from drafter_service.transport.step_channels import ChannelLimits, ChannelSet
 
@@ -68,12 +69,19 @@ class _Handlers:
 
 def add_drafter_service(servicer: DrafterServicer, server: grpc.aio.Server) -> None:
     """pb_grpc.add_DrafterServicer_to_server, but ProposeChunked reads its messages with chunked.parse_chunk (the
-    data as a view of the received bytes) instead of protobuf (which copies it twice)."""
+    data as a view of the received bytes) instead of protobuf (which copies it twice), and Propose / ProposeStream
+    with received_request.read_request (large inline states likewise)."""
     catch = _Handlers()
     pb_grpc.add_DrafterServicer_to_server(servicer, catch)
     handlers = dict(catch.handlers)
     handlers["ProposeChunked"] = grpc.stream_unary_rpc_method_handler(
         servicer.ProposeChunked, request_deserializer=parse_chunk,
+        response_serializer=pb.ProposeResponse.SerializeToString)
+    # Propose and ProposeStream: large inline states stay a view of the received bytes (received_request.py)
+    handlers["Propose"] = grpc.unary_unary_rpc_method_handler(
+        servicer.Propose, request_deserializer=read_request, response_serializer=pb.ProposeResponse.SerializeToString)
+    handlers["ProposeStream"] = grpc.stream_stream_rpc_method_handler(
+        servicer.ProposeStream, request_deserializer=read_request,
         response_serializer=pb.ProposeResponse.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -34,9 +34,10 @@ def dtype_name(code: int) -> str:
 
 
 def decode_tensor(t: "pb.Tensor", field: str, allowed: tuple[int, ...], rank: int,
-                  read_shm: Callable | None = None) -> torch.Tensor:
+                  read_shm: Callable | None = None, raw: "memoryview | None" = None) -> torch.Tensor:
     """Inline bytes become a zero-copy view of the message; a shared-memory reference (Tensor.shm) is handed to
-    read_shm(ref, field, dtype, shape), which checks it and returns the tensor (shm_regions.RegionTable.read)."""
+    read_shm(ref, field, dtype, shape), which checks it and returns the tensor (shm_regions.RegionTable.read).
+    raw: the tensor's raw bytes when they were read apart from the message t (t then has dtype and shape only)."""
     if t.dtype not in allowed:
         raise WireError(f"{field}.dtype is {dtype_name(t.dtype)}; accepted: "
                         f"{', '.join(dtype_name(d) for d in allowed)}")
@@ -45,7 +46,7 @@ def decode_tensor(t: "pb.Tensor", field: str, allowed: tuple[int, ...], rank: in
         raise WireError(f"{field}.shape is {shape}; expected {rank} dimensions")
     if any(d < 0 for d in shape):
         raise WireError(f"{field}.shape {shape} has a negative dimension")
-    which = t.WhichOneof("data")
+    which = t.WhichOneof("data") if raw is None else "raw"
     if which == "shm" and read_shm is None:
         raise WireError(f"{field}.shm: this server does not accept shared-memory references "
                         "(GetInfo.shared_memory_supported is false); send raw bytes")
@@ -57,7 +58,8 @@ def decode_tensor(t: "pb.Tensor", field: str, allowed: tuple[int, ...], rank: in
             raise WireError(f"{field}.shm.byte_size is {t.shm.byte_size}; shape {shape} of {dtype_name(t.dtype)} "
                             f"needs {expected}")
         return read_shm(t.shm, field, dtype, shape)
-    raw = t.raw if which == "raw" else b""
+    if raw is None:
+        raw = t.raw if which == "raw" else b""
     if len(raw) != expected:
         raise WireError(f"{field}.raw has {len(raw)} bytes; shape {shape} of {dtype_name(t.dtype)} needs {expected}")
     if expected == 0:

@@ -16,6 +16,7 @@ from drafter_service.runtime import Runtime
 from drafter_service.engine.scheduler import StepScheduler
 from drafter_service.transport.chunked import (StagingBudget, drain_refused, first_chunk_error, receive_states,
                                                staging_tensor)
+from drafter_service.transport.received_request import as_received
 from drafter_service.transport.shm_regions import RegionTable, ShmSettings
 from drafter_service.engine.step_io import StepInput, StepOutput
 from drafter_service import tracing
@@ -181,11 +182,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             predraft_supported=rt.limits.max_predraft_branches > 0,
             max_predraft_branches=rt.limits.max_predraft_branches, step_columns_supported=True)
 
-    def decode_propose(self, request, hidden: torch.Tensor | None = None) -> tuple[list[StepInput], bool]:
+    def decode_propose(self, request, hidden: torch.Tensor | None = None,
+                       states: memoryview | None = None) -> tuple[list[StepInput], bool]:
         """Check and decode one engine step (a Propose, a ProposeStream message or a step-channel request; runs on
         the event loop or on the step thread). Returns the steps, and whether to answer without running the head
         (ingest-only benchmarks). Raises RequestError for a request that is malformed as a whole. hidden: the
-        staging tensor of a ProposeChunked request (its states are not in the message)."""
+        staging tensor of a ProposeChunked request (its states are not in the message); states: the inline states
+        that received_request.read_request left out of the message, as a view of the received bytes."""
         rt = self.runtime
         read_shm = None
         if self.regions is not None:
@@ -194,8 +197,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             def read_shm(ref, field, dtype, shape, to_host=False):
                 return regions.read(namespace, ref, field, dtype, shape, to_host)
 
-        steps = parse_propose(request, rt.limits, read_shm, hidden)
-        if self.ingest_only and hidden is None and request.hidden_states.WhichOneof("data") == "raw" and steps:
+        steps = parse_propose(request, rt.limits, read_shm, hidden, states)
+        inline = states is not None or request.hidden_states.WhichOneof("data") == "raw"
+        if self.ingest_only and hidden is None and inline and steps:
             # Inline states are still views of the message: move them to the device as the proposer would
             # (one copy), so that both data planes end with the bytes in a tensor of their own there.
             torch.cat([s.hidden_states for s in steps]).to(rt.device)
@@ -209,7 +213,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return build_response(outputs, [s.sequence_id for s in request.steps], request.request_id)
 
     async def _propose(self, request, transport: str = "unary", metadata=None, owner: str | None = None,
-                       hidden: torch.Tensor | None = None, receive=None) -> "pb.ProposeResponse":
+                       hidden: torch.Tensor | None = None, receive=None,
+                       states: memoryview | None = None) -> "pb.ProposeResponse":
         """One engine step; raises RequestError for a request that is malformed as a whole. transport / metadata:
         for its trace span (tracing.py; nothing is recorded while tracing is off). owner: the stream whose end frees
         the sequences this step creates (None: unary, only the lease and eviction free them). ProposeChunked:
@@ -218,7 +223,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         rt = self.runtime
         t_enter = time.perf_counter()
         try:
-            steps, dry = self.decode_propose(request, hidden)
+            steps, dry = self.decode_propose(request, hidden, states)
             if receive is not None:
                 await receive()
                 if dry:  # ingest-only: the staging tensor is ours already; onto the device, as the proposer would
@@ -250,9 +255,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return response
 
     async def Propose(self, request, context):
+        """request: a ReceivedRequest (server.py registers received_request.read_request as the deserializer)."""
         await self._ready(context)
+        received = as_received(request)
         try:
-            return await self._propose(request, "unary", context.invocation_metadata())
+            return await self._propose(received.request, "unary", context.invocation_metadata(),
+                                       states=received.states)
         except RequestError as e:
             await self._fail(context, e)
 
@@ -305,9 +313,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         metadata = context.invocation_metadata()
         owner = f"stream {next(self._stream_numbers)}"  # the sequences this stream creates end with it
 
-        async def one(req):
+        async def one(received):
+            req = received.request
             try:
-                return await self._propose(req, "stream", metadata, owner)
+                return await self._propose(req, "stream", metadata, owner, states=received.states)
             except RequestError as e:
                 self.runtime.metrics.record_rpc_error(e.code.name)
                 return pb.ProposeResponse(request_id=req.request_id, error=pb.Status(code=e.code.value[0],
@@ -317,7 +326,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             # Each message is submitted as soon as it arrives (tasks start in creation order, so the scheduler
             # sees them in stream order); replies are written in the same order.
             async for req in request_iterator:
-                await replies.put(asyncio.ensure_future(one(req)))
+                await replies.put(asyncio.ensure_future(one(as_received(req))))
             await replies.put(None)
 
         reader = asyncio.ensure_future(read())

@@ -36,6 +36,7 @@ from google.protobuf.message import DecodeError
 
 from drafter_client.protocol.mailbox import VERSION, Mailbox
 from drafter_client.protocol import pb
+from drafter_service.transport.received_request import read_request
 from drafter_service.engine.scheduler import PendingRequest
 from drafter_service.engine.step_io import StepInput, StepOutput
 from drafter_service import tracing
@@ -82,8 +83,7 @@ class ChannelLimits:
 class ChannelSet:
     socket_path: str
     limits: ChannelLimits
-    # request -> (steps, dry): DrafterServicer.decode_propose (raises RequestError)
-    decode: Callable[["pb.ProposeRequest"], tuple[list[StepInput], bool]]
+    decode: Callable[..., tuple[list[StepInput], bool]]  # (request, hidden, states): DrafterServicer.decode_propose
     # (outputs, request) -> reply message: servicer.build_response
     encode: Callable[[list[StepOutput], "pb.ProposeRequest"], "pb.ProposeResponse"]
     metrics: object  # metrics.Metrics
@@ -291,16 +291,17 @@ class ChannelSet:
         request_id = 0
         try:
             try:
-                request = pb.ProposeRequest.FromString(payload)
+                received = read_request(payload)  # (large inline states stay a view of the payload)
             except DecodeError:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                    "request: not a serialized drafter.v1.ProposeRequest") from None
+            request = received.request
             request_id = request.request_id
             if request.namespace != ch.namespace:
                 raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
                                    f"namespace {request.namespace!r}: this channel was opened by namespace "
                                    f"{ch.namespace!r}")
-            steps, dry = self.decode(request)
+            steps, dry = self.decode(request, None, received.states)
         except RequestError as e:
             self._reply_error(ch, seq, request_id, e)
             return

@@ -58,10 +58,11 @@ def check_sequence_id(sequence_id: str, field: str) -> None:
 
 
 def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable | None = None,
-                  hidden: torch.Tensor | None = None) -> list[StepInput]:
+                  hidden: torch.Tensor | None = None, states: memoryview | None = None) -> list[StepInput]:
     """read_shm(ref, field, dtype, shape, to_host) resolves shared-memory references (None: refused).
     hidden: the request's hidden states when they did not come in the message (ProposeChunked's staging tensor,
-    whose header chunked.staging_tensor checked); req.hidden_states is then not read."""
+    whose header chunked.staging_tensor checked); req.hidden_states is then not read. states: hidden_states.raw when
+    it was read off the wire apart from the message (received_request.py; req.hidden_states has dtype and shape)."""
     check_namespace(req.namespace)
     if req.HasField("columns"):
         if len(req.steps):
@@ -79,7 +80,8 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
         token_ids = decode_tensor(req.token_ids, "token_ids", TOKEN_DTYPES, rank=1,
                                   read_shm=read_shm and functools.partial(read_shm, to_host=True))
         if hidden is None:
-            hidden = decode_tensor(req.hidden_states, "hidden_states", HIDDEN_DTYPES, rank=2, read_shm=read_shm)
+            hidden = decode_tensor(req.hidden_states, "hidden_states", HIDDEN_DTYPES, rank=2, read_shm=read_shm,
+                                   raw=states)
     except WireError as e:
         raise invalid(str(e)) from None
     if token_ids.shape[0] != total:

@@ -1,0 +1,99 @@
+"""A ProposeRequest off the wire, its inline hidden states left as a view of the received bytes.
+
+protobuf copies a bytes field twice on its way to a tensor: into the parsed message, then out of it (the
+``Tensor.raw`` accessor builds a new bytes object). In a large step nearly all of the request is
+``hidden_states.raw`` (an EAGLE-3 8B step of batch 256: 18.9 of 18.9 MB), so read_request finds that field by hand
+and gives the rest of the message (a few KB) to protobuf; the states then become a tensor over the received bytes
+without a copy (the proposer's copy into pinned memory, on its way to the device, is their first). A request with
+anything unexpected (hidden_states twice, raw twice or beside shm, a malformed field) goes to protobuf whole, which
+gives the same message, or the same DecodeError, as before.
+
+Used for Propose, ProposeStream messages (server.py registers read_request as their deserializer) and step-channel
+requests (step_channels.py).
+"""
+from dataclasses import dataclass
+
+from drafter_client.protocol import pb
+from drafter_service.transport.chunked import _varint
+
+_HIDDEN_STATES = 4  # ProposeRequest.hidden_states (proto/drafter/v1/drafter.proto)
+_RAW, _SHM = 3, 4  # Tensor.raw, Tensor.shm
+# Smaller requests go to protobuf whole: the scan (a few microseconds per top-level field, one per SequenceStep)
+# would cost more than the copies it spares.
+MIN_SCAN_BYTES = 1 << 20
+
+
+@dataclass
+class ReceivedRequest:
+    request: "pb.ProposeRequest"
+    # hidden_states.raw, when read_request took it out of the message (request.hidden_states then holds its dtype and
+    # shape only); None: the states, if any, are in request.hidden_states as protobuf parsed them
+    states: memoryview | None = None
+
+    @property
+    def namespace(self) -> str:
+        """(For the auth interceptor, which checks the namespace of every decoded request.)"""
+        return self.request.namespace
+
+
+def _fields(buf: memoryview, start: int, end: int):
+    """(field number, key start, value start, value end) of each field in buf[start:end], in order; ValueError when
+    a field is malformed or runs past end. Length-delimited values are skipped, not read."""
+    i = start
+    while i < end:
+        key_start = i
+        key, i = _varint(buf, i)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == 0:  # varint
+            _, j = _varint(buf, i)
+        elif wire_type == 2:  # length-delimited
+            n, i = _varint(buf, i)
+            j = i + n
+        elif wire_type == 1:  # 64-bit
+            j = i + 8
+        elif wire_type == 5:  # 32-bit
+            j = i + 4
+        else:  # groups (3, 4) are not in this protocol; 6 and 7 do not exist
+            raise ValueError(f"wire type {wire_type}")
+        if field == 0 or j > end:
+            raise ValueError("a field is cut or has number 0")
+        yield field, key_start, i, j
+        i = j
+
+
+def _split_states(buf: memoryview) -> "tuple[bytes, bytes, memoryview] | None":
+    """(the request's bytes without hidden_states, the Tensor's bytes without raw, raw) when the message has one
+    hidden_states field holding one raw field and no shm; None otherwise (or when malformed)."""
+    try:
+        found = [f for f in _fields(buf, 0, len(buf)) if f[0] == _HIDDEN_STATES]
+        if len(found) != 1:
+            return None
+        _, key_start, start, end = found[0]
+        inner = list(_fields(buf, start, end))
+    except ValueError:
+        return None
+    raws = [f for f in inner if f[0] == _RAW]
+    if len(raws) != 1 or any(f[0] == _SHM for f in inner):
+        return None
+    _, raw_key, raw_start, raw_end = raws[0]
+    rest = bytes(buf[:key_start]) + bytes(buf[end:])  # (the states field is last as the client library writes it)
+    tensor = bytes(buf[start:raw_key]) + bytes(buf[raw_end:end])
+    return rest, tensor, buf[raw_start:raw_end]
+
+
+def read_request(message: bytes) -> ReceivedRequest:
+    """The request in ``message`` with large inline states as a view of it (see the module's docstring). Raises
+    protobuf's DecodeError for a message protobuf cannot parse."""
+    if len(message) >= MIN_SCAN_BYTES:
+        split = _split_states(memoryview(message))
+        if split is not None:
+            rest, tensor, raw = split
+            request = pb.ProposeRequest.FromString(rest)
+            request.hidden_states.MergeFromString(tensor)  # dtype and shape (nothing else is left in it)
+            return ReceivedRequest(request, raw)
+    return ReceivedRequest(pb.ProposeRequest.FromString(message))
+
+
+def as_received(request: "ReceivedRequest | pb.ProposeRequest") -> ReceivedRequest:
+    """A handler's request as a ReceivedRequest (a servicer called in-process may be given a plain message)."""
+    return request if isinstance(request, ReceivedRequest) else ReceivedRequest(request)

@@ -1,0 +1,150 @@
+"""received_request.read_request: large inline hidden states read off the wire as a view of the received bytes.
+
+Whatever the bytes, it must give what protobuf gives: the same message (with hidden_states.raw moved out into
+``states``), or the same DecodeError. Checked with hypothesis over well-formed requests serialized in every field
+order (the states first, in the middle, last, twice), over the client library's own serialization, and over
+random and corrupted bytes; then end to end: a step of more than MIN_SCAN_BYTES of inline states through Propose,
+ProposeStream and a step channel gives the in-process drafts.
+"""
+import asyncio
+
+import pytest
+import torch
+from google.protobuf.message import DecodeError
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import ServerThread, make_config
+from drafter_client import DrafterClient, SequenceStep
+from drafter_client.messages import serialize_request
+from drafter_client.protocol import pb
+from drafter_service.runtime import build_runtime
+from drafter_service.engine.step_io import StepInput
+from drafter_service.transport import received_request
+from drafter_service.transport.received_request import read_request
+
+SETTINGS = settings(max_examples=300, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture
+def scan_everything(monkeypatch):
+    monkeypatch.setattr(received_request, "MIN_SCAN_BYTES", 0)
+
+
+def as_protobuf_gives(message: bytes) -> "pb.ProposeRequest | type[DecodeError]":
+    try:
+        return pb.ProposeRequest.FromString(message)
+    except DecodeError:
+        return DecodeError
+
+
+def put_back(received: received_request.ReceivedRequest) -> "pb.ProposeRequest":
+    """The message as protobuf would have parsed it: the states back in hidden_states.raw."""
+    request = pb.ProposeRequest()
+    request.CopyFrom(received.request)
+    if received.states is not None:
+        request.hidden_states.raw = bytes(received.states)
+    return request
+
+
+def check_same(message: bytes) -> received_request.ReceivedRequest | None:
+    want = as_protobuf_gives(message)
+    if want is DecodeError:
+        with pytest.raises(DecodeError):
+            read_request(message)
+        return None
+    got = read_request(message)
+    assert put_back(got) == want
+    return got
+
+
+tensors = st.builds(
+    lambda dtype, shape, raw, shm: pb.Tensor(dtype=dtype, shape=shape, raw=raw) if shm is None else
+    pb.Tensor(dtype=dtype, shape=shape, shm=pb.SharedMemoryRef(region=shm, offset=4, byte_size=8)),
+    st.sampled_from([pb.FLOAT32, pb.BFLOAT16, pb.INT64, 0]), st.lists(st.integers(0, 2**40), max_size=3),
+    st.binary(max_size=300), st.one_of(st.none(), st.text(max_size=5)))
+steps = st.lists(st.builds(lambda sid, p, m, k: pb.SequenceStep(sequence_id=sid, start_position=p, num_tokens=m,
+                                                                  next_token=3, num_drafts=k),
+                           st.text(max_size=8), st.integers(0, 2**40), st.integers(0, 9), st.integers(0, 9)),
+                 max_size=4)
+
+
+@SETTINGS
+@given(namespace=st.text(max_size=10), steps=steps, tokens=tensors, hidden=st.one_of(st.none(), tensors),
+       second=st.one_of(st.none(), tensors), request_id=st.integers(0, 2**64 - 1),
+       order=st.permutations(range(5)))
+def test_every_field_order_gives_what_protobuf_gives(scan_everything, namespace, steps, tokens, hidden, second,
+                                                     request_id, order):
+    """Fields in any order, hidden_states absent, once or twice (protobuf merges the two), raw or shm."""
+    parts = [pb.ProposeRequest(namespace=namespace).SerializeToString(),
+             pb.ProposeRequest(steps=steps).SerializeToString(),
+             pb.ProposeRequest(token_ids=tokens, request_id=request_id).SerializeToString(),
+             pb.ProposeRequest(hidden_states=hidden).SerializeToString() if hidden is not None else b"",
+             pb.ProposeRequest(hidden_states=second).SerializeToString() if second is not None else b""]
+    message = b"".join(parts[i] for i in order)
+    got = check_same(message)
+    assert got is not None  # (well-formed: protobuf parses it)
+    once_with_raw = (hidden is None) != (second is None) and (hidden or second).WhichOneof("data") == "raw"
+    assert (got.states is not None) == once_with_raw
+
+
+@SETTINGS
+@given(data=st.binary(max_size=400))
+def test_random_bytes_give_what_protobuf_gives(scan_everything, data):
+    check_same(data)
+
+
+@SETTINGS
+@given(cut=st.integers(0, 10**6), flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)),
+                                                  max_size=3))
+def test_corrupted_client_requests_give_what_protobuf_gives(scan_everything, cut, flips):
+    """The client library's serialization (the states written by hand, last), truncated and with bytes flipped."""
+    g = torch.Generator().manual_seed(0)
+    steps = [SequenceStep(f"s{i}", 0, torch.randint(0, 100, (5,), generator=g), torch.randn(5, 8, generator=g),
+                          1, 3) for i in range(40)]
+    message = bytearray(serialize_request("ns", steps))  # 40 x 5 x 8 fp32 = 6.4 KB of states
+    assert check_same(bytes(message)).states is not None  # (intact: the view path)
+    for where, value in flips:
+        message[where % len(message)] = value
+    check_same(bytes(message[: len(message) - cut % len(message)]))
+
+
+def test_small_requests_go_to_protobuf_whole():
+    steps = [SequenceStep("s", 0, [1, 2], torch.randn(2, 8), 1, 3)]
+    got = read_request(bytes(serialize_request("ns", steps)))
+    assert got.states is None and got.request.hidden_states.WhichOneof("data") == "raw"
+
+
+def test_large_inline_states_through_every_path_give_the_in_process_drafts(tiny_model, tmp_path):
+    """A prefill of 4500 x 64 fp32 states (1.15 MB, above MIN_SCAN_BYTES) sent as one message by Propose,
+    ProposeStream and a step channel: each is read as a view and drafts what the in-process proposer drafts."""
+    head, target = tiny_model
+    rows = 4500
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 512, (rows + 1,), generator=g)
+    states = torch.randn(rows, 64, generator=g)
+    step = SequenceStep("long", 0, tokens[:rows], states, int(tokens[rows]), 5)
+    assert read_request(bytes(serialize_request("ns", [step]))).states is not None
+    local = build_runtime(make_config(head, target, tmp_path / "local", max_model_len=8192, kv_cache_tokens=32768))
+    want = local.proposer.step([StepInput("ns", "long", 0, tokens[:rows], states, int(tokens[rows]), 5)])[0].drafts
+    assert len(want) == 5
+    cfg = make_config(head, target, tmp_path / "srv", max_model_len=8192, kv_cache_tokens=32768)
+
+    async def run(srv) -> list[list[int]]:
+        got = []
+        async with DrafterClient(srv.tcp, namespace="ns", chunk_min_bytes=None) as c:
+            r = await c.propose([step])
+            got.append(r.sequences[0].drafts.tolist())
+            async with c.stream() as session:
+                await session.send([step])
+                got.append((await session.recv()).sequences[0].drafts.tolist())
+        async with DrafterClient(srv.uds, namespace="ns", chunk_min_bytes=None) as c:
+            assert await c.open_step_channel(request_bytes=4 << 20)
+            r = await c.propose([step])
+            assert c.steps_through_channel == 1
+            got.append(r.sequences[0].drafts.tolist())
+        return got
+
+    with ServerThread(cfg) as srv:
+        assert asyncio.run(run(srv)) == [want] * 3
