@@ -11,8 +11,9 @@ real target). B sequences at a context of --context tokens; every iteration, per
   hit      the next step when every sequence's outcome was prepared (picked among its branches): no device work;
   miss     the next step when no sequence's outcome was prepared: a plain step that also runs the pending rows of
            the hit before it.
-With --sidecar (default), the engine's wait through a step channel (run_sidecar), with a sleep of --verify-ms
-standing for the engine's verification before every step: first --iters steps with pre-drafting off, then --iters
+With --sidecar (default), the engine's wait through a step channel (run_sidecar: the drafter in this process, the
+engine in a child process of its own), with a sleep of --verify-ms standing for the engine's verification before
+every step, after --warmup steps: first --iters steps with pre-drafting off, then --iters
 with it on, where a step takes a prepared outcome for every sequence whenever all have one (a hit: the benchmark
 picks it; with a real target a share of outcomes is unprepared, see predraft.py), else an unprepared outcome (a miss,
 or "busy" when the pass had not finished: the step stops it and is drafted as usual).
@@ -34,15 +35,6 @@ import time
 import torch
 
 from drafter_client.benchmarks.bench_step import PRESETS, write_random_head
-
-# The client's wait for a reply: no busy-polling (it polls every 100 us). The drafter runs in a thread of this
-# process, and a client that spins holds the GIL the step thread needs: on the 2-core dev CPU (tiny head, batch 1,
-# 10 ms verification) the drafter's own step took 22.0-22.4 ms with the default spin and 6.0-6.3 ms without it,
-# against 1.9 ms in-process. An engine in a process of its own may spin: it takes nothing from the drafter. Likewise
-# the drafter's step thread does not spin after a request here (--step-channel-spin-s 0): with its spin, the same run
-# with a 40 ms verification had the drafter's step at 6.7 ms and its passes at 13.3 ms, without it 4.3 and 8.1 ms
-# (3.8 ms in-process). Both spins are for processes of their own, with a core each.
-CLIENT_SPIN_S = 0.0
 
 
 def sync(device: torch.device) -> None:
@@ -148,15 +140,17 @@ def run_batch(rt, B: int, context: int, k: int, budget: int, iters: int, seed: i
 
 def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, verify_ms: float, seed: int,
                 warmup: int = 20) -> dict:
-    """The engine's wait for drafts through a step channel (plain, hit, miss), the drafter in a thread of this
-    process (so that the benchmark can pick prepared outcomes from its proposer; the GIL is shared, so the waits are
-    if anything too long). Between two steps the engine "verifies" for verify_ms (a sleep): the pass runs then. Each
-    phase times iters steps after `warmup` (the drafter's averages of the idle window and of the pass time settle;
-    a first pass that compiles kernels is measured again after PROBE_AFTER_SKIPS skipped ones, predraft.py)."""
+    """The engine's wait for drafts through a step channel (plain, hit, miss). The drafter runs in this process (so
+    that the benchmark can see which outcomes its proposer prepared), the engine in a child process of its own
+    (engine_process), as in a deployment: the two share no GIL. Between two steps the engine "verifies" for verify_ms
+    (a sleep; the pass runs then), then asks this process over a pipe which outcomes are prepared (a few
+    microseconds of this process's time). Each phase times iters steps after `warmup` (the drafter's averages of the
+    idle window and of the pass time settle; a first pass that compiles kernels is measured again after
+    PROBE_AFTER_SKIPS skipped ones, predraft.py)."""
     import asyncio
+    import multiprocessing
     import threading
 
-    from drafter_client import DrafterClient, SequenceStep
     from drafter_service.server import DrafterServer
 
     loop = asyncio.new_event_loop()
@@ -165,7 +159,7 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
     asyncio.run_coroutine_threadsafe(server.start(), loop).result(600)
     proposer = server.runtime.proposer
     address = next(a for a in server.bound_addresses if a.startswith("unix:"))
-    step_s: list[float] = []  # the proposer's own step times (server side), to split the wait into step and the rest
+    step_s: list[float] = []  # the proposer's own step times (server side), one per request, in order
     plain_step = proposer.step
 
     def timed_step(inputs):
@@ -176,7 +170,56 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
             step_s.append(time.perf_counter() - t0)
 
     proposer.step = timed_step
-    width, vocab = server.runtime.limits.hidden_states_width, server.runtime.limits.vocab_size
+    limits = server.runtime.limits
+    here, there = multiprocessing.get_context("spawn").Pipe()
+    engine = multiprocessing.get_context("spawn").Process(
+        target=engine_process, args=(there, address, B, context, k, budget, iters, warmup, verify_ms, seed,
+                                     limits.vocab_size, limits.hidden_states_width), daemon=True)
+    try:
+        engine.start()
+        while True:  # answer the engine's questions until it reports
+            if not here.poll(600):
+                raise RuntimeError("the engine process stopped answering")
+            what, ids = here.recv()
+            if what == "done":
+                result = ids
+                break
+            hits = {}
+            for sid in ids:  # (read from this thread while the step thread may run a pass: a snapshot is enough)
+                st = proposer.table.get("mech", sid).predraft
+                if st is None or st.branches is None:
+                    break
+                hits[sid] = next(iter(st.branches.outcomes))
+            here.send((hits if len(hits) == len(ids) else None, bool(proposer.predraft._waiting)))
+        engine.join(60)
+    finally:
+        if engine.is_alive():
+            engine.kill()
+        asyncio.run_coroutine_threadsafe(server.stop(1.0), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+    # the proposer's steps: the prefill requests (8 sequences each), then iters + warmup per phase, one per request
+    first = -(-B // 8)
+    per_phase = iters + warmup
+    med = lambda v: statistics.median(v) * 1e3 if v else None  # noqa: E731
+    c = proposer.predraft.counters
+    result.update(
+        server_step_plain=med(step_s[first + warmup: first + per_phase]),
+        server_step_predraft=med(step_s[first + per_phase + warmup: first + 2 * per_phase]),
+        server_passes=c.passes, server_passes_stopped=c.passes_stopped, server_passes_skipped=c.passes_skipped,
+        server_pass_ms=c.pass_seconds / max(1, c.passes + c.passes_stopped) * 1e3)
+    return result
+
+
+def engine_process(conn, address: str, B: int, context: int, k: int, budget: int, iters: int, warmup: int,
+                   verify_ms: float, seed: int, vocab: int, width: int) -> None:
+    """The engine of run_sidecar, in a process of its own: B sequences through a step channel, first with
+    pre-drafting off, then on; each step takes a prepared outcome for every sequence when all of them have one (a
+    hit; conn tells which), else an unprepared one (a miss, or "busy" when the pass still ran). Sends ("done",
+    medians) on conn."""
+    import asyncio
+
+    from drafter_client import DrafterClient, SequenceStep
+
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     ids = [f"s{b}" for b in range(B)]
@@ -185,7 +228,7 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
 
     async def main() -> dict:
         async with DrafterClient(address, namespace="mech", step_timeout_s=None) as client:
-            assert await client.open_step_channel(request_bytes=64 * 2**20, spin_s=CLIENT_SPIN_S)
+            assert await client.open_step_channel(request_bytes=64 * 2**20)
             state = {}
             for c in range(0, B, 8):
                 res = await client.propose([SequenceStep(sid, 0, tokens[sid][:context], pool[:context],
@@ -205,15 +248,6 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
                                               predraft_branches=f))
                 return steps
 
-            async def send(steps):
-                t0 = time.perf_counter()
-                res = await client.propose(steps)
-                dt = time.perf_counter() - t0
-                for sid, st, r in zip(ids, steps, res.sequences):
-                    assert r.ok, r.message
-                    state[sid] = (st.start_position + len(st.token_ids), r.drafts.tolist())
-                return dt, res
-
             def unprepared():
                 out = {}
                 for sid in ids:
@@ -222,46 +256,36 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
                     out[sid] = (a, next(t for t in range(vocab) if t != drafts[a]))
                 return out
 
-            # phase 1: pre-drafting off. phase 2: on; a step takes a prepared outcome for every sequence when all
-            # of them have branches (a hit), else an unprepared one (a miss, or "busy" when the pass still ran)
             waits = {"plain": [], "predraft": []}
-            server_step = {"plain": [], "predraft": []}
             kinds = {"hit": [], "miss": [], "busy": []}
             for phase, f in (("plain", 0), ("predraft", budget)):
                 for i in range(iters + warmup):
                     await asyncio.sleep(verify_ms / 1e3)
-                    hits = {}
-                    for sid in ids:
-                        st = proposer.table.get("mech", sid).predraft
-                        if st is None or st.branches is None:
-                            break
-                        hits[sid] = next(iter(st.branches.outcomes))
-                    kind = "hit" if len(hits) == B else "busy" if proposer.predraft._waiting else "miss"
-                    dt, res = await send(make(hits if kind == "hit" else unprepared(), f))
+                    conn.send(("peek", ids))
+                    hits, busy = conn.recv()
+                    kind = "hit" if hits is not None else "busy" if busy else "miss"
+                    steps = make(hits if kind == "hit" else unprepared(), f)
+                    t0 = time.perf_counter()
+                    res = await client.propose(steps)
+                    dt = time.perf_counter() - t0
+                    for sid, st, r in zip(ids, steps, res.sequences):
+                        assert r.ok, r.message
+                        state[sid] = (st.start_position + len(st.token_ids), r.drafts.tolist())
                     assert all(r.predrafted for r in res.sequences) == (kind == "hit")
                     if i >= warmup:
                         waits[phase].append(dt)
-                        server_step[phase].append(step_s[-1])
                         if f:
                             kinds[kind].append(dt)
+            assert client.steps_through_channel == -(-B // 8) + 2 * (iters + warmup)
             await client.release(ids)
             med = lambda v: statistics.median(v) * 1e3 if v else None  # noqa: E731
-            c = proposer.predraft.counters
             return {"sidecar_plain": med(waits["plain"]), "sidecar_predraft": med(waits["predraft"]),
                     "sidecar_predraft_p99": sorted(waits["predraft"])[int(0.99 * len(waits["predraft"]))] * 1e3,
                     "sidecar_plain_p99": sorted(waits["plain"])[int(0.99 * len(waits["plain"]))] * 1e3,
                     **{f"sidecar_{kind}": med(v) for kind, v in kinds.items()},
-                    **{f"sidecar_{kind}_steps": len(v) for kind, v in kinds.items()},
-                    "server_step_plain": med(server_step["plain"]), "server_step_predraft": med(server_step["predraft"]),
-                    "server_passes": c.passes, "server_passes_stopped": c.passes_stopped,
-                    "server_pass_ms": c.pass_seconds / max(1, c.passes + c.passes_stopped) * 1e3,
-                    "server_passes_skipped": c.passes_skipped}
+                    **{f"sidecar_{kind}_steps": len(v) for kind, v in kinds.items()}}
 
-    try:
-        return asyncio.run(main())
-    finally:
-        asyncio.run_coroutine_threadsafe(server.stop(1.0), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
+    conn.send(("done", asyncio.run(main())))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,8 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ServerConfig(model=str(head), target_model=str(target), device=a.device, dtype=dtype,
                            kv_cache_tokens=(max(batches) * 2 + 8) * max_len, max_model_len=max_len,
                            max_batch_seqs=max(256, max(batches)), max_draft_tokens=max(8, a.k),
-                           listen=[f"unix:{tmp}/drafter.sock"], log_level="WARNING",
-                           step_channel_spin_s=0.0)  # (no busy step thread either: CLIENT_SPIN_S says why)
+                           listen=[f"unix:{tmp}/drafter.sock"], log_level="WARNING")
         print(f"in-process: {'batch':>5} {'plain ms':>9} {'pass ms':>8} {'hit ms':>7} {'miss ms':>8} "
               f"{'pass/verify':>11}")
         for B in batches:
