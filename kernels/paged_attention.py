@@ -132,12 +132,13 @@ def paged_attention_batched(
     bias = torch.zeros(B, 1, max_q, L, device=q.device).masked_fill_(masked[:, None], float("-inf"))
     # [B * Hkv, G*Q, L]: the same bias for every KV head
     bias = bias.expand(B, num_kv_heads * group, max_q, L).reshape(B * num_kv_heads, group * max_q, L)
-    # every (sequence, KV head) is one matrix of the batched matmuls: the kept layout is head-major, so [B * Hkv, L, D]
-    # is a view with plain row strides (no copy, and BLAS's batched path, not a loop over matrices)
-    scores = torch.baddbmm(bias, qp.reshape(B * num_kv_heads, group * max_q, head_dim),
-                           k.reshape(B * num_kv_heads, L, head_dim).transpose(1, 2), alpha=scale)
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
-    o = torch.bmm(probs, v.reshape(B * num_kv_heads, L, head_dim))  # [B * Hkv, G*Q, D]
+    # every (sequence, KV head) is one attention of G*Q query rows over L positions: the kept layout is head-major, so
+    # k and v are [B, Hkv, L, D] views with plain row strides. torch's fused CPU attention (scaled_dot_product_attention
+    # with the bias as its mask) does scores, softmax and the weighted sum without materializing the probabilities:
+    # 0.93 -> 0.65 ms against baddbmm + softmax + bmm at batch 128 of the tiny head (m = 3, context 256). (No row is
+    # wholly masked: a padding row sits past its sequence's context and sees all of it; NaN would be zeroed anyway.)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        qp, k, v, attn_mask=bias.view(B, num_kv_heads, group * max_q, L), scale=scale).nan_to_num_(0.0)
     o = o.view(B, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4).reshape(B, max_q, num_q_heads,
                                                                                         head_dim)
     out[rows[row_valid]] = o[row_valid].to(out.dtype)
