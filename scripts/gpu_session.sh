@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: carry .whl (pytest-asyncio, grpcio-health-checking/-reflection 1.84 wheels).
-#   scripts/gpu_session.sh tests|gpu-tests|bench|predraft|predraft-mechanics|bulk-grpc|all      results under $OUT (or ./gpu_out)
+#   scripts/gpu_session.sh tests|gpu-tests|bench|predraft|predraft-mechanics|host-profile|bulk-grpc|all
+# results under $OUT (or ./gpu_out). host-profile + predraft-mechanics fit one 10-minute call.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -28,6 +29,13 @@ if [ "$what" = predraft-mechanics ]; then  # the drafter's side at the 8B head s
     timeout "${MECH_TIMEOUT_S:-200}" python3 -m drafter_client.benchmarks.predraft_mechanics --preset $preset \
       --device cuda --batches "${MECH_BATCHES:-1,16,64}" --out "$OUT/predraft_mechanics_$preset.json" 2>&1 \
       | tee "$OUT/predraft_mechanics_$preset.log" | tail -6
+  done
+fi
+if [ "$what" = host-profile ]; then  # where the host time of a large batch goes (docs/performance.md)
+  for preset in llama3-8b llama3-8b-eagle3; do
+    timeout "${PROFILE_TIMEOUT_S:-100}" python3 scripts/profile_step.py --preset $preset --batches "${PROFILE_BATCHES:-128,256}" \
+      --host-profile > "$OUT/host_profile_$preset.log" 2>&1
+    echo "== $preset (rc $?)"; grep "=== batch" "$OUT/host_profile_$preset.log"
   done
 fi
 if [ "$what" = bulk-grpc ]; then  # large steps over TCP: bare gRPC echo, one message, chunks (docs/performance.md)
