@@ -76,9 +76,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                     help="leave glibc's malloc thresholds alone (by default large blocks are kept in the heap: "
                          "messages of many MiB then cost no page faults; docs/performance.md)")
     ap.add_argument("--cpu-threads", type=int, default=d.cpu_threads,
-                    help="torch threads for the draft step (0 = on CPU one per core, on CUDA 1: the host side of a CUDA "
-                         "step is small tensors); on CPU, where the engine runs on the same cores, give the drafter "
-                         "its share (docs/performance.md)")
+                    help="torch threads for the draft step (0 = on CPU one per core, on CUDA 1: the host side of a "
+                         "CUDA step is small tensors); on CPU, where the engine runs on the same cores, give the "
+                         "drafter its share (docs/performance.md)")
     ap.add_argument("--metrics-port", type=int, default=d.metrics_port,
                     help="Prometheus metrics on http://[::]:PORT/metrics, IPv6 and IPv4 (0 = off; docs/deployment.md)")
     ap.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,

@@ -347,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"(hit {r['sidecar_hit_steps']} x {fmt(r['sidecar_hit'])}, miss {r['sidecar_miss_steps']} x "
                       f"{fmt(r['sidecar_miss'])}, busy {r['sidecar_busy_steps']} x {fmt(r['sidecar_busy'])}); passes "
                       f"{r['server_passes']} done, {r['server_passes_stopped']} stopped, {r['server_passes_skipped']} "
-                      f"skipped, {r['server_pass_ms']:.2f} ms each; the proposer's step off / on {fmt(r['server_step_plain'])} / "
+                      f"skipped, {r['server_pass_ms']:.2f} ms each; the proposer's step off / on "
+                      f"{fmt(r['server_step_plain'])} / "
                       f"{fmt(r['server_step_predraft'])}", flush=True)
     out = {"benchmark": "predraft_mechanics",
            "command": shlex.join(["python", "-m", "drafter_client.benchmarks.predraft_mechanics",
