@@ -180,10 +180,12 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
         while True:  # answer the engine's questions until it reports
             if not here.poll(600):
                 raise RuntimeError("the engine process stopped answering")
-            what, ids = here.recv()
+            what, ids = here.recv()  # (EOFError when the engine process died without a word)
             if what == "done":
                 result = ids
                 break
+            if what == "failed":
+                raise RuntimeError(f"the engine process failed:\n{ids}")
             hits = {}
             for sid in ids:  # (read from this thread while the step thread may run a pass: a snapshot is enough)
                 st = proposer.table.get("mech", sid).predraft
@@ -285,7 +287,13 @@ def engine_process(conn, address: str, B: int, context: int, k: int, budget: int
                     **{f"sidecar_{kind}": med(v) for kind, v in kinds.items()},
                     **{f"sidecar_{kind}_steps": len(v) for kind, v in kinds.items()}}
 
-    conn.send(("done", asyncio.run(main())))
+    try:
+        conn.send(("done", asyncio.run(main())))
+    except BaseException:  # the benchmark's process raises it (instead of waiting for an answer that never comes)
+        import traceback
+
+        conn.send(("failed", traceback.format_exc()))
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
