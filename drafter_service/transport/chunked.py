@@ -205,7 +205,6 @@ def first_chunk_error(chunk: "Chunk | None") -> "RequestError | None":
     return None
 
 
-
 async def drain_refused(chunks, max_bytes: int = DRAIN_MAX_BYTES, max_s: float = DRAIN_MAX_S) -> bool:
     """Read and drop what is left of a refused upload, until the client half-closes (True) or max_bytes / max_s run
     out (False: the answer goes now). A server that answers a client stream while the client still writes races
