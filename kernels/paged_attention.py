@@ -72,8 +72,9 @@ def paged_attention_batched(
     against). Every sequence's context is gathered into one padded head-major [B, Hkv, L, D] tensor (L: the longest
     context, whole blocks; GatheredContext) and its query rows into a padded [B, Hkv, G*Q, D] (Q: the longest query,
     G query heads per KV head), so that one fused attention call (scaled_dot_product_attention) over the B * Hkv
-    (sequence, KV head) pairs does the whole batch; padding is masked out. The head-major copy costs a transpose at the gather (an earlier version read
-    strided [B, L, D] views of a token-major copy instead: torch's CPU bmm then loops over the matrices one by one);
+    (sequence, KV head) pairs does the whole batch; padding is masked out. The head-major copy costs a transpose at
+    the gather (an earlier version read strided [B, L, D] views of a token-major copy instead: torch's CPU bmm then
+    looped over the matrices one by one);
     with a context_cache the gather happens once per engine step. When padding would more than double the work of
     the per-sequence loop (a long prefill beside short decodes), and for one sequence (fewer ops), the loop runs
     instead.
