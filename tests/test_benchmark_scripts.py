@@ -1,0 +1,54 @@
+"""The benchmark scripts run end to end (tiny head, CPU, a few steps) and write the JSON their docs describe.
+
+Numbers are never checked (the machine's speed is not a test); what is checked is that each script still runs,
+measures every path it names, and reports in the shape docs/performance.md and docs/predraft.md read.
+"""
+import json
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run(args: list[str], out: pathlib.Path) -> dict:
+    done = subprocess.run([sys.executable, *args, "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_predraft_mechanics_runs_the_engine_in_a_process_of_its_own(tmp_path):
+    iters = 3
+    result = run(["-m", "drafter_client.benchmarks.predraft_mechanics", "--preset", "tiny", "--device", "cpu",
+                  "--batches", "1,2", "--iters", str(iters), "--warmup", "2", "--verify-ms", "5"],
+                 tmp_path / "pm.json")
+    assert result["benchmark"] == "predraft_mechanics" and result["warmup"] == 2 and result["date"]
+    assert [r["batch"] for r in result["rows"]] == [1, 2]
+    for r in result["rows"]:
+        for key in ("plain", "pass", "hit", "miss", "sidecar_plain", "sidecar_predraft", "server_step_plain",
+                    "server_step_predraft", "server_pass_ms"):
+            assert r[key] > 0, (key, r)
+        # every timed step of the pre-drafting phase is a hit, a miss or "busy", as the engine process saw it
+        assert r["sidecar_hit_steps"] + r["sidecar_miss_steps"] + r["sidecar_busy_steps"] == iters
+        assert r["server_passes"] + r["server_passes_stopped"] + r["server_passes_skipped"] > 0
+
+
+def test_bench_step_measures_every_path(tmp_path):
+    result = run(["-m", "drafter_client.benchmarks.bench_step", "--preset", "tiny", "--device", "cpu",
+                  "--batches", "1,32", "--iters", "2", "--prefill-tokens", "0", "--threads", "1"],
+                 tmp_path / "bs.json")
+    assert result["benchmark"] == "bench_step" and result["cpu_threads"] == 1
+    for r in result["rows"]:
+        for key in ("in_process_ms", "sidecar_ms", "sidecar_stream_ms", "sidecar_channel_ms",
+                    "sidecar_channel_batch_api_ms", "floor_ms", "sidecar_worker_ms"):
+            assert r[key] > 0, (key, r)
+
+
+def test_bench_request_codec_reads_requests_as_the_server_does(tmp_path):
+    result = run(["benchmarks/bench_request_codec.py", "--batches", "1,32", "--rounds", "1", "--reps", "2",
+                  "--width", "64"], tmp_path / "codec.json")
+    assert result["malloc_tuned"] in (True, False)
+    assert {(r["batch"], r["form"]) for r in result["rows"]} == {
+        (b, f) for b in (1, 32) for f in ("rows", "batch-rows", "batch-cols")}
+    assert all(r["server parse"] > 0 for r in result["rows"])
