@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: carry .whl (pytest-asyncio, grpcio-health-checking/-reflection 1.84 wheels).
 #   scripts/gpu_session.sh tests|gpu-tests|bench|predraft|predraft-mechanics|host-profile|bulk-grpc|all
-# results under $OUT (or ./gpu_out). host-profile + predraft-mechanics fit one 10-minute call.
+# results under $OUT (or ./gpu_out). followup = host-profile + predraft-mechanics (one 10-minute call).
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -12,6 +12,7 @@ export PYTHONPATH=$PYTHONPATH:/tmp/pkgs
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 python3 -c "import torch, triton, grpc, google.protobuf as p; print('torch', torch.__version__, 'triton', triton.__version__, 'grpc', grpc.__version__, 'protobuf', p.__version__)" | tee -a "$OUT/device.txt"
 what=${1:-all}
+if [ "$what" = followup ]; then bash "$0" host-profile; bash "$0" predraft-mechanics; exit 0; fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -q -ra -p no:cacheprovider tests/ 2>&1 | tee "$OUT/pytest_all.log" | grep -E "passed|failed|FAILED|ERROR" | tail -40
 fi
