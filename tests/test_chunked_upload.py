@@ -333,3 +333,24 @@ async def test_a_refused_upload_reports_its_status_while_the_client_still_writes
                 assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, (i, e.value)
                 assert "--max-chunked-bytes-per-namespace" in e.value.message
             assert srv.server.servicer.staging.in_flight == 0
+
+
+async def test_draining_a_refused_upload_is_bounded():
+    """drain_refused reads until the client half-closes, but no longer than max_s and no more than max_bytes: a
+    client that keeps writing (or stalls) gets its answer anyway."""
+    from drafter_service.transport.chunked import Chunk, drain_refused
+
+    async def chunks(n: int | None, size: int = 1000, pause: float = 0.0):
+        i = 0
+        while n is None or i < n:
+            if pause:
+                await asyncio.sleep(pause)
+            yield Chunk(None, i * size, memoryview(bytes(size)))
+            i += 1
+
+    assert await drain_refused(chunks(5))  # the client half-closed after 5 chunks
+    assert not await drain_refused(chunks(None), max_bytes=10_000, max_s=5.0)  # endless: cut at 10 kB
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    assert not await drain_refused(chunks(None, pause=0.05), max_bytes=10**9, max_s=0.3)  # slow and endless
+    assert loop.time() - t0 < 2.0
