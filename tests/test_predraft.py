@@ -303,28 +303,39 @@ def test_hits_through_every_path(path, tiny_model, tmp_path):
 
 def test_a_pass_that_would_outlast_the_idle_window_is_not_started(tiny_model, tmp_path):
     """The drafter falls back by itself when it is too busy: with passes known to take longer than the idle time
-    between steps, none starts (counted as skipped, the step is plain); now and then one runs anyway (a probe) and
-    measures itself again, so that one slow pass (compiling kernels) does not keep pre-drafting off."""
+    between steps, none starts and a plain step keeps nothing for one (counted as skipped; the step costs what it
+    costs with pre-drafting off); now and then one runs anyway (a probe) and measures itself again, so that one
+    slow pass (compiling kernels) does not keep pre-drafting off."""
     head, target = tiny_model
     rt = build_runtime(make_config(head, target, tmp_path))
     proposer, width = rt.proposer, rt.limits.hidden_states_width
     pd = proposer.predraft
     pd.observe_window(0.002)  # 2 ms between a reply and the next request
     pd._timed(1, 0.010, finished=True)  # passes over one sequence took 10 ms
-    out = proposer.step([StepInput(NS, "s", 0, torch.arange(5), torch.randn(5, width), 3, 3, predraft_branches=4)])[0]
-    assert out.code == 0 and pd.has_work()
-    assert pd.prepare(lambda: False)  # (nothing stopped it: it did not start)
+
+    def step(p: int, m: int) -> None:
+        out = proposer.step([StepInput(NS, "s", p, torch.arange(m), torch.randn(m, width), 3, 3,
+                                       predraft_branches=4)])[0]
+        assert out.code == 0 and not out.predrafted
+
+    step(0, 5)
+    state = proposer.table.get(NS, "s").predraft
+    assert state.basis is None and not pd.has_work()  # nothing kept: its pass would not fit
     assert pd.counters.passes_skipped == 1 and pd.counters.passes == 0 and pd.counters.branches_prepared == 0
-    assert proposer.table.get(NS, "s").predraft.branches is None and not pd.has_work()
-    # it tries again: after PROBE_AFTER_SKIPS skips in a row one pass runs anyway, and its time replaces the estimate
-    skipped = 1  # (the prepare above)
-    while not pd._fits(1):
-        skipped += 1
-    assert skipped == PROBE_AFTER_SKIPS
+    # it tries again: after PROBE_AFTER_SKIPS skips in a row a step keeps its basis, and its pass runs (a probe)
+    for i in range(1, PROBE_AFTER_SKIPS):
+        assert not pd.has_work()
+        step(4 + i, 1)
+    assert pd.counters.passes_skipped == PROBE_AFTER_SKIPS
+    step(4 + PROBE_AFTER_SKIPS, 1)
+    assert pd.has_work() and state.basis is not None
+    assert pd.prepare(lambda: False)
+    assert pd.counters.passes == 1 and pd.counters.branches_prepared > 0 and state.branches is not None
+    # the probe's time replaces the estimate: down at once when it was faster
     pd._timed(1, 0.001, finished=True)  # the probe took 1 ms (the 10 ms passes were compiling kernels, say)
-    assert pd._fits(1) and pd._fits(1)  # down at once: passes run again
+    assert pd.worth_preparing(1) and pd._fits(1) and pd._fits(1)  # passes run again
     pd._timed(1, 0.5, finished=False)  # one that a request stopped after 0.5 ms: twice that is the guess
-    assert not pd._fits(1)
+    assert not pd.worth_preparing(1) and not pd._fits(1)
     pd.observe_window(1.0)  # long verifications from now on: the average follows
     assert pd.window_s > 0.1
 

@@ -36,14 +36,16 @@ started when its expected time (the average of earlier passes over as many seque
 FIT_SHARE of the average idle window between a batch and the next request (the scheduler reports it): a drafter
 too busy to prepare falls back to plain drafting by itself, and tries again now and then: after PROBE_AFTER_SKIPS
 skips in a row a pass of that size runs once anyway and measures itself again (an estimate set by a slow pass, the
-first one compiling kernels or one a request stopped, would otherwise keep passes off for good). A pass's
+first one compiling kernels or one a request stopped, would otherwise keep passes off for good). While passes do not
+fit, a plain step keeps nothing for one either (worth_preparing): the step costs what it costs with pre-drafting
+off. A pass's
 branches take at most BRANCH_POOL_SHARE of the KV pool while it runs, and only free blocks.
 
 Sequential heads only (EAGLE-1, EAGLE-3), whose next_hidden is their output (so L_j = compute_logits(g_j)); parallel
 and multi-layer heads ignore predraft_branches (GetInfo.predraft_supported is false).
 """
 import time
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -196,7 +198,8 @@ class Predrafter:
         self._skip_steps = 0  # steps left before the next pass may run (back-off after stopped passes)
         self.window_s: float | None = None  # average idle time between a batch's end and the next request
         self._pass_s: dict[int, float] = {}  # sequences' bit length -> average seconds of a pass of that size
-        self._skips: dict[int, int] = {}  # sequences' bit length -> passes of that size skipped in a row
+        # sequences' bit length -> passes of that size skipped in a row (by _fits, or by after_step not keeping a basis)
+        self._skips: dict[int, int] = defaultdict(int)
         proposer.table.on_drop = self.forget
 
     # ---- at admission and after a step (proposer.step) ----
@@ -262,6 +265,12 @@ class Predrafter:
         answered = [(a, d, f) for a, d, f in answered if d and a.seq.predraft is not None]
         if not answered:
             return
+        if not self.worth_preparing(len(answered)):  # passes of this size do not fit: nothing is kept for one
+            self.counters.passes_skipped += 1
+            self._skips[len(answered).bit_length()] += 1
+            for a, _, _ in answered:
+                a.seq.predraft.basis = None
+            return
         tokens = torch.stack([a.step.token_ids[-1] for a, _, _ in answered])  # [n] x[C-1]
         states = [a.step.hidden_states[-1] for a, _, _ in answered]
         if len({(h.device, h.dtype) for h in states}) == 1:
@@ -306,6 +315,17 @@ class Predrafter:
     def observe_window(self, seconds: float) -> None:
         """The scheduler's idle time between a batch's end and the next request's arrival (0: one was waiting)."""
         self.window_s = seconds if self.window_s is None else (1 - EMA) * self.window_s + EMA * seconds
+
+    def worth_preparing(self, n: int) -> bool:
+        """Whether a plain step of n pre-drafting sequences keeps what a pass needs (its last rows, its features).
+        Not while passes of that size are expected to outlast the idle window (the pass would be skipped): the
+        drafter then drafts plainly at no extra cost, but on the step before a probe (PROBE_AFTER_SKIPS skips in a
+        row), whose pass measures itself again."""
+        size = n.bit_length()
+        estimate = self._pass_s.get(size)
+        if estimate is None or self.window_s is None or estimate <= FIT_SHARE * self.window_s:
+            return True
+        return self._skips.get(size, 0) >= PROBE_AFTER_SKIPS
 
     def _fits(self, n: int) -> bool:
         """Whether a pass over n sequences is expected to end before the next request arrives."""

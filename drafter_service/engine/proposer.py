@@ -462,8 +462,9 @@ class Proposer:
         tok, hidden_prev = sample.tokens, self.model.next_hidden(head_last)
         # pre-drafting: with one k for every drafting sequence the features g_0..g_{k-1} of the decode rows are kept
         # for its forced pass (predraft.py), which then needs to run only the row of draft k
-        keep_features = (any(a.seq.predraft is not None for a in batch)
-                         and len({ks[i] for i in active}) == 1)
+        predrafting = sum(batch[i].seq.predraft is not None for i in active)
+        keep_features = (predrafting > 0 and len({ks[i] for i in active}) == 1
+                         and self.predraft.worth_preparing(predrafting))
         features = [hidden_prev] if keep_features else None
         # decode steps j = 1..k-1: one row per sequence still drafting, at position C-1+j; the rows' block tables
         # and base positions are tensors, narrowed only when a sequence's k runs out
@@ -504,7 +505,8 @@ class Proposer:
         """After the graphs drafted a step of uniform k: the pre-drafting sequences' features g_0..g_{k-1}, for their
         forced pass (as the eager loop keeps them)."""
         ks = {md.num_drafts[i] for i in md.active}
-        if len(ks) == 1 and any(batch[i].seq.predraft is not None for i in md.active):
+        predrafting = sum(batch[i].seq.predraft is not None for i in md.active)
+        if len(ks) == 1 and predrafting and self.predraft.worth_preparing(predrafting):
             kept = self.decode_graphs.kept_features(len(md.active), ks.pop())
             out.features = {i: kept[r] for r, i in enumerate(md.active) if batch[i].seq.predraft is not None}
         return out
