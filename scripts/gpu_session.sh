@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: carry .whl (pytest-asyncio, grpcio-health-checking/-reflection 1.84 wheels).
 #   scripts/gpu_session.sh tests|gpu-tests|bench|predraft|predraft-mechanics|host-profile|bulk-grpc|all
-# results under $OUT (or ./gpu_out). followup = host-profile + predraft-mechanics (one 10-minute call).
+# results under $OUT (or ./gpu_out). followup = host-profile + predraft-mechanics (one 10-minute call, 7 files).
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -37,6 +37,8 @@ if [ "$what" = host-profile ]; then  # where the host time of a large batch goes
     timeout "${PROFILE_TIMEOUT_S:-100}" python3 scripts/profile_step.py --preset $preset --batches "${PROFILE_BATCHES:-128,256}" \
       --host-profile > "$OUT/host_profile_$preset.log" 2>&1
     echo "== $preset (rc $?)"; grep "=== batch" "$OUT/host_profile_$preset.log"
+    timeout 100 python3 scripts/host_phases.py --preset $preset --device cuda --batches 1,128,256 \
+      --out "/tmp/host_phases_$preset.json" 2>&1 | grep batch | tee -a "$OUT/host_profile_$preset.log"
   done
 fi
 if [ "$what" = bulk-grpc ]; then  # large steps over TCP: bare gRPC echo, one message, chunks (docs/performance.md)

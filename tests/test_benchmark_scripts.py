@@ -52,3 +52,11 @@ def test_bench_request_codec_reads_requests_as_the_server_does(tmp_path):
     assert {(r["batch"], r["form"]) for r in result["rows"]} == {
         (b, f) for b in (1, 32) for f in ("rows", "batch-rows", "batch-cols")}
     assert all(r["server parse"] > 0 for r in result["rows"])
+
+
+def test_host_phases_splits_the_step(tmp_path):
+    result = run(["scripts/host_phases.py", "--preset", "tiny", "--device", "cpu", "--batches", "1,8", "--iters", "3"],
+                 tmp_path / "phases.json")
+    for r in result["rows"]:
+        assert 0 < r["admission_ms"] + r["run_ms"] + r["after_ms"] <= r["step_ms"] * 1.01
+        assert 0 < r["metadata_ms"] < r["run_ms"]

@@ -1,0 +1,123 @@
+"""Where the host time of an in-process proposer step goes, by phase (a script, not a test): admission (touching and
+admitting every sequence, pre-drafting's admission hook), the head's run (the step metadata, timed apart, the
+forwards, the drafts' copy to the host: on CUDA it ends with the step's one synchronization), and the work after it
+(outputs, pre-drafting bookkeeping, metrics). Admission and the work after the run are host work the device waits for, at every batch size.
+
+    python scripts/host_phases.py --preset tiny --device cpu --batches 1,64,256
+    python scripts/host_phases.py --preset llama3-8b --device cuda --batches 1,128,256 --out gpu_out/host_phases.json
+
+bench_step's random head and decode steps (bench_step.make_steps: m committed tokens, k drafts, fixed context);
+medians over --iters steps after 3 warm-up steps. Prints a table, writes JSON (device, date, command) to --out.
+"""
+import argparse
+import datetime
+import json
+import pathlib
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from drafter_client.benchmarks import bench_step as b  # noqa: E402
+from drafter_service.config import ServerConfig  # noqa: E402
+from drafter_service.engine.step_metadata import StepMetadata  # noqa: E402
+from drafter_service.runtime import build_runtime  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny", choices=sorted(b.PRESETS))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--context", type=int, default=None)
+    ap.add_argument("--m", type=int, default=3)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default="bench_out/host_phases.json")
+    a = ap.parse_args()
+    shape = b.PRESETS[a.preset]
+    context = a.context or shape["context"]
+    batches = [int(x) for x in a.batches.split(",")]
+    device = torch.device(a.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        head, target = b.write_random_head(pathlib.Path(tmp), shape, context + 64)
+        rt = build_runtime(ServerConfig(
+            model=str(head), target_model=str(target), device=a.device,
+            dtype="bfloat16" if device.type == "cuda" else "float32",
+            kv_cache_tokens=(max(batches) + 8) * (context + 96), max_model_len=context + 64, max_batch_seqs=4096))
+        p = rt.proposer
+        marks: dict[str, float] = {}
+        admitted, run = p.predraft.on_step, p._run
+
+        def on_step():  # proposer.step calls it right after admitting the batch
+            marks["admitted"] = time.perf_counter()
+            return admitted()
+
+        def timed_run(batch):
+            marks["run"] = time.perf_counter()
+            try:
+                return run(batch)
+            finally:
+                marks["ran"] = time.perf_counter()
+
+        p.predraft.on_step, p._run = on_step, timed_run
+        build = StepMetadata.build
+
+        def timed_build(*args, **kw):  # the step metadata, inside the run (host work, then copies to the device)
+            t0 = time.perf_counter()
+            try:
+                return build(*args, **kw)
+            finally:
+                marks["metadata"] = marks.get("metadata", 0.0) + time.perf_counter() - t0
+
+        StepMetadata.build = staticmethod(timed_build)
+        width = rt.limits.hidden_states_width
+        for batch in batches:
+            prefill, decode = b.make_steps(batch, context, a.m, a.k, width, shape["vocab_size"], seed=batch)
+            for i in range(0, batch, 8):
+                p.step(b.to_inputs(prefill[i : i + 8]))
+            inputs = b.to_inputs(decode)
+            phases = {"step": [], "admission": [], "metadata": [], "run": [], "after": []}
+            for it in range(a.iters + 3):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                marks["metadata"] = 0.0
+                t0 = time.perf_counter()
+                p.step(inputs)
+                t1 = time.perf_counter()
+                if it >= 3:
+                    phases["step"].append(t1 - t0)
+                    phases["admission"].append(marks["admitted"] - t0)
+                    phases["metadata"].append(marks["metadata"])
+                    phases["run"].append(marks["ran"] - marks["run"])
+                    phases["after"].append(t1 - marks["ran"])
+            for s in inputs:
+                p.table.release("bench", s.sequence_id)
+            row = dict(batch=batch, **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in phases.items()})
+            rows.append(row)
+            print(f"batch {batch:4d}: step {row['step_ms']:.3f} ms = admission {row['admission_ms']:.3f} + run "
+                  f"{row['run_ms']:.3f} (of which step metadata {row['metadata_ms']:.3f}) + after "
+                  f"{row['after_ms']:.3f} (+ the rest)", flush=True)
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor()
+                                                                                or platform.machine())
+    result = dict(benchmark="host_phases", date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), device=f"{device.type}: {dev_name}", torch=torch.__version__,
+        command=shlex.join([sys.executable, *sys.argv]), preset=a.preset, context=context, m=a.m, k=a.k,
+        iters=a.iters, host_threads=torch.get_num_threads(), rows=rows)
+    out = pathlib.Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
