@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from drafter_client.messages import (RESYNC_CODES, UNAVAILABLE, ChunkedRequest, DrafterError, _status_code,
-                                     serialize_with_states)
+from drafter_client.messages import (RESYNC_CODES, UNAVAILABLE, ChunkedRequest, DirectRequest, DrafterError,
+                                     _status_code, serialize_with_states)
 from drafter_client.protocol import pb
 from drafter_client.protocol.wire import decode_tensor, encode_tensor
 from drafter_client.shm_ring import SharedTensorRef
@@ -163,7 +163,7 @@ def build_batch_request(namespace: str, batch: StepBatch, request_id: int = 0) -
 
 def serialize_batch(namespace: str, batch: StepBatch, hidden_states: "torch.Tensor | SharedTensorRef | None" = None,
                     request_id: int = 0, chunk_min_bytes: int | None = None,
-                    columns: bool = False) -> "bytes | bytearray | ChunkedRequest":
+                    columns: bool = False) -> "bytes | DirectRequest | ChunkedRequest":
     """The batch's serialized ProposeRequest (hidden_states: in place of the batch's own, e.g. a ring slot); a
     ChunkedRequest for ProposeChunked when the inline states reach chunk_min_bytes (None: never). columns: the steps
     as columns (the drafter's GetInfo.step_columns_supported), else one message per sequence."""

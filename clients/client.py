@@ -21,9 +21,9 @@ from drafter_client.auth import bearer_metadata
 from drafter_client.batch import (COLUMNS_MIN_SEQUENCES, BatchDrafts, StepBatch, fallback_batch, parse_batch_response,
                                  serialize_batch)
 from drafter_client.breaker import CircuitBreaker
-from drafter_client.messages import (CHUNK_BYTES, CHUNKED_MIN_BYTES, FAULT_CODES, ChunkedRequest, DrafterError,
-                                     ProposeResult, ReleaseResult, SequenceDrafts, SequenceStep, build_request,
-                                     fallback_result, hidden_parts, parse_response, serialize_request)
+from drafter_client.messages import (CHUNK_BYTES, CHUNKED_MIN_BYTES, FAULT_CODES, ChunkedRequest, DirectRequest,
+                                     DrafterError, ProposeResult, ReleaseResult, SequenceDrafts, SequenceStep,
+                                     build_request, fallback_result, hidden_parts, parse_response, serialize_request)
 from drafter_client.protocol import pb, pb_grpc
 from drafter_client.session import ProposeSession
 from drafter_client.shm_ring import SharedTensorRef, SlotRing
@@ -306,7 +306,7 @@ class DrafterClient:
         ch = self._step_channel
         return self.chunk_min_bytes if ch is None else max(self.chunk_min_bytes, ch.request_capacity + 1)
 
-    async def _send_step(self, payload: "bytes | bytearray | ChunkedRequest",
+    async def _send_step(self, payload: "bytes | DirectRequest | ChunkedRequest",
                          timeout: float | None) -> "pb.ProposeResponse":
         """Through the step channel when one is open and free and the request fits it; a large step by
         ProposeChunked; else a unary Propose. The deadline covers both (a step the channel could not take goes over
@@ -325,7 +325,7 @@ class DrafterClient:
                 return _channel_reply(reply)
         self.steps_through_grpc += 1
         left = max(0.0, deadline - time.monotonic()) if deadline is not None else None
-        return await self._call(self._propose_bytes, bytes(payload), left)  # (grpc takes bytes, not a bytearray)
+        return await self._call(self._propose_bytes, bytes(payload), left)  # (grpc takes bytes)
 
     async def _send_chunked(self, payload: ChunkedRequest, timeout: float | None) -> "pb.ProposeResponse":
         """One ProposeChunked call (the chunks are copied lazily, while earlier ones travel); a drafter that has
@@ -412,7 +412,7 @@ class DrafterClient:
         else:
             self._reopen_after = time.monotonic() + REOPEN_RETRY_S
 
-    def _claim_channel(self, payload: "bytes | bytearray") -> "StepChannel | None":
+    def _claim_channel(self, payload: "bytes | DirectRequest") -> "StepChannel | None":
         """The claimed step channel when the serialized request can go through it now; else None."""
         ch = self._step_channel
         if ch is None or not ch.try_claim():

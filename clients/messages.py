@@ -159,13 +159,14 @@ def _varint(n: int) -> bytes:
 
 def serialize_request(namespace: str, steps: list[SequenceStep],
                       hidden_states: "torch.Tensor | SharedTensorRef | None" = None,
-                      request_id: int = 0, chunk_min_bytes: int | None = None) -> "bytes | bytearray | ChunkedRequest":
+                      request_id: int = 0, chunk_min_bytes: int | None = None) -> "bytes | DirectRequest | ChunkedRequest":
     """build_request(...).SerializeToString(), with large inline hidden states copied once, from the caller's
-    tensors straight into the message's bytes. (build_request then SerializeToString copies them four times:
-    torch.cat, tobytes, into the message, out of it; at batch 256 of an 8B head, 6 MiB of states, that was most
-    of the client's time.) The message is the request's other fields serialized by protobuf, followed by the
-    hidden_states field written by hand: Tensor{dtype, shape, raw} (the wire format lets a field come after the
-    others; the drafter parses the same message).
+    tensors straight to where the request goes (a DirectRequest: bytes(it) for gRPC, or written into a step
+    channel's mailbox). (build_request then SerializeToString copies them four times: torch.cat, tobytes, into
+    the message, out of it; at batch 256 of an 8B head, 6 MiB of states, that was most of the client's time.) The
+    message is the request's other fields serialized by protobuf, followed by the hidden_states field written by
+    hand: Tensor{dtype, shape, raw} (the wire format lets a field come after the others; the drafter parses the
+    same message).
     chunk_min_bytes: inline states of at least this many bytes give a ChunkedRequest instead (ProposeChunked);
     None: never."""
     parts = None if isinstance(hidden_states, SharedTensorRef) else hidden_parts(steps, hidden_states)
@@ -175,9 +176,10 @@ def serialize_request(namespace: str, steps: list[SequenceStep],
 
 def serialize_with_states(req: "pb.ProposeRequest", hidden_states: "torch.Tensor | SharedTensorRef | None",
                           parts: "list[torch.Tensor] | None",
-                          chunk_min_bytes: int | None = None) -> "bytes | bytearray | ChunkedRequest":
+                          chunk_min_bytes: int | None = None) -> "bytes | DirectRequest | ChunkedRequest":
     """req (every field but hidden_states) serialized with the hidden states: parts (the [rows, W] tensors to
-    stack, in order) written straight into the bytes when they are large and alike, else through protobuf.
+    stack, in order) written by hand when they are large and alike (a DirectRequest: copied once, when the request
+    is written where it goes), else through protobuf.
     States of chunk_min_bytes or more (when given) come back as a ChunkedRequest, for ProposeChunked."""
     if (parts is None or len({(p.dtype, p.dim(), p.shape[-1] if p.dim() else 0) for p in parts}) != 1
             or parts[0].dim() != 2 or parts[0].dtype not in WIRE_DTYPE
@@ -189,22 +191,42 @@ def serialize_with_states(req: "pb.ProposeRequest", hidden_states: "torch.Tensor
     return _serialize_direct(req, parts)
 
 
-def _serialize_direct(req: "pb.ProposeRequest", parts: list[torch.Tensor]) -> bytearray:
-    """req with the parts ([rows, W] tensors alike in dtype and width) as hidden_states, copied once."""
-    head = req.SerializeToString()
-    rows, width, dtype = sum(p.shape[0] for p in parts), parts[0].shape[1], parts[0].dtype
-    raw_len = rows * width * parts[0].element_size()
-    shape = _varint(rows) + _varint(width)
-    tensor_head = (bytes([1 << 3]) + _varint(WIRE_DTYPE[dtype])  # dtype = 1 (varint)
-                   + bytes([2 << 3 | 2]) + _varint(len(shape)) + shape  # shape = 2 (packed int64)
-                   + bytes([3 << 3 | 2]) + _varint(raw_len))  # raw = 3 (bytes)
-    field_head = bytes([_HIDDEN_STATES_FIELD << 3 | 2]) + _varint(len(tensor_head) + raw_len)
-    start = len(head) + len(field_head) + len(tensor_head)
-    buf = bytearray(start + raw_len)
-    buf[: start] = head + field_head + tensor_head
-    out = torch.frombuffer(buf, dtype=torch.uint8, offset=start, count=raw_len).view(dtype).view(rows, width)
-    torch.cat([p.detach().cpu() for p in parts], out=out)  # the one copy of the states
-    return buf
+class DirectRequest:
+    """A serialized ProposeRequest whose inline states are copied once, straight to where the request goes: a step
+    channel's mailbox (write_into: no intermediate buffer), or bytes for gRPC (bytes(request)). len() is its size in
+    bytes; the bytes are the other fields as protobuf serializes them, then the hidden_states field written by hand.
+    The parts are read when it is written: the caller keeps them unchanged until then."""
+
+    def __init__(self, req: "pb.ProposeRequest", parts: list[torch.Tensor]):
+        self.parts = parts  # [rows, W] tensors alike in dtype and width, stacked in order as the states
+        self.rows, self.width, self.dtype = sum(p.shape[0] for p in parts), parts[0].shape[1], parts[0].dtype
+        self.raw_len = self.rows * self.width * parts[0].element_size()
+        shape = _varint(self.rows) + _varint(self.width)
+        tensor_head = (bytes([1 << 3]) + _varint(WIRE_DTYPE[self.dtype])  # dtype = 1 (varint)
+                       + bytes([2 << 3 | 2]) + _varint(len(shape)) + shape  # shape = 2 (packed int64)
+                       + bytes([3 << 3 | 2]) + _varint(self.raw_len))  # raw = 3 (bytes)
+        field_head = bytes([_HIDDEN_STATES_FIELD << 3 | 2]) + _varint(len(tensor_head) + self.raw_len)
+        self.head = req.SerializeToString() + field_head + tensor_head
+
+    def __len__(self) -> int:
+        return len(self.head) + self.raw_len
+
+    def write_into(self, buf) -> None:
+        """Write the request into buf (a writable buffer of exactly len(self) bytes): the one copy of the states."""
+        start = len(self.head)
+        buf[:start] = self.head
+        out = torch.frombuffer(buf, dtype=torch.uint8, offset=start, count=self.raw_len)
+        torch.cat([p.detach().cpu() for p in self.parts], out=out.view(self.dtype).view(self.rows, self.width))
+
+    def __bytes__(self) -> bytes:
+        buf = bytearray(len(self))
+        self.write_into(buf)
+        return bytes(buf)
+
+
+def _serialize_direct(req: "pb.ProposeRequest", parts: list[torch.Tensor]) -> DirectRequest:
+    """req with the parts ([rows, W] tensors alike in dtype and width) as hidden_states, copied once when written."""
+    return DirectRequest(req, parts)
 
 
 # ProposeChunked (docs/protocol.md): steps whose inline states reach this size go in chunks of CHUNK_BYTES
@@ -260,7 +282,7 @@ class ChunkedRequest:
             # bytes + buffer: one copy of the data into the message
             yield _CHUNK_OFFSET_KEY + _varint(start) + _CHUNK_DATA_KEY + _varint(len(data)) + data
 
-    def unary(self) -> bytearray:
+    def unary(self) -> DirectRequest:
         """The same step as one ProposeRequest (a drafter without ProposeChunked)."""
         req = pb.ProposeRequest()
         req.CopyFrom(self.req)

@@ -123,7 +123,7 @@ class StepChannel:
 
     # ---- one request ----
 
-    def _send(self, payload: bytes) -> int:
+    def _send(self, payload) -> int:  # bytes, or a DirectRequest (written into the mailbox: Mailbox.write)
         if self.box.state == CLOSED:
             raise StepChannelClosed("the drafter closed this channel")
         self._seq += 1
@@ -158,7 +158,7 @@ class StepChannel:
         if now - started > LIVENESS_PERIOD_S and self._drafter_gone():
             raise StepChannelError(grpc.StatusCode.UNAVAILABLE, "the drafter went away (step channel closed)")
 
-    def _wait(self, payload: bytes, timeout: float | None):
+    def _wait(self, payload, timeout: float | None):
         """Send payload, then poll for the reply: a generator that yields how long to sleep before the next poll
         and returns the reply (call() and call_blocking() drive it with their own sleep). The caller holds the
         claim; it is released when this ends, however it ends."""
@@ -181,8 +181,9 @@ class StepChannel:
             self._claim.release()
         return reply
 
-    async def call(self, payload: bytes, timeout: float | None = None) -> bytes:
-        """Send one serialized ProposeRequest, return the serialized ProposeResponse. Cancelled mid-wait, the
+    async def call(self, payload, timeout: float | None = None) -> bytes:
+        """Send one serialized ProposeRequest (bytes, or a DirectRequest that writes itself into the mailbox), return
+        the serialized ProposeResponse. Cancelled mid-wait, the
         channel closes (its reply would come later)."""
         waiting = self._wait(payload, timeout)
         try:
@@ -193,7 +194,7 @@ class StepChannel:
         finally:
             waiting.close()  # (a no-op once finished; on cancellation it closes the channel)
 
-    def call_blocking(self, payload: bytes, timeout: float | None = None) -> bytes:
+    def call_blocking(self, payload, timeout: float | None = None) -> bytes:
         """call() on the calling thread, without an event loop. Its spin sleeps with time.sleep(0), which lets other
         threads take the GIL; for the call, the thread's timer slack is 1 ns (Linux; restored after), or each of
         those sleeps would last the default 50 us slack and more."""

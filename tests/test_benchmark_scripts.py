@@ -60,3 +60,10 @@ def test_host_phases_splits_the_step(tmp_path):
     for r in result["rows"]:
         assert 0 < r["admission_ms"] + r["run_ms"] + r["after_ms"] <= r["step_ms"] * 1.01
         assert 0 < r["metadata_ms"] < r["run_ms"]
+
+
+def test_bench_channel_write_writes_both_ways(tmp_path):
+    result = run(["benchmarks/bench_channel_write.py", "--shapes", "1024x32", "--rounds", "1", "--reps", "2"],
+                 tmp_path / "cw.json")
+    assert [(r["width"], r["batch"]) for r in result["rows"]] == [(1024, 32)]
+    assert result["rows"][0]["direct_ms"] > 0 and result["rows"][0]["via-buffer_ms"] > 0

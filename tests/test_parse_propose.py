@@ -72,7 +72,7 @@ def test_list_encoders_match_the_tensor_encoding():
 def test_serialize_request_is_the_built_request(seed):
     """serialize_request writes large hidden states into the bytes directly: the drafter must parse exactly the
     message build_request makes, on random batches around the size where the direct copy starts."""
-    from drafter_client.messages import DIRECT_STATES_MIN_BYTES, serialize_request
+    from drafter_client.messages import DIRECT_STATES_MIN_BYTES, DirectRequest, serialize_request
 
     g = torch.Generator().manual_seed(seed)
     dtype = [torch.float32, torch.bfloat16, torch.float16][seed % 3]
@@ -90,4 +90,4 @@ def test_serialize_request_is_the_built_request(seed):
     assert pb.ProposeRequest.FromString(bytes(raw)) == built
     assert len(raw) == built.ByteSize()
     big = sum(s.hidden_states.numel() for s in steps) * steps[0].hidden_states.element_size() >= DIRECT_STATES_MIN_BYTES
-    assert isinstance(raw, bytearray) == big  # (the direct copy ran exactly where it should)
+    assert isinstance(raw, DirectRequest) == big  # (the direct copy ran exactly where it should)

@@ -103,7 +103,7 @@ def test_corrupted_client_requests_give_what_protobuf_gives(scan_everything, cut
     g = torch.Generator().manual_seed(0)
     steps = [SequenceStep(f"s{i}", 0, torch.randint(0, 100, (5,), generator=g), torch.randn(5, 8, generator=g),
                           1, 3) for i in range(40)]
-    message = bytearray(serialize_request("ns", steps))  # 40 x 5 x 8 fp32 = 6.4 KB of states
+    message = bytearray(bytes(serialize_request("ns", steps)))  # 40 x 5 x 8 fp32 = 6.4 KB of states
     assert check_same(bytes(message)).states is not None  # (intact: the view path)
     for where, value in flips:
         message[where % len(message)] = value

@@ -330,3 +330,25 @@ def test_a_channel_claim_is_exclusive_across_threads_and_freed_by_every_ending()
     with pytest.raises(RuntimeError):  # a call needs a claim
         ch.call_blocking(b"request", timeout=0.2)
     drafter_end.close()
+
+
+async def test_a_large_step_is_written_straight_into_the_mailbox(ch_server, tiny_model):
+    """Inline states of DIRECT_STATES_MIN_BYTES or more travel as a DirectRequest, which writes itself into the
+    mailbox (the one copy of the states on the client's side): the drafter reads the same step (with and without
+    crcs) and drafts what it drafts over gRPC, and what the naive reference drafts."""
+    from drafter_client.messages import DIRECT_STATES_MIN_BYTES, DirectRequest, serialize_request
+
+    rows = 400  # 400 x 64 fp32 = 100 KiB
+    g = torch.Generator().manual_seed(11)
+    big = SequenceStep("big", 0, torch.randint(0, V, (rows,), generator=g), torch.randn(rows, H, generator=g), 7, 4)
+    assert rows * H * 4 >= DIRECT_STATES_MIN_BYTES and isinstance(serialize_request("x", [big]), DirectRequest)
+    async with DrafterClient(ch_server.uds, namespace="big-ch", chunk_min_bytes=None) as fast, \
+            DrafterClient(ch_server.uds, namespace="big-grpc", chunk_min_bytes=None) as slow:
+        assert await fast.open_step_channel()
+        a, b = await fast.propose([big]), await slow.propose([big])
+        assert fast.steps_through_channel == 1 and slow.steps_through_channel == 0
+        assert a.sequences[0].ok and a.sequences[0].drafts.tolist() == b.sequences[0].drafts.tolist()
+        assert a.sequences[0].drafts.tolist() == NaiveEagle1(*tiny_model).drafts(
+            big.token_ids.tolist() + [7], big.hidden_states, 4)
+        await fast.release(["big"])
+        await slow.release(["big"])
