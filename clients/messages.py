@@ -158,8 +158,8 @@ def _varint(n: int) -> bytes:
 
 
 def serialize_request(namespace: str, steps: list[SequenceStep],
-                      hidden_states: "torch.Tensor | SharedTensorRef | None" = None,
-                      request_id: int = 0, chunk_min_bytes: int | None = None) -> "bytes | DirectRequest | ChunkedRequest":
+                      hidden_states: "torch.Tensor | SharedTensorRef | None" = None, request_id: int = 0,
+                      chunk_min_bytes: int | None = None) -> "bytes | DirectRequest | ChunkedRequest":
     """build_request(...).SerializeToString(), with large inline hidden states copied once, from the caller's
     tensors straight to where the request goes (a DirectRequest: bytes(it) for gRPC, or written into a step
     channel's mailbox). (build_request then SerializeToString copies them four times: torch.cat, tobytes, into

@@ -1,7 +1,8 @@
-"""Where the host time of an in-process proposer step goes, by phase (a script, not a test): admission (touching and
-admitting every sequence, pre-drafting's admission hook), the head's run (the step metadata, timed apart, the
-forwards, the drafts' copy to the host: on CUDA it ends with the step's one synchronization), and the work after it
-(outputs, pre-drafting bookkeeping, metrics). Admission and the work after the run are host work the device waits for, at every batch size.
+"""Where the host time of an in-process proposer step goes, by phase (a script, not a test): admission (touching
+and admitting every sequence, pre-drafting's admission hook), the head's run (the step metadata, timed apart, the
+forwards, the drafts' copy to the host: on CUDA it ends with the step's one synchronization), and the work after
+it (outputs, pre-drafting bookkeeping, metrics). Admission and the work after the run are host work the device
+waits for, at every batch size.
 
     python scripts/host_phases.py --preset tiny --device cpu --batches 1,64,256
     python scripts/host_phases.py --preset llama3-8b --device cuda --batches 1,128,256 --out gpu_out/host_phases.json
