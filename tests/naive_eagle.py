@@ -91,3 +91,19 @@ class NaiveEagle1(NaiveLlama):
             ids.append(d)
             hid = torch.cat([hid, o[-1:]])
         return out
+
+    def divergence(self, tokens: list[int], hidden: torch.Tensor, got: list[int]) -> tuple[int, float] | None:
+        """Where drafts `got` (a drafter's, for the same context) first differ from this reference's greedy choice
+        given got's own earlier drafts, and by how much: (index, the reference's top logit minus its logit for
+        got[index]). None when every draft is the reference's argmax. A gap near fp32 rounding (1e-5 or less) is a
+        near-tie that a float32 drafter can break the other way; a larger one is a wrong draft."""
+        L = len(tokens) - 1
+        ids, hid = list(tokens[1 : L + 1]), hidden[:L].double()
+        for i, d in enumerate(got):
+            o = self.forward(ids, hid)
+            logits = o[-1] @ self.lm_head.T
+            if int(logits.argmax()) != d:
+                return i, float(logits.max() - logits[d])
+            ids.append(d)
+            hid = torch.cat([hid, o[-1:]])
+        return None

@@ -58,3 +58,19 @@ async def test_cuda_server_matches_naive_reference(tiny_model, tmp_path):
         runs = await asyncio.gather(drive(s.uds, True, "cuda-stream", naive, 11),
                                     drive(s.tcp, False, "cuda-unary", naive, 12))
     assert sum(r["sequence_steps_checked"] for r in runs) >= 200
+
+
+def test_the_reference_says_where_and_by_how_much_drafts_diverge(tiny_model):
+    """naive_eagle.divergence, which the soak uses to tell a float32 near-tie from a wrong draft: None for the
+    reference's own drafts; for a draft changed at index i, (i, the reference's logit gap there, > 0)."""
+    import torch
+
+    naive = NaiveEagle1(*tiny_model)
+    g = torch.Generator().manual_seed(3)
+    tokens, hidden = torch.randint(0, 512, (21,), generator=g).tolist(), torch.randn(20, 64, generator=g)
+    want = naive.drafts(tokens, hidden, 4)
+    assert naive.divergence(tokens, hidden, want) is None
+    other = list(want)
+    other[2] = (want[2] + 1) % 512
+    index, gap = naive.divergence(tokens, hidden, other)
+    assert index == 2 and gap > 0

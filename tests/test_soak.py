@@ -25,6 +25,7 @@ def test_short_soak_with_every_fault(tmp_path):
     r = json.loads(out.read_text())
     summary = json.dumps({k: v for k, v in r.items() if k != "args"}, indent=1)
     assert r["mismatches"] == 0, summary
+    assert r["near_ties"] <= max(1, r["checked"] // 1000), summary  # fp32 vs fp64 ties: rare, or something is off
     assert r["late_steps"] == 0, summary
     assert r["engines_crashed"] == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert r["leaked_kv_tokens"] == 0, summary
