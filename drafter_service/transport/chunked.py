@@ -57,43 +57,56 @@ def _varint(buf: memoryview, i: int) -> tuple[int, int]:
     raise ValueError(f"a varint at byte {i} is cut or too long")
 
 
+def wire_fields(buf: memoryview, start: int = 0, end: int | None = None):
+    """(field number, wire type, key start, value start, value end) of each protobuf field in buf[start:end], in
+    order: values are located, not read (a varint's bytes are buf[value start:value end]). ValueError for a field
+    that is cut, or of a wire type this protocol does not use (groups)."""
+    end = len(buf) if end is None else end
+    i = start
+    while i < end:
+        key_start = i
+        key, i = _varint(buf, i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:  # varint
+            _, j = _varint(buf, i)
+        elif wire == 2:  # length-delimited
+            n, i = _varint(buf, i)
+            j = i + n
+            if j > end:
+                raise ValueError(f"field {field} claims {n} bytes; {end - i} are left")
+        elif wire == 1:  # 64-bit
+            j = i + 8
+        elif wire == 5:  # 32-bit
+            j = i + 4
+        else:
+            raise ValueError(f"wire type {wire} (field {field}) is not supported")
+        if j > end:
+            raise ValueError("the message is cut")
+        yield field, wire, key_start, i, j
+        i = j
+
+
 def parse_chunk(message: bytes) -> Chunk:
     """Read one ProposeChunk off the wire: data as a view of ``message``, request parsed by protobuf. Unknown
     fields are skipped (as protobuf does); a malformed message gives a Chunk with ``error`` set (never raises:
     gRPC would answer a deserializer's exception with a bare INTERNAL)."""
     buf = memoryview(message)
     request, offset, data = None, 0, buf[0:0]
-    i = 0
     try:
-        while i < len(buf):
-            key, i = _varint(buf, i)
-            field, wire = key >> 3, key & 7
-            if wire == 0:  # varint
-                value, i = _varint(buf, i)
+        for field, wire, _, i, j in wire_fields(buf):
+            if wire == 0:
                 if field == _OFFSET:
-                    offset = value
+                    offset = _varint(buf, i)[0]
                 elif field in (_REQUEST, _DATA):
                     raise ValueError(f"field {field} has wire type 0")
-            elif wire == 2:  # length-delimited
-                n, i = _varint(buf, i)
-                if i + n > len(buf):
-                    raise ValueError(f"field {field} claims {n} bytes; {len(buf) - i} are left")
+            elif wire == 2:
                 if field == _REQUEST:  # (a repeated message field merges, as protobuf does)
                     request = request or pb.ProposeRequest()
-                    request.MergeFromString(buf[i : i + n])
+                    request.MergeFromString(buf[i:j])
                 elif field == _DATA:
-                    data = buf[i : i + n]
+                    data = buf[i:j]
                 elif field == _OFFSET:
                     raise ValueError("field 2 (offset) is length-delimited")
-                i += n
-            elif wire == 1:
-                i += 8
-            elif wire == 5:
-                i += 4
-            else:
-                raise ValueError(f"wire type {wire} (field {field}) is not supported")
-            if i > len(buf):
-                raise ValueError("the message is cut")
     except Exception as e:  # (ValueError, protobuf's DecodeError)
         return Chunk(None, 0, buf[0:0], error=f"a ProposeChunk that does not parse: {e}")
     return Chunk(request, offset, data)

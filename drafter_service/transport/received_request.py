@@ -14,7 +14,7 @@ requests (step_channels.py).
 from dataclasses import dataclass
 
 from drafter_client.protocol import pb
-from drafter_service.transport.chunked import _varint
+from drafter_service.transport.chunked import wire_fields
 
 _HIDDEN_STATES = 4  # ProposeRequest.hidden_states (proto/drafter/v1/drafter.proto)
 _RAW, _SHM = 3, 4  # Tensor.raw, Tensor.shm
@@ -36,46 +36,21 @@ class ReceivedRequest:
         return self.request.namespace
 
 
-def _fields(buf: memoryview, start: int, end: int):
-    """(field number, key start, value start, value end) of each field in buf[start:end], in order; ValueError when
-    a field is malformed or runs past end. Length-delimited values are skipped, not read."""
-    i = start
-    while i < end:
-        key_start = i
-        key, i = _varint(buf, i)
-        field, wire_type = key >> 3, key & 7
-        if wire_type == 0:  # varint
-            _, j = _varint(buf, i)
-        elif wire_type == 2:  # length-delimited
-            n, i = _varint(buf, i)
-            j = i + n
-        elif wire_type == 1:  # 64-bit
-            j = i + 8
-        elif wire_type == 5:  # 32-bit
-            j = i + 4
-        else:  # groups (3, 4) are not in this protocol; 6 and 7 do not exist
-            raise ValueError(f"wire type {wire_type}")
-        if field == 0 or j > end:
-            raise ValueError("a field is cut or has number 0")
-        yield field, key_start, i, j
-        i = j
-
-
 def _split_states(buf: memoryview) -> "tuple[bytes, bytes, memoryview] | None":
     """(the request's bytes without hidden_states, the Tensor's bytes without raw, raw) when the message has one
     hidden_states field holding one raw field and no shm; None otherwise (or when malformed)."""
     try:
-        found = [f for f in _fields(buf, 0, len(buf)) if f[0] == _HIDDEN_STATES]
+        found = [f for f in wire_fields(buf) if f[0] == _HIDDEN_STATES]
         if len(found) != 1:
             return None
-        _, key_start, start, end = found[0]
-        inner = list(_fields(buf, start, end))
+        _, _, key_start, start, end = found[0]
+        inner = list(wire_fields(buf, start, end))
     except ValueError:
         return None
     raws = [f for f in inner if f[0] == _RAW]
     if len(raws) != 1 or any(f[0] == _SHM for f in inner):
         return None
-    _, raw_key, raw_start, raw_end = raws[0]
+    _, _, raw_key, raw_start, raw_end = raws[0]
     rest = bytes(buf[:key_start]) + bytes(buf[end:])  # (the states field is last as the client library writes it)
     tensor = bytes(buf[start:raw_key]) + bytes(buf[raw_end:end])
     return rest, tensor, buf[raw_start:raw_end]
