@@ -148,3 +148,10 @@ def test_large_inline_states_through_every_path_give_the_in_process_drafts(tiny_
 
     with ServerThread(cfg) as srv:
         assert asyncio.run(run(srv)) == [want] * 3
+
+
+def test_states_fields_of_the_wrong_wire_type_go_to_protobuf(scan_everything):
+    """hidden_states (a message) or its raw (bytes) written as a varint: protobuf's answer, whatever it is."""
+    good = bytes(serialize_request("ns", [SequenceStep("s", 0, [1, 2], torch.randn(2, 8), 1, 3)]))
+    check_same(good + bytes([4 << 3 | 0, 5]))  # a second hidden_states, as a varint
+    check_same(pb.ProposeRequest(namespace="ns").SerializeToString() + bytes([4 << 3 | 2, 2, 3 << 3 | 0, 7]))

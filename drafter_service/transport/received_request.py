@@ -41,14 +41,14 @@ def _split_states(buf: memoryview) -> "tuple[bytes, bytes, memoryview] | None":
     hidden_states field holding one raw field and no shm; None otherwise (or when malformed)."""
     try:
         found = [f for f in wire_fields(buf) if f[0] == _HIDDEN_STATES]
-        if len(found) != 1:
+        if len(found) != 1 or found[0][1] != 2:  # (a message field is length-delimited; else protobuf decides)
             return None
         _, _, key_start, start, end = found[0]
         inner = list(wire_fields(buf, start, end))
     except ValueError:
         return None
     raws = [f for f in inner if f[0] == _RAW]
-    if len(raws) != 1 or any(f[0] == _SHM for f in inner):
+    if len(raws) != 1 or raws[0][1] != 2 or any(f[0] == _SHM for f in inner):
         return None
     _, _, raw_key, raw_start, raw_end = raws[0]
     rest = bytes(buf[:key_start]) + bytes(buf[end:])  # (the states field is last as the client library writes it)
