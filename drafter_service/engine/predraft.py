@@ -322,19 +322,21 @@ class Predrafter:
         drafter then drafts plainly at no extra cost, but on the step before a probe (PROBE_AFTER_SKIPS skips in a
         row), whose pass measures itself again."""
         size = n.bit_length()
+        return self._expected_to_fit(size) or self._skips[size] >= PROBE_AFTER_SKIPS
+
+    def _expected_to_fit(self, size: int) -> bool:
+        """Whether passes over sequences of this bit length are expected within FIT_SHARE of the idle window (yes
+        while either is unknown: the pass measures itself)."""
         estimate = self._pass_s.get(size)
-        if estimate is None or self.window_s is None or estimate <= FIT_SHARE * self.window_s:
-            return True
-        return self._skips.get(size, 0) >= PROBE_AFTER_SKIPS
+        return estimate is None or self.window_s is None or estimate <= FIT_SHARE * self.window_s
 
     def _fits(self, n: int) -> bool:
         """Whether a pass over n sequences is expected to end before the next request arrives."""
         size = n.bit_length()
-        estimate = self._pass_s.get(size)
-        if estimate is None or self.window_s is None or estimate <= FIT_SHARE * self.window_s:
+        if self._expected_to_fit(size):
             self._skips[size] = 0
-            return True  # (no estimate yet: try, the pass measures itself)
-        skips = self._skips.get(size, 0) + 1
+            return True
+        skips = self._skips[size] + 1
         if skips > PROBE_AFTER_SKIPS:  # a probe: the pass runs and its time replaces the estimate (_timed)
             self._skips[size] = 0
             return True

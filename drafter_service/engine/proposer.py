@@ -462,10 +462,7 @@ class Proposer:
         tok, hidden_prev = sample.tokens, self.model.next_hidden(head_last)
         # pre-drafting: with one k for every drafting sequence the features g_0..g_{k-1} of the decode rows are kept
         # for its forced pass (predraft.py), which then needs to run only the row of draft k
-        predrafting = sum(batch[i].seq.predraft is not None for i in active)
-        keep_features = (predrafting > 0 and len({ks[i] for i in active}) == 1
-                         and self.predraft.worth_preparing(predrafting))
-        features = [hidden_prev] if keep_features else None
+        features = [hidden_prev] if self._keeps_features(batch, active, ks) else None
         # decode steps j = 1..k-1: one row per sequence still drafting, at position C-1+j; the rows' block tables
         # and base positions are tensors, narrowed only when a sequence's k runs out
         ks_t = torch.tensor(ks)
@@ -501,13 +498,17 @@ class Proposer:
             out.features = {i: kept[r] for r, i in enumerate(active) if batch[i].seq.predraft is not None}
         return out
 
+    def _keeps_features(self, batch: list[_Admitted], active: list[int], ks: list[int]) -> bool:
+        """Whether this step keeps its pre-drafting sequences' features g_0..g_{k-1} for their forced pass: one k
+        (ks, by batch index) for every drafting sequence (active), and passes over their number worth preparing."""
+        predrafting = sum(batch[i].seq.predraft is not None for i in active)
+        return predrafting > 0 and len({ks[i] for i in active}) == 1 and self.predraft.worth_preparing(predrafting)
+
     def _keep_graph_features(self, batch: list[_Admitted], md: StepMetadata, out: _Drafts) -> _Drafts:
         """After the graphs drafted a step of uniform k: the pre-drafting sequences' features g_0..g_{k-1}, for their
         forced pass (as the eager loop keeps them)."""
-        ks = {md.num_drafts[i] for i in md.active}
-        predrafting = sum(batch[i].seq.predraft is not None for i in md.active)
-        if len(ks) == 1 and predrafting and self.predraft.worth_preparing(predrafting):
-            kept = self.decode_graphs.kept_features(len(md.active), ks.pop())
+        if self._keeps_features(batch, md.active, md.num_drafts):
+            kept = self.decode_graphs.kept_features(len(md.active), md.num_drafts[md.active[0]])
             out.features = {i: kept[r] for r, i in enumerate(md.active) if batch[i].seq.predraft is not None}
         return out
 
