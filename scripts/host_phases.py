@@ -80,29 +80,28 @@ def main() -> int:
                 marks["metadata"] = marks.get("metadata", 0.0) + time.perf_counter() - t0
 
         StepMetadata.build = staticmethod(timed_build)
-        width = rt.limits.hidden_states_width
-        for batch in batches:
-            prefill, decode = b.make_steps(batch, context, a.m, a.k, width, shape["vocab_size"], seed=batch)
-            for i in range(0, batch, 8):
-                p.step(b.to_inputs(prefill[i : i + 8]))
-            inputs = b.to_inputs(decode)
-            phases = {"step": [], "admission": [], "metadata": [], "run": [], "after": []}
-            for it in range(a.iters + 3):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                marks["metadata"] = 0.0
-                t0 = time.perf_counter()
-                p.step(inputs)
+        step = p.step
+        phases: dict[str, list[float]] = {"step": [], "admission": [], "metadata": [], "run": [], "after": []}
+
+        def timed_step(inputs):  # every step bench_in_process makes: the last --iters of a batch are its timed ones
+            marks["metadata"] = 0.0
+            t0 = time.perf_counter()
+            try:
+                return step(inputs)
+            finally:
                 t1 = time.perf_counter()
-                if it >= 3:
-                    phases["step"].append(t1 - t0)
-                    phases["admission"].append(marks["admitted"] - t0)
-                    phases["metadata"].append(marks["metadata"])
-                    phases["run"].append(marks["ran"] - marks["run"])
-                    phases["after"].append(t1 - marks["ran"])
-            for s in inputs:
-                p.table.release("bench", s.sequence_id)
-            row = dict(batch=batch, **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in phases.items()})
+                for key, value in (("step", t1 - t0), ("admission", marks["admitted"] - t0),
+                                   ("metadata", marks["metadata"]), ("run", marks["ran"] - marks["run"]),
+                                   ("after", t1 - marks["ran"])):
+                    phases[key].append(value)
+
+        p.step = timed_step
+        for batch in batches:
+            for v in phases.values():
+                v.clear()
+            b.bench_in_process(rt, batch, context, a.m, a.k, a.iters, rt.limits.hidden_states_width,
+                               shape["vocab_size"])  # (prefill, 3 warm-up steps, then --iters timed ones)
+            row = dict(batch=batch, **{f"{k}_ms": statistics.median(v[-a.iters:]) * 1e3 for k, v in phases.items()})
             rows.append(row)
             print(f"batch {batch:4d}: step {row['step_ms']:.3f} ms = admission {row['admission_ms']:.3f} + run "
                   f"{row['run_ms']:.3f} (of which step metadata {row['metadata_ms']:.3f}) + after "
