@@ -180,7 +180,7 @@ class Engine:
                     # engines, now and then) the drafter's likeliest after the accepted ones, so that hits happen
                     bonus = self.rng.randrange(V)
                     if r.ok and self.budget and self.rng.random() < self.args["likely_bonus"]:
-                        n, rejected = len(s["tokens"]) - 1, drafts[len(accepted)] if len(accepted) < len(drafts) else -1
+                        rejected = drafts[len(accepted)] if len(accepted) < len(drafts) else -1
                         bonus = self.branch_naive.drafts(
                             s["tokens"], s["hidden"], accepted, 1,
                             lambda logits, j: next(int(t) for t in logits.topk(2).indices if int(t) != rejected))[0]
