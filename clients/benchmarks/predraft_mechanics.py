@@ -171,8 +171,9 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
 
     proposer.step = timed_step
     limits = server.runtime.limits
-    here, there = multiprocessing.get_context("spawn").Pipe()
-    engine = multiprocessing.get_context("spawn").Process(
+    spawn = multiprocessing.get_context("spawn")
+    here, there = spawn.Pipe()
+    engine = spawn.Process(
         target=engine_process, args=(there, address, B, context, k, budget, iters, warmup, verify_ms, seed,
                                      limits.vocab_size, limits.hidden_states_width), daemon=True)
     try:
