@@ -188,7 +188,7 @@ def serialize_with_states(req: "pb.ProposeRequest", hidden_states: "torch.Tensor
         return req.SerializeToString()
     if chunk_min_bytes is not None and sum(p.numel() for p in parts) * parts[0].element_size() >= chunk_min_bytes:
         return ChunkedRequest(req, parts)
-    return _serialize_direct(req, parts)
+    return DirectRequest(req, parts)
 
 
 class DirectRequest:
@@ -222,11 +222,6 @@ class DirectRequest:
         buf = bytearray(len(self))
         self.write_into(buf)
         return bytes(buf)
-
-
-def _serialize_direct(req: "pb.ProposeRequest", parts: list[torch.Tensor]) -> DirectRequest:
-    """req with the parts ([rows, W] tensors alike in dtype and width) as hidden_states, copied once when written."""
-    return DirectRequest(req, parts)
 
 
 # ProposeChunked (docs/protocol.md): steps whose inline states reach this size go in chunks of CHUNK_BYTES
@@ -286,7 +281,7 @@ class ChunkedRequest:
         """The same step as one ProposeRequest (a drafter without ProposeChunked)."""
         req = pb.ProposeRequest()
         req.CopyFrom(self.req)
-        return _serialize_direct(req, self.parts)
+        return DirectRequest(req, self.parts)
 
 
 def _request_without_states(namespace: str, steps: list[SequenceStep], request_id: int) -> "pb.ProposeRequest":
