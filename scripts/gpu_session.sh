@@ -37,7 +37,7 @@ if [ "$what" = host-profile ]; then  # where the host time of a large batch goes
     timeout "${PROFILE_TIMEOUT_S:-100}" python3 scripts/profile_step.py --preset $preset --batches "${PROFILE_BATCHES:-128,256}" \
       --host-profile > "$OUT/host_profile_$preset.log" 2>&1
     echo "== $preset (rc $?)"; grep "=== batch" "$OUT/host_profile_$preset.log"
-    timeout 100 python3 scripts/host_phases.py --preset $preset --device cuda --batches 1,128,256 \
+    timeout "${PHASES_TIMEOUT_S:-100}" python3 scripts/host_phases.py --preset $preset --device cuda --batches 1,128,256 \
       --out "/tmp/host_phases_$preset.json" 2>&1 | grep batch | tee -a "$OUT/host_profile_$preset.log"
   done
 fi

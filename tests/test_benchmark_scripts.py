@@ -32,6 +32,9 @@ def test_predraft_mechanics_runs_the_engine_in_a_process_of_its_own(tmp_path):
         # every timed step of the pre-drafting phase is a hit, a miss or "busy", as the engine process saw it
         assert r["sidecar_hit_steps"] + r["sidecar_miss_steps"] + r["sidecar_busy_steps"] == iters
         assert r["server_passes"] + r["server_passes_stopped"] + r["server_passes_skipped"] > 0
+        # the pass log holds every pass that ran: [sequences, ms, finished, probe]
+        assert len(r["server_pass_log"]) == r["server_passes"] + r["server_passes_stopped"]
+        assert all(n == r["batch"] and ms > 0 for n, ms, _, _ in r["server_pass_log"])
 
 
 def test_bench_step_measures_every_path(tmp_path):

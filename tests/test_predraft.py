@@ -338,6 +338,17 @@ def test_a_pass_that_would_outlast_the_idle_window_is_not_started(tiny_model, tm
     assert not pd.worth_preparing(1) and not pd._fits(1)
     pd.observe_window(1.0)  # long verifications from now on: the average follows
     assert pd.window_s > 0.1
+    # a probe that a request stops replaces the estimate too, with twice its time: the old estimate may come from
+    # a pass that compiled kernels, and max(old, guess) would keep passes off for good
+    pd._timed(1, 5.0, finished=True)  # a pass that compiled kernels for 5 s
+    assert not pd._fits(1)
+    pd._skips[1] = PROBE_AFTER_SKIPS
+    assert pd._fits(1)  # the probe
+    pd._timed(1, 0.004, finished=False)
+    assert pd._pass_s[1] == 0.008 and pd.recent_passes[-1] == (1, 0.004, False, True)
+    assert pd._fits(1)
+    pd._timed(1, 0.5, finished=False)  # a stopped pass that is no probe only raises the estimate
+    assert pd._pass_s[1] == 1.0 and pd.recent_passes[-1] == (1, 0.5, False, False)
 
 
 def test_branches_hold_no_blocks_after_their_pass(tiny_model, tmp_path):

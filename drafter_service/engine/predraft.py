@@ -35,8 +35,9 @@ steps (n stopped passes in a row, n <= 5) prepare nothing. A pass is not even
 started when its expected time (the average of earlier passes over as many sequences, by powers of two) exceeds
 FIT_SHARE of the average idle window between a batch and the next request (the scheduler reports it): a drafter
 too busy to prepare falls back to plain drafting by itself, and tries again now and then: after PROBE_AFTER_SKIPS
-skips in a row a pass of that size runs once anyway and measures itself again (an estimate set by a slow pass, the
-first one compiling kernels or one a request stopped, would otherwise keep passes off for good). While passes do not
+skips in a row a pass of that size runs once anyway and its time (twice its time when stopped) replaces the
+estimate (one set by a slow pass, the first one compiling kernels or one a request stopped, would otherwise keep
+passes off for good). While passes do not
 fit, a plain step keeps nothing for one either (worth_preparing): the step costs what it costs with pre-drafting
 off. A pass's
 branches take at most BRANCH_POOL_SHARE of the KV pool while it runs, and only free blocks.
@@ -200,6 +201,9 @@ class Predrafter:
         self._pass_s: dict[int, float] = {}  # sequences' bit length -> average seconds of a pass of that size
         # sequences' bit length -> passes of that size skipped in a row (by _fits, or by after_step not keeping a basis)
         self._skips: dict[int, int] = defaultdict(int)
+        self._probing: set[int] = set()  # sizes whose next pass is a probe (its time replaces the estimate)
+        # the last passes: (sequences, seconds, finished, probe), for benchmarks and debugging
+        self.recent_passes: deque = deque(maxlen=256)
         proposer.table.on_drop = self.forget
 
     # ---- at admission and after a step (proposer.step) ----
@@ -339,6 +343,7 @@ class Predrafter:
         skips = self._skips[size] + 1
         if skips > PROBE_AFTER_SKIPS:  # a probe: the pass runs and its time replaces the estimate (_timed)
             self._skips[size] = 0
+            self._probing.add(size)
             return True
         self._skips[size] = skips
         return False
@@ -346,10 +351,16 @@ class Predrafter:
     def _timed(self, n: int, seconds: float, finished: bool) -> None:
         size = n.bit_length()
         old = self._pass_s.get(size)
+        probe = size in self._probing
+        self._probing.discard(size)
+        self.recent_passes.append((n, seconds, finished, probe))
         if not finished:  # a request came before its end: it needed more than the window (twice: a guess)
-            self._pass_s[size] = max(old or 0.0, 2 * seconds)
-        else:  # down at once (an early pass may have compiled kernels), up gradually
-            self._pass_s[size] = seconds if old is None or seconds < old else (1 - EMA) * old + EMA * seconds
+            # (a probe's guess replaces the estimate: the old one may come from a pass that compiled kernels)
+            self._pass_s[size] = 2 * seconds if probe or old is None else max(old, 2 * seconds)
+        elif probe or old is None or seconds < old:  # down at once (an early pass may have compiled kernels) ...
+            self._pass_s[size] = seconds
+        else:  # ... up gradually
+            self._pass_s[size] = (1 - EMA) * old + EMA * seconds
 
     def has_work(self) -> bool:
         return bool(self._waiting) and self._skip_steps == 0 and self.proposer.fatal is None
