@@ -35,6 +35,7 @@ import torch
 
 from drafter_kernels import ops
 
+from drafter_service.engine.host_staging import rows_to_device
 from drafter_service.engine.kv_cache import KVCache
 from drafter_service.metrics import Metrics
 from drafter_service.models.attention_metadata import AttentionMetadata
@@ -535,7 +536,7 @@ class Proposer:
         out_qsl = layout.query_start_loc.tolist()
         slots = torch.cat([self._slots(a.seq, layout.positions[out_qsl[i] : out_qsl[i + 1]])
                            for i, a in enumerate(batch)])
-        target = model.combine_hidden_states(torch.cat([a.step.hidden_states for a in batch]).to(dev))
+        target = model.combine_hidden_states(rows_to_device([a.step.hidden_states for a in batch], dev))
         hidden_in = torch.empty(layout.input_ids.shape[0], target.shape[1], dtype=target.dtype, device=dev)
         hidden_in[layout.hidden_state_mapping.to(dev)] = target
         hidden_in[layout.is_masked.to(dev)] = model.mask_hidden.to(target.dtype)
@@ -598,7 +599,7 @@ class Proposer:
         win = shift_and_cache(
             src_token_ids=torch.cat([a.step.token_ids for a in batch]).to(dev), src_positions=positions.to(dev),
             src_slot_mapping=slots.to(dev),
-            src_hidden_states=torch.cat([a.step.hidden_states for a in batch]).to(device=dev, dtype=dtype),
+            src_hidden_states=rows_to_device([a.step.hidden_states for a in batch], dev).to(dtype),
             query_start_loc=qsl, shift=shift, cached_len=cached_len,
             cached_token_ids=torch.stack([c.token_ids for c in caches]),
             cached_positions=torch.stack([c.positions for c in caches]),

@@ -27,12 +27,11 @@ regions, so that no field needs a cast kernel on the device:
     draft_steps       [n]      k_i - 1: the decode steps it needs
 
 The target hidden states (data, not metadata: [T, W] in the wire dtype) are concatenated straight into a second
-pinned buffer and sent with a second non_blocking copy (or used in place when they came through CUDA shared memory
-and are already on the device). Neither copy waits for the device. Each copy's source is pinned memory from
+pinned buffer and sent with non_blocking copies, filled by a few threads when large (host_staging.py), or used in
+place when they came through CUDA shared memory and are already on the device. Neither copy waits for the device. Each copy's source is pinned memory from
 torch's caching host allocator, which keeps the block until its copy has completed, so a later step never
 overwrites a buffer still in flight.
 """
-import functools
 import itertools
 import struct
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from drafter_service.engine.block_tables import BlockTables
+from drafter_service.engine.host_staging import rows_to_device
 from drafter_service.models.attention_metadata import AttentionMetadata
 from drafter_service.engine.sampling import seed_to_int64
 
@@ -121,7 +121,7 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
     tables_d = tables_d.view(B, w)
     host_tables = host[2 * num_wide + 2 * B + 1 : 2 * num_wide + 2 * B + 1 + B * w].view(B, w)
     return StepMetadata(
-        input_ids=ids_d, hidden_states=_cat_to_device(hidden_states, device),
+        input_ids=ids_d, hidden_states=rows_to_device(hidden_states, device),
         first_step=AttentionMetadata(positions=pos_d, slot_mapping=slots_d, query_start_loc=qsl_d,
                                      seq_lens=seq_lens_d, block_tables=tables_d, max_query_len=max(q_lens)),
         temperature=temperature_d.view(torch.float32), seed=seed_d, top_k=top_k_d,
@@ -203,13 +203,3 @@ def _pack_vectorized(start_positions, token_ids, q_lens, next_tokens, num_drafts
               temperature.view(torch.int32), draft_seq_lens.to(torch.int32), draft_steps.to(torch.int32)]
     host = torch.cat([torch.cat(wide).view(torch.int32), *narrow])
     return host, draft_index.tolist(), seq_lens.tolist()
-
-
-def _cat_to_device(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """torch.cat on the device. From the CPU on CUDA: concatenated into pinned memory, one non_blocking copy."""
-    if device.type != "cuda" or any(t.device.type != "cpu" for t in tensors):
-        return torch.cat([t.to(device, non_blocking=True) for t in tensors])  # CPU; or already on the device (shm)
-    dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
-    host = torch.empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), dtype=dtype, pin_memory=True)
-    torch.cat(tensors, out=host)
-    return host.to(device, non_blocking=True)
