@@ -16,7 +16,8 @@ import grpc
 import torch
 
 from drafter_client.messages import (RESYNC_CODES, UNAVAILABLE, ChunkedRequest, DirectRequest, DrafterError,
-                                     _status_code, serialize_with_states)
+                                     ProposeResult, SequenceDrafts, SequenceStep, _status_code, hidden_parts,
+                                     serialize_with_states)
 from drafter_client.protocol import pb
 from drafter_client.protocol.wire import decode_tensor, encode_tensor
 from drafter_client.shm_ring import SharedTensorRef
@@ -228,6 +229,73 @@ def _parse_result_columns(resp: "pb.ProposeResponse", sequence_ids: list[str]) -
                       messages={i: messages.get(i, "") for i in codes.nonzero().flatten().tolist()},
                       request_id=resp.request_id, predrafted=column("predrafted", (pb.INT32,)).to(torch.bool))
     return _with_distributions(out, resp)
+
+
+def columns_can_carry(steps: list[SequenceStep]) -> bool:
+    """Whether a list of per-sequence steps can go as columns: return_logprobs and top_k_probs are one setting for
+    the whole request there (every other field is a per-sequence column)."""
+    first = steps[0]
+    return all(s.return_logprobs == first.return_logprobs and s.top_k_probs == first.top_k_probs for s in steps)
+
+
+def steps_as_batch(steps: list[SequenceStep]) -> StepBatch:
+    """The per-sequence steps as a StepBatch of columns (propose() sends a large step this way: the drafter then
+    decodes it without a message per sequence). hidden_states is left None: the caller passes the steps' own
+    (serialize_steps_as_columns). Needs columns_can_carry(steps)."""
+    if all(isinstance(s.token_ids, list) for s in steps):  # plain lists: one tensor for the whole batch
+        counts = [len(s.token_ids) for s in steps]
+        token_ids = torch.tensor([t for s in steps for t in s.token_ids], dtype=torch.int64)
+    else:
+        ids = [torch.as_tensor(s.token_ids, dtype=torch.int64).reshape(-1) for s in steps]
+        counts = [t.numel() for t in ids]
+        token_ids = torch.cat(ids)
+    first = steps[0]
+    sampled = any(s.temperature for s in steps)
+    seeded = any(s.seed for s in steps)
+    branches = any(s.predraft_branches for s in steps)
+    return StepBatch(
+        sequence_ids=[s.sequence_id for s in steps],
+        start_positions=torch.tensor([s.start_position for s in steps], dtype=torch.int64),
+        num_tokens=torch.tensor(counts, dtype=torch.int64), token_ids=token_ids, hidden_states=None,
+        next_tokens=torch.tensor([int(s.next_token) for s in steps], dtype=torch.int64),
+        num_drafts=torch.tensor([s.num_drafts for s in steps], dtype=torch.int64),
+        temperature=torch.tensor([s.temperature for s in steps], dtype=torch.float32) if sampled else 0.0,
+        # (uint64 seeds of 2**63 and up as the int64 of the same bits, as the seed column holds them)
+        seed=torch.tensor([s.seed - 2**64 if s.seed >= 2**63 else s.seed for s in steps], dtype=torch.int64)
+        if seeded else 0,
+        return_logprobs=first.return_logprobs, top_k_probs=first.top_k_probs,
+        predraft_branches=torch.tensor([s.predraft_branches for s in steps], dtype=torch.int64) if branches else 0)
+
+
+def serialize_steps_as_columns(namespace: str, steps: list[SequenceStep], batch: StepBatch,
+                               hidden_states: "torch.Tensor | SharedTensorRef | None" = None, request_id: int = 0,
+                               chunk_min_bytes: int | None = None) -> "bytes | DirectRequest | ChunkedRequest":
+    """serialize_request's step as a columnar request (batch: steps_as_batch(steps)); the states as the caller gave
+    them (the packed tensor, or each step's, copied once where the request goes), or a ring slot's reference."""
+    parts = None if isinstance(hidden_states, SharedTensorRef) else hidden_parts(steps, hidden_states)
+    return serialize_with_states(build_column_request(namespace, batch, request_id), hidden_states, parts,
+                                 chunk_min_bytes)
+
+
+def batch_as_result(drafts: BatchDrafts) -> ProposeResult:
+    """BatchDrafts as propose()'s ProposeResult: one SequenceDrafts per sequence (views of the drafts tensor)."""
+    counts = drafts.num_drafts.tolist()
+    flat = drafts.draft_token_ids
+    split = (lambda t: [t] if len(counts) == 1 else t.split(counts))  # noqa: E731
+    none = [None] * len(counts)
+    per_seq = split(flat)
+    lps = split(drafts.logprobs) if drafts.logprobs is not None else none
+    top_ids = split(drafts.top_k_ids) if drafts.top_k_ids is not None else none
+    top_probs = split(drafts.top_k_probs) if drafts.top_k_probs is not None else none
+    predrafted = drafts.predrafted.tolist() if drafts.predrafted is not None else [False] * len(counts)
+    seqs = [SequenceDrafts(sequence_id=sid, code=code, message=drafts.messages.get(i, ""), drafts=d, logprobs=lp,
+                           accepted_drafts=acc, committed_length=length, top_k_ids=ti, top_k_probs=tp,
+                           needs_resync=code in RESYNC_CODES, predrafted=pre)
+            for i, (sid, code, d, lp, acc, length, ti, tp, pre) in enumerate(zip(
+                drafts.sequence_ids, drafts.codes.tolist(), per_seq, lps, drafts.accepted_drafts.tolist(),
+                drafts.committed_lengths.tolist(), top_ids, top_probs, predrafted))]
+    return ProposeResult(sequences=seqs, draft_token_ids=flat, request_id=drafts.request_id,
+                         fallback=drafts.fallback, fallback_reason=drafts.fallback_reason)
 
 
 def fallback_batch(sequence_ids: list[str], reason: str) -> BatchDrafts:

@@ -18,8 +18,9 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_client.auth import bearer_metadata
-from drafter_client.batch import (COLUMNS_MIN_SEQUENCES, BatchDrafts, StepBatch, fallback_batch, parse_batch_response,
-                                 serialize_batch)
+from drafter_client.batch import (COLUMNS_MIN_SEQUENCES, BatchDrafts, StepBatch, batch_as_result, columns_can_carry,
+                                 fallback_batch, parse_batch_response, serialize_batch, serialize_steps_as_columns,
+                                 steps_as_batch)
 from drafter_client.breaker import CircuitBreaker
 from drafter_client.messages import (CHUNK_BYTES, CHUNKED_MIN_BYTES, FAULT_CODES, ChunkedRequest, DirectRequest,
                                      DrafterError, ProposeResult, ReleaseResult, SequenceDrafts, SequenceStep,
@@ -228,7 +229,26 @@ class DrafterClient:
         timeout: this call's deadline in seconds (None: the client's step_timeout_s). When the drafter is sick (no
         reply by the deadline; UNAVAILABLE, INTERNAL or another code of FAULT_CODES; the circuit breaker open) the
         result is a fallback: no drafts, code 14 for every sequence, ``result.fallback`` True (with
-        raise_on_error, DrafterError instead). The caller's errors (INVALID_ARGUMENT, ...) raise DrafterError."""
+        raise_on_error, DrafterError instead). The caller's errors (INVALID_ARGUMENT, ...) raise DrafterError.
+
+        From COLUMNS_MIN_SEQUENCES (32) sequences, to a drafter with GetInfo.step_columns_supported, the step goes
+        as the batch API's columns (the drafter decodes it without a message per sequence), when the steps share
+        return_logprobs and top_k_probs; the answer is the same ProposeResult."""
+        if len(steps) >= COLUMNS_MIN_SEQUENCES and columns_can_carry(steps):
+            timeout = self._step_timeout(timeout)
+            deadline = time.monotonic() + timeout if timeout is not None else None
+            if await self._columns_supported(timeout):  # (asked once; within the step's deadline)
+                if deadline is not None:
+                    timeout = max(0.0, deadline - time.monotonic())
+                batch, ids = steps_as_batch(steps), [s.sequence_id for s in steps]
+                return await self._step(
+                    lambda states, rid: serialize_steps_as_columns(self.namespace, steps, batch, states, rid,
+                                                                   self._chunk_min_bytes()),
+                    lambda: self._stage(steps, hidden_states), hidden_states,
+                    lambda resp: batch_as_result(parse_batch_response(resp, ids)),
+                    lambda reason: fallback_result(steps, reason), timeout)
+            if deadline is not None:
+                timeout = max(0.0, deadline - time.monotonic())
         return await self._step(
             lambda states, rid: serialize_request(self.namespace, steps, states, rid, self._chunk_min_bytes()),
             lambda: self._stage(steps, hidden_states), hidden_states, parse_response,

@@ -1,6 +1,7 @@
 """The batch API (drafter_client.batch): StepBatch in, BatchDrafts out, against the per-sequence API on the same
 drafter: same drafts, codes, counts and lengths over steps with random acceptance, a bad sequence in the batch,
 log-probabilities, the step channel and the fallback of a drafter that is not there."""
+import dataclasses
 import random
 
 import grpc
@@ -77,6 +78,7 @@ async def test_batch_api_answers_as_the_per_sequence_api(server, channel, column
     g = torch.Generator().manual_seed(1)
     async with DrafterClient(server.uds, namespace=f"cols-{channel}-{columns}") as cols, \
             DrafterClient(server.uds, namespace=f"rows-{channel}-{columns}") as rows:
+        rows._step_columns = False  # (propose() sends columns too, to a drafter that takes them: not here)
         if channel:
             assert await cols.open_step_channel() and await rows.open_step_channel()
         seqs = {f"s{i}": dict(tokens=[rng.randrange(V) for _ in range(rng.randint(3, 12) + 1)], sent=0)
@@ -118,6 +120,84 @@ async def test_batch_api_answers_as_the_per_sequence_api(server, channel, column
                 s["hidden"] = torch.cat([s["hidden"], torch.randn(len(new), H, generator=g)])
         assert (cols.steps_through_channel > 0) == channel
         assert cols._step_columns is (True if columns else None)  # asked GetInfo only when a batch could use columns
+        await cols.release(list(seqs))
+        await rows.release(list(seqs))
+
+
+@pytest.mark.parametrize("channel", [False, True])
+async def test_propose_sends_a_large_step_as_columns_with_the_same_answer(server, channel, monkeypatch):
+    """propose(list[SequenceStep]) of COLUMNS_MIN_SEQUENCES sequences or more goes as a columnar request (when the
+    steps share return_logprobs and top_k_probs) and answers exactly what the per-sequence messages answer: drafts,
+    codes and messages, log-probabilities, top-N, counts, over sampled and greedy steps, uint64 seeds, a sequence
+    the drafter does not know, per-step and packed states."""
+    import drafter_client.batch
+    import drafter_client.client
+
+    sent_as_columns = []
+    as_columns = drafter_client.batch.serialize_steps_as_columns
+    monkeypatch.setattr(drafter_client.client, "serialize_steps_as_columns",
+                        lambda *a, **kw: sent_as_columns.append(1) or as_columns(*a, **kw))
+    rng = random.Random(10 + channel)
+    g = torch.Generator().manual_seed(2)
+    n = drafter_client.client.COLUMNS_MIN_SEQUENCES + 8
+    async with DrafterClient(server.uds, namespace=f"pc-{channel}") as cols, \
+            DrafterClient(server.uds, namespace=f"pr-{channel}") as rows:
+        rows._step_columns = False  # a drafter without columns, as far as this client knows: messages
+        if channel:
+            assert await cols.open_step_channel() and await rows.open_step_channel()
+        seqs = {f"s{i}": dict(tokens=[rng.randrange(V) for _ in range(rng.randint(2, 9) + 1)], sent=0)
+                for i in range(n)}
+        for s in seqs.values():
+            s["hidden"] = torch.randn(len(s["tokens"]) - 1, H, generator=g)
+        for step in range(5):
+            lp, top = step in (1, 3), 3 if step == 3 else 0
+            steps = []
+            for sid, s in seqs.items():
+                end = len(s["tokens"]) - 1
+                sampled = step >= 2 and rng.random() < 0.5
+                steps.append(SequenceStep(sid, s["sent"], s["tokens"][s["sent"]:end], s["hidden"][s["sent"]:end],
+                                          s["tokens"][end], rng.randint(0, K),
+                                          temperature=rng.choice([0.6, 1.2]) if sampled else 0.0,
+                                          seed=rng.choice([3, 2**63 + 5, 2**64 - 1]) if sampled else 0,
+                                          return_logprobs=lp, top_k_probs=top))
+            if step == 2:  # a sequence the drafter does not know: its own NOT_FOUND, the rest drafted
+                steps.insert(5, SequenceStep("ghost", 4, [1], torch.randn(1, H, generator=g), 2, 3))
+            packed = torch.cat([st.hidden_states for st in steps]) if step == 4 else None
+            if packed is not None:
+                steps = [dataclasses.replace(st, hidden_states=None) for st in steps]
+            before = len(sent_as_columns)
+            by_rows = await rows.propose(steps, hidden_states=packed)
+            by_cols = await cols.propose(steps, hidden_states=packed)
+            assert len(sent_as_columns) == before + 1  # (the rows client never asked the columns' way)
+            assert not by_rows.fallback and not by_cols.fallback
+            assert torch.equal(by_cols.draft_token_ids, by_rows.draft_token_ids)
+            for c, r in zip(by_cols.sequences, by_rows.sequences, strict=True):
+                assert (c.sequence_id, c.code, c.accepted_drafts, c.committed_length, c.needs_resync, c.predrafted) \
+                    == (r.sequence_id, r.code, r.accepted_drafts, r.committed_length, r.needs_resync, r.predrafted)
+                assert c.message == r.message.replace("'pr-", "'pc-")  # (the namespaces differ)
+                assert torch.equal(c.drafts, r.drafts)
+                for f in ("logprobs", "top_k_ids", "top_k_probs"):
+                    a, b = getattr(c, f), getattr(r, f)
+                    assert (a is None and b is None) or torch.equal(a, b), f
+                if lp:
+                    assert c.logprobs is not None and c.logprobs.numel() == c.drafts.numel()
+            for st, r in zip(steps, by_rows.sequences):
+                if st.sequence_id == "ghost":
+                    continue
+                s = seqs[st.sequence_id]
+                assert r.ok, r.message
+                s["sent"] = st.start_position + len(st.token_ids)
+                new = r.drafts.tolist()[: rng.randint(0, r.drafts.numel())] + [rng.randrange(V)]
+                s["tokens"] = s["tokens"] + new
+                s["hidden"] = torch.cat([s["hidden"], torch.randn(len(new), H, generator=g)])
+        # steps that do not share return_logprobs go as messages, answered alike
+        mixed = [SequenceStep(sid, 0, s["tokens"][:3], s["hidden"][:3], 7, 2, return_logprobs=i % 2 == 0)
+                 for i, (sid, s) in enumerate(seqs.items())]
+        before = len(sent_as_columns)
+        r = await cols.propose(mixed)
+        assert len(sent_as_columns) == before and all(x.ok for x in r.sequences)
+        assert len(r.sequences) == n
+        assert (cols.steps_through_channel > 0) == channel and cols._step_columns is True
         await cols.release(list(seqs))
         await rows.release(list(seqs))
 

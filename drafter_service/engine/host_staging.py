@@ -6,7 +6,8 @@ allocator) and copied to the device with non_blocking copies. At serving batch s
 largest host cost of a step (EAGLE-3 at batch 256, m = 3: 768 rows x 12288 bf16 columns = 18.9 MB, ~1.5-2 ms for one
 thread), and the device waits for it, so a large one is split by rows over STAGING_THREADS threads (torch releases
 the GIL while it copies), and each part's host->device copy is queued as soon as that part is in pinned memory: the
-PCIe transfer of one part overlaps the memcpy of the next. The host side of a CUDA step otherwise runs on one torch
+PCIe transfer of one part overlaps the memcpy of the next; meanwhile the step thread builds the step's metadata
+(start_rows_to_device). The host side of a CUDA step otherwise runs on one torch
 thread (runtime.py), which is right for its many small ops and wrong for this one large copy.
 
 The caching host allocator keeps the pinned block until every copy queued from it has completed, so a later step
@@ -15,6 +16,7 @@ never overwrites rows still in flight.
 import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
@@ -50,9 +52,18 @@ def rows_to_device(tensors: list[torch.Tensor], device: torch.device, threads: i
     does). CPU tensors to a CUDA device go through pinned memory as the module says; anything else is a plain cat.
     threads: fill threads for a large step (default STAGING_THREADS); pin=False (tests on a CPU-only torch) stages
     in pageable memory and copies with the same chunking."""
+    return start_rows_to_device(tensors, device, threads, pin)()
+
+
+def start_rows_to_device(tensors: list[torch.Tensor], device: torch.device, threads: int | None = None,
+                         pin: bool = True) -> Callable[[], torch.Tensor]:
+    """rows_to_device in two halves: the fill threads start now, and the returned function waits for them, queues
+    the parts' copies and returns the device tensor. The caller's thread works in between (the step's metadata):
+    it must call the function before the step uses the rows."""
     on_host = all(t.device.type == "cpu" for t in tensors)
     if not on_host or (device.type != "cuda" and pin):
-        return torch.cat([t.to(device, non_blocking=True) for t in tensors])  # CPU; or already on the device (shm)
+        out = torch.cat([t.to(device, non_blocking=True) for t in tensors])  # CPU; or already on the device (shm)
+        return lambda: out
     dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
     rows = sum(t.shape[0] for t in tensors)
     shape = (rows, *tensors[0].shape[1:])
@@ -62,13 +73,18 @@ def rows_to_device(tensors: list[torch.Tensor], device: torch.device, threads: i
     parts = max(1, min(threads, rows, rows * row_bytes // PARALLEL_BYTES))
     if parts == 1:
         torch.cat(tensors, out=host)
-        return host.to(device, non_blocking=True)
+        out = host.to(device, non_blocking=True)
+        return lambda: out
     bounds = [rows * c // parts for c in range(parts + 1)]
-    chunks = row_chunks(tensors, bounds)
-    out = torch.empty(shape, dtype=dtype, device=device)
     pool = _pool(threads)
-    filled = [pool.submit(torch.cat, chunk, out=host[a:b]) for chunk, a, b in zip(chunks, bounds, bounds[1:])]
-    for fill, a, b in zip(filled, bounds, bounds[1:]):  # in order: part c's transfer overlaps part c+1's memcpy
-        fill.result()
-        out[a:b].copy_(host[a:b], non_blocking=True)
-    return out
+    filled = [pool.submit(torch.cat, chunk, out=host[a:b])
+              for chunk, a, b in zip(row_chunks(tensors, bounds), bounds, bounds[1:])]
+
+    def finish() -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=device)
+        for fill, a, b in zip(filled, bounds, bounds[1:]):  # in order: part c's transfer overlaps part c+1's fill
+            fill.result()
+            out[a:b].copy_(host[a:b], non_blocking=True)
+        return out
+
+    return finish
