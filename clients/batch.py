@@ -245,8 +245,12 @@ def steps_as_batch(steps: list[SequenceStep]) -> StepBatch:
     if all(isinstance(s.token_ids, list) for s in steps):  # plain lists: one tensor for the whole batch
         counts = [len(s.token_ids) for s in steps]
         token_ids = torch.tensor([t for s in steps for t in s.token_ids], dtype=torch.int64)
+    elif all(isinstance(s.token_ids, torch.Tensor) and s.token_ids.dim() == 1 and not s.token_ids.is_cuda
+             for s in steps):  # one cat
+        counts = [s.token_ids.shape[0] for s in steps]
+        token_ids = torch.cat([s.token_ids for s in steps]).to(device="cpu", dtype=torch.int64)
     else:
-        ids = [torch.as_tensor(s.token_ids, dtype=torch.int64).reshape(-1) for s in steps]
+        ids = [torch.as_tensor(s.token_ids, dtype=torch.int64).reshape(-1).cpu() for s in steps]
         counts = [t.numel() for t in ids]
         token_ids = torch.cat(ids)
     first = steps[0]

@@ -2,6 +2,7 @@
 to exactly the steps its per-sequence twin decodes to, every bad column value is refused naming the column and the
 index, and a columnar reply parses to the same BatchDrafts as the per-sequence reply of the same outputs. (The
 server round trip against the per-sequence API is in tests/test_batch_api.py.)"""
+import dataclasses
 import random
 
 import grpc
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from drafter_client import SequenceStep, StepBatch
-from drafter_client.batch import build_column_request, parse_batch_response, serialize_batch
+from drafter_client.batch import (build_column_request, columns_can_carry, parse_batch_response, serialize_batch,
+                                  serialize_steps_as_columns, steps_as_batch)
 from drafter_client.messages import build_request
 from drafter_client.protocol import pb
 from drafter_client.protocol.wire import encode_tensor
@@ -61,6 +63,36 @@ def test_columns_decode_to_the_steps_of_the_per_sequence_request(sampled):
                 assert getattr(c, f) == getattr(r, f), f
             assert c.temperature == pytest.approx(r.temperature)
             assert torch.equal(c.token_ids, r.token_ids) and torch.equal(c.hidden_states, r.hidden_states)
+
+
+@pytest.mark.parametrize("tokens", ["lists", "tensors", "mixed"])
+def test_steps_sent_as_columns_decode_to_the_steps_themselves(tokens):
+    """propose()'s columnar form of per-sequence steps (steps_as_batch + serialize_steps_as_columns): the drafter
+    decodes it to exactly what the per-sequence request decodes to (token ids as lists, 1-D tensors of any int
+    dtype, or a mix; states per step or packed)."""
+    rng = random.Random(len(tokens))
+    for n in (1, 7, 64):
+        for sampled in (False, True):
+            _, steps = random_batch(rng, n, sampled)
+            lp, top = steps[0].return_logprobs, steps[0].top_k_probs
+            steps = [dataclasses.replace(s, return_logprobs=lp, top_k_probs=top) for s in steps]
+            if tokens != "lists":
+                steps = [dataclasses.replace(s, token_ids=torch.tensor(s.token_ids, dtype=torch.int32))
+                         if tokens == "tensors" or i % 2 else s for i, s in enumerate(steps)]
+            assert columns_can_carry(steps)
+            packed = torch.cat([s.hidden_states for s in steps]) if n == 7 else None
+            sent = [dataclasses.replace(s, hidden_states=None) for s in steps] if packed is not None else steps
+            by_cols = parse_bytes(serialize_steps_as_columns("ns", sent, steps_as_batch(sent), packed))
+            by_rows = parse_propose(pb.ProposeRequest.FromString(build_request("ns", steps).SerializeToString()),
+                                    LIMITS)
+            for c, r in zip(by_cols, by_rows, strict=True):
+                for f in ("sequence_id", "start_position", "next_token", "num_drafts", "seed", "return_logprobs",
+                          "top_k_probs", "predraft_branches"):
+                    assert getattr(c, f) == getattr(r, f), f
+                assert c.temperature == pytest.approx(r.temperature)
+                assert torch.equal(c.token_ids, r.token_ids) and torch.equal(c.hidden_states, r.hidden_states)
+    _, steps = random_batch(rng, 3, True)
+    assert not columns_can_carry([steps[0], dataclasses.replace(steps[1], return_logprobs=not steps[0].return_logprobs)])
 
 
 def test_an_all_greedy_batch_sends_no_optional_column():
