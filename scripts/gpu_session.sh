@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: carry .whl (pytest-asyncio, grpcio-health-checking/-reflection 1.84 wheels).
-#   scripts/gpu_session.sh tests|gpu-tests|bench|predraft|predraft-mechanics|host-profile|bulk-grpc|all
+#   scripts/gpu_session.sh tests|gpu-tests|bench|predraft|predraft-mechanics|host-profile|measure|bulk-grpc|all
 # results under $OUT (or ./gpu_out). followup = host-profile + predraft-mechanics (one 10-minute call, 7 files).
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -39,6 +39,20 @@ if [ "$what" = host-profile ]; then  # where the host time of a large batch goes
     echo "== $preset (rc $?)"; grep "=== batch" "$OUT/host_profile_$preset.log"
     timeout "${PHASES_TIMEOUT_S:-100}" python3 scripts/host_phases.py --preset $preset --device cuda --batches 1,128,256 \
       --out "/tmp/host_phases_$preset.json" 2>&1 | grep batch | tee -a "$OUT/host_profile_$preset.log"
+  done
+fi
+if [ "$what" = measure ]; then  # #13 after a host-side change: staging threads, in-process vs kernel time, every path
+  timeout 60 python3 benchmarks/bench_staging.py --device cuda --out "$OUT/staging.json" 2>&1 | tee "$OUT/bench_step.log" | tail -5
+  for preset in llama3-8b llama3-8b-eagle3; do
+    timeout "${PROFILE_TIMEOUT_S:-80}" python3 scripts/profile_step.py --preset $preset --batches "${PROFILE_BATCHES:-1,64,128,256}" \
+      2>&1 | grep "=== batch" | sed "s/^/$preset /" | tee -a "$OUT/profile_step.log"
+    timeout "${PHASES_TIMEOUT_S:-60}" python3 scripts/host_phases.py --preset $preset --device cuda --batches 1,128,256 \
+      --out "/tmp/host_phases_$preset.json" 2>&1 | grep batch | sed "s/^/$preset /" | tee -a "$OUT/profile_step.log"
+  done
+  for preset in llama3-8b llama3-8b-eagle3; do
+    timeout "${BENCH_TIMEOUT_S:-200}" python3 -m drafter_client.benchmarks.bench_step --preset $preset --device cuda \
+      --batches "${BENCH_BATCHES:-1,8,32,64,128,256}" --prefill-tokens 0 --iters 20 \
+      --out "$OUT/bench_step_$preset.json" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/bench_step.log" | tail -14
   done
 fi
 if [ "$what" = bulk-grpc ]; then  # large steps over TCP: bare gRPC echo, one message, chunks (docs/performance.md)
