@@ -38,6 +38,16 @@ def test_staged_rows_equal_torch_cat(lens, threads, width, one_tensor):
     assert torch.equal(got, torch.cat(tensors))
 
 
+def test_fill_threads_write_an_inference_tensor(monkeypatch):
+    """The step runs in inference mode, which is per thread: the fill threads must be in it to write the step's
+    buffer (a CUDA step failed with "Inplace update to inference tensor outside InferenceMode" before)."""
+    monkeypatch.setattr(host_staging, "PARALLEL_BYTES", 1024)
+    tensors = [torch.randn(40, 64) for _ in range(5)]
+    with torch.inference_mode():
+        got = rows_to_device(tensors, torch.device("cpu"), threads=3, pin=False)
+    assert torch.equal(got, torch.cat(tensors))
+
+
 def test_mixed_dtypes_are_promoted_as_cat_does(monkeypatch):
     monkeypatch.setattr(host_staging, "PARALLEL_BYTES", 1024)
     a, b = torch.randn(300, 64).to(torch.bfloat16), torch.randn(200, 64)

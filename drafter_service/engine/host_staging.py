@@ -2,31 +2,43 @@
 
 The states arrive on the host (decoded from a request, or the engine's own CPU tensors) as one tensor per
 sequence, or one for the whole batch. On CUDA they are concatenated into a pinned buffer (from torch's caching host
-allocator) and copied to the device with non_blocking copies. At serving batch sizes that concatenation is the
-largest host cost of a step (EAGLE-3 at batch 256, m = 3: 768 rows x 12288 bf16 columns = 18.9 MB, ~1.5-2 ms for one
-thread), and the device waits for it, so a large one is split by rows over STAGING_THREADS threads (torch releases
-the GIL while it copies), and each part's host->device copy is queued as soon as that part is in pinned memory: the
-PCIe transfer of one part overlaps the memcpy of the next; meanwhile the step thread builds the step's metadata
-(start_rows_to_device). The host side of a CUDA step otherwise runs on one torch
-thread (runtime.py), which is right for its many small ops and wrong for this one large copy.
+allocator) and copied to the device with a non_blocking copy. At serving batch sizes that concatenation is one of
+the largest host costs of a step (EAGLE-3 at batch 256, m = 3: 768 rows x 12288 bf16 columns = 18.9 MB, 1.96 ms
+with its copy on the H200 VM), and the device waits for it.
+
+With STAGING_THREADS > 1 a large one is split by rows over that many threads (torch releases the GIL while it
+copies), each part's host->device copy is queued as soon as that part is in pinned memory, and the step thread
+builds the step's metadata meanwhile (start_rows_to_device). The default is 1 (the cat on the step thread, as
+before): on the H200 VM 2-8 threads were slower (STAGING_THREADS says by how much); benchmarks/bench_staging.py
+measures it on another host.
 
 The caching host allocator keeps the pinned block until every copy queued from it has completed, so a later step
 never overwrites rows still in flight.
 """
 import functools
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
 
-STAGING_THREADS = min(4, os.cpu_count() or 1)  # threads that fill the pinned buffer of a large step
+# threads that fill the pinned buffer of a large step. 1 (no fill thread, the cat on the step thread): on the H200
+# VM (16 vCPUs, 2026-11-25, benchmarks/bench_staging.py, docs/performance.md) 2, 4 and 8 threads were slower than one
+# for 3-19 MB (e.g. 6.3 MB: 0.84 ms with one, 1.47 / 1.78 / 2.40 ms with 2 / 4 / 8), while on the 2-vCPU dev VM two
+# threads filled 19 MB of pageable memory in 0.85 ms against 1.32 for one. Measure before raising it.
+STAGING_THREADS = 1
 PARALLEL_BYTES = 1 << 20  # below this one thread copies: a hand-off to the pool costs more than it saves
 
 
 @functools.lru_cache(maxsize=None)
 def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="drafter-staging")
+
+
+def _fill(chunk: list[torch.Tensor], out: torch.Tensor) -> None:
+    # (inference mode is per thread: the step's pinned buffer is an inference tensor, which only a thread in
+    # inference mode may write into; a normal tensor may be written in inference mode too)
+    with torch.inference_mode():
+        torch.cat(chunk, out=out)
 
 
 def row_chunks(tensors: list[torch.Tensor], bounds: list[int]) -> list[list[torch.Tensor]]:
@@ -77,8 +89,7 @@ def start_rows_to_device(tensors: list[torch.Tensor], device: torch.device, thre
         return lambda: out
     bounds = [rows * c // parts for c in range(parts + 1)]
     pool = _pool(threads)
-    filled = [pool.submit(torch.cat, chunk, out=host[a:b])
-              for chunk, a, b in zip(row_chunks(tensors, bounds), bounds, bounds[1:])]
+    filled = [pool.submit(_fill, chunk, host[a:b]) for chunk, a, b in zip(row_chunks(tensors, bounds), bounds, bounds[1:])]
 
     def finish() -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype, device=device)

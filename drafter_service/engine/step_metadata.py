@@ -27,8 +27,8 @@ regions, so that no field needs a cast kernel on the device:
     draft_steps       [n]      k_i - 1: the decode steps it needs
 
 The target hidden states (data, not metadata: [T, W] in the wire dtype) are concatenated straight into a second
-pinned buffer and sent with non_blocking copies, filled by a few threads when large (host_staging.py), or used in
-place when they came through CUDA shared memory and are already on the device. Neither copy waits for the device. Each copy's source is pinned memory from
+pinned buffer and sent with a non_blocking copy (host_staging.py), or used in place when they came through CUDA
+shared memory and are already on the device. Neither copy waits for the device. Each copy's source is pinned memory from
 torch's caching host allocator, which keeps the block until its copy has completed, so a later step never
 overwrites a buffer still in flight.
 """
