@@ -31,8 +31,8 @@ except ImportError:  # CPU-only install: the torch references are used (see ops.
 
     class _MissingTriton:
         @staticmethod
-        def jit(fn):
-            return _MissingKernel(fn)
+        def jit(fn=None, **options):  # (as triton.jit: bare, or with options such as do_not_specialize)
+            return _MissingKernel(fn) if fn is not None else _MissingKernel
 
         @staticmethod
         def cdiv(a: int, b: int) -> int:

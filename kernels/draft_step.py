@@ -43,7 +43,7 @@ def advance_draft_step_ref(
 # Writes:  out_positions [B], seq_lens [B] (in place), out_slot_mapping [B_padded], every entry.
 # Grid:    (cdiv(B_padded, BLOCK),): one program handles BLOCK rows (real requests and padding rows alike).
 # ----------------------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["block_tables_stride", "num_requests", "num_rows_padded", "max_blocks"])
 def _advance_draft_step_kernel(
     positions_ptr, block_tables_ptr, block_tables_stride, seq_lens_ptr, out_positions_ptr, out_slot_mapping_ptr,
     num_requests, num_rows_padded, block_size, max_model_len, max_blocks,

@@ -224,31 +224,35 @@ class GatheredContext:
 # align), and keeps a running (max, sum, weighted V) per flattened row ("online softmax") in fp32.
 #
 # Split-K ("flash decoding"): when every sequence's query rows fit one program (max_query_len <= BLOCK_M), the
-# context a program needs is cut into NUM_SPLITS contiguous ranges of whole tiles, one program each; the split
+# context a program needs is cut into num_splits contiguous ranges of whole tiles, one program each; the split
 # programs write partial (max, sum, unnormalized acc) to fp32 scratch and _paged_attention_reduce_kernel merges
-# them. NUM_SPLITS is chosen on the host from shapes only (batch size, heads, block_tables.shape[1] * block_size),
+# them. num_splits is chosen on the host from shapes only (batch size, heads, block_tables.shape[1] * block_size),
 # and each split's range is computed in the kernel from the device-side seq_len, so the grid is static for a
 # given batch size (CUDA-graph safe) and the splits always cover exactly the sequence's real context; splits past
-# a short context are empty and write (-inf, 0, 0). With NUM_SPLITS == 1 the program writes out directly.
+# a short context are empty and write (-inf, 0, 0). Without SPLIT (num_splits == 1) the program writes out directly.
+# num_splits, the block-table stride and part_rows are runtime values, not specialized: they change with the context
+# length and the batch, and as constexprs (or specialized ints) each new value compiled both kernels again, 0.4-0.5 s
+# on the step thread (an H200 run of eager pre-drafting passes at batch 1: one such stall every ~64 tokens of
+# context, docs/predraft.md). SPLIT and BLOCK_S (a power of two) take few values.
 # ----------------------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["block_tables_stride", "part_rows", "num_splits"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
     scale,
     q_stride_t, q_stride_h, out_stride_t, out_stride_h,
     cache_stride_block, cache_stride_offset, cache_stride_h,
-    block_tables_stride, num_q_heads, part_rows,
+    block_tables_stride, num_q_heads, part_rows, num_splits,
     QUERIES_PER_KV: tl.constexpr, HEAD_BLOCKS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # Grid (B, cdiv(max_query_len, BLOCK_M), Hkv * HEAD_BLOCKS_PER_KV * NUM_SPLITS).
-    # Scratch (NUM_SPLITS > 1): part_max, part_sum [B, part_rows, Hq, NUM_SPLITS] fp32 and part_acc [..., HEAD_DIM].
+    # Grid (B, cdiv(max_query_len, BLOCK_M), Hkv * HEAD_BLOCKS_PER_KV * num_splits).
+    # Scratch (SPLIT): part_max, part_sum [B, part_rows, Hq, num_splits] fp32 and part_acc [..., HEAD_DIM].
     seq = tl.program_id(0)
     m_block = tl.program_id(1)
-    split = tl.program_id(2) % NUM_SPLITS
-    head_block = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % num_splits
+    head_block = tl.program_id(2) // num_splits
     kv_head = head_block // HEAD_BLOCKS_PER_KV
 
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -277,7 +281,7 @@ def _paged_attention_kernel(
     # Causal: this program needs context positions [0, needed), up to the position of its last row.
     needed = ctx_len - q_len + tl.minimum((m_block + 1) * BLOCK_M, q_len)
     num_tiles = tl.cdiv(needed, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
     offs_n = tl.arange(0, BLOCK_N)
@@ -305,13 +309,13 @@ def _paged_attention_kernel(
         acc = acc * rescale[:, None] + tl.dot(probs.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
         row_max = new_max
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         # every valid row sees position 0, so row_sum > 0 there; the guard only keeps masked rows finite
         result = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         tl.store(out_ptr + q_rows[:, None] * out_stride_t + heads[:, None] * out_stride_h + dims[None, :],
                  result.to(out_ptr.dtype.element_ty), mask=valid[:, None] & dim_mask[None, :])
     else:
-        part = ((seq.to(tl.int64) * part_rows + rows) * num_q_heads + heads) * NUM_SPLITS + split
+        part = ((seq.to(tl.int64) * part_rows + rows) * num_q_heads + heads) * num_splits + split
         part_mask = valid & (rows < part_rows)
         tl.store(part_max_ptr + part, row_max, mask=part_mask)
         tl.store(part_sum_ptr + part, row_sum, mask=part_mask)
@@ -319,13 +323,13 @@ def _paged_attention_kernel(
                  mask=part_mask[:, None] & dim_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["part_rows", "num_splits"])
 def _paged_attention_reduce_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr,
-    out_stride_t, out_stride_h, num_q_heads, part_rows,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    out_stride_t, out_stride_h, num_q_heads, part_rows, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    # Grid (B, part_rows, Hq): merges the NUM_SPLITS partials of one query row and head into out.
+    # Grid (B, part_rows, Hq): merges the num_splits (<= BLOCK_S) partials of one query row and head into out.
     seq = tl.program_id(0)
     row = tl.program_id(1)
     head = tl.program_id(2)
@@ -333,10 +337,10 @@ def _paged_attention_reduce_kernel(
     if row >= tl.load(query_start_loc_ptr + seq + 1) - q_start:
         return
     splits = tl.arange(0, BLOCK_S)
-    split_mask = splits < NUM_SPLITS
+    split_mask = splits < num_splits
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
-    part = ((seq.to(tl.int64) * part_rows + row) * num_q_heads + head) * NUM_SPLITS + splits  # [BLOCK_S]
+    part = ((seq.to(tl.int64) * part_rows + row) * num_q_heads + head) * num_splits + splits  # [BLOCK_S]
     split_max = tl.load(part_max_ptr + part, mask=split_mask, other=float("-inf"))
     split_sum = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0)
     split_acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
@@ -412,19 +416,18 @@ def _paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_s
         scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), num_q_heads, part_rows,
+        block_tables.stride(0), num_q_heads, part_rows, num_splits,
         QUERIES_PER_KV=num_q_heads // num_kv_heads, HEAD_BLOCKS_PER_KV=cfg["head_blocks"], HEAD_DIM=head_dim,
         BLOCK_D=cfg["block_d"], BLOCK_M=cfg["block_m"], BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"],
-        KV_BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        KV_BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"],
     )
     if num_splits > 1:
         _paged_attention_reduce_kernel[(num_seqs, part_rows, num_q_heads)](
             out, part_acc, part_max, part_sum, query_start_loc,
-            out.stride(0), out.stride(1), num_q_heads, part_rows,
-            HEAD_DIM=head_dim, BLOCK_D=cfg["block_d"], NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            out.stride(0), out.stride(1), num_q_heads, part_rows, num_splits,
+            HEAD_DIM=head_dim, BLOCK_D=cfg["block_d"], BLOCK_S=triton.next_power_of_2(num_splits),
             num_warps=4,
         )
     return out

@@ -103,7 +103,7 @@ def gumbel_sample_ref(
 # chunk), and the logsumexp merged over chunks. With one chunk, stage 1 writes the outputs itself.
 # The chunking is chosen on the host from (B, V) only, so a launch never reads device values.
 # ----------------------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _argmax_kernel(logits_ptr, logits_stride, out_ptr, part_value_ptr, part_id_ptr, vocab_size, chunk_size,
                    num_chunks, BLOCK_V: tl.constexpr, SINGLE_CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -129,7 +129,7 @@ def _argmax_kernel(logits_ptr, logits_stride, out_ptr, part_value_ptr, part_id_p
         tl.store(part_id_ptr + row * num_chunks + chunk, best_id)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _argmax_reduce_kernel(part_value_ptr, part_id_ptr, out_ptr, num_chunks, vocab_size, BLOCK_C: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, BLOCK_C)
@@ -155,7 +155,7 @@ def _philox_first_word(c0, c1, c2, c3, k0, k1):
     return c0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _gumbel_sample_kernel(
     logits_ptr, logits_stride, temperature_ptr, seed_ptr, position_ptr, out_ptr, out_logprobs_ptr,
     part_score_ptr, part_id_ptr, part_scaled_ptr, part_max_ptr, part_sum_ptr,
@@ -223,7 +223,7 @@ def _gumbel_sample_kernel(
             tl.store(part_sum_ptr + part, running_sum)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _gumbel_sample_reduce_kernel(
     part_score_ptr, part_id_ptr, part_scaled_ptr, part_max_ptr, part_sum_ptr, out_ptr, out_logprobs_ptr,
     num_chunks, vocab_size,
