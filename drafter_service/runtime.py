@@ -11,7 +11,7 @@ from drafter_service.engine.cuda_graphs import capture_decode_graphs
 from drafter_service.engine.kv_cache import KVCache
 from drafter_service.loader import DTYPES, load_head
 from drafter_service.metrics import Metrics
-from drafter_service.engine.predraft import MAX_PREDRAFT_BRANCHES
+from drafter_service.engine.predraft import MAX_PREDRAFT_BRANCHES, PredraftCounters
 from drafter_service.engine.proposer import Proposer
 from drafter_service.engine.sequence import SequenceLimits
 from drafter_service.engine.step_io import StepInput
@@ -71,8 +71,10 @@ def _kv_tokens(cfg: ServerConfig, device: torch.device, bytes_per_token: int) ->
 def warm_up(proposer: Proposer, width: int, k: int) -> None:
     """Run a few throw-away steps before health turns SERVING, so that the first real steps find the Triton kernels
     compiled (a kernel compiles at its first launch with each new specialization: seconds, past any engine's step
-    deadline): a prefill chunk, greedy decode steps of one and of several sequences, and a sampled step with
-    log-probabilities and top-k. Their sequences are released and their counts kept out of the metrics."""
+    deadline): a prefill chunk, greedy decode steps of one and of several sequences, a sampled step with
+    log-probabilities and top-k, and (sequential heads) pre-drafting steps of one and of four sequences with their
+    preparation passes. Their sequences are released and their counts kept out of the metrics and of pre-drafting's
+    estimates."""
     t0 = time.perf_counter()
     metrics, proposer.metrics = proposer.metrics, Metrics()
     ns = "\x00warm-up"  # (before any client is served; everything it creates is released below)
@@ -89,20 +91,30 @@ def warm_up(proposer: Proposer, width: int, k: int) -> None:
                    [step(f"s{i}", m, 3) for i in range(4)],  # several, greedy, m = 3
                    [step(f"s{i}", m, 2, temperature=1.0, seed=i, return_logprobs=True, top_k_probs=4)
                     for i in range(4)]]
+        pd = proposer.predraft
+        counters, pd.counters = pd.counters, PredraftCounters()
+        if pd.supported:  # a pre-drafting step of one sequence, then of four, each followed by its pass
+            batches += [[step("s0", m + 2, 1, predraft_branches=8)],
+                        [step(f"s{i}", m + 3 if i == 0 else m + 2, 1, predraft_branches=8) for i in range(4)]]
         for batch in batches:
             bad = [o for o in proposer.step(batch) if o.code]
             if bad:
                 log.warning("warm-up step refused (%s): the first real steps may compile kernels", bad[0].message)
                 break
+            if pd.has_work():
+                pd.prepare(lambda: False)
         if proposer.device.type == "cuda":
             torch.cuda.synchronize()
     finally:
         for i in range(4):
             proposer.table.release(ns, f"s{i}")
         proposer.metrics = metrics
+        passes = pd.counters.passes
+        pd.counters = counters
+        pd.forget_estimates()  # (the warm-up's passes compiled kernels: their times say nothing)
         if proposer.decode_graphs is not None:  # (their counters tell how many real steps the graphs served)
             proposer.decode_graphs.steps_run = proposer.decode_graphs.first_steps_run = 0
-    log.info("warm-up steps ran in %.1f s", time.perf_counter() - t0)
+    log.info("warm-up steps ran in %.1f s (%d pre-drafting passes)", time.perf_counter() - t0, passes)
 
 
 def build_runtime(cfg: ServerConfig) -> Runtime:

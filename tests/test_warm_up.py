@@ -14,3 +14,8 @@ def test_warm_up_leaves_no_trace(tiny_model, tmp_path, caplog):
     assert len(rt.proposer.table) == 0
     assert rt.kv.pool.num_free == rt.kv.num_blocks
     assert rt.metrics.steps == 0 and rt.metrics.sequence_steps == 0
+    # pre-drafting passes ran (a pass compiles kernels of its own), and left no estimate or count behind
+    assert "(2 pre-drafting passes)" in caplog.text
+    pd = rt.proposer.predraft
+    assert pd.counters.passes == 0 and pd.counters.hits == 0 and rt.metrics.predraft_counters is pd.counters
+    assert not pd._pass_s and pd.window_s is None and not pd.recent_passes and not pd.has_work()

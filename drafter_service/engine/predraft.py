@@ -316,6 +316,15 @@ class Predrafter:
         self._waiting.clear()
         self._skip_steps = 2 ** MAX_BACKOFF_EXPONENT
 
+    def forget_estimates(self) -> None:
+        """Drop the pass-time and idle-window averages and the skip counts (after the warm-up's passes, which
+        compiled kernels)."""
+        self._pass_s.clear()
+        self._skips.clear()
+        self._probing.clear()
+        self.recent_passes.clear()
+        self.window_s = None
+
     def observe_window(self, seconds: float) -> None:
         """The scheduler's idle time between a batch's end and the next request's arrival (0: one was waiting)."""
         self.window_s = seconds if self.window_s is None else (1 - EMA) * self.window_s + EMA * seconds
