@@ -24,6 +24,7 @@ from drafter_client.protocol.mailbox import checksums_needed
 from drafter_client.protocol import pb, pb_grpc
 from drafter_service.metrics import MetricsServer, serve_http
 from drafter_service.runtime import Runtime, build_runtime
+from drafter_service.engine.host_staging import pinned_bytes
 from drafter_service.engine.scheduler import StepScheduler
 from drafter_service.transport.auth import (AuthInterceptor, Authorizer, load_tokens, restrict_socket,
                                             server_credentials)
@@ -197,6 +198,7 @@ class DrafterServer:
             decode=self.servicer.decode_propose, encode=self.servicer.encode_propose, metrics=self.runtime.metrics,
             authorizer=self.servicer.authorizer, socket_group=cfg.socket_group,
             trace_file=self.servicer.trace_file,
+            read_buffer=pinned_bytes if self.runtime.proposer.device.type == "cuda" else None,
             checksums=checksums_needed() if cfg.step_channel_checksums is None else cfg.step_channel_checksums)
         self.scheduler.attach_channels(channels)
         channels.start()

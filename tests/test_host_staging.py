@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from drafter_service.engine import host_staging
-from drafter_service.engine.host_staging import row_chunks, rows_to_device
+from drafter_service.engine.host_staging import one_block, row_chunks, rows_to_device
 
 
 @settings(max_examples=60, deadline=None)
@@ -67,3 +67,38 @@ def test_pinned_staging_to_cuda_equals_cat(threads):
     for _ in range(3):  # (a later call reuses pinned blocks the caching allocator keeps)
         got = rows_to_device(tensors, torch.device("cuda"), threads=threads)
         assert got.device.type == "cuda" and torch.equal(got.cpu(), torch.cat(tensors))
+
+
+def test_one_block_is_the_consecutive_slices_of_one_tensor():
+    """A request's states sliced per sequence are one block again (one DMA on CUDA when it is pinned memory)."""
+    whole = torch.randn(20, 6).to(torch.bfloat16)
+    cuts = [0, 3, 4, 9, 20]
+    slices = [whole[a:b] for a, b in zip(cuts, cuts[1:])]
+    block = one_block(slices)
+    assert block is not None and block.data_ptr() == whole.data_ptr() and torch.equal(block, whole)
+    assert torch.equal(one_block(slices[1:3]), whole[3:9])
+    assert one_block([whole[0:3], whole[4:9]]) is None  # a gap
+    assert one_block([whole[3:4], whole[0:3]]) is None  # out of order
+    assert one_block([whole[0:3], torch.randn(2, 6).to(torch.bfloat16)]) is None  # another tensor
+    assert one_block([whole[0:3, :4], whole[3:5, :4]]) is None  # not contiguous
+    assert one_block([whole[0:3], whole[3:5].float()]) is None  # another dtype
+    flat = torch.arange(10)
+    assert torch.equal(one_block([flat[0:4], flat[4:10]]), flat)
+
+
+@pytest.mark.gpu
+def test_rows_of_a_pinned_request_go_to_cuda_in_one_block():
+    """As a step channel reads a large request on CUDA: into pinned_bytes, the states a view of it, sliced per
+    sequence; rows_to_device sends that block as it is."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from drafter_service.engine.host_staging import pinned_bytes
+    want = torch.randn(300, 4096).to(torch.bfloat16)
+    buf = pinned_bytes(64 + want.numel() * 2)  # (the states sit after the message's other fields)
+    buf[64:] = memoryview(want.view(-1).view(torch.uint8).numpy())
+    states = torch.frombuffer(buf[64:], dtype=torch.bfloat16).view(300, 4096)
+    slices = [states[i : i + 3] for i in range(0, 300, 3)]
+    block = one_block(slices)
+    assert block is not None and block.is_pinned()
+    got = rows_to_device(slices, torch.device("cuda"))
+    assert torch.equal(got.cpu(), want)

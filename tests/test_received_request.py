@@ -144,10 +144,16 @@ def test_large_inline_states_through_every_path_give_the_in_process_drafts(tiny_
             r = await c.propose([step])
             assert c.steps_through_channel == 1
             got.append(r.sequences[0].drafts.tolist())
+            # as on CUDA, the channel reads a large request into a buffer of its own (pinned memory there)
+            buffers = []
+            srv.server.runtime.metrics.channels.read_buffer = lambda n: buffers.append(n) or memoryview(bytearray(n))
+            r = await c.propose([step])  # (the same prefill again: a rewind to 0)
+            assert c.steps_through_channel == 2 and len(buffers) == 1 and buffers[0] > rows * 64 * 4
+            got.append(r.sequences[0].drafts.tolist())
         return got
 
     with ServerThread(cfg) as srv:
-        assert asyncio.run(run(srv)) == [want] * 3
+        assert asyncio.run(run(srv)) == [want] * 4
 
 
 def test_states_fields_of_the_wrong_wire_type_go_to_protobuf(scan_everything):

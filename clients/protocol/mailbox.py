@@ -32,6 +32,7 @@ import mmap
 import platform
 import zlib
 from dataclasses import dataclass
+from typing import Callable
 
 VERSION = 2  # of the step-channel hello and this layout (2: the flags word; crcs only with CHECKSUMS)
 MAGIC = int.from_bytes(b"DRFTSTP2", "little")
@@ -133,13 +134,20 @@ class Mailbox:
         self.words[area.crc] = crc
         self.words[area.seq] = seq
 
-    def read(self, area: _Area, seq: int) -> bytes | None:
+    def read(self, area: _Area, seq: int, into: "Callable[[int], memoryview] | None" = None) -> "bytes | memoryview | None":
         """The message behind doorbell seq, or None while its bytes do not match their crc yet (with CHECKSUMS) or
-        the length is out of bounds (the writer is not done, or wrote garbage)."""
+        the length is out of bounds (the writer is not done, or wrote garbage). into(n): a writable buffer of n bytes
+        to copy the message into (the drafter's pinned host memory, for a large request whose states then go to the
+        GPU without another copy), returned as the message; None: new bytes."""
         n = self.words[area.length]
         if n > area.capacity:
             return None
-        payload = self.mm[area.start : area.start + n]  # a copy: the writer may reuse the area after this
+        if into is None:
+            payload = self.mm[area.start : area.start + n]  # a copy: the writer may reuse the area after this
+        else:
+            payload = into(n)
+            with memoryview(self.mm) as whole, whole[area.start : area.start + n] as src:
+                payload[:] = src  # (one memcpy)
         if self.checksums and _crc(seq, payload) != self.words[area.crc]:
             return None
         return payload

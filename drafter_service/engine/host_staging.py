@@ -14,6 +14,10 @@ measures it on another host.
 
 The caching host allocator keeps the pinned block until every copy queued from it has completed, so a later step
 never overwrites rows still in flight.
+
+A step-channel request of 1 MiB or more is read out of the mailbox into pinned memory on CUDA (pinned_bytes); its
+inline states are a view of it, sliced per sequence. Such rows (one_block) go to the device with one DMA, with no
+cat at all.
 """
 import functools
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +62,31 @@ def row_chunks(tensors: list[torch.Tensor], bounds: list[int]) -> list[list[torc
     return chunks
 
 
+def pinned_bytes(n: int) -> memoryview:
+    """A writable buffer of n bytes of pinned host memory from torch's caching host allocator (the step channels
+    read a large request into one: step_channels.ChannelSet.read_buffer)."""
+    return memoryview(torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy())
+
+
+def one_block(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors as one view when they are consecutive row ranges of one memory block (the steps of a request
+    whose states were read as one tensor, sliced per sequence): contiguous, alike in dtype and row shape, each
+    starting where the one before it ends. None otherwise."""
+    first = tensors[0]
+    row_shape, dtype = first.shape[1:], first.dtype
+    at = first.data_ptr()
+    rows = 0
+    for t in tensors:
+        if t.dtype != dtype or t.shape[1:] != row_shape or t.data_ptr() != at or not t.is_contiguous():
+            return None
+        at += t.numel() * t.element_size()
+        rows += t.shape[0]
+    if first.untyped_storage().data_ptr() != tensors[-1].untyped_storage().data_ptr():  # (one allocation)
+        return None
+    shape = (rows, *row_shape)
+    return torch.as_strided(first, shape, torch.empty(shape, device="meta").stride())
+
+
 def rows_to_device(tensors: list[torch.Tensor], device: torch.device, threads: int | None = None,
                    pin: bool = True) -> torch.Tensor:
     """torch.cat(tensors) on the device (tensors: [m_i, ...] with equal trailing shapes; dtypes promoted as cat
@@ -76,6 +105,11 @@ def start_rows_to_device(tensors: list[torch.Tensor], device: torch.device, thre
     if not on_host or (device.type != "cuda" and pin):
         out = torch.cat([t.to(device, non_blocking=True) for t in tensors])  # CPU; or already on the device (shm)
         return lambda: out
+    if device.type == "cuda":
+        block = one_block(tensors)
+        if block is not None and block.is_pinned():  # (a step-channel request read into pinned memory)
+            out = block.to(device, non_blocking=True)
+            return lambda: out
     dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
     rows = sum(t.shape[0] for t in tensors)
     shape = (rows, *tensors[0].shape[1:])

@@ -36,7 +36,7 @@ from google.protobuf.message import DecodeError
 
 from drafter_client.protocol.mailbox import VERSION, Mailbox
 from drafter_client.protocol import pb
-from drafter_service.transport.received_request import read_request
+from drafter_service.transport.received_request import MIN_SCAN_BYTES, read_request
 from drafter_service.engine.scheduler import PendingRequest
 from drafter_service.engine.step_io import StepInput, StepOutput
 from drafter_service import tracing
@@ -96,6 +96,11 @@ class ChannelSet:
     # Diagnostics (scripts/rpc_timeline.py): a text file that gets one JSON line per channel request with the
     # time.perf_counter() of each phase (seen, enter, parsed, worker_start, worker_end, resumed, replied).
     trace_file: object = None
+    # a request of at least MIN_SCAN_BYTES is copied out of the mailbox into a buffer from this allocator (n ->
+    # writable memoryview of n bytes): on CUDA pinned host memory (runtime), so that its inline states, read as a
+    # view (received_request.py), go to the device in one DMA (host_staging.py) instead of a copy into pinned memory
+    # first; None: new bytes
+    read_buffer: "Callable[[int], memoryview] | None" = None
     _open: list[Channel] = field(default_factory=list)  # step thread only
     _new: deque = field(default_factory=deque)  # acceptor -> step thread
     _listener: socket.socket | None = None
@@ -256,7 +261,8 @@ class ChannelSet:
             seq = box.doorbell(box.request)
             if seq != ch.taken:
                 t_seen = time.perf_counter()
-                payload = box.read(box.request, seq)
+                large = self.read_buffer is not None and box.words[box.request.length] >= MIN_SCAN_BYTES
+                payload = box.read(box.request, seq, self.read_buffer if large else None)
                 if payload is None:
                     now = now or time.monotonic()
                     if ch.unreadable_since is None:
