@@ -139,7 +139,7 @@ def run_batch(rt, B: int, context: int, k: int, budget: int, iters: int, seed: i
 
 
 def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, verify_ms: float, seed: int,
-                warmup: int = 20) -> dict:
+                warmup: int = 20, engine_threads: int | None = None) -> dict:
     """The engine's wait for drafts through a step channel (plain, hit, miss). The drafter runs in this process (so
     that the benchmark can see which outcomes its proposer prepared), the engine in a child process of its own
     (engine_process), as in a deployment: the two share no GIL. Between two steps the engine "verifies" for verify_ms
@@ -175,7 +175,7 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
     here, there = spawn.Pipe()
     engine = spawn.Process(
         target=engine_process, args=(there, address, B, context, k, budget, iters, warmup, verify_ms, seed,
-                                     limits.vocab_size, limits.hidden_states_width), daemon=True)
+                                     limits.vocab_size, limits.hidden_states_width, engine_threads), daemon=True)
     try:
         engine.start()
         while True:  # answer the engine's questions until it reports
@@ -216,7 +216,7 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
 
 
 def engine_process(conn, address: str, B: int, context: int, k: int, budget: int, iters: int, warmup: int,
-                   verify_ms: float, seed: int, vocab: int, width: int) -> None:
+                   verify_ms: float, seed: int, vocab: int, width: int, threads: int | None = None) -> None:
     """The engine of run_sidecar, in a process of its own: B sequences through a step channel, first with
     pre-drafting off, then on; each step takes a prepared outcome for every sequence when all of them have one (a
     hit; conn tells which), else an unprepared one (a miss, or "busy" when the pass still ran). Sends ("done",
@@ -224,6 +224,9 @@ def engine_process(conn, address: str, B: int, context: int, k: int, budget: int
     import asyncio
 
     from drafter_client import DrafterClient, SequenceStep
+
+    if threads:
+        torch.set_num_threads(threads)  # (the engine process's torch threads: its copies into the mailbox use them)
 
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
@@ -316,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the engine's verification time to compare the pass with (e.g. an 8B target at batch 1)")
     ap.add_argument("--sidecar", action=argparse.BooleanOptionalAction, default=True,
                     help="also the engine's wait through a step channel (the drafter in a thread of this process)")
+    ap.add_argument("--engine-threads", type=int, default=None,
+                    help="torch threads of the engine process (default: torch's, one per core)")
     ap.add_argument("--out", default="bench_out/predraft_mechanics.json")
     a = ap.parse_args(argv)
     shape = PRESETS[a.preset]
@@ -354,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                   "pre-drafting off, on (hit / miss / busy: steps of each kind and their median)")
             for r in rows:
                 r.update(run_sidecar(cfg, r["batch"], context, a.k, a.budget, a.iters, a.verify_ms, seed=r["batch"],
-                                     warmup=a.warmup))
+                                     warmup=a.warmup, engine_threads=a.engine_threads))
                 fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
                 print(f"{'':12}{r['batch']:>5} off {fmt(r['sidecar_plain'])} on {fmt(r['sidecar_predraft'])} "
                       f"(hit {r['sidecar_hit_steps']} x {fmt(r['sidecar_hit'])}, miss {r['sidecar_miss_steps']} x "
@@ -374,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                        "torch": torch.__version__, "device": str(device),
                        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None},
            "preset": a.preset, "context": context, "k": a.k, "budget": a.budget, "iters": a.iters, "warmup": a.warmup,
-           "verify_ms": a.verify_ms, "rows": rows}
+           "verify_ms": a.verify_ms, "engine_threads": a.engine_threads, "rows": rows}
     path = pathlib.Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
