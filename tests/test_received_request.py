@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from conftest import ServerThread, make_config
 from drafter_client import DrafterClient, SequenceStep
-from drafter_client.messages import serialize_request
+from drafter_client.messages import DirectRequest, build_request, serialize_request
 from drafter_client.protocol import pb
 from drafter_service.runtime import build_runtime
 from drafter_service.engine.step_io import StepInput
@@ -161,3 +161,26 @@ def test_states_fields_of_the_wrong_wire_type_go_to_protobuf(scan_everything):
     good = bytes(serialize_request("ns", [SequenceStep("s", 0, [1, 2], torch.randn(2, 8), 1, 3)]))
     check_same(good + bytes([4 << 3 | 0, 5]))  # a second hidden_states, as a varint
     check_same(pb.ProposeRequest(namespace="ns").SerializeToString() + bytes([4 << 3 | 2, 2, 3 << 3 | 0, 7]))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_states_are_written_alike_with_any_torch_thread_count(threads):
+    """write_rows copies on the calling thread unless torch runs one thread (then one torch.cat): same bytes."""
+    from drafter_client.messages import write_rows
+    parts = [torch.randn(m, 3000).to(torch.bfloat16) for m in (1, 3, 7, 2)] + [torch.randn(4, 6000)[:, ::2]]
+    want = torch.cat([p.to(torch.bfloat16) for p in parts]).contiguous().view(-1).view(torch.uint8)
+    parts[-1] = parts[-1].to(torch.bfloat16)  # (non-contiguous: a strided view)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf = bytearray(want.numel())
+        write_rows(parts, memoryview(buf))
+        request = serialize_request("ns", [SequenceStep(f"s{i}", 0, list(range(p.shape[0])), p, 1, 2)
+                                           for i, p in enumerate(parts)])
+        assert isinstance(request, DirectRequest)  # (the states written by hand, with write_rows)
+        as_bytes = bytes(request)
+    finally:
+        torch.set_num_threads(before)
+    assert bytes(buf) == bytes(want.numpy())
+    assert pb.ProposeRequest.FromString(as_bytes) == build_request(
+        "ns", [SequenceStep(f"s{i}", 0, list(range(p.shape[0])), p, 1, 2) for i, p in enumerate(parts)])
