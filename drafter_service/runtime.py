@@ -72,8 +72,8 @@ def warm_up(proposer: Proposer, width: int, k: int) -> None:
     """Run a few throw-away steps before health turns SERVING, so that the first real steps find the Triton kernels
     compiled (a kernel compiles at its first launch with each new specialization: seconds, past any engine's step
     deadline): a prefill chunk, greedy decode steps of one and of several sequences, a sampled step with
-    log-probabilities and top-k, and (sequential heads) pre-drafting steps of one and of four sequences with their
-    preparation passes. Their sequences are released and their counts kept out of the metrics and of pre-drafting's
+    log-probabilities and top-k, and (sequential heads) pre-drafting steps of one and of four sequences, each with
+    its preparation pass, a step its branches answer (a hit) and the pass after it. Their sequences are released and their counts kept out of the metrics and of pre-drafting's
     estimates."""
     t0 = time.perf_counter()
     metrics, proposer.metrics = proposer.metrics, Metrics()
@@ -85,36 +85,52 @@ def warm_up(proposer: Proposer, width: int, k: int) -> None:
         return StepInput(ns, sid, p, torch.randint(0, 100, (n,), generator=g, dtype=torch.int64),
                          torch.randn(n, width, generator=g, dtype=torch.float32), 1, k if p else 0, **sampling)
 
+    def hits_of(batch: list[StepInput]) -> list[StepInput]:
+        """For each sequence of batch, the next step that one of its prepared branches answers ([] if one has none)."""
+        hits = []
+        for s in batch:
+            seq = proposer.table.get(ns, s.sequence_id)
+            br = seq.predraft.branches if seq is not None and seq.predraft is not None else None
+            if br is None or not br.outcomes:
+                return []
+            a, b = next(iter(br.outcomes))
+            hits.append(StepInput(ns, s.sequence_id, br.base, torch.tensor([br.next_token] + br.served[:a]),
+                                  torch.randn(a + 1, width), b, br.num_drafts, predraft_branches=8))
+        return hits
+
+    pd = proposer.predraft
+    counters, pd.counters = pd.counters, PredraftCounters()
     try:
         batches = [[step(f"s{i}", 0, m) for i in range(4)],  # prefill chunks
                    [step("s0", m, 1)],  # one sequence, greedy
                    [step(f"s{i}", m, 3) for i in range(4)],  # several, greedy, m = 3
                    [step(f"s{i}", m, 2, temperature=1.0, seed=i, return_logprobs=True, top_k_probs=4)
                     for i in range(4)]]
-        pd = proposer.predraft
-        counters, pd.counters = pd.counters, PredraftCounters()
-        if pd.supported:  # a pre-drafting step of one sequence, then of four, each followed by its pass
+        if pd.supported:  # pre-drafting steps of one sequence, then of four: each pass, a hit, the pass after it
             batches += [[step("s0", m + 2, 1, predraft_branches=8)],
-                        [step(f"s{i}", m + 3 if i == 0 else m + 2, 1, predraft_branches=8) for i in range(4)]]
+                        [step(f"s{i}", m + 2, 1, predraft_branches=8) for i in range(4)]]
         for batch in batches:
             bad = [o for o in proposer.step(batch) if o.code]
             if bad:
                 log.warning("warm-up step refused (%s): the first real steps may compile kernels", bad[0].message)
                 break
             if pd.has_work():
-                pd.prepare(lambda: False)
+                pd.prepare(lambda: False)  # (the pass after a plain step: its forced pass runs one row)
+                hits = hits_of(batch)
+                if hits and all(o.predrafted for o in proposer.step(hits)) and pd.has_work():
+                    pd.prepare(lambda: False)  # (the pass after a hit: its forced pass runs the hit's rows too)
         if proposer.device.type == "cuda":
             torch.cuda.synchronize()
     finally:
         for i in range(4):
             proposer.table.release(ns, f"s{i}")
         proposer.metrics = metrics
-        passes = pd.counters.passes
+        passes, hits = pd.counters.passes, pd.counters.hits
         pd.counters = counters
         pd.forget_estimates()  # (the warm-up's passes compiled kernels: their times say nothing)
         if proposer.decode_graphs is not None:  # (their counters tell how many real steps the graphs served)
             proposer.decode_graphs.steps_run = proposer.decode_graphs.first_steps_run = 0
-    log.info("warm-up steps ran in %.1f s (%d pre-drafting passes)", time.perf_counter() - t0, passes)
+    log.info("warm-up steps ran in %.1f s (%d pre-drafting passes, %d hits)", time.perf_counter() - t0, passes, hits)
 
 
 def build_runtime(cfg: ServerConfig) -> Runtime:

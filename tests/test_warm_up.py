@@ -15,7 +15,7 @@ def test_warm_up_leaves_no_trace(tiny_model, tmp_path, caplog):
     assert rt.kv.pool.num_free == rt.kv.num_blocks
     assert rt.metrics.steps == 0 and rt.metrics.sequence_steps == 0
     # pre-drafting passes ran (a pass compiles kernels of its own), and left no estimate or count behind
-    assert "(2 pre-drafting passes)" in caplog.text
+    assert "(4 pre-drafting passes, 5 hits)" in caplog.text  # (a pass, a hit, the pass after it; for 1 then 4)
     pd = rt.proposer.predraft
     assert pd.counters.passes == 0 and pd.counters.hits == 0 and rt.metrics.predraft_counters is pd.counters
     assert not pd._pass_s and pd.window_s is None and not pd.recent_passes and not pd.has_work()
