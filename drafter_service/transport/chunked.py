@@ -145,9 +145,10 @@ class StagingBudget:
             del self.by_namespace[namespace]
 
 
-def staging_tensor(req: "pb.ProposeRequest", limits: Limits) -> torch.Tensor:
+def staging_tensor(req: "pb.ProposeRequest", limits: Limits, pin: bool = False) -> torch.Tensor:
     """The uninitialized [rows, width] tensor the chunks fill, after checking the header's hidden_states (dtype,
-    rank, width, rows = the steps' num_tokens, no inline data) so that its size is bounded by the limits."""
+    rank, width, rows = the steps' num_tokens, no inline data) so that its size is bounded by the limits. pin: in
+    pinned host memory (a CUDA drafter: the states then go to the GPU in one DMA, host_staging.py)."""
     t = req.hidden_states
     if t.dtype not in HIDDEN_DTYPES:
         raise invalid(f"hidden_states.dtype is {dtype_name(t.dtype)}; accepted: "
@@ -169,7 +170,7 @@ def staging_tensor(req: "pb.ProposeRequest", limits: Limits) -> torch.Tensor:
     if shape[1] != limits.hidden_states_width:
         raise invalid(f"hidden_states has {shape[1]} columns; this model takes {limits.hidden_states_width} "
                       "(GetInfo.hidden_states_width)")
-    return torch.empty(shape, dtype=TORCH_DTYPE[t.dtype])
+    return torch.empty(shape, dtype=TORCH_DTYPE[t.dtype], pin_memory=pin)
 
 
 async def receive_states(first: Chunk, chunks, staging: torch.Tensor) -> None:

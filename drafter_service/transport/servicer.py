@@ -297,7 +297,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             raise error
         request = first.request
         check_namespace(request.namespace)
-        staging = staging_tensor(request, self.runtime.limits)  # (checks hidden_states' header: bounded size)
+        # (checks hidden_states' header: bounded size; pinned on CUDA)
+        staging = staging_tensor(request, self.runtime.limits, pin=self.runtime.proposer.device.type == "cuda")
         nbytes, namespace = staging.numel() * staging.element_size(), request.namespace
         self.staging.acquire(namespace, nbytes)
         try:  # _propose checks the whole request before receive() takes any data
