@@ -124,6 +124,12 @@ def warm_up(proposer: Proposer, width: int, k: int) -> None:
     finally:
         for i in range(4):
             proposer.table.release(ns, f"s{i}")
+        # the pool as at start (zeros, free list in order): what the warm-up wrote, its passes' scratch branches
+        # included, is gone, and its allocations (which depend on the outcomes its passes prepared) do not order
+        # later ones, so that two drafters given the same steps hold the same KV (tests/test_cuda_fast_path.py)
+        proposer.kv.kv.zero_()
+        if proposer.kv.pool.num_free == proposer.kv.num_blocks:
+            proposer.kv.pool.reset()
         proposer.metrics = metrics
         passes, hits = pd.counters.passes, pd.counters.hits
         pd.counters = counters

@@ -13,9 +13,33 @@ def test_warm_up_leaves_no_trace(tiny_model, tmp_path, caplog):
     assert "warm-up steps ran" in caplog.text and "refused" not in caplog.text
     assert len(rt.proposer.table) == 0
     assert rt.kv.pool.num_free == rt.kv.num_blocks
+    assert not rt.kv.kv.any()  # the pool's memory as at start: nothing the warm-up wrote is left
+    assert list(rt.kv.pool._free) == list(range(rt.kv.num_blocks))  # and its free list in a new pool's order
     assert rt.metrics.steps == 0 and rt.metrics.sequence_steps == 0
     # pre-drafting passes ran (a pass compiles kernels of its own), and left no estimate or count behind
     assert "(4 pre-drafting passes, 5 hits)" in caplog.text  # (a pass, a hit, the pass after it; for 1 then 4)
     pd = rt.proposer.predraft
     assert pd.counters.passes == 0 and pd.counters.hits == 0 and rt.metrics.predraft_counters is pd.counters
     assert not pd._pass_s and pd.window_s is None and not pd.recent_passes and not pd.has_work()
+
+
+def test_a_warmed_up_drafter_holds_the_kv_of_one_that_was_not(tiny_model, tmp_path):
+    """The warm-up's allocations and writes (its passes' scratch branches too) leave no trace in the KV of later
+    steps: the same steps on a warmed-up drafter and on a fresh one give the same pools, block for block."""
+    import torch
+    from drafter_service.engine.step_io import StepInput
+
+    warm = build_runtime(make_config(*tiny_model, tmp_path / "warm"))
+    cold = build_runtime(make_config(*tiny_model, tmp_path / "cold"))
+    warm_up(warm.proposer, warm.limits.hidden_states_width, warm.limits.max_draft_tokens)
+    g = torch.Generator().manual_seed(3)
+    width = warm.limits.hidden_states_width
+    steps = [[StepInput("ns", f"q{i}", 0, torch.randint(0, 500, (20 + i,), generator=g), torch.randn(20 + i, width,
+                                                                                                    generator=g), 7, 4)
+              for i in range(3)]]
+    steps.append([StepInput("ns", f"q{i}", 20 + i, torch.randint(0, 500, (2,), generator=g),
+                            torch.randn(2, width, generator=g), 9, 4) for i in range(3)])
+    for batch in steps:
+        a, b = warm.proposer.step(batch), cold.proposer.step(batch)
+        assert [o.drafts for o in a] == [o.drafts for o in b] and all(o.code == 0 for o in a)
+    assert torch.equal(warm.kv.kv, cold.kv.kv)

@@ -31,6 +31,12 @@ class BlockPool:
     def free(self, blocks: list[int]) -> None:
         self._free.extend(blocks)
 
+    def reset(self) -> None:
+        """Every block free, in the order of a new pool (the warm-up's allocations leave no trace in later ones)."""
+        if len(self._free) != self.num_blocks:
+            raise RuntimeError(f"{self.num_blocks - len(self._free)} KV blocks are still in use")
+        self._free = deque(range(self.num_blocks))
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
