@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: carry .whl (pytest-asyncio, grpcio-health-checking/-reflection 1.84 wheels).
-#   scripts/gpu_session.sh tests|gpu-tests|bench|predraft|predraft-mechanics|host-profile|measure|bulk-grpc|all
+#   scripts/gpu_session.sh tests|gpu-tests|bench|predraft|predraft-mechanics|predraft-sweep|host-profile|measure|bulk-grpc|all
 # results under $OUT (or ./gpu_out). followup = host-profile + predraft-mechanics (one 10-minute call, 7 files).
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -30,6 +30,15 @@ if [ "$what" = predraft-mechanics ]; then  # the drafter's side at the 8B head s
     timeout "${MECH_TIMEOUT_S:-200}" python3 -m drafter_client.benchmarks.predraft_mechanics --preset $preset \
       --device cuda --batches "${MECH_BATCHES:-1,16,64}" --out "$OUT/predraft_mechanics_$preset.json" 2>&1 \
       | tee "$OUT/predraft_mechanics_$preset.log" | tail -6
+  done
+fi
+if [ "$what" = predraft-sweep ]; then  # the 8B heads' hit rate and wait per fan-out budget F (docs/predraft.md)
+  for preset in llama3-8b llama3-8b-eagle3; do
+    for f in ${SWEEP_BUDGETS:-4 16}; do
+      timeout "${MECH_TIMEOUT_S:-100}" python3 -m drafter_client.benchmarks.predraft_mechanics --preset $preset \
+        --device cuda --batches "${MECH_BATCHES:-1,64}" --budget $f --out "$OUT/predraft_sweep_${preset}_F$f.json" 2>&1 \
+        | grep -E "off|passes \(" | sed "s/^/$preset F=$f /" | tee -a "$OUT/predraft_sweep.log"
+    done
   done
 fi
 if [ "$what" = host-profile ]; then  # where the host time of a large batch goes (docs/performance.md)
