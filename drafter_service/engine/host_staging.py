@@ -108,6 +108,8 @@ def start_rows_to_device(tensors: list[torch.Tensor], device: torch.device, thre
     if device.type == "cuda":
         block = one_block(tensors)
         if block is not None and block.is_pinned():  # (a step-channel request read into pinned memory)
+            # (a view made by torch.frombuffer carries no allocator context, so no event guards its block: the
+            # step synchronizes before it returns, and its request, which holds the block, is dropped only then)
             out = block.to(device, non_blocking=True)
             return lambda: out
     dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
