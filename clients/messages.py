@@ -191,14 +191,37 @@ def serialize_with_states(req: "pb.ProposeRequest", hidden_states: "torch.Tensor
     return DirectRequest(req, parts)
 
 
+def _one_span(parts: list[torch.Tensor]) -> "torch.Tensor | None":
+    """The parts' bytes as one [n] uint8 view when they lie one after another in one block of memory (contiguous
+    slices of one tensor, in order); None otherwise."""
+    if not parts:
+        return None
+    first = parts[0]
+    at = first.data_ptr()
+    for p in parts:
+        if p.dtype != first.dtype or p.data_ptr() != at or not p.is_contiguous():
+            return None
+        at += p.numel() * p.element_size()
+    if first.untyped_storage().data_ptr() != parts[-1].untyped_storage().data_ptr():
+        return None
+    n = sum(p.numel() for p in parts)
+    return torch.as_strided(first, (n,), (1,)).view(torch.uint8)
+
+
 def write_rows(parts: list[torch.Tensor], dest: memoryview) -> None:
     """The parts' bytes (tensors of one dtype, any device), one after another, into dest (a writable byte buffer of
     exactly their size): the client's one copy of a step's states. With the caller's torch on one thread, one
     torch.cat; otherwise a memcpy per part on this thread. torch.cat of a large step runs on the caller's intra-op
     pool, and waking it cost an engine process with torch's default 16 threads, on a 16-vCPU H200 VM shared with the
     drafter, 38 ms a step (EAGLE-3 states, batch 16-64: 42 ms wait for drafts against 4-8 ms with one thread;
-    docs/performance.md)."""
+    docs/performance.md). States that are consecutive slices of one tensor go in one copy (dev CPU, 2 threads,
+    batch 256 of 3 x 4096 bf16 rows: 0.71 ms against 1.17 part by part)."""
     cpu = [p.detach().cpu() for p in parts]
+    span = _one_span(cpu)
+    if span is not None:  # (an engine's batch tensor sliced per sequence: one copy of the whole range)
+        with memoryview(span.numpy()) as src:
+            dest[:] = src
+        return
     if torch.get_num_threads() == 1 and cpu and cpu[0].dim() == 2:
         rows = sum(p.shape[0] for p in cpu)
         out = torch.frombuffer(dest, dtype=torch.uint8) if len(dest) else torch.empty(0, dtype=torch.uint8)
