@@ -73,12 +73,16 @@ def warm_up(proposer: Proposer, width: int, k: int) -> None:
     compiled (a kernel compiles at its first launch with each new specialization: seconds, past any engine's step
     deadline): a prefill chunk, greedy decode steps of one and of several sequences, a sampled step with
     log-probabilities and top-k, and (sequential heads) pre-drafting steps of one and of four sequences, each with
-    its preparation pass, a step its branches answer (a hit) and the pass after it. Their sequences are released and their counts kept out of the metrics and of pre-drafting's
+    its preparation pass, a step its branches answer (a hit) and the pass after it, over short and long contexts.
+    Their sequences are released and their counts kept out of the metrics and of pre-drafting's
     estimates."""
     t0 = time.perf_counter()
     metrics, proposer.metrics = proposer.metrics, Metrics()
     ns = "\x00warm-up"  # (before any client is served; everything it creates is released below)
     m = min(40, proposer.max_model_len - k - 8)
+    # (at 40 positions the attention of a pass runs unsplit; from ~65 it splits the context, a kernel variant of its
+    # own that an H200's EAGLE-1 passes compiled mid-run, 0.37-0.6 s, after a warm-up with short contexts only)
+    long = min(320, proposer.max_model_len - 2 * k - 16, proposer.kv.capacity_tokens // 12)  # (a small pool: fewer)
 
     def step(sid, p, n, **sampling):
         g = torch.Generator().manual_seed(len(sid) + p)
@@ -109,6 +113,10 @@ def warm_up(proposer: Proposer, width: int, k: int) -> None:
         if pd.supported:  # pre-drafting steps of one sequence, then of four: each pass, a hit, the pass after it
             batches += [[step("s0", m + 2, 1, predraft_branches=8)],
                         [step(f"s{i}", m + 2, 1, predraft_branches=8) for i in range(4)]]
+            if long > m + 8:  # the same over long contexts, where attention splits the context (other kernels)
+                batches += [[step(f"l{i}", 0, long) for i in range(4)],
+                            [step("l0", long, 1, predraft_branches=8)],
+                            [step(f"l{i}", long, 1, predraft_branches=8) for i in range(4)]]
         for batch in batches:
             bad = [o for o in proposer.step(batch) if o.code]
             if bad:
@@ -124,6 +132,7 @@ def warm_up(proposer: Proposer, width: int, k: int) -> None:
     finally:
         for i in range(4):
             proposer.table.release(ns, f"s{i}")
+            proposer.table.release(ns, f"l{i}")
         # the pool as at start (zeros, free list in order): what the warm-up wrote, its passes' scratch branches
         # included, is gone, and its allocations (which depend on the outcomes its passes prepared) do not order
         # later ones, so that two drafters given the same steps hold the same KV (tests/test_cuda_fast_path.py)

@@ -17,7 +17,8 @@ def test_warm_up_leaves_no_trace(tiny_model, tmp_path, caplog):
     assert list(rt.kv.pool._free) == list(range(rt.kv.num_blocks))  # and its free list in a new pool's order
     assert rt.metrics.steps == 0 and rt.metrics.sequence_steps == 0
     # pre-drafting passes ran (a pass compiles kernels of its own), and left no estimate or count behind
-    assert "(4 pre-drafting passes, 5 hits)" in caplog.text  # (a pass, a hit, the pass after it; for 1 then 4)
+    # a pass, a hit, the pass after it; for 1 then 4 sequences; over short then long contexts
+    assert "(8 pre-drafting passes, 10 hits)" in caplog.text
     pd = rt.proposer.predraft
     assert pd.counters.passes == 0 and pd.counters.hits == 0 and rt.metrics.predraft_counters is pd.counters
     assert not pd._pass_s and pd.window_s is None and not pd.recent_passes and not pd.has_work()
@@ -43,3 +44,14 @@ def test_a_warmed_up_drafter_holds_the_kv_of_one_that_was_not(tiny_model, tmp_pa
         a, b = warm.proposer.step(batch), cold.proposer.step(batch)
         assert [o.drafts for o in a] == [o.drafts for o in b] and all(o.code == 0 for o in a)
     assert torch.equal(warm.kv.kv, cold.kv.kv)
+
+
+def test_warm_up_fits_a_small_pool(tiny_model, tmp_path, caplog):
+    """With a pool too small for the long-context round, the warm-up leaves that round out instead of being refused."""
+    rt = build_runtime(make_config(*tiny_model, tmp_path, kv_cache_tokens=512, max_model_len=512))
+    with caplog.at_level(logging.INFO, logger="drafter_service.runtime"):
+        warm_up(rt.proposer, rt.limits.hidden_states_width, rt.limits.max_draft_tokens)
+    assert "warm-up steps ran" in caplog.text and "refused" not in caplog.text
+    passes = int(caplog.text.split(" pre-drafting passes")[0].rsplit("(", 1)[1])
+    assert 1 <= passes <= 4  # (the short round's, as the small pool lets it prepare; no long round)
+    assert len(rt.proposer.table) == 0 and rt.kv.pool.num_free == rt.kv.num_blocks
