@@ -123,10 +123,15 @@ def warm_up(proposer: Proposer, width: int, k: int) -> None:
                 log.warning("warm-up step refused (%s): the first real steps may compile kernels", bad[0].message)
                 break
             if pd.has_work():
-                pd.prepare(lambda: False)  # (the pass after a plain step: its forced pass runs one row)
-                hits = hits_of(batch)
-                if hits and all(o.predrafted for o in proposer.step(hits)) and pd.has_work():
-                    pd.prepare(lambda: False)  # (the pass after a hit: its forced pass runs the hit's rows too)
+                try:
+                    pd.prepare(lambda: False)  # (the pass after a plain step: its forced pass runs one row)
+                    hits = hits_of(batch)
+                    if hits and all(o.predrafted for o in proposer.step(hits)) and pd.has_work():
+                        pd.prepare(lambda: False)  # (the pass after a hit: its forced pass runs the hit's rows too)
+                except Exception:  # (as the scheduler does with a pass that raises: plain drafting goes on)
+                    log.exception("warm-up pre-drafting pass failed: the first real passes may compile kernels")
+                    pd.reset()
+                    break
         if proposer.device.type == "cuda":
             torch.cuda.synchronize()
     finally:

@@ -55,3 +55,17 @@ def test_warm_up_fits_a_small_pool(tiny_model, tmp_path, caplog):
     passes = int(caplog.text.split(" pre-drafting passes")[0].rsplit("(", 1)[1])
     assert 1 <= passes <= 4  # (the short round's, as the small pool lets it prepare; no long round)
     assert len(rt.proposer.table) == 0 and rt.kv.pool.num_free == rt.kv.num_blocks
+
+
+def test_a_failing_pre_drafting_pass_does_not_stop_the_warm_up(tiny_model, tmp_path, caplog, monkeypatch):
+    """The warm-up is best effort: a pass that raises is logged, its branches dropped, and the drafter starts."""
+    rt = build_runtime(make_config(*tiny_model, tmp_path))
+
+    def broken(should_stop):
+        raise RuntimeError("a broken pass")
+
+    monkeypatch.setattr(rt.proposer.predraft, "prepare", broken)
+    with caplog.at_level(logging.INFO, logger="drafter_service.runtime"):
+        warm_up(rt.proposer, rt.limits.hidden_states_width, rt.limits.max_draft_tokens)
+    assert "warm-up pre-drafting pass failed" in caplog.text and "warm-up steps ran" in caplog.text
+    assert len(rt.proposer.table) == 0 and rt.kv.pool.num_free == rt.kv.num_blocks
