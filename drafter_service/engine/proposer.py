@@ -156,6 +156,7 @@ class Proposer:
         self.fatal: str | None = None
         self.on_fatal = lambda reason: None
         self._failed_in_a_row = 0
+        self._multi_layer = model.drafting == "multi_layer"
         self.predraft = Predrafter(self)  # pre-drafting: hits answered at admission, branches prepared when idle
         self.metrics.predraft_counters = self.predraft.counters
 
@@ -190,20 +191,23 @@ class Proposer:
                 f"{s.sequence_id!r}; resend from a position <= {seq.committed_len}")
             return None
         k = max(0, min(s.num_drafts, self.max_model_len - 1 - (p + m)))
-        if self.model.drafting == "multi_layer":
+        if self._multi_layer:
             k = min(k, self.model.num_predict)
             positions_needed = p + m  # every layer works on the committed positions only
         else:
             positions_needed = p + m + max(k - 1, 0)  # scratch KV of the draft positions but the last
-        missing = self.table.blocks_missing(seq, positions_needed)
-        if is_new or missing:  # (a known sequence within its blocks, the common decode step: nothing to make room for)
-            refusal = self._make_room(seq, is_new, missing)
-            if refusal is not None:
-                out.code, out.message = RESOURCE_EXHAUSTED, refusal
+        blocks = -(-positions_needed // self.block_size)
+        have = len(seq.block_table)
+        if blocks != have or is_new:  # (a known sequence within its blocks, the common decode step: nothing to do)
+            missing = max(0, blocks - have)
+            if is_new or missing:
+                refusal = self._make_room(seq, is_new, missing)
+                if refusal is not None:
+                    out.code, out.message = RESOURCE_EXHAUSTED, refusal
+                    return None
+            if not self.table.resize(seq, positions_needed):  # (cannot happen: _make_room left the blocks free)
+                out.code, out.message = INTERNAL, f"KV pool: {self.kv.pool.num_free} blocks free after making room"
                 return None
-        if not self.table.resize(seq, positions_needed):  # (cannot happen: _make_room left the blocks free)
-            out.code, out.message = INTERNAL, f"KV pool: {self.kv.pool.num_free} blocks free after making room"
-            return None
         if is_new:
             self.table.add(seq)
         out.accepted_drafts = self._count_accepted(seq, s)
