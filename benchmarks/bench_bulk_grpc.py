@@ -71,7 +71,7 @@ def serve_tcp(max_bytes: int, out) -> None:
         conn.sendall(b"k")
 
 
-def serve_echo(tuned: bool, max_bytes: int, out) -> None:
+def serve_echo(tuned: bool, max_bytes: int, out, listen: str = "127.0.0.1:0") -> None:
     """Echo: "Echo" takes one message, "Upload" a stream of pieces (8-byte offset + data) into one buffer; both
     answer 2 bytes."""
     import grpc
@@ -100,23 +100,24 @@ def serve_echo(tuned: bool, max_bytes: int, out) -> None:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Echo", {
             "Echo": grpc.unary_unary_rpc_method_handler(echo),
             "Upload": grpc.stream_unary_rpc_method_handler(upload)}),))
-        port = server.add_insecure_port("127.0.0.1:0")
+        port = server.add_insecure_port(listen)
         await server.start()
-        out.put(f"127.0.0.1:{port}")
+        out.put(listen if listen.startswith("unix:") else f"127.0.0.1:{port}")
         await server.wait_for_termination()
 
     torch.set_num_threads(1)
     asyncio.run(main())
 
 
-def serve_drafter(model_dir: str, target_dir: str, tuned: bool, max_rows: int, max_bytes: int, out) -> None:
+def serve_drafter(model_dir: str, target_dir: str, tuned: bool, max_rows: int, max_bytes: int, out,
+                  listen: str = "127.0.0.1:0") -> None:
     from drafter_service.config import ServerConfig
     from drafter_service.server import DrafterServer
 
     torch.set_num_threads(1)
 
     async def main():
-        cfg = ServerConfig(model=model_dir, target_model=target_dir, listen=["127.0.0.1:0"], device="cpu",
+        cfg = ServerConfig(model=model_dir, target_model=target_dir, listen=[listen], device="cpu",
                            dtype="float32", kv_cache_tokens=4096, max_batch_tokens=max_rows,
                            max_message_bytes=max_bytes, log_level="WARNING", tune_malloc=tuned,
                            step_channels=False, shared_memory=False)
@@ -268,6 +269,8 @@ def main() -> int:
                     help="chunk size of the new and echo-chunked modes (the client's default: CHUNK_BYTES)")
     ap.add_argument("--chunk-min-bytes", type=int, default=CHUNKED_MIN_BYTES,
                     help="the new mode chunks steps from this size (the client's default: CHUNKED_MIN_BYTES)")
+    ap.add_argument("--uds", action="store_true",
+                    help="gRPC over Unix sockets (an engine and a drafter on one node) instead of TCP; no tcp mode")
     ap.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "bench")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -275,6 +278,8 @@ def main() -> int:
     bad = set(modes) - set(ALL_MODES)
     if bad:
         ap.error(f"unknown modes {sorted(bad)}")
+    if a.uds and "tcp" in modes:
+        ap.error("--uds: leave out the tcp mode")
     sizes = [int(x) for x in a.mib.split(",")]
     max_bytes = (max(sizes) + 16) * 2**20
     max_rows = max(sizes) * 2**20 // (WIDTH * DTYPE.itemsize)
@@ -289,7 +294,7 @@ def main() -> int:
     meta = dict(device=cpu_name(), cores=os.cpu_count(), host=socket.gethostname(),
                 date=stamp.isoformat(timespec="seconds"), python=platform.python_version(), torch=torch.__version__,
                 grpc=grpc.__version__, protobuf=google.protobuf.__version__, glibc=" ".join(platform.libc_ver()),
-                transport="TCP on 127.0.0.1, one channel per mode", width=WIDTH, dtype="bfloat16",
+                transport="Unix sockets, one channel per mode" if a.uds else "TCP on 127.0.0.1, one channel per mode", width=WIDTH, dtype="bfloat16",
                 chunk_bytes=a.chunk_bytes, chunk_min_bytes=a.chunk_min_bytes, load_average_at_start=os.getloadavg(),
                 method="servers in their own processes (drafter: ingest-only, decode + check + one copy of the "
                        "states into its own tensor, no head); time = one call from the engine's tensor (echo: "
@@ -305,13 +310,14 @@ def main() -> int:
             for name in sorted(wanted):
                 q = ctx.Queue()
                 tuned = not name.endswith("-untuned")
+                listen = f"unix:{tmp}/{name}.sock" if a.uds else "127.0.0.1:0"
                 if name == "tcp":
                     p = ctx.Process(target=serve_tcp, args=(max_bytes, q), daemon=True)
                 elif name.startswith("echo"):
-                    p = ctx.Process(target=serve_echo, args=(tuned, max_bytes, q), daemon=True)
+                    p = ctx.Process(target=serve_echo, args=(tuned, max_bytes, q, listen), daemon=True)
                 else:
                     p = ctx.Process(target=serve_drafter, args=(str(head_dir), str(target_dir), tuned, max_rows,
-                                                                max_bytes, q), daemon=True)
+                                                                max_bytes, q, listen), daemon=True)
                 p.start()
                 procs.append(p)
                 addresses[name] = q.get(timeout=300)
