@@ -12,7 +12,6 @@ anonymous mapping laid out as a mailbox. Prints a table, writes JSON.
 """
 import argparse
 import datetime
-import json
 import mmap
 import os
 import pathlib
@@ -24,6 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from drafter_client.benchmarks.report import write_json  # noqa: E402
 from drafter_client import SequenceStep  # noqa: E402
 from drafter_client.messages import DirectRequest, serialize_request  # noqa: E402
 from drafter_client.protocol.mailbox import Mailbox  # noqa: E402
@@ -79,10 +79,7 @@ def main() -> int:
     result = dict(benchmark="bench_channel_write", date=datetime.datetime.now().isoformat(timespec="seconds"),
                   device=f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1 torch thread",
                   torch=torch.__version__, command=" ".join(sys.argv), rounds=a.rounds, reps=a.reps, rows=rows)
-    out = pathlib.Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_json(a.out, result)
     return 0
 
 

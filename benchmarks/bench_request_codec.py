@@ -23,7 +23,6 @@ shown by the spread over rounds. Prints a table, writes JSON.
 """
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import platform
@@ -34,6 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from drafter_client.benchmarks.report import write_json  # noqa: E402
 from drafter_client import SequenceStep, StepBatch  # noqa: E402
 from drafter_client.batch import parse_batch_response, serialize_batch  # noqa: E402
 from drafter_client.messages import parse_response, serialize_request  # noqa: E402
@@ -125,9 +125,7 @@ def main() -> int:
                   device=f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1 torch thread",
                   python=platform.python_version(), torch=torch.__version__, m=a.m, k=a.k, width=a.width,
                   rounds=a.rounds, reps=a.reps, malloc_tuned=tuned, command=" ".join(sys.argv), rows=rows)
-    out = pathlib.Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_json(a.out, result, say=False)
     print(f"\n{result['device']}, {result['date']}; m={a.m}, k={a.k}, width {a.width}; ms per step, median of "
           f"{a.rounds} rounds")
     print(f"{'batch':>5} {'form':>10} " + " ".join(f"{p:>13}" for p in PHASES) + f" {'total':>8} {'vs rows':>8}")

@@ -8,7 +8,6 @@ The thread counts are alternated in rounds. Prints a table, writes JSON.
 """
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import platform
@@ -19,6 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from drafter_client.benchmarks.report import write_json  # noqa: E402
 from drafter_service.engine.host_staging import rows_to_device  # noqa: E402
 
 
@@ -70,10 +70,7 @@ def main() -> int:
                   device=gpu or f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                   pinned=pin, torch=torch.__version__, command=" ".join(sys.argv), rounds=a.rounds, reps=a.reps,
                   rows=rows)
-    out = pathlib.Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_json(a.out, result)
     return 0
 
 

@@ -12,7 +12,6 @@ medians over --iters steps after 3 warm-up steps. Prints a table, writes JSON (d
 """
 import argparse
 import datetime
-import json
 import pathlib
 import platform
 import shlex
@@ -24,6 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from drafter_client.benchmarks.report import write_json  # noqa: E402
 from drafter_client.benchmarks import bench_step as b  # noqa: E402
 from drafter_service.config import ServerConfig  # noqa: E402
 from drafter_service.engine.step_metadata import StepMetadata  # noqa: E402
@@ -112,10 +112,7 @@ def main() -> int:
         timespec="seconds"), device=f"{device.type}: {dev_name}", torch=torch.__version__,
         command=shlex.join([sys.executable, *sys.argv]), preset=a.preset, context=context, m=a.m, k=a.k,
         iters=a.iters, host_threads=torch.get_num_threads(), rows=rows)
-    out = pathlib.Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(a.out, result)
     return 0
 
 

@@ -29,6 +29,20 @@ def as_batch(steps: list[SequenceStep], temperature: float = 0.0, logprobs: bool
         temperature=temperature, seed=7 if temperature else 0, return_logprobs=logprobs)
 
 
+def commit_some(seqs: dict, steps: list[SequenceStep], results, rng: random.Random, g: torch.Generator) -> None:
+    """The engine's side after a step: each sequence (but "ghost") commits some of its drafts and a token of its own,
+    with new hidden states."""
+    for st, r in zip(steps, results):
+        if st.sequence_id == "ghost":
+            continue
+        s = seqs[st.sequence_id]
+        assert r.ok, r.message
+        s["sent"] = st.start_position + len(st.token_ids)
+        new = r.drafts.tolist()[: rng.randint(0, r.drafts.numel())] + [rng.randrange(V)]
+        s["tokens"] = s["tokens"] + new
+        s["hidden"] = torch.cat([s["hidden"], torch.randn(len(new), H, generator=g)])
+
+
 def test_serialized_batch_is_the_per_sequence_request():
     g = torch.Generator().manual_seed(0)
     steps = [SequenceStep(f"s{i}", 3 * i, [i, i + 1, 5], torch.randn(3, H, generator=g), 9, i % 5) for i in range(6)]
@@ -109,15 +123,7 @@ async def test_batch_api_answers_as_the_per_sequence_api(server, channel, column
                                         for i, r in enumerate(by_rows.sequences) if r.code}
             if step % 2:
                 assert torch.allclose(by_cols.logprobs, torch.cat([r.logprobs for r in by_rows.sequences]))
-            for st, r in zip(steps, by_rows.sequences):  # the engine commits some drafts and its own next token
-                if st.sequence_id == "ghost":
-                    continue
-                s = seqs[st.sequence_id]
-                assert r.ok, r.message
-                s["sent"] = st.start_position + len(st.token_ids)
-                new = r.drafts.tolist()[: rng.randint(0, r.drafts.numel())] + [rng.randrange(V)]
-                s["tokens"] = s["tokens"] + new
-                s["hidden"] = torch.cat([s["hidden"], torch.randn(len(new), H, generator=g)])
+            commit_some(seqs, steps, by_rows.sequences, rng, g)
         assert (cols.steps_through_channel > 0) == channel
         assert cols._step_columns is (True if columns else None)  # asked GetInfo only when a batch could use columns
         await cols.release(list(seqs))
@@ -181,15 +187,7 @@ async def test_propose_sends_a_large_step_as_columns_with_the_same_answer(server
                     assert (a is None and b is None) or torch.equal(a, b), f
                 if lp:
                     assert c.logprobs is not None and c.logprobs.numel() == c.drafts.numel()
-            for st, r in zip(steps, by_rows.sequences):
-                if st.sequence_id == "ghost":
-                    continue
-                s = seqs[st.sequence_id]
-                assert r.ok, r.message
-                s["sent"] = st.start_position + len(st.token_ids)
-                new = r.drafts.tolist()[: rng.randint(0, r.drafts.numel())] + [rng.randrange(V)]
-                s["tokens"] = s["tokens"] + new
-                s["hidden"] = torch.cat([s["hidden"], torch.randn(len(new), H, generator=g)])
+            commit_some(seqs, steps, by_rows.sequences, rng, g)
         # steps that do not share return_logprobs go as messages, answered alike
         mixed = [SequenceStep(sid, 0, s["tokens"][:3], s["hidden"][:3], 7, 2, return_logprobs=i % 2 == 0)
                  for i, (sid, s) in enumerate(seqs.items())]

@@ -29,6 +29,8 @@ import time
 import torch
 from safetensors.torch import save_file
 
+from drafter_client.benchmarks.report import write_json
+
 PRESETS = {
     # name: head shape (Llama), target vocab, dtype, default context
     "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -445,9 +447,7 @@ def main() -> int:
                   cuda_graphs=a.cuda_graphs and device.type == "cuda", bandwidth_gbps=bw / 1e9, rows=rows,
                   cpu_threads=torch.get_num_threads(),  # host threads of the in-process proposer
                   prefill=prefill)
-    out = pathlib.Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_json(a.out, result, say=False)
     print(f"\n{result['device']}, {a.preset}, {dtype}, context {context}, m={a.m}, k={a.k}, {result['date']}")
     ab = all("in_process_eager_ms" in r for r in rows)
     print(f"{'batch':>5} {'in-proc ms':>11} {'sidecar ms':>11} {'side/in':>8} {'stream ms':>10} {'channel ms':>10} "

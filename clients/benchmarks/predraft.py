@@ -18,7 +18,6 @@ On a CPU the drafter and the target share the cores: a preparation pass slows th
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import pathlib
 import platform
@@ -31,6 +30,7 @@ import urllib.request
 import torch
 
 from drafter_client.benchmarks.prompts import DEMO, HELDOUT_LIKE
+from drafter_client.benchmarks.report import write_json
 from drafter_client.client import DrafterClient
 from drafter_client.engine.reference_engine import ReferenceEngine, SpecConfig
 from drafter_client.engine.sidecar_process import MODELS, SidecarProcess
@@ -220,10 +220,7 @@ def main(argv: list[str] | None = None) -> int:
            "head": args.head, "target": args.target, "prompts": len(prompts), "num_drafts": args.num_drafts,
            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
            "load_average_before": load_before, "load_average_after": os.getloadavg(), **result}
-    path = pathlib.Path(args.out or f"bench_out/predraft_{device.split(':')[0]}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+    path = write_json(args.out or f"bench_out/predraft_{device.split(':')[0]}.json", out)
     png = plot(out, path.with_suffix(".png"))
     if png:
         print(f"wrote {png}")

@@ -22,7 +22,6 @@ Medians over --iters, in ms, with the pass's share of a given verification time.
 """
 import argparse
 import datetime
-import json
 import pathlib
 import platform
 import random
@@ -35,6 +34,7 @@ import time
 import torch
 
 from drafter_client.benchmarks.bench_step import PRESETS, write_random_head
+from drafter_client.benchmarks.report import write_json
 
 
 def sync(device: torch.device) -> None:
@@ -380,10 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None},
            "preset": a.preset, "context": context, "k": a.k, "budget": a.budget, "iters": a.iters, "warmup": a.warmup,
            "verify_ms": a.verify_ms, "engine_threads": a.engine_threads, "rows": rows}
-    path = pathlib.Path(a.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_json(a.out, out)
     return 0
 
 
