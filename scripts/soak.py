@@ -30,7 +30,6 @@ Exit status 1 when a mismatch, a late step or a leak was seen.
 import argparse
 import asyncio
 import datetime
-import json
 import multiprocessing as mp
 import os
 import pathlib
@@ -371,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from checkpoints import write_eagle1
 
+    from drafter_client.benchmarks.report import write_json
     from drafter_client.engine.sidecar_process import SidecarProcess
 
     mp_ctx = mp.get_context("spawn")
@@ -470,9 +470,7 @@ def main(argv: list[str] | None = None) -> int:
                   step_ms_p50=percentile(lat, 0.5), step_ms_p99=percentile(lat, 0.99),
                   fallback_step_ms_p50=percentile(fb, 0.5), fallback_step_ms_p99=percentile(fb, 0.99),
                   drafter_rss_mib_start=rss_start, drafter_rss_mib_end=rss_end)
-    out = pathlib.Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_json(a.out, result, say=False)
     print(f"\nsoak {a.duration_s:.0f} s, {a.engines} engines x {a.sequences} sequences, {result['date']}")
     for key in ("engines_reporting", "engines_crashed", "columnar_engines", "faults", "connections_cut", "steps",
                 "steps_with_drafts", "fallback_steps", "resyncs", "checked", "predrafted", "mismatches", "near_ties",

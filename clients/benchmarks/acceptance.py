@@ -12,7 +12,6 @@ acceptance (position i accepted given i-1 was), tokens/s with speculation and of
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import pathlib
 import platform
@@ -27,6 +26,7 @@ from drafter_client.engine.reference_engine import ReferenceEngine, SpecConfig
 from drafter_client.engine.sidecar_process import MODELS, SidecarProcess
 from drafter_client.engine.target import TargetModel
 from drafter_client.benchmarks.prompts import HELDOUT_LIKE, stdlib_heldout_prefixes
+from drafter_client.benchmarks.report import write_json
 
 
 def conditional(per_position: list[float]) -> list[float]:
@@ -138,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "temperature": args.temperature, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
         "load_average_before": load_before, "load_average_after": os.getloadavg(), **result,
     }
-    path = pathlib.Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_json(args.out, out)
     return 0
 
 
