@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from drafter_service.engine.block_tables import BlockTables
-from drafter_service.engine.host_staging import start_rows_to_device
+from drafter_service.engine.host_staging import rows_to_device
 from drafter_service.models.attention_metadata import AttentionMetadata
 from drafter_service.engine.sampling import seed_to_int64
 
@@ -96,7 +96,6 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
     cost more than the lists; vectorized torch above SMALL_STEP_ROWS rows), copies it to the device once.
     table_rows: (the block tables tensor, each sequence's row of it) holding the same tables as block_tables: a
     large step gathers them from there instead of flattening the lists."""
-    staged_states = start_rows_to_device(hidden_states, device)  # (fill threads copy while this thread packs)
     B = len(start_positions)
     q_lens = [t.shape[0] for t in token_ids]  # m_i >= 1
     T, w = sum(q_lens), max(len(t) for t in block_tables)
@@ -122,7 +121,7 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
     tables_d = tables_d.view(B, w)
     host_tables = host[2 * num_wide + 2 * B + 1 : 2 * num_wide + 2 * B + 1 + B * w].view(B, w)
     return StepMetadata(
-        input_ids=ids_d, hidden_states=staged_states(),
+        input_ids=ids_d, hidden_states=rows_to_device(hidden_states, device),
         first_step=AttentionMetadata(positions=pos_d, slot_mapping=slots_d, query_start_loc=qsl_d,
                                      seq_lens=seq_lens_d, block_tables=tables_d, max_query_len=max(q_lens)),
         temperature=temperature_d.view(torch.float32), seed=seed_d, top_k=top_k_d,
