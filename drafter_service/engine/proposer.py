@@ -196,7 +196,7 @@ class Proposer:
             positions_needed = p + m  # every layer works on the committed positions only
         else:
             positions_needed = p + m + max(k - 1, 0)  # scratch KV of the draft positions but the last
-        blocks = -(-positions_needed // self.block_size)
+        blocks = self.table.blocks_for(positions_needed)
         have = len(seq.block_table)
         if blocks != have or is_new:  # (a known sequence within its blocks, the common decode step: nothing to do)
             missing = max(0, blocks - have)

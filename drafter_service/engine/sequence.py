@@ -117,7 +117,7 @@ class SequenceTable:
     def resize(self, seq: Sequence, num_positions: int) -> bool:
         """Make seq's block table cover exactly positions [0, num_positions): allocate what is missing, give back
         what is past the end. False, with nothing changed, when the pool is short."""
-        want = -(-num_positions // self.block_size)
+        want = self.blocks_for(num_positions)
         have = len(seq.block_table)
         if want > have:
             blocks = self.pool.allocate(want - have)
@@ -135,8 +135,12 @@ class SequenceTable:
             self._ns_blocks[seq.namespace] = self._ns_blocks.get(seq.namespace, 0) + want - have
         return True
 
+    def blocks_for(self, num_positions: int) -> int:
+        """Blocks that hold positions [0, num_positions)."""
+        return -(-num_positions // self.block_size)
+
     def blocks_missing(self, seq: Sequence, num_positions: int) -> int:
-        return max(0, -(-num_positions // self.block_size) - len(seq.block_table))
+        return max(0, self.blocks_for(num_positions) - len(seq.block_table))
 
     def namespace_sequences(self, namespace: str) -> int:
         return len(self._by_ns.get(namespace, ()))
