@@ -16,8 +16,8 @@ import grpc
 import torch
 
 from drafter_client.messages import (RESYNC_CODES, UNAVAILABLE, ChunkedRequest, DirectRequest, DrafterError,
-                                     ProposeResult, SequenceDrafts, SequenceStep, _status_code, hidden_parts,
-                                     serialize_with_states)
+                                     ProposeResult, SequenceDrafts, SequenceStep, _status_code, flat_token_ids,
+                                     hidden_parts, serialize_with_states)
 from drafter_client.protocol import pb
 from drafter_client.protocol.wire import decode_tensor, encode_tensor
 from drafter_client.shm_ring import SharedTensorRef
@@ -242,17 +242,7 @@ def steps_as_batch(steps: list[SequenceStep]) -> StepBatch:
     """The per-sequence steps as a StepBatch of columns (propose() sends a large step this way: the drafter then
     decodes it without a message per sequence). hidden_states is left None: the caller passes the steps' own
     (serialize_steps_as_columns). Needs columns_can_carry(steps)."""
-    if all(isinstance(s.token_ids, list) for s in steps):  # plain lists: one tensor for the whole batch
-        counts = [len(s.token_ids) for s in steps]
-        token_ids = torch.tensor([t for s in steps for t in s.token_ids], dtype=torch.int64)
-    elif all(isinstance(s.token_ids, torch.Tensor) and s.token_ids.dim() == 1 and not s.token_ids.is_cuda
-             for s in steps):  # one cat
-        counts = [s.token_ids.shape[0] for s in steps]
-        token_ids = torch.cat([s.token_ids for s in steps]).to(device="cpu", dtype=torch.int64)
-    else:
-        ids = [torch.as_tensor(s.token_ids, dtype=torch.int64).reshape(-1).cpu() for s in steps]
-        counts = [t.numel() for t in ids]
-        token_ids = torch.cat(ids)
+    counts, token_ids = flat_token_ids(steps)
     first = steps[0]
     sampled = any(s.temperature for s in steps)
     seeded = any(s.seed for s in steps)

@@ -234,21 +234,16 @@ class DrafterClient:
         From COLUMNS_MIN_SEQUENCES (32) sequences, to a drafter with GetInfo.step_columns_supported, the step goes
         as the batch API's columns (the drafter decodes it without a message per sequence), when the steps share
         return_logprobs and top_k_probs; the answer is the same ProposeResult."""
-        if len(steps) >= COLUMNS_MIN_SEQUENCES and columns_can_carry(steps):
-            timeout = self._step_timeout(timeout)
-            deadline = time.monotonic() + timeout if timeout is not None else None
-            if await self._columns_supported(timeout):  # (asked once; within the step's deadline)
-                if deadline is not None:
-                    timeout = max(0.0, deadline - time.monotonic())
-                batch, ids = steps_as_batch(steps), [s.sequence_id for s in steps]
-                return await self._step(
-                    lambda states, rid: serialize_steps_as_columns(self.namespace, steps, batch, states, rid,
-                                                                   self._chunk_min_bytes()),
-                    lambda: self._stage(steps, hidden_states), hidden_states,
-                    lambda resp: batch_as_result(parse_batch_response(resp, ids)),
-                    lambda reason: fallback_result(steps, reason), timeout)
-            if deadline is not None:
-                timeout = max(0.0, deadline - time.monotonic())
+        columns, timeout = await self._columns_within(
+            len(steps) >= COLUMNS_MIN_SEQUENCES and columns_can_carry(steps), timeout)
+        if columns:
+            batch, ids = steps_as_batch(steps), [s.sequence_id for s in steps]
+            return await self._step(
+                lambda states, rid: serialize_steps_as_columns(self.namespace, steps, batch, states, rid,
+                                                               self._chunk_min_bytes()),
+                lambda: self._stage(steps, hidden_states), hidden_states,
+                lambda resp: batch_as_result(parse_batch_response(resp, ids)),
+                lambda reason: fallback_result(steps, reason), timeout)
         return await self._step(
             lambda states, rid: serialize_request(self.namespace, steps, states, rid, self._chunk_min_bytes()),
             lambda: self._stage(steps, hidden_states), hidden_states, parse_response,
@@ -264,17 +259,22 @@ class DrafterClient:
         ids = batch.sequence_ids
         states = batch.hidden_states
         # (below COLUMNS_MIN_SEQUENCES the per-sequence messages cost the host less: benchmarks/bench_request_codec.py)
-        # one deadline for the step: a first GetInfo (asked once, and again after a fault) comes out of the step's time
-        timeout = self._step_timeout(timeout)
-        deadline = time.monotonic() + timeout if timeout is not None else None
-        columns = len(batch) >= COLUMNS_MIN_SEQUENCES and await self._columns_supported(timeout)
-        if deadline is not None:
-            timeout = max(0.0, deadline - time.monotonic())
+        columns, timeout = await self._columns_within(len(batch) >= COLUMNS_MIN_SEQUENCES, timeout)
         return await self._step(
             lambda ref, rid: serialize_batch(self.namespace, batch, ref, rid, self._chunk_min_bytes(), columns),
             lambda: self._stage_states(states),
             states, lambda resp: parse_batch_response(resp, ids), lambda reason: fallback_batch(ids, reason),
             timeout)
+
+    async def _columns_within(self, wanted: bool, timeout: float | None) -> tuple[bool, float | None]:
+        """(whether a step that could go as columns (wanted) does, the step's timeout left): one deadline for the
+        step, so that a first GetInfo (asked once, and again after a fault) comes out of the step's time."""
+        timeout = self._step_timeout(timeout)
+        if not wanted:
+            return False, timeout
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        columns = await self._columns_supported(timeout)
+        return columns, (max(0.0, deadline - time.monotonic()) if deadline is not None else None)
 
     async def _columns_supported(self, timeout: float | None) -> bool:
         """Whether the drafter takes columnar requests (GetInfo.step_columns_supported), asked once and again after a

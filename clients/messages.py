@@ -332,18 +332,22 @@ class ChunkedRequest:
         return DirectRequest(req, self.parts)
 
 
+def flat_token_ids(steps: list[SequenceStep]) -> tuple[list[int], torch.Tensor]:
+    """(num_tokens per step, every step's token ids one after another as one int64 CPU tensor)."""
+    if all(isinstance(s.token_ids, list) for s in steps):  # plain lists: one tensor for the whole batch
+        return [len(s.token_ids) for s in steps], torch.tensor([t for s in steps for t in s.token_ids],
+                                                                dtype=torch.int64)
+    if all(isinstance(s.token_ids, torch.Tensor) and s.token_ids.dim() == 1 and not s.token_ids.is_cuda
+           for s in steps):  # 1-D host tensors: one cat
+        return ([s.token_ids.shape[0] for s in steps],
+                torch.cat([s.token_ids for s in steps]).to(dtype=torch.int64))
+    ids = [torch.as_tensor(s.token_ids, dtype=torch.int64).reshape(-1).cpu() for s in steps]
+    return [t.numel() for t in ids], torch.cat(ids)
+
+
 def _request_without_states(namespace: str, steps: list[SequenceStep], request_id: int) -> "pb.ProposeRequest":
     """The request's fields but the hidden states."""
-    if all(isinstance(s.token_ids, list) for s in steps):  # plain lists: one tensor for the whole batch
-        counts = [len(s.token_ids) for s in steps]
-        flat_ids = torch.tensor([t for s in steps for t in s.token_ids], dtype=torch.int64)
-    else:
-        ids = [torch.as_tensor(s.token_ids, dtype=torch.int64).reshape(-1) for s in steps]
-        counts = [t.numel() for t in ids]
-        if len(ids) == 1:
-            flat_ids = ids[0]
-        else:
-            flat_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)
+    counts, flat_ids = flat_token_ids(steps)
     greedy = pb.SamplingParams()  # the default: left unset in the message
     req = pb.ProposeRequest(
         namespace=namespace, request_id=request_id,
