@@ -37,6 +37,10 @@ from drafter_client.benchmarks.bench_step import PRESETS, write_random_head
 from drafter_client.benchmarks.report import write_json
 
 
+def _median_ms(seconds: list[float]) -> float | None:
+    return statistics.median(seconds) * 1e3 if seconds else None
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -203,11 +207,10 @@ def run_sidecar(cfg, B: int, context: int, k: int, budget: int, iters: int, veri
     # the proposer's steps: the prefill requests (8 sequences each), then iters + warmup per phase, one per request
     first = -(-B // 8)
     per_phase = iters + warmup
-    med = lambda v: statistics.median(v) * 1e3 if v else None  # noqa: E731
     c = proposer.predraft.counters
     result.update(
-        server_step_plain=med(step_s[first + warmup: first + per_phase]),
-        server_step_predraft=med(step_s[first + per_phase + warmup: first + 2 * per_phase]),
+        server_step_plain=_median_ms(step_s[first + warmup: first + per_phase]),
+        server_step_predraft=_median_ms(step_s[first + per_phase + warmup: first + 2 * per_phase]),
         server_passes=c.passes, server_passes_stopped=c.passes_stopped, server_passes_skipped=c.passes_skipped,
         server_pass_ms=c.pass_seconds / max(1, c.passes + c.passes_stopped) * 1e3,
         # every pass in order: [sequences, ms, finished, probe] (the first ones may compile kernels)
@@ -288,11 +291,10 @@ def engine_process(conn, address: str, B: int, context: int, k: int, budget: int
                             kinds[kind].append(dt)
             assert client.steps_through_channel - through_channel == 2 * (iters + warmup), "a step missed the channel"
             await client.release(ids)
-            med = lambda v: statistics.median(v) * 1e3 if v else None  # noqa: E731
-            return {"sidecar_plain": med(waits["plain"]), "sidecar_predraft": med(waits["predraft"]),
+            return {"sidecar_plain": _median_ms(waits["plain"]), "sidecar_predraft": _median_ms(waits["predraft"]),
                     "sidecar_predraft_p99": sorted(waits["predraft"])[int(0.99 * len(waits["predraft"]))] * 1e3,
                     "sidecar_plain_p99": sorted(waits["plain"])[int(0.99 * len(waits["plain"]))] * 1e3,
-                    **{f"sidecar_{kind}": med(v) for kind, v in kinds.items()},
+                    **{f"sidecar_{kind}": _median_ms(v) for kind, v in kinds.items()},
                     **{f"sidecar_{kind}_steps": len(v) for kind, v in kinds.items()}}
 
     try:
