@@ -188,7 +188,7 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
     reference (enable_shared_memory(kind="cuda"): the engine's copy into a slot, then a descriptor), and the median
     per step through the channel with the batch API (propose_batch(StepBatch): columns in, columns out)."""
     from drafter_client import DrafterClient
-    from drafter_client.batch import StepBatch
+    from drafter_client.batch import steps_as_batch
     from drafter_client.messages import build_request
 
     prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
@@ -232,11 +232,8 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
                 channel_parts = {key: (after[key] - before[key]) / iters for key in after}
             assert c.steps_through_channel == iters + 3, "every step should have gone through the channel"
             # the same step as an engine that keeps its batch as tensors sends it (columns from 32 sequences)
-            as_batch = StepBatch([s.sequence_id for s in decode], torch.tensor([s.start_position for s in decode]),
-                                 torch.tensor([len(s.token_ids) for s in decode]),
-                                 torch.cat([torch.as_tensor(s.token_ids) for s in decode]),
-                                 torch.cat([s.hidden_states for s in decode]),
-                                 torch.tensor([s.next_token for s in decode]), k)
+            as_batch = dataclasses.replace(steps_as_batch(decode),
+                                           hidden_states=torch.cat([s.hidden_states for s in decode]))
             for i in range(iters + 3):
                 t0 = time.perf_counter()
                 r = await c.propose_batch(as_batch)
