@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from drafter_kernels import ops, paged_attention, sampling
+
 from drafter_service import __version__
 from drafter_service.config import ServerConfig
 from drafter_service.engine.cuda_graphs import capture_decode_graphs
@@ -74,8 +76,11 @@ def warm_up(proposer: Proposer, width: int, k: int) -> None:
     deadline): a prefill chunk, greedy decode steps of one and of several sequences, a sampled step with
     log-probabilities and top-k, and (sequential heads) pre-drafting steps of one and of four sequences, each with
     its preparation pass, a step its branches answer (a hit) and the pass after it, over short and long contexts.
-    Their sequences are released and their counts kept out of the metrics and of pre-drafting's
-    estimates."""
+    Before them (Triton on the device), every variant of the attention and argmax kernels is launched once on
+    throw-away inputs (paged_attention.compile_variants, sampling.compile_argmax_variants): the steps that would reach
+    some variants, a first step of 5-8 rows over a context long enough to split, say, come only with the engine's
+    traffic. Their sequences are released and their
+    counts kept out of the metrics and of pre-drafting's estimates."""
     t0 = time.perf_counter()
     metrics, proposer.metrics = proposer.metrics, Metrics()
     ns = "\x00warm-up"  # (before any client is served; everything it creates is released below)
@@ -104,6 +109,20 @@ def warm_up(proposer: Proposer, width: int, k: int) -> None:
 
     pd = proposer.predraft
     counters, pd.counters = pd.counters, PredraftCounters()
+    variants = 0
+    if ops.use_triton(proposer.kv.kv):
+        # every attention kernel variant the steps below may not reach (a first step of 5-8 rows over a split
+        # context after a pre-drafting miss, the reduce over 16 splits ...): compiled now, not inside a real step;
+        # and the argmax's (a pre-drafting pass's eager argmax over up to 64 branches per sequence; the KV pool holds
+        # the model's dtype, which the logits have)
+        try:
+            k_cache, v_cache = proposer.kv_layers[0]
+            variants = paged_attention.compile_variants(k_cache, v_cache, proposer.model.dims.num_heads,
+                                                        proposer.max_model_len, proposer.kv.kv.dtype)
+            variants += sampling.compile_argmax_variants(proposer.model.draft_vocab_size, proposer.kv.kv.dtype,
+                                                         proposer.kv.kv.device)
+        except Exception:  # (best effort, as the steps below)
+            log.exception("warm-up of the kernel variants failed: the first real steps may compile kernels")
     try:
         batches = [[step(f"s{i}", 0, m) for i in range(4)],  # prefill chunks
                    [step("s0", m, 1)],  # one sequence, greedy
@@ -150,7 +169,8 @@ def warm_up(proposer: Proposer, width: int, k: int) -> None:
         pd.forget_estimates()  # (the warm-up's passes compiled kernels: their times say nothing)
         if proposer.decode_graphs is not None:  # (their counters tell how many real steps the graphs served)
             proposer.decode_graphs.steps_run = proposer.decode_graphs.first_steps_run = 0
-    log.info("warm-up steps ran in %.1f s (%d pre-drafting passes, %d hits)", time.perf_counter() - t0, passes, hits)
+    log.info("warm-up steps ran in %.1f s (%d kernel variants, %d pre-drafting passes, %d hits)",
+             time.perf_counter() - t0, variants, passes, hits)
 
 
 def build_runtime(cfg: ServerConfig) -> Runtime:

@@ -433,6 +433,52 @@ def _paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_s
     return out
 
 
+def launch_variants(num_q_heads: int, num_kv_heads: int, head_dim: int, max_context: int,
+                    sm_count: int = DEFAULT_SM_COUNT, fp32: bool = False) -> list[tuple[int, int]]:
+    """(max_query_len, num_splits) launches that, one after the other, compile every kernel variant
+    attention_launch_config can pick for these heads and contexts of up to max_context positions: each query-row
+    tile (BLOCK_M, with its BLOCK_H and warps) with the context whole and split, and each tile of the reduce over the
+    splits (BLOCK_S, a power of two up to the most splits a batch of one sequence gets)."""
+    launches, seen = [], set()
+    q_len = 1
+    while True:
+        cfg = attention_launch_config(1, q_len, num_q_heads, num_kv_heads, head_dim, max_context, sm_count, fp32)
+        for splits in ((1, 2) if cfg["m_blocks"] == 1 else (1,)):  # (only a one-tile query splits the context)
+            if (cfg["block_m"], splits > 1) not in seen:
+                seen.add((cfg["block_m"], splits > 1))
+                launches.append((q_len, splits))
+        if cfg["m_blocks"] > 1:  # longer queries: more tiles of the same BLOCK_M, the context whole
+            break
+        q_len += 1
+    decode = attention_launch_config(1, 1, num_q_heads, num_kv_heads, head_dim, max_context, sm_count, fp32)
+    most = decode["num_splits"]  # (one sequence: the most programs per split, so the most splits)
+    splits = 4
+    while splits // 2 < most:  # BLOCK_S = next_power_of_2(num_splits): 2 is compiled above, then 4, 8, ...
+        launches.append((1, min(splits, most)))
+        splits *= 2
+    return launches
+
+
+def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, max_context: int,
+                     dtype: torch.dtype) -> int:
+    """Launch the attention once per kernel variant (launch_variants) on throw-away queries, so that the Triton JIT
+    compiles every variant now and never in the middle of a step (0.2-0.5 s each on an H100/H200). k/v_cache: the
+    real caches (their strides are part of what a kernel is compiled for); queries as the layers pass them
+    (contiguous [T, Hq, D] of dtype). Reads block 0 of the caches, writes nothing to them. Returns the launches."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    device = k_cache.device
+    variants = launch_variants(num_q_heads, num_kv_heads, head_dim, max_context, device_sm_count(device),
+                               dtype == torch.float32)
+    for q_len, splits in variants:
+        q = torch.zeros(q_len, num_q_heads, head_dim, dtype=dtype, device=device)
+        tables = torch.zeros(1, triton.cdiv(q_len, block_size), dtype=torch.int32, device=device)
+        seq_lens = torch.full((1,), q_len, dtype=torch.int32, device=device)
+        qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)
+        _paged_attention_launch(q, k_cache, v_cache, tables, seq_lens, qsl, 1.0, q_len, torch.empty_like(q),
+                                num_splits=splits)
+    return len(variants)
+
+
 def paged_attention_triton(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]

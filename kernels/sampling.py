@@ -290,6 +290,31 @@ def argmax_triton(
     return out
 
 
+def compile_argmax_variants(vocab_size: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Launch the argmax once per kernel variant a batch of any size can pick over this vocabulary (one chunk or
+    several, and each power-of-two tile of the reduce over the chunks), on one throw-away row: the compile key does
+    not depend on the row count, so the Triton JIT compiles them all now, not in the middle of a step. Logits as the
+    heads give them ([rows, vocab_size] of dtype, rows contiguous). Returns the launches."""
+    sm_count = device_sm_count(device)
+    configs, seen = [], set()
+    rows = 1
+    while True:
+        block_v, chunk_size = vocab_launch_config(rows, vocab_size, sm_count)
+        num_chunks = triton.cdiv(vocab_size, chunk_size)
+        key = triton.next_power_of_2(num_chunks) if num_chunks > 1 else 0
+        if key not in seen:
+            seen.add(key)
+            configs.append((block_v, chunk_size))
+        if num_chunks == 1:  # (more rows: fewer chunks; one chunk is the last variant)
+            break
+        rows += 1
+    logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)
+    out = torch.empty(1, dtype=torch.int64, device=device)
+    for block_v, chunk_size in configs:
+        _argmax_launch(logits, out, block_v, chunk_size)
+    return len(configs)
+
+
 def _gumbel_sample_launch(logits, temperature, seed, position, return_logprobs, out, out_logprobs,
                           block_v: int, chunk_size: int) -> None:
     num_rows, vocab_size = logits.shape

@@ -101,3 +101,121 @@ def test_draft_step_compiles_a_few_variants_across_batch_sizes(recorded):
                 torch.ones(rows, dtype=torch.int32), 16, 4096,
                 torch.empty(rows, dtype=torch.int64), torch.empty(rows + 3, dtype=torch.int64))
     assert len(main.keys) <= 10, sorted(main.keys)  # BLOCK: a power of two up to 1024 (36 keys before)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype", [(32, 8, 128, torch.bfloat16), (32, 8, 128, torch.float32),
+                                                           (8, 4, 64, torch.float32), (16, 16, 64, torch.bfloat16)])
+def test_compile_variants_cover_every_attention_launch(recorded, heads, kv_heads, head_dim, dtype):
+    """The warm-up's attention launches (compile_variants) compile every key that steps of any batch, query length
+    and context up to max_model_len reach: after them nothing compiles inside a step."""
+    main = recorded(attention, "_paged_attention_kernel")
+    reduce = recorded(attention, "_paged_attention_reduce_kernel")
+    block_size, max_model_len = 16, 4096
+    k_cache = torch.empty(8, block_size, kv_heads, head_dim, dtype=dtype)
+    launches = attention.compile_variants(k_cache, k_cache, heads, max_model_len, dtype)
+    assert launches <= 20
+    warm = (set(main.keys), set(reduce.keys))
+    for batch in (1, 2, 3, 8, 17, 64, 130, 300):
+        for blocks in (1, 2, 5, 16, 17, 33, 64, 65, 100, 129, 256):  # contexts of 16-4096 tokens
+            for q_len in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33, 40):
+                tables = torch.zeros(batch, blocks, dtype=torch.int32)
+                q = torch.empty(batch * q_len, heads, head_dim, dtype=dtype)
+                attention._paged_attention_launch(
+                    q, k_cache, k_cache, tables, torch.ones(batch, dtype=torch.int32),
+                    torch.arange(batch + 1, dtype=torch.int32) * q_len, 0.1, q_len, torch.empty_like(q))
+    assert set(main.keys) == warm[0], sorted(set(main.keys) - warm[0])
+    assert set(reduce.keys) == warm[1], sorted(set(reduce.keys) - warm[1])
+
+
+@pytest.mark.parametrize("vocab", [2048, 32000, 128256])
+def test_compile_argmax_variants_cover_every_batch_size(recorded, vocab):
+    main = recorded(sampling, "_argmax_kernel")
+    reduce = recorded(sampling, "_argmax_reduce_kernel")
+    launches = sampling.compile_argmax_variants(vocab, torch.bfloat16, torch.device("cpu"))
+    assert launches <= 16
+    warm = (set(main.keys), set(reduce.keys))
+    for rows in list(range(1, 70)) + [100, 128, 255, 256, 300, 512, 527, 528, 529, 1024, 4096]:
+        logits = torch.empty(rows, vocab, dtype=torch.bfloat16)
+        sampling.argmax_triton(logits)
+    assert set(main.keys) == warm[0], sorted(set(main.keys) - warm[0])
+    assert set(reduce.keys) == warm[1], sorted(set(reduce.keys) - warm[1])
+
+
+KERNEL_MODULES = ["paged_attention", "sampling", "draft_step", "kv_write", "rms_norm", "rope"]
+RECORDED_OPS = ["write_kv", "paged_attention", "rms_norm", "apply_rope", "argmax", "gumbel_sample",
+                "advance_draft_step"]
+
+
+@pytest.mark.parametrize("head", ["eagle3", "eagle1"])
+def test_after_the_warm_up_pre_drafting_traffic_compiles_nothing(monkeypatch, tmp_path, head):
+    """The CUDA warm-up (runtime.warm_up: the kernel variants, then its steps) leaves nothing to compile for the
+    traffic of an engine with pre-drafting at budgets 2-32: hits and misses of random acceptance, pending rows, batches
+    of 1 and 4, short and split contexts. On the CPU each op records the compile key its Triton launcher would use
+    (the kernels replaced by recorders) and then computes with the CPU implementation. (An H200 run of the demo pair
+    stalled ~300 ms in steps that compiled the attention of 5-8 query rows over a split context.)"""
+    import pathlib
+    import random
+    import types
+
+    from conftest import make_config
+    from drafter_kernels import ops
+    from drafter_service import runtime
+    from drafter_service.engine.step_io import StepInput
+
+    recorders = []
+    for name in KERNEL_MODULES:
+        module = kernel_module(name)
+        for attr, value in list(vars(module).items()):
+            if type(value).__name__ in ("JITFunction", "InterpretedFunction"):
+                rec = CompileKeys(value)
+                monkeypatch.setattr(module, attr, rec)
+                recorders.append((f"{name}.{attr}", rec))
+
+    for name in RECORDED_OPS:
+        op = getattr(ops, name)
+
+        def recording(*args, _op=op, **kwargs):
+            copy = lambda x: x.clone() if isinstance(x, torch.Tensor) else x  # noqa: E731
+            _op.triton(*map(copy, args), **{key: copy(v) for key, v in kwargs.items()})  # records only
+            return _op(*args, **kwargs)
+        monkeypatch.setattr(ops, name, recording)
+    # the warm-up runs its CUDA-only part (the kernel variants) as on a GPU
+    monkeypatch.setattr(runtime, "ops", types.SimpleNamespace(use_triton=lambda tensor: True))
+
+    models = pathlib.Path(__file__).resolve().parent.parent / "models"
+    rt = runtime.build_runtime(make_config(models / head, models / "target", tmp_path, max_model_len=2048))
+    runtime.warm_up(rt.proposer, rt.limits.hidden_states_width, rt.limits.max_draft_tokens)
+    warm = {name: set(rec.keys) for name, rec in recorders}
+
+    p, width, k = rt.proposer, rt.limits.hidden_states_width, 3
+    g, rnd = torch.Generator().manual_seed(0), random.Random(0)
+    for F in (4, 2, 16, 32):
+        for B in (1, 4):
+            for ctx in (30, 300):  # (300: the attention splits the context)
+                ns, ids = f"F{F}B{B}c{ctx}", [f"s{i}" for i in range(B)]
+                p.step([StepInput(ns, s, 0, torch.randint(0, 100, (ctx,), generator=g),
+                                  torch.randn(ctx, width, generator=g), 1, 0) for s in ids])
+                last = {s: (ctx, 1, []) for s in ids}  # position and token of the next step's first row, drafts
+                for _ in range(8):
+                    steps = []
+                    for s in ids:
+                        seq = p.table.get(ns, s)
+                        branches = seq.predraft.branches if seq.predraft is not None else None
+                        pos, tok, drafts = last[s]
+                        if branches is not None and branches.outcomes and rnd.random() < 0.5:  # a hit
+                            a, b = rnd.choice(list(branches.outcomes))
+                        else:  # a miss (or plain): random acceptance
+                            a, b = rnd.randint(0, len(drafts)), rnd.randint(0, 99)
+                        toks = [tok] + list(drafts[:a])
+                        steps.append(StepInput(ns, s, pos, torch.tensor(toks), torch.randn(len(toks), width, generator=g),
+                                               b, k, predraft_branches=F))
+                    out = p.step(steps)
+                    assert all(o.code == 0 for o in out), out[0].message
+                    for st, o in zip(steps, out):
+                        last[st.sequence_id] = (st.start_position + st.token_ids.shape[0], st.next_token, list(o.drafts))
+                    if p.predraft.has_work() and rnd.random() < 0.7:  # (sometimes the next step comes first)
+                        p.predraft.prepare(lambda: False)
+                for s in ids:
+                    p.table.release(ns, s)
+    new = {name: sorted(set(rec.keys) - warm[name]) for name, rec in recorders}
+    assert not any(new.values()), {name: keys for name, keys in new.items() if keys}
