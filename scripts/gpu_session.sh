@@ -53,10 +53,12 @@ fi
 if [ "$what" = measure ]; then  # #13 after a host-side change: staging threads, in-process vs kernel time, every path
   timeout 60 python3 benchmarks/bench_staging.py --device cuda --out "$OUT/staging.json" 2>&1 | tee "$OUT/bench_step.log" | tail -5
   for preset in llama3-8b llama3-8b-eagle3; do
-    timeout "${PROFILE_TIMEOUT_S:-80}" python3 scripts/profile_step.py --preset $preset --batches "${PROFILE_BATCHES:-1,64,128,256}" \
-      2>&1 | grep "=== batch" | sed "s/^/$preset /" | tee -a "$OUT/profile_step.log"
-    timeout "${PHASES_TIMEOUT_S:-60}" python3 scripts/host_phases.py --preset $preset --device cuda --batches 1,128,256 \
-      --out "/tmp/host_phases_$preset.json" 2>&1 | grep batch | sed "s/^/$preset /" | tee -a "$OUT/profile_step.log"
+    for states in "" --states-on-gpu; do  # the states staged from the host (as a sidecar gets them), then on the GPU
+      timeout "${PROFILE_TIMEOUT_S:-80}" python3 scripts/profile_step.py --preset $preset --batches "${PROFILE_BATCHES:-1,64,128,256}" \
+        $states 2>&1 | grep "=== batch" | sed "s/^/$preset /" | tee -a "$OUT/profile_step.log"
+      timeout "${PHASES_TIMEOUT_S:-60}" python3 scripts/host_phases.py --preset $preset --device cuda --batches 1,128,256 \
+        $states --out "/tmp/host_phases_$preset.json" 2>&1 | grep batch | sed "s/^/$preset $states /" | tee -a "$OUT/profile_step.log"
+    done
   done
   for preset in llama3-8b llama3-8b-eagle3; do
     timeout "${BENCH_TIMEOUT_S:-200}" python3 -m drafter_client.benchmarks.bench_step --preset $preset --device cuda \

@@ -39,6 +39,8 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=3)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--states-on-gpu", action="store_true",
+                    help="the steps' hidden states already on the GPU (no staging through the host)")
     ap.add_argument("--out", default="bench_out/host_phases.json")
     a = ap.parse_args()
     shape = b.PRESETS[a.preset]
@@ -100,7 +102,8 @@ def main() -> int:
             for v in phases.values():
                 v.clear()
             b.bench_in_process(rt, batch, context, a.m, a.k, a.iters, rt.limits.hidden_states_width,
-                               shape["vocab_size"])  # (prefill, 3 warm-up steps, then --iters timed ones)
+                               shape["vocab_size"],  # (prefill, 3 warm-up steps, then --iters timed ones)
+                               device if a.states_on_gpu else None)
             row = dict(batch=batch, **{f"{k}_ms": statistics.median(v[-a.iters:]) * 1e3 for k, v in phases.items()})
             rows.append(row)
             print(f"batch {batch:4d}: step {row['step_ms']:.3f} ms = admission {row['admission_ms']:.3f} + run "
@@ -111,7 +114,7 @@ def main() -> int:
     result = dict(benchmark="host_phases", date=datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), device=f"{device.type}: {dev_name}", torch=torch.__version__,
         command=shlex.join([sys.executable, *sys.argv]), preset=a.preset, context=context, m=a.m, k=a.k,
-        iters=a.iters, host_threads=torch.get_num_threads(), rows=rows)
+        iters=a.iters, host_threads=torch.get_num_threads(), states_on_gpu=a.states_on_gpu, rows=rows)
     write_json(a.out, result)
     return 0
 

@@ -2,7 +2,12 @@
 
     python scripts/profile_step.py --preset llama3-8b --batches 1,128    # prints a table per batch size
     python scripts/profile_step.py --batches 128 --host-profile         # + the python functions by own time
+    python scripts/profile_step.py --batches 128 --states-on-gpu        # the steps' hidden states already on the GPU
+
+By default the steps' target hidden states are host tensors (as a sidecar receives them: the step stages them through
+pinned memory); --states-on-gpu gives them on the GPU, as an engine in the drafter's own process holds them.
 """
+import dataclasses
 import argparse
 import cProfile
 import pathlib
@@ -29,6 +34,8 @@ def main() -> int:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--cpu-threads", type=int, default=0, help="torch threads for the host side (0: the server's "
                     "default on CUDA, 1)")
+    ap.add_argument("--states-on-gpu", action="store_true",
+                    help="the steps' hidden states on the GPU (no staging through the host)")
     ap.add_argument("--host-profile", action="store_true",
                     help="also run cProfile over 10 steps and print the python functions by own time (host work)")
     a = ap.parse_args()
@@ -45,6 +52,8 @@ def main() -> int:
             prefill, decode = b.make_steps(batch, a.context, a.m, a.k, width, shape["vocab_size"], seed=batch)
             for i in range(0, batch, 8):
                 rt.proposer.step(b.to_inputs(prefill[i : i + 8]))
+            if a.states_on_gpu:
+                decode = [dataclasses.replace(s, hidden_states=s.hidden_states.cuda()) for s in decode]
             inputs = b.to_inputs(decode)
             for _ in range(5):
                 rt.proposer.step(inputs)
@@ -60,7 +69,8 @@ def main() -> int:
                     rt.proposer.step(inputs)
             events = prof.key_averages()
             gpu_total = sum(e.self_device_time_total for e in events) / 5 / 1e3  # ms per step
-            print(f"\n=== batch {batch} ({torch.get_num_threads()} host threads): wall {wall * 1e3:.2f} ms/step, "
+            print(f"\n=== batch {batch} ({torch.get_num_threads()} host threads, states on the "
+                  f"{'GPU' if a.states_on_gpu else 'host'}): wall {wall * 1e3:.2f} ms/step, "
                   f"GPU kernel time {gpu_total:.2f} ms/step, "
                   f"idle GPU {wall * 1e3 - gpu_total:.2f} ms ===")
             print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))

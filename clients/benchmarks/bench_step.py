@@ -9,7 +9,10 @@ proposer called in-process, with the floor (bytes a step must read over measured
 The head has random weights of the preset's shape (written once to a temp dir as a Hugging Face checkpoint, which
 the server process loads). Each timed step is a decode step: every sequence sends m committed tokens at a context
 of --context tokens and asks for k drafts (the same positions are re-sent every iteration, which the protocol
-allows, so the context stays fixed). Prints a table and writes JSON (device, date, command) to --out.
+allows, so the context stays fixed). The in-process step gets the hidden states as host tensors, as the sidecar
+does (staged through pinned memory to the GPU); on a GPU it also runs with the states already there (column "in, GPU
+states": an engine in the drafter's process, or the sidecar's CUDA IPC plane). Prints a table and writes JSON
+(device, date, command) to --out.
 """
 import argparse
 import asyncio
@@ -150,11 +153,16 @@ def to_inputs(steps):
                       s.hidden_states, int(s.next_token), s.num_drafts) for s in steps]
 
 
-def bench_in_process(rt, batch, context, m, k, iters, width, vocab):
+def bench_in_process(rt, batch, context, m, k, iters, width, vocab, states_device: torch.device | None = None):
+    """Median seconds of the proposer's step called in-process. states_device: the decode steps' hidden states live
+    there (a GPU: as an engine in the drafter's process holds its target's states; none to stage through the host),
+    else on the host."""
     prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
     for chunk in range(0, batch, 8):
         out = rt.proposer.step(to_inputs(prefill[chunk : chunk + 8]))
         assert all(o.code == 0 for o in out), out[0].message
+    if states_device is not None:
+        decode = [dataclasses.replace(s, hidden_states=s.hidden_states.to(states_device)) for s in decode]
     inputs = to_inputs(decode)
     times = []
     for i in range(iters + 3):
@@ -366,6 +374,10 @@ def main() -> int:
             t = bench_in_process(rt, b, context, a.m, a.k, a.iters, width, shape["vocab_size"])
             rows.append(dict(batch=b, in_process_ms=t * 1e3))
             print(f"in-process batch {b}: {t * 1e3:.2f} ms", flush=True)
+            if device.type == "cuda":  # the same step with the states already on the GPU (no host staging)
+                t = bench_in_process(rt, b, context, a.m, a.k, a.iters, width, shape["vocab_size"], device)
+                rows[-1]["in_process_states_on_gpu_ms"] = t * 1e3
+                print(f"in-process batch {b}, states on the GPU: {t * 1e3:.2f} ms", flush=True)
         prefill = None
         if a.prefill_tokens:
             hidden_bytes = a.prefill_tokens * width * 2  # bf16 on the wire
@@ -447,11 +459,12 @@ def main() -> int:
     out = write_json(a.out, result, say=False)
     print(f"\n{result['device']}, {a.preset}, {dtype}, context {context}, m={a.m}, k={a.k}, {result['date']}")
     ab = all("in_process_eager_ms" in r for r in rows)
+    gpu_states = all("in_process_states_on_gpu_ms" in r for r in rows)
     print(f"{'batch':>5} {'in-proc ms':>11} {'sidecar ms':>11} {'side/in':>8} {'stream ms':>10} {'channel ms':>10} "
           f"{'chan/in':>8} {'batch ms':>9} {'bat/in':>7} {'ch+IPC ms':>10} {'floor ms':>9} {'in/floor':>9} "
           f"{'payload KB':>11} {'srv worker':>10} {'ch worker':>9} {'chw/in':>7} {'srv parse':>9} {'srv wait':>9} "
           f"{'srv reply':>9} {'transport':>9}"
-          + (f" {'eager ms':>9}" if ab else ""))
+          + (f" {'eager ms':>9}" if ab else "") + (f" {'in, GPU states':>14}" if gpu_states else ""))
     for r in rows:
         print(f"{r['batch']:>5} {r['in_process_ms']:>11.2f} {r['sidecar_ms']:>11.2f} "
               f"{r['sidecar_over_in_process']:>8.2f} {r['sidecar_stream_ms']:>10.2f} "
@@ -464,7 +477,8 @@ def main() -> int:
               f"{r.get('channel_worker_ms', float('nan')):>9.2f} "
               f"{r.get('channel_worker_over_in_process', float('nan')):>7.2f} {r['server_parse_ms']:>9.2f} "
               f"{r['server_wait_ms']:>9.2f} {r['server_reply_ms']:>9.2f} {r['transport_and_client_ms']:>9.2f}"
-              + (f" {r['in_process_eager_ms']:>9.2f}" if ab else ""))
+              + (f" {r['in_process_eager_ms']:>9.2f}" if ab else "")
+              + (f" {r['in_process_states_on_gpu_ms']:>14.2f}" if gpu_states else ""))
     if prefill:
         print(f"prefill of {prefill['tokens']} tokens ({prefill['hidden_bytes'] / 2**20:.1f} MiB of hidden states, "
               f"inline bytes): in-process {prefill['in_process_ms']:.1f} ms ({prefill['in_process_gbps']:.2f} GB/s), "
