@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                         ) as sidecar:
         result = asyncio.run(measure(sidecar.address, port, target, prompts, batches, budgets, args.num_drafts,
                                      args.max_new_tokens, args.repeats, args.transport))
+        if os.environ.get("DRAFTER_STALL_TRACE_S"):  # (debugging: the sidecar dumped the stacks of its slow steps)
+            print(sidecar.log_tail(int(os.environ.get("DRAFTER_STALL_TRACE_LINES", "400"))))
     now = datetime.datetime.now(datetime.timezone.utc)
     out = {"benchmark": "predraft",
            "command": shlex.join(["python", "-m", "drafter_client.benchmarks.predraft",

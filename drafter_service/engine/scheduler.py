@@ -23,7 +23,9 @@ channel request (the gap between two engine steps), then every channel_idle_poll
 noticed.
 """
 import asyncio
+import faulthandler
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -81,6 +83,21 @@ def _log_failure(result, exc=None) -> None:
     """deliver() of a call_soon job: nobody waits for the result."""
     if exc is not None:
         log.error("step-thread job failed: %s: %s", type(exc).__name__, exc)
+
+
+# Debugging stalls: when set (seconds), a batch or a pre-drafting pass that runs longer dumps every thread's stack to
+# stderr (faulthandler), so that a step that stalls (a kernel compile, a lock) shows where it waits.
+STALL_TRACE_S = float(os.environ.get("DRAFTER_STALL_TRACE_S") or 0)
+
+
+class _StallTrace:
+    def __enter__(self):
+        if STALL_TRACE_S > 0:
+            faulthandler.dump_traceback_later(STALL_TRACE_S)
+
+    def __exit__(self, *exc):
+        if STALL_TRACE_S > 0:
+            faulthandler.cancel_dump_traceback_later()
 
 
 class StepScheduler:
@@ -188,13 +205,15 @@ class StepScheduler:
                 except Exception as e:
                     job.deliver(None, e)
             if self._queue:
-                self._run_batch(self._take_batch())
+                with _StallTrace():
+                    self._run_batch(self._take_batch())
                 continue
             if self._stopping:
                 break
             if self.proposer.predraft.has_work():  # idle: prepare the next steps' drafts, until a request comes
                 try:
-                    self.proposer.predraft.prepare(lambda: self._request_waiting(channels))
+                    with _StallTrace():
+                        self.proposer.predraft.prepare(lambda: self._request_waiting(channels))
                 except Exception:  # (never the step thread's end: the sequences go on with plain steps)
                     log.exception("pre-drafting pass failed; prepared branches dropped")
                     self.proposer.predraft.reset()
