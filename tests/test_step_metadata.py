@@ -92,6 +92,12 @@ def test_step_metadata_matches_per_sequence_reference(seed, packing, monkeypatch
     assert md.host_seq_lens == ref["seq_lens"] and md.host_block_tables.tolist() == ref["tables"]
     for t in (md.input_ids, meta.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables, md.draft_steps):
         assert t.is_contiguous()
+    # every field a kernel reads starts 16-byte aligned, whatever the batch (Triton compiles a variant per alignment)
+    for name in ("input_ids", "temperature", "seed", "top_k", "draft_rows", "draft_positions", "draft_seq_lens",
+                 "draft_block_tables", "draft_steps"):
+        assert getattr(md, name).data_ptr() % 16 == 0, name
+    for name in ("positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        assert getattr(meta, name).data_ptr() % 16 == 0, name
 
 
 def test_step_metadata_no_drafting_sequence():

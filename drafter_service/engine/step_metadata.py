@@ -26,6 +26,10 @@ regions, so that no field needs a cast kernel on the device:
     draft_seq_lens    [n]      p_i + m_i
     draft_steps       [n]      k_i - 1: the decode steps it needs
 
+Every field starts at a 16-byte boundary of the buffer (zeros pad a field to a multiple of 16 bytes): Triton
+specializes a kernel on each pointer argument's 16-byte alignment, so a field at an offset that depends on the batch
+would compile another variant of the attention kernel in the middle of a step (0.3-0.4 s on an H200).
+
 The target hidden states (data, not metadata: [T, W] in the wire dtype) are concatenated straight into a second
 pinned buffer and sent with a non_blocking copy (host_staging.py), or used in place when they came through CUDA
 shared memory and are already on the device. Neither copy waits for the device. Each copy's source is pinned memory from
@@ -85,6 +89,34 @@ class StepMetadata:
 
 
 SMALL_STEP_ROWS = 64  # up to this many first-step rows, the host buffer is built with plain python lists
+ALIGN_BYTES = 16  # every field of the buffer starts at a multiple of this (see the module docstring)
+
+
+def aligned_len(n: int, itemsize: int) -> int:
+    """n elements of itemsize bytes, padded to a multiple of ALIGN_BYTES."""
+    per = ALIGN_BYTES // itemsize
+    return -(-n // per) * per
+
+
+def _aligned_lists(fields: list[list[int]], itemsize: int) -> list[int]:
+    """The fields one after the other, each padded with zeros to a multiple of ALIGN_BYTES."""
+    out: list[int] = []
+    for f in fields:
+        out += f
+        out += [0] * (aligned_len(len(f), itemsize) - len(f))
+    return out
+
+
+def _aligned_cat(fields: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat of 1-D tensors of one dtype, each padded with zeros to a multiple of ALIGN_BYTES."""
+    zeros = torch.zeros(ALIGN_BYTES // fields[0].element_size(), dtype=fields[0].dtype)
+    parts = []
+    for f in fields:
+        parts.append(f)
+        pad = aligned_len(f.numel(), f.element_size()) - f.numel()
+        if pad:
+            parts.append(zeros[:pad])
+    return torch.cat(parts)
 
 
 def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor], hidden_states: list[torch.Tensor],
@@ -110,16 +142,20 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
     n = len(active)
     wide_sizes = [T, T, T, B, B, n, n, n]
     narrow_sizes = [B + 1, B, B * w, B, n, n]
-    num_wide = sum(wide_sizes)  # int64 elements = 2 * num_wide int32 elements
+    wide_padded = [aligned_len(x, 8) for x in wide_sizes]
+    narrow_padded = [aligned_len(x, 4) for x in narrow_sizes]
+    num_wide = sum(wide_padded)  # int64 elements = 2 * num_wide int32 elements
     if device.type == "cuda":
         host = host.pin_memory()
     dev = host.to(device, non_blocking=True)  # the step's one metadata host->device copy (a no-op on the CPU)
 
-    ids_d, pos_d, slots_d, seed_d, top_k_d, index_d, rows_d, dpos_d = torch.split(
-        dev[: 2 * num_wide].view(torch.int64), wide_sizes)
-    qsl_d, seq_lens_d, tables_d, temperature_d, dseq_d, dsteps_d = torch.split(dev[2 * num_wide:], narrow_sizes)
+    ids_d, pos_d, slots_d, seed_d, top_k_d, index_d, rows_d, dpos_d = (
+        part[:size] for part, size in zip(torch.split(dev[: 2 * num_wide].view(torch.int64), wide_padded), wide_sizes))
+    qsl_d, seq_lens_d, tables_d, temperature_d, dseq_d, dsteps_d = (
+        part[:size] for part, size in zip(torch.split(dev[2 * num_wide:], narrow_padded), narrow_sizes))
     tables_d = tables_d.view(B, w)
-    host_tables = host[2 * num_wide + 2 * B + 1 : 2 * num_wide + 2 * B + 1 + B * w].view(B, w)
+    tables_at = 2 * num_wide + narrow_padded[0] + narrow_padded[1]
+    host_tables = host[tables_at : tables_at + B * w].view(B, w)
     return StepMetadata(
         input_ids=ids_d, hidden_states=rows_to_device(hidden_states, device),
         first_step=AttentionMetadata(positions=pos_d, slot_mapping=slots_d, query_start_loc=qsl_d,
@@ -147,10 +183,11 @@ def _pack_lists(start_positions, token_ids, q_lens, next_tokens, num_drafts, blo
         tables += [0] * (w - len(table))
     active = [i for i, k in enumerate(num_drafts) if k > 0]
     draft_seq_lens = [seq_lens[i] for i in active]
-    wide = (ids + pos + slots + list(seeds) + list(top_ks) + active + [qsl[i + 1] - 1 for i in active]
-            + [s - 1 for s in draft_seq_lens])
+    wide = _aligned_lists([ids, pos, slots, list(seeds), list(top_ks), active, [qsl[i + 1] - 1 for i in active],
+                           [s - 1 for s in draft_seq_lens]], 8)
     temperature_bits = list(struct.unpack(f"{len(temperatures)}i", struct.pack(f"{len(temperatures)}f", *temperatures)))
-    narrow = qsl + seq_lens + tables + temperature_bits + draft_seq_lens + [num_drafts[i] - 1 for i in active]
+    narrow = _aligned_lists([qsl, seq_lens, tables, temperature_bits, draft_seq_lens,
+                             [num_drafts[i] - 1 for i in active]], 4)
     host = torch.cat([torch.tensor(wide, dtype=torch.int64).view(torch.int32), torch.tensor(narrow, dtype=torch.int32)])
     return host, active, seq_lens
 
@@ -201,5 +238,5 @@ def _pack_vectorized(start_positions, token_ids, q_lens, next_tokens, num_drafts
             draft_index, draft_rows, draft_positions]
     narrow = [qsl.to(torch.int32), seq_lens.to(torch.int32), block_tables_i32.flatten(),
               temperature.view(torch.int32), draft_seq_lens.to(torch.int32), draft_steps.to(torch.int32)]
-    host = torch.cat([torch.cat(wide).view(torch.int32), *narrow])
+    host = torch.cat([_aligned_cat(wide).view(torch.int32), _aligned_cat(narrow)])
     return host, draft_index.tolist(), seq_lens.tolist()
