@@ -65,6 +65,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                          "draft and bring at most N committed tokens each, padded to the batch's largest m (one "
                          "graph per padded batch size and m, captured at start-up); 0 = run every first step "
                          "eagerly; at most 16")
+    ap.add_argument("--predraft-cycle-check", action=argparse.BooleanOptionalAction, default=d.predraft_cycle_check,
+                    help="pre-drafting: run passes only while they shorten an engine's step cycle, measured in turns "
+                         "of 24 requests with and without them (docs/predraft.md); --no-predraft-cycle-check: "
+                         "whenever a pass fits the idle time between requests")
     ap.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message size limit")
     ap.add_argument("--max-chunked-bytes", type=int, default=d.max_chunked_bytes,
                     help="hidden-state bytes of all ProposeChunked uploads in flight (staging memory)")
@@ -136,7 +140,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         cpu_threads=a.cpu_threads,
         shutdown_grace_s=a.shutdown_grace_s, log_level=a.log_level, shared_memory=not a.no_shared_memory,
         shm_dir=a.shm_dir, shm_lease_s=a.shm_lease_s, cuda_graphs=a.cuda_graphs,
-        first_step_graph_tokens=a.first_step_graph_tokens, step_channels=not a.no_step_channels,
+        first_step_graph_tokens=a.first_step_graph_tokens, predraft_cycle_check=a.predraft_cycle_check,
+        step_channels=not a.no_step_channels,
         step_channel_socket=a.step_channel_socket, step_channel_spin_s=a.step_channel_spin_s,
         step_channel_checksums={"auto": None, "on": True, "off": False}[a.step_channel_checksums],
         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca, auth_token_file=a.auth_token_file,

@@ -210,6 +210,7 @@ def build_runtime(cfg: ServerConfig) -> Runtime:
         lease_s=cfg.sequence_lease_s, max_sequences=cfg.max_sequences,
         max_sequences_per_namespace=cfg.max_sequences_per_namespace,
         namespace_pool_share=cfg.namespace_pool_share))
+    proposer.predraft.cycle_check = cfg.predraft_cycle_check
     share = proposer.table.namespace_block_limit
     if share is not None and share * cfg.block_size < max_model_len:
         log.warning("--namespace-pool-share %g gives a namespace %d tokens of KV, fewer than one sequence of "

@@ -71,7 +71,7 @@ async def test_drafts_through_the_channel_match_grpc_and_naive(ch_server, tiny_m
         assert await fast.open_step_channel()
         assert await both.open_step_channel(request_bytes=4096)  # descriptors only: the smallest area will do
         assert await both.enable_shared_memory(max_step_tokens=256, dtype=torch.float32) == "system"
-        assert open_channels(ch_server) == 2
+        wait_until(lambda: open_channels(ch_server) == 2)  # (the step thread adopts a new channel between batches)
         seqs = {c: [FakeSequence(f"s{i}", prompt, H, V, random.Random(i), chunk)
                     for i, (prompt, chunk) in enumerate([(40, None), (95, 16), (7, None)])]
                 for c in ("fast", "slow", "both")}

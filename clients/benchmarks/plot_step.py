@@ -28,11 +28,16 @@ def main() -> int:
         ax.plot(b, [r["sidecar_stream_ms"] for r in rows], marker="o", label="sidecar (one ProposeStream)")
     if all("sidecar_channel_ms" in r for r in rows):
         ax.plot(b, [r["sidecar_channel_ms"] for r in rows], marker="o", label="sidecar (step channel)")
+    if all("sidecar_channel_batch_api_ms" in r for r in rows):
+        ax.plot(b, [r["sidecar_channel_batch_api_ms"] for r in rows], marker="o",
+                label="sidecar (step channel, batch API: columns)")
     if all("sidecar_channel_cuda_ipc_ms" in r for r in rows):
         ax.plot(b, [r["sidecar_channel_cuda_ipc_ms"] for r in rows], marker="o",
                 label="sidecar (step channel, states by CUDA IPC)")
     ax.plot(b, [r["in_process_ms"] for r in rows], marker="o",
             label="in-process" + (" (CUDA graphs)" if d.get("cuda_graphs") else ""))
+    if all("in_process_states_on_gpu_ms" in r for r in rows):
+        ax.plot(b, [r["in_process_states_on_gpu_ms"] for r in rows], marker="o", label="in-process, states on the GPU")
     if all("in_process_eager_ms" in r for r in rows):
         ax.plot(b, [r["in_process_eager_ms"] for r in rows], marker="o", label="in-process, eager")
     ax.plot(b, [r["floor_ms"] for r in rows], linestyle="--", color="k", label="floor (bytes / bandwidth)")

@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="how the engine sends its steps: a shared-memory step channel (same node), a ProposeStream, "
                          "or one Propose per step")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    ap.add_argument("--drafter-flag", action="append", default=[],
+                    help="an extra drafter-serve flag, e.g. --drafter-flag=--no-predraft-cycle-check (repeatable)")
     ap.add_argument("--out", default=None, help="JSON path (default bench_out/predraft_<device>.json)")
     args = ap.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -205,12 +207,17 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     load_before = os.getloadavg()
     with SidecarProcess(args.head, args.target, device=device, env=env,
-                        extra_args=["--metrics-port", str(port), "--max-draft-tokens", str(max(8, args.num_drafts))]
+                        extra_args=["--metrics-port", str(port), "--max-draft-tokens", str(max(8, args.num_drafts)),
+                                    *args.drafter_flag]
                         ) as sidecar:
         result = asyncio.run(measure(sidecar.address, port, target, prompts, batches, budgets, args.num_drafts,
                                      args.max_new_tokens, args.repeats, args.transport))
         if os.environ.get("DRAFTER_STALL_TRACE_S"):  # (debugging: the sidecar dumped the stacks of its slow steps)
             print(sidecar.log_tail(int(os.environ.get("DRAFTER_STALL_TRACE_LINES", "400"))))
+        decisions = [line for line in sidecar.log_tail(100000).splitlines() if "pre-drafting on for" in line
+                     or "pre-drafting off for" in line]
+        for line in decisions:  # the cycle check's decisions (docs/predraft.md)
+            print("drafter:", line)
     now = datetime.datetime.now(datetime.timezone.utc)
     out = {"benchmark": "predraft",
            "command": shlex.join(["python", "-m", "drafter_client.benchmarks.predraft",
@@ -220,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                        "torch": torch.__version__, "cpus": os.cpu_count(), "device": device,
                        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None},
            "head": args.head, "target": args.target, "prompts": len(prompts), "num_drafts": args.num_drafts,
-           "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+           "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "drafter_flags": args.drafter_flag,
+           "cycle_check_decisions": decisions,
            "load_average_before": load_before, "load_average_after": os.getloadavg(), **result}
     path = write_json(args.out or f"bench_out/predraft_{device.split(':')[0]}.json", out)
     png = plot(out, path.with_suffix(".png"))

@@ -17,7 +17,9 @@ every step, after --warmup steps: first --iters steps with pre-drafting off, the
 with it on, where a step takes a prepared outcome for every sequence whenever all have one (a hit: the benchmark
 picks it; with a real target a share of outcomes is unprepared, see predraft.py), else an unprepared outcome (a miss,
 or "busy" when the pass had not finished: the step stops it and is drafted as usual).
-Medians over --iters, in ms, with the pass's share of a given verification time. Prints a table and writes JSON
+Medians over --iters, in ms, with the pass's share of a given verification time. The drafter runs with
+--no-predraft-cycle-check (passes whenever they fit), so that no turn without passes falls inside a timed phase:
+what is measured is what passes save, not the policy that decides when to run them (predraft.py runs with it). Prints a table and writes JSON
 (device, date, command) to --out. Through the sidecar, a step also pays its transport (bench_step's table).
 """
 import argparse
@@ -344,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ServerConfig(model=str(head), target_model=str(target), device=a.device, dtype=dtype,
                            kv_cache_tokens=(max(batches) * 2 + 8) * max_len, max_model_len=max_len,
                            max_batch_seqs=max(256, max(batches)), max_draft_tokens=max(8, a.k),
-                           listen=[f"unix:{tmp}/drafter.sock"], log_level="WARNING")
+                           listen=[f"unix:{tmp}/drafter.sock"], log_level="WARNING",
+                           # (the mechanics of passes and hits, not the policy: no turns without passes mid-phase)
+                           predraft_cycle_check=False)
         print(f"in-process: {'batch':>5} {'plain ms':>9} {'pass ms':>8} {'hit ms':>7} {'miss ms':>8} "
               f"{'pass/verify':>11}")
         for B in batches:

@@ -40,7 +40,10 @@ estimate (one set by a slow pass, the first one compiling kernels or one a reque
 passes off for good). While passes do not
 fit, a plain step keeps nothing for one either (worth_preparing): the step costs what it costs with pre-drafting
 off. A pass's
-branches take at most BRANCH_POOL_SHARE of the KV pool while it runs, and only free blocks.
+branches take at most BRANCH_POOL_SHARE of the KV pool while it runs, and only free blocks. And passes run only
+while they shorten the engine's step cycle (predraft_cycle.py: turns with and without passes, measured on the
+arrivals of one engine's requests): where they make the engine slower (a GPU shared with the target, a large batch
+whose requests mostly wait for a miss anyway) pre-drafting turns itself off, and tries again after a back-off.
 
 Sequential heads only (EAGLE-1, EAGLE-3), whose next_hidden is their output (so L_j = compute_logits(g_j)); parallel
 and multi-layer heads ignore predraft_branches (GetInfo.predraft_supported is false).
@@ -54,6 +57,7 @@ import torch
 
 from drafter_kernels import ops
 
+from drafter_service.engine.predraft_cycle import CycleCheck
 from drafter_service.engine.sampling import SamplingSettings, seed_to_int64
 from drafter_service.engine.sequence import Sequence
 from drafter_service.engine.step_io import StepInput, StepOutput
@@ -197,6 +201,10 @@ class Predrafter:
         self._with_branches: dict[tuple[str, str], Sequence] = {}
         self._stopped_in_a_row = 0
         self._skip_steps = 0  # steps left before the next pass may run (back-off after stopped passes)
+        # passes only while they shorten the engine's step cycle (predraft_cycle.py), checked apart for each request
+        # size (bit length of its sequence count: a batch of 64 pays off or not apart from a batch of 1)
+        self.cycle_check = True  # (--no-predraft-cycle-check: False)
+        self._cycles: dict[int, CycleCheck] = {}
         self.window_s: float | None = None  # average idle time between a batch's end and the next request
         self._pass_s: dict[int, float] = {}  # sequences' bit length -> average seconds of a pass of that size
         # sequences' bit length -> passes of that size skipped in a row (by _fits, or by after_step not keeping a basis)
@@ -269,9 +277,10 @@ class Predrafter:
         answered = [(a, d, f) for a, d, f in answered if d and a.seq.predraft is not None]
         if not answered:
             return
-        if not self.worth_preparing(len(answered)):  # passes of this size do not fit: nothing is kept for one
+        if not self.worth_preparing(len(answered)):  # passes of this size do not fit, or do not pay: nothing kept
             self.counters.passes_skipped += 1
-            self._skips[len(answered).bit_length()] += 1
+            if self.cycle_for(len(answered)).passes_allowed():  # (a skip of the fit check: counts toward its probe)
+                self._skips[len(answered).bit_length()] += 1
             for a, _, _ in answered:
                 a.seq.predraft.basis = None
             return
@@ -298,6 +307,21 @@ class Predrafter:
         """Once per real step (the back-off counts steps)."""
         if self._skip_steps:
             self._skip_steps -= 1
+
+    def cycle_for(self, n: int) -> CycleCheck:
+        """The cycle check of requests (and passes) of n sequences."""
+        check = self._cycles.get(n.bit_length())
+        if check is None:
+            check = self._cycles[n.bit_length()] = CycleCheck()
+            check.enabled = self.cycle_check
+        return check
+
+    def observe_cycle(self, seconds: float, n: int) -> None:
+        """One engine's pre-drafting request of n sequences arrived `seconds` after its previous request (the
+        scheduler). Holds count these requests."""
+        check = self.cycle_for(n)
+        check.on_step()
+        check.observe_cycle(seconds)
 
     def forget(self, seq: Sequence) -> None:
         """The sequence leaves the table (released, evicted, expired), or failed: free its branches and state."""
@@ -333,7 +357,9 @@ class Predrafter:
         """Whether a plain step of n pre-drafting sequences keeps what a pass needs (its last rows, its features).
         Not while passes of that size are expected to outlast the idle window (the pass would be skipped): the
         drafter then drafts plainly at no extra cost, but on the step before a probe (PROBE_AFTER_SKIPS skips in a
-        row), whose pass measures itself again."""
+        row), whose pass measures itself again. Never while the cycle check keeps passes off."""
+        if not self.cycle_for(n).passes_allowed():
+            return False
         size = n.bit_length()
         return self._expected_to_fit(size) or self._skips[size] >= PROBE_AFTER_SKIPS
 
@@ -419,7 +445,8 @@ class Predrafter:
                 groups.setdefault((k, b.features is not None), []).append(seq)
         ran = False
         for i, ((k, _), seqs) in enumerate(groups.items()):
-            if not self._fits(len(seqs)):  # it would delay the next step: prepare nothing this time
+            if not self.cycle_for(len(seqs)).passes_allowed() or not self._fits(len(seqs)):  # (would not pay, or
+                # would delay the next step: prepare nothing this time)
                 self.counters.passes_skipped += 1
                 continue
             # the forced decode's scratch KV reaches position C+k-1; a sequence the pool cannot extend, or whose

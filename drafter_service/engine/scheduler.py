@@ -117,6 +117,8 @@ class StepScheduler:
         self._stopping = False
         self.batches_run = 0
         self._last_batch_end: float | None = None  # time.perf_counter() when the last batch was answered
+        self._cycle_owner: str | None = None  # the owner of the last batch's requests when they had one, and when
+        self._cycle_arrived = 0.0  # its first request arrived (pre-drafting's cycle check)
         self.requests_merged = 0  # requests that shared a batch with another
 
     def attach_channels(self, channels) -> None:
@@ -237,10 +239,23 @@ class StepScheduler:
             channels.poll(self._queue.append)
         return bool(self._queue) or bool(self._jobs) or self._stopping
 
+    def _observe_cycle(self, batch: list[PendingRequest]) -> None:
+        """Pre-drafting's cycle check: the time since the previous request of the same engine (one owner: a stream or
+        a step channel), when the batch holds that engine's requests alone and one of them asks for pre-drafting."""
+        owners = {p.steps[0].owner for p in batch if p.steps and not p.dry}
+        owner = next(iter(owners)) if len(owners) == 1 else None
+        arrived = min(p.enqueued_at for p in batch)
+        if (owner is not None and owner == self._cycle_owner
+                and any(p.steps[0].predraft_branches for p in batch if p.steps and not p.dry)):
+            self.proposer.predraft.observe_cycle(arrived - self._cycle_arrived, sum(len(p.steps) for p in batch))
+        self._cycle_owner, self._cycle_arrived = owner, arrived
+
     def _run_batch(self, batch: list[PendingRequest]) -> None:
         if batch and self._last_batch_end is not None:  # idle time before its first request (pre-drafting's window)
             arrived = min(p.enqueued_at for p in batch)
             self.proposer.predraft.observe_window(max(0.0, arrived - self._last_batch_end))
+        if batch:
+            self._observe_cycle(batch)
         run = [p for p in batch if not p.dry]
         steps = [s for p in run for s in p.steps]
         t0 = time.perf_counter()
