@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                          "eagerly; at most 16")
     ap.add_argument("--predraft-cycle-check", action=argparse.BooleanOptionalAction, default=d.predraft_cycle_check,
                     help="pre-drafting: run passes only while they shorten an engine's step cycle, measured in turns "
-                         "of 24 requests with and without them (docs/predraft.md); --no-predraft-cycle-check: "
+                         "of 24 requests with and without them (docs/predraft.md; experimental); off (the default): "
                          "whenever a pass fits the idle time between requests")
     ap.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message size limit")
     ap.add_argument("--max-chunked-bytes", type=int, default=d.max_chunked_bytes,

@@ -32,8 +32,9 @@ class ServerConfig:
     # graph per (padded batch, m); 0 = never
     first_step_graph_tokens: int = 8
     # pre-drafting passes only while they shorten the engine's step cycle, measured in turns with and without them
-    # (engine/predraft_cycle.py); False: passes whenever they fit the idle window
-    predraft_cycle_check: bool = True
+    # (engine/predraft_cycle.py); False (the default, until a measurement shows it pays): passes whenever they fit
+    # the idle window
+    predraft_cycle_check: bool = False
     max_message_bytes: int = 256 * 1024 * 1024
     # ProposeChunked uploads (docs/protocol.md): staging bytes in flight, for the server and for one namespace, and
     # the time one upload may take

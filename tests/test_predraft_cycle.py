@@ -83,7 +83,7 @@ def test_the_scheduler_reports_cycles_of_one_engine_only():
 def test_a_drafter_whose_check_keeps_passes_off_drafts_plainly(tiny_model, tmp_path):
     """While the check keeps passes off, a pre-drafting step keeps nothing for a pass and no pass runs (the step
     costs what it costs with pre-drafting off); when a trial turns them on again, the next step prepares."""
-    rt = build_runtime(make_config(*tiny_model, tmp_path))
+    rt = build_runtime(make_config(*tiny_model, tmp_path, predraft_cycle_check=True))
     proposer, width = rt.proposer, rt.limits.hidden_states_width
     pd = proposer.predraft
     check = pd.cycle_for(1)  # (requests of one sequence)
@@ -117,5 +117,5 @@ def test_the_check_can_be_turned_off(tiny_model, tmp_path):
 
 def test_cli_flag():
     from drafter_service.cli import parse_args
-    assert parse_args([]).predraft_cycle_check is True
-    assert parse_args(["--no-predraft-cycle-check"]).predraft_cycle_check is False
+    assert parse_args([]).predraft_cycle_check is False  # (off by default: docs/predraft.md says why)
+    assert parse_args(["--predraft-cycle-check"]).predraft_cycle_check is True

@@ -40,10 +40,11 @@ estimate (one set by a slow pass, the first one compiling kernels or one a reque
 passes off for good). While passes do not
 fit, a plain step keeps nothing for one either (worth_preparing): the step costs what it costs with pre-drafting
 off. A pass's
-branches take at most BRANCH_POOL_SHARE of the KV pool while it runs, and only free blocks. And passes run only
-while they shorten the engine's step cycle (predraft_cycle.py: turns with and without passes, measured on the
-arrivals of one engine's requests): where they make the engine slower (a GPU shared with the target, a large batch
-whose requests mostly wait for a miss anyway) pre-drafting turns itself off, and tries again after a back-off.
+branches take at most BRANCH_POOL_SHARE of the KV pool while it runs, and only free blocks. With
+--predraft-cycle-check (off by default) passes run only while they shorten the engine's step cycle
+(predraft_cycle.py: turns with and without passes, measured on the arrivals of one engine's requests): where they
+make the engine slower (a GPU shared with the target, a large batch whose requests mostly wait for a miss anyway)
+pre-drafting turns itself off, and tries again after a back-off.
 
 Sequential heads only (EAGLE-1, EAGLE-3), whose next_hidden is their output (so L_j = compute_logits(g_j)); parallel
 and multi-layer heads ignore predraft_branches (GetInfo.predraft_supported is false).
@@ -203,7 +204,7 @@ class Predrafter:
         self._skip_steps = 0  # steps left before the next pass may run (back-off after stopped passes)
         # passes only while they shorten the engine's step cycle (predraft_cycle.py), checked apart for each request
         # size (bit length of its sequence count: a batch of 64 pays off or not apart from a batch of 1)
-        self.cycle_check = True  # (--no-predraft-cycle-check: False)
+        self.cycle_check = False  # (--predraft-cycle-check: True)
         self._cycles: dict[int, CycleCheck] = {}
         self.window_s: float | None = None  # average idle time between a batch's end and the next request
         self._pass_s: dict[int, float] = {}  # sequences' bit length -> average seconds of a pass of that size

@@ -37,7 +37,7 @@ class CycleCheck:
                  first_off_steps: int = FIRST_OFF_STEPS, max_off_steps: int = MAX_OFF_STEPS, margin: float = MARGIN):
         self.trial_steps, self.hold_steps, self.margin = trial_steps, hold_steps, margin
         self.first_off_steps, self.max_off_steps = first_off_steps, max_off_steps
-        self.enabled = True  # False (--no-predraft-cycle-check): passes allowed always, cycles ignored
+        self.enabled = True  # False (without --predraft-cycle-check, the default): passes allowed always, cycles ignored
         self.state = "trial_on"
         self._cycles: list[float] = []  # seconds, this turn's
         self._on_median: float | None = None
