@@ -187,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="how the engine sends its steps: a shared-memory step channel (same node), a ProposeStream, "
                          "or one Propose per step")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    ap.add_argument("--drafter-device", default=None,
+                    help="the sidecar's GPU when not --device's, e.g. cuda:1: the drafter on a GPU of its own, the "
+                         "target on cuda:0 (the sidecar then sees only that GPU, CUDA_VISIBLE_DEVICES, as in a "
+                         "container of its own)")
     ap.add_argument("--drafter-flag", action="append", default=[],
                     help="an extra drafter-serve flag, e.g. --drafter-flag=--no-predraft-cycle-check (repeatable)")
     ap.add_argument("--out", default=None, help="JSON path (default bench_out/predraft_<device>.json)")
@@ -206,7 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     target = TargetModel.load(args.target, device=device)
     port = free_port()
     load_before = os.getloadavg()
-    with SidecarProcess(args.head, args.target, device=device, env=env,
+    drafter_device = device
+    if args.drafter_device and args.drafter_device != device:
+        index = torch.device(args.drafter_device).index
+        if index is not None:  # (its own GPU, seen as its only one)
+            env["CUDA_VISIBLE_DEVICES"] = str(index)
+        drafter_device = "cuda"
+    with SidecarProcess(args.head, args.target, device=drafter_device, env=env,
                         extra_args=["--metrics-port", str(port), "--max-draft-tokens", str(max(8, args.num_drafts)),
                                     *args.drafter_flag]
                         ) as sidecar:
@@ -225,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
            "date": now.isoformat(timespec="seconds"),
            "machine": {"platform": platform.platform(), "python": platform.python_version(),
                        "torch": torch.__version__, "cpus": os.cpu_count(), "device": device,
-                       "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None},
+                       "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+                       "drafter_device": args.drafter_device or device},
            "head": args.head, "target": args.target, "prompts": len(prompts), "num_drafts": args.num_drafts,
            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "drafter_flags": args.drafter_flag,
            "cycle_check_decisions": decisions,
