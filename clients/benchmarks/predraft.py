@@ -224,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                                      args.max_new_tokens, args.repeats, args.transport))
         if os.environ.get("DRAFTER_STALL_TRACE_S"):  # (debugging: the sidecar dumped the stacks of its slow steps)
             print(sidecar.log_tail(int(os.environ.get("DRAFTER_STALL_TRACE_LINES", "400"))))
-        decisions = [line for line in sidecar.log_tail(100000).splitlines() if "pre-drafting on for" in line
-                     or "pre-drafting off for" in line]
+        decisions = [line for line in sidecar.log_tail(100000).splitlines()
+                     if "pre-drafting on for" in line or "pre-drafting off for" in line]
         for line in decisions:  # the cycle check's decisions (docs/predraft.md)
             print("drafter:", line)
     now = datetime.datetime.now(datetime.timezone.utc)

@@ -17,9 +17,9 @@ every step, after --warmup steps: first --iters steps with pre-drafting off, the
 with it on, where a step takes a prepared outcome for every sequence whenever all have one (a hit: the benchmark
 picks it; with a real target a share of outcomes is unprepared, see predraft.py), else an unprepared outcome (a miss,
 or "busy" when the pass had not finished: the step stops it and is drafted as usual).
-Medians over --iters, in ms, with the pass's share of a given verification time. The drafter runs with
---no-predraft-cycle-check (passes whenever they fit), so that no turn without passes falls inside a timed phase:
-what is measured is what passes save, not the policy that decides when to run them (predraft.py runs with it). Prints a table and writes JSON
+Medians over --iters, in ms, with the pass's share of a given verification time. The drafter runs without the
+cycle check (passes whenever they fit; also the default), so that no turn without passes falls inside a timed phase:
+what is measured is what passes save, not a policy that decides when to run them. Prints a table and writes JSON
 (device, date, command) to --out. Through the sidecar, a step also pays its transport (bench_step's table).
 """
 import argparse

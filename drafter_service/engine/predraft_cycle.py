@@ -37,7 +37,7 @@ class CycleCheck:
                  first_off_steps: int = FIRST_OFF_STEPS, max_off_steps: int = MAX_OFF_STEPS, margin: float = MARGIN):
         self.trial_steps, self.hold_steps, self.margin = trial_steps, hold_steps, margin
         self.first_off_steps, self.max_off_steps = first_off_steps, max_off_steps
-        self.enabled = True  # False (without --predraft-cycle-check, the default): passes allowed always, cycles ignored
+        self.enabled = True  # False (no --predraft-cycle-check, the default): passes always allowed, cycles ignored
         self.state = "trial_on"
         self._cycles: list[float] = []  # seconds, this turn's
         self._on_median: float | None = None
@@ -76,5 +76,5 @@ class CycleCheck:
         else:
             self.state, self._steps_left = "hold_off", self._off_steps
             self._off_steps = min(2 * self._off_steps, self.max_off_steps)
-        log.info("pre-drafting %s for %d steps: the engine's step cycle was %.2f ms with passes, %.2f ms without "
+        log.info("pre-drafting %s for %d requests: the engine's step cycle was %.2f ms with passes, %.2f ms without "
                  "(medians of %d)", "on" if keep else "off", self._steps_left, on * 1e3, off * 1e3, self.trial_steps)
