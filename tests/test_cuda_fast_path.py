@@ -168,3 +168,23 @@ def test_graph_step_synchronizes_once(tiny_model, tmp_path):
     assert graphs.proposer.decode_graphs.first_steps_run == 2
     eager = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32", cuda_graphs=False))
     assert count_syncs(eager) > 4
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="cuda:1: a second GPU is needed")
+async def test_a_drafter_on_the_second_gpu_matches_cpu_and_naive(tiny_model, tmp_path):
+    """--device cuda:1 with both GPUs visible: the step thread's current device is cuda:1 (a new thread's is cuda:0,
+    and Triton launches on the current device: a 2 x H200 run of the predraft benchmark failed every step before)."""
+    naive = NaiveEagle1(*tiny_model)
+    configs = [make_config(*tiny_model, tmp_path / "cpu"),
+               make_config(*tiny_model, tmp_path / "graphs1", device="cuda:1", dtype="float32"),
+               make_config(*tiny_model, tmp_path / "eager1", device="cuda:1", dtype="float32", cuda_graphs=False)]
+    current = torch.cuda.current_device()
+    try:
+        records, graphs_used = await lockstep_servers(configs, naive, seed=7, engine_steps=24, num_seqs=5,
+                                                      max_model_len=1024, max_k=8)
+    finally:
+        torch.cuda.set_device(current)  # (build_runtime made cuda:1 this thread's device; later tests expect cuda:0)
+    assert len(records) >= 25 and graphs_used[0] >= 10
+    for r in records:
+        cpu, graphs, eager = r.replies
+        assert cpu.drafts == graphs.drafts == eager.drafts == r.expected, r

@@ -32,6 +32,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from drafter_service.engine.proposer import Proposer
 from drafter_service.engine.step_io import StepInput, StepOutput
 from drafter_client.protocol.timer_slack import set_timer_slack
@@ -193,6 +195,11 @@ class StepScheduler:
 
     def _run(self) -> None:
         set_timer_slack(1)  # (timer_slack.py: time.sleep(0) between channel polls lasts ~4 us, not 50+)
+        device = getattr(self.proposer, "device", None)
+        if device is not None and device.type == "cuda":
+            # the current CUDA device is per thread, and a new thread's is cuda:0: Triton launches its kernels on the
+            # current device's stream, so a drafter on cuda:1 would launch them on cuda:0 with cuda:1's pointers
+            torch.cuda.set_device(device)
         last_channel_request = 0.0
         while True:
             channels = self._channels
