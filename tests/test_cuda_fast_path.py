@@ -180,7 +180,7 @@ async def test_a_drafter_on_the_second_gpu_matches_cpu_and_naive(tiny_model, tmp
                make_config(*tiny_model, tmp_path / "eager1", device="cuda:1", dtype="float32", cuda_graphs=False)]
     current = torch.cuda.current_device()
     try:
-        records, graphs_used = await lockstep_servers(configs, naive, seed=7, engine_steps=24, num_seqs=5,
+        records, graphs_used = await lockstep_servers(configs, naive, seed=105, engine_steps=40, num_seqs=5,
                                                       max_model_len=1024, max_k=8)
     finally:
         torch.cuda.set_device(current)  # (build_runtime made cuda:1 this thread's device; later tests expect cuda:0)
