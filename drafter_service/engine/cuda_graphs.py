@@ -223,12 +223,16 @@ class DecodeGraphs:
         # on the H200: "operation failed due to a previous error during capture"). vLLM disables GC here too.
         gc.collect()
         gc.disable()
+        # a capture stream of this device: torch.cuda.graph's default one is made once per process, on the device
+        # current at the first capture, and capturing on it switches to that device (a process with drafters on two
+        # GPUs would capture the second one's Triton launches on the first device's stream)
+        stream = torch.cuda.Stream(device=dev)
         try:
             for bs in reversed(self.sizes):
                 self._step(bs)  # warm-up: compiles this size's Triton specializations outside the capture
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     self._step(bs)
                 pool = graph.pool() if pool is None else pool
                 self.graphs[bs] = graph
@@ -239,7 +243,7 @@ class DecodeGraphs:
                     self._first_step(bs, m)  # warm-up
                     torch.cuda.synchronize(dev)
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                         self._first_step(bs, m)
                     self.first_graphs[(bs, m)] = graph
             self.seq_lens.fill_(1)
