@@ -191,21 +191,32 @@ def serialize_with_states(req: "pb.ProposeRequest", hidden_states: "torch.Tensor
     return DirectRequest(req, parts)
 
 
-def _one_span(parts: list[torch.Tensor]) -> "torch.Tensor | None":
-    """The parts' bytes as one [n] uint8 view when they lie one after another in one block of memory (contiguous
-    slices of one tensor, in order); None otherwise."""
-    if not parts:
+def one_block(tensors: list[torch.Tensor]) -> "torch.Tensor | None":
+    """The tensors as one view when they are consecutive row ranges of one memory block (an engine's batch tensor
+    sliced per sequence; the drafter's received request, read as one tensor): contiguous, alike in dtype and row
+    shape, each starting where the one before it ends. None otherwise (or for no tensors). The client writes such
+    parts in one copy (write_rows); the drafter sends them to the GPU in one DMA (host_staging.py)."""
+    if not tensors:
         return None
-    first = parts[0]
+    first = tensors[0]
+    row_shape, dtype = first.shape[1:], first.dtype
     at = first.data_ptr()
-    for p in parts:
-        if p.dtype != first.dtype or p.data_ptr() != at or not p.is_contiguous():
+    rows = 0
+    for t in tensors:
+        if t.dtype != dtype or t.shape[1:] != row_shape or t.data_ptr() != at or not t.is_contiguous():
             return None
-        at += p.numel() * p.element_size()
-    if first.untyped_storage().data_ptr() != parts[-1].untyped_storage().data_ptr():
+        at += t.numel() * t.element_size()
+        rows += t.shape[0]
+    if first.untyped_storage().data_ptr() != tensors[-1].untyped_storage().data_ptr():  # (one allocation)
         return None
-    n = sum(p.numel() for p in parts)
-    return torch.as_strided(first, (n,), (1,)).view(torch.uint8)
+    shape = (rows, *row_shape)
+    return torch.as_strided(first, shape, torch.empty(shape, device="meta").stride())
+
+
+def _one_span(parts: list[torch.Tensor]) -> "torch.Tensor | None":
+    """The parts' bytes as one [n] uint8 view when they are one block (one_block); None otherwise."""
+    block = one_block(parts)
+    return None if block is None else block.reshape(-1).view(torch.uint8)
 
 
 def write_rows(parts: list[torch.Tensor], dest: memoryview) -> None:

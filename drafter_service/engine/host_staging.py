@@ -19,30 +19,13 @@ import functools
 
 import torch
 
+from drafter_client.messages import one_block  # (the client writes such rows in one copy, with the same test)
+
 
 def pinned_bytes(n: int) -> memoryview:
     """A writable buffer of n bytes of pinned host memory from torch's caching host allocator (the step channels
     read a large request into one: step_channels.ChannelSet.read_buffer)."""
     return memoryview(torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy())
-
-
-def one_block(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The tensors as one view when they are consecutive row ranges of one memory block (the steps of a request
-    whose states were read as one tensor, sliced per sequence): contiguous, alike in dtype and row shape, each
-    starting where the one before it ends. None otherwise."""
-    first = tensors[0]
-    row_shape, dtype = first.shape[1:], first.dtype
-    at = first.data_ptr()
-    rows = 0
-    for t in tensors:
-        if t.dtype != dtype or t.shape[1:] != row_shape or t.data_ptr() != at or not t.is_contiguous():
-            return None
-        at += t.numel() * t.element_size()
-        rows += t.shape[0]
-    if first.untyped_storage().data_ptr() != tensors[-1].untyped_storage().data_ptr():  # (one allocation)
-        return None
-    shape = (rows, *row_shape)
-    return torch.as_strided(first, shape, torch.empty(shape, device="meta").stride())
 
 
 def rows_to_device(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
