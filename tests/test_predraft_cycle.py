@@ -60,7 +60,8 @@ def test_passes_that_shorten_the_cycle_stay_on_and_are_checked_again():
 
 def test_the_scheduler_reports_cycles_of_one_engine_only():
     seen = []
-    proposer = types.SimpleNamespace(predraft=types.SimpleNamespace(observe_cycle=lambda s, n: seen.append((s, n))))
+    proposer = types.SimpleNamespace(predraft=types.SimpleNamespace(observe_cycle=lambda s, n: seen.append((s, n)),
+                                                                    cycle_check=True))
     sched = StepScheduler(proposer, max_batch_tokens=1024, max_batch_seqs=64)
 
     def request(owner, at, branches=4):
@@ -78,6 +79,10 @@ def test_the_scheduler_reports_cycles_of_one_engine_only():
     sched._observe_cycle([request("channel 3", 1.060, branches=0)])
     sched._observe_cycle([request("channel 3", 1.070, branches=0)])  # no pre-drafting asked: none
     assert len(seen) == 1 and abs(seen[0][0] - 0.012) < 1e-9 and seen[0][1] == 1
+    proposer.predraft.cycle_check = False  # (off: the scheduler does not even look)
+    sched._observe_cycle([request("channel 1", 1.080)])
+    sched._observe_cycle([request("channel 1", 1.090)])
+    assert len(seen) == 1
 
 
 def test_a_drafter_whose_check_keeps_passes_off_drafts_plainly(tiny_model, tmp_path):
@@ -107,11 +112,13 @@ def test_a_drafter_whose_check_keeps_passes_off_drafts_plainly(tiny_model, tmp_p
 
 def test_the_check_can_be_turned_off(tiny_model, tmp_path):
     rt = build_runtime(make_config(*tiny_model, tmp_path, predraft_cycle_check=False))
-    check = rt.proposer.predraft.cycle_for(1)
-    assert not check.enabled
+    pd = rt.proposer.predraft
+    check = pd.cycle_for(1)
+    assert not pd.cycle_check
     check.state = "hold_off"
-    assert check.passes_allowed()
-    turn(check, 0.02)
+    assert pd._passes_allowed(1) and pd.worth_preparing(1)  # (the check's state is not consulted)
+    for _ in range(SETTLE + check.trial_steps):
+        pd.observe_cycle(0.02, 1)
     assert check.state == "hold_off" and check.last is None
 
 

@@ -280,7 +280,7 @@ class Predrafter:
             return
         if not self.worth_preparing(len(answered)):  # passes of this size do not fit, or do not pay: nothing kept
             self.counters.passes_skipped += 1
-            if self.cycle_for(len(answered)).passes_allowed():  # (a skip of the fit check: counts toward its probe)
+            if self._passes_allowed(len(answered)):  # (a skip of the fit check: counts toward its probe)
                 self._skips[len(answered).bit_length()] += 1
             for a, _, _ in answered:
                 a.seq.predraft.basis = None
@@ -314,12 +314,17 @@ class Predrafter:
         check = self._cycles.get(n.bit_length())
         if check is None:
             check = self._cycles[n.bit_length()] = CycleCheck()
-            check.enabled = self.cycle_check
         return check
+
+    def _passes_allowed(self, n: int) -> bool:
+        """Whether the cycle check (when on) lets passes over n sequences run."""
+        return not self.cycle_check or self.cycle_for(n).passes_allowed()
 
     def observe_cycle(self, seconds: float, n: int) -> None:
         """One engine's pre-drafting request of n sequences arrived `seconds` after its previous request (the
-        scheduler). Holds count these requests."""
+        scheduler). Holds count these requests. Nothing without --predraft-cycle-check."""
+        if not self.cycle_check:
+            return
         check = self.cycle_for(n)
         check.on_step()
         check.observe_cycle(seconds)
@@ -359,7 +364,7 @@ class Predrafter:
         Not while passes of that size are expected to outlast the idle window (the pass would be skipped): the
         drafter then drafts plainly at no extra cost, but on the step before a probe (PROBE_AFTER_SKIPS skips in a
         row), whose pass measures itself again. Never while the cycle check keeps passes off."""
-        if not self.cycle_for(n).passes_allowed():
+        if not self._passes_allowed(n):
             return False
         size = n.bit_length()
         return self._expected_to_fit(size) or self._skips[size] >= PROBE_AFTER_SKIPS
@@ -446,7 +451,7 @@ class Predrafter:
                 groups.setdefault((k, b.features is not None), []).append(seq)
         ran = False
         for i, ((k, _), seqs) in enumerate(groups.items()):
-            if not self.cycle_for(len(seqs)).passes_allowed() or not self._fits(len(seqs)):  # (would not pay, or
+            if not self._passes_allowed(len(seqs)) or not self._fits(len(seqs)):  # (would not pay, or
                 # would delay the next step: prepare nothing this time)
                 self.counters.passes_skipped += 1
                 continue

@@ -13,7 +13,7 @@ wait for drafts). CycleCheck measures it in turns and keeps passes only where th
               (up to MAX_OFF_STEPS); then the next trial_on.
 
 The Predrafter keeps one check per request size (the bit length of its sequence count), since whether passes pay
-depends on the batch.
+depends on the batch, and consults them only with --predraft-cycle-check (Predrafter.cycle_check).
 
 Only cycles between consecutive requests of one engine count (the scheduler passes those: one owner, a stream or a
 step channel, asking for pre-drafting): with several engines the arrivals interleave, no turn ends, and passes stay
@@ -37,7 +37,6 @@ class CycleCheck:
                  first_off_steps: int = FIRST_OFF_STEPS, max_off_steps: int = MAX_OFF_STEPS, margin: float = MARGIN):
         self.trial_steps, self.hold_steps, self.margin = trial_steps, hold_steps, margin
         self.first_off_steps, self.max_off_steps = first_off_steps, max_off_steps
-        self.enabled = True  # False (no --predraft-cycle-check, the default): passes always allowed, cycles ignored
         self.state = "trial_on"
         self._cycles: list[float] = []  # seconds, this turn's
         self._on_median: float | None = None
@@ -47,18 +46,18 @@ class CycleCheck:
         self.last: tuple[float, float, bool] | None = None
 
     def passes_allowed(self) -> bool:
-        return not self.enabled or self.state in ("trial_on", "hold_on")
+        return self.state in ("trial_on", "hold_on")
 
     def on_step(self) -> None:
         """Once per request observed (Predrafter.observe_cycle): holds count them."""
-        if self.enabled and self.state in ("hold_on", "hold_off"):
+        if self.state in ("hold_on", "hold_off"):
             self._steps_left -= 1
             if self._steps_left <= 0:
                 self.state, self._cycles = "trial_on", []
 
     def observe_cycle(self, seconds: float) -> None:
         """One engine's request arrived `seconds` after its previous one."""
-        if not self.enabled or self.state not in ("trial_on", "trial_off"):
+        if self.state not in ("trial_on", "trial_off"):
             return
         self._cycles.append(seconds)
         if len(self._cycles) < SETTLE + self.trial_steps:

@@ -248,7 +248,10 @@ class StepScheduler:
 
     def _observe_cycle(self, batch: list[PendingRequest]) -> None:
         """Pre-drafting's cycle check: the time since the previous request of the same engine (one owner: a stream or
-        a step channel), when the batch holds that engine's requests alone and one of them asks for pre-drafting."""
+        a step channel), when the batch holds that engine's requests alone and one of them asks for pre-drafting.
+        Nothing without --predraft-cycle-check."""
+        if not self.proposer.predraft.cycle_check:
+            return
         owners = {p.steps[0].owner for p in batch if p.steps and not p.dry}
         owner = next(iter(owners)) if len(owners) == 1 else None
         arrived = min(p.enqueued_at for p in batch)
