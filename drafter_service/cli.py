@@ -69,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                     help="pre-drafting: run passes only while they shorten an engine's step cycle, measured in turns "
                          "of 24 requests with and without them (docs/predraft.md; experimental); off (the default): "
                          "whenever a pass fits the idle time between requests")
+    ap.add_argument("--predraft-min-all-hit", type=float, default=d.predraft_min_all_hit,
+                    help="pre-drafting: prepare after a step batch only when all of its pre-drafting sequences are "
+                         "expected to hit with at least this chance (h^n, h the measured per-sequence hit rate; a "
+                         "batch answered in part waits for its misses anyway; docs/predraft.md); 0 = always")
     ap.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message size limit")
     ap.add_argument("--max-chunked-bytes", type=int, default=d.max_chunked_bytes,
                     help="hidden-state bytes of all ProposeChunked uploads in flight (staging memory)")
@@ -141,6 +145,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         shutdown_grace_s=a.shutdown_grace_s, log_level=a.log_level, shared_memory=not a.no_shared_memory,
         shm_dir=a.shm_dir, shm_lease_s=a.shm_lease_s, cuda_graphs=a.cuda_graphs,
         first_step_graph_tokens=a.first_step_graph_tokens, predraft_cycle_check=a.predraft_cycle_check,
+        predraft_min_all_hit=a.predraft_min_all_hit,
         step_channels=not a.no_step_channels,
         step_channel_socket=a.step_channel_socket, step_channel_spin_s=a.step_channel_spin_s,
         step_channel_checksums={"auto": None, "on": True, "off": False}[a.step_channel_checksums],

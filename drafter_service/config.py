@@ -35,6 +35,9 @@ class ServerConfig:
     # (engine/predraft_cycle.py); False (the default, until a measurement shows it pays): passes whenever they fit
     # the idle window
     predraft_cycle_check: bool = False
+    # pre-drafting passes only after step batches whose pre-drafting sequences all hit with at least this estimated
+    # chance (h^n for n sequences and a measured per-sequence hit rate h; engine/predraft_odds.py); 0 = always
+    predraft_min_all_hit: float = 0.25
     max_message_bytes: int = 256 * 1024 * 1024
     # ProposeChunked uploads (docs/protocol.md): staging bytes in flight, for the server and for one namespace, and
     # the time one upload may take

@@ -246,6 +246,9 @@ class _StepCollector:
                           "because they were expected to outlast the idle time between steps (the drafter falls "
                           "back).",
                           pc.passes_skipped)
+            yield counter("drafter_predraft_refused_by_odds", "Step batches after which no pre-drafting pass ran "
+                          "because all of their pre-drafting sequences were unlikely to hit (--predraft-min-all-hit).",
+                          pc.refused_by_odds)
             yield counter("drafter_predraft_pass_seconds", "Step-thread seconds spent in pre-drafting passes, "
                           "finished or stopped.", pc.pass_seconds)
         free, total = m.kv_blocks_free, m.kv_blocks_total

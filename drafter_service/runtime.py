@@ -109,6 +109,7 @@ def warm_up(proposer: Proposer, width: int, k: int) -> None:
 
     pd = proposer.predraft
     counters, pd.counters = pd.counters, PredraftCounters()
+    min_all_hit, pd.odds.min_all_hit = pd.odds.min_all_hit, 0.0  # (every warm-up pass runs)
     variants = 0
     if ops.use_triton(proposer.kv.kv):
         # every attention kernel variant the steps below may not reach (a first step of 5-8 rows over a split
@@ -166,6 +167,7 @@ def warm_up(proposer: Proposer, width: int, k: int) -> None:
         proposer.metrics = metrics
         passes, hits = pd.counters.passes, pd.counters.hits
         pd.counters = counters
+        pd.odds.min_all_hit = min_all_hit
         pd.forget_estimates()  # (the warm-up's passes compiled kernels: their times say nothing)
         if proposer.decode_graphs is not None:  # (their counters tell how many real steps the graphs served)
             proposer.decode_graphs.steps_run = proposer.decode_graphs.first_steps_run = 0
@@ -211,6 +213,9 @@ def build_runtime(cfg: ServerConfig) -> Runtime:
         max_sequences_per_namespace=cfg.max_sequences_per_namespace,
         namespace_pool_share=cfg.namespace_pool_share))
     proposer.predraft.cycle_check = cfg.predraft_cycle_check
+    if not 0.0 <= cfg.predraft_min_all_hit <= 1.0:
+        raise ValueError(f"--predraft-min-all-hit must be in [0, 1], got {cfg.predraft_min_all_hit}")
+    proposer.predraft.odds.min_all_hit = cfg.predraft_min_all_hit
     share = proposer.table.namespace_block_limit
     if share is not None and share * cfg.block_size < max_model_len:
         log.warning("--namespace-pool-share %g gives a namespace %d tokens of KV, fewer than one sequence of "

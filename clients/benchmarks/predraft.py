@@ -39,7 +39,7 @@ from drafter_client.engine.target import TargetModel
 COUNTERS = ("drafter_predraft_hits_total", "drafter_predraft_misses_total", "drafter_predraft_unprepared_total",
             "drafter_predraft_passes_total", "drafter_predraft_passes_stopped_total",
             "drafter_predraft_branches_prepared_total", "drafter_predraft_pass_seconds_total",
-            "drafter_predraft_passes_skipped_total")
+            "drafter_predraft_passes_skipped_total", "drafter_predraft_refused_by_odds_total")
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -130,7 +130,8 @@ async def measure(address: str, metrics_port: int, target: TargetModel, prompts:
                       f"acceptance {row['mean_acceptance_length']:.2f} (served branches "
                       f"{'-' if pre is None else f'{pre:.2f}'}), hit rate {row['hit_rate']:.2f}, wait p50/p99 "
                       f"{row['wait_ms_p50']:.2f}/{row['wait_ms_p99']:.2f} ms; passes {d['passes']:.0f} finished "
-                      f"{d['passes_stopped']:.0f} stopped {d['passes_skipped']:.0f} skipped, "
+                      f"{d['passes_stopped']:.0f} stopped {d['passes_skipped']:.0f} skipped "
+                      f"{d['refused_by_odds']:.0f} refused by the odds, "
                       f"{row['pass_ms_mean'] or 0:.2f} ms each; misses {d['misses']:.0f}, unprepared "
                       f"{d['unprepared']:.0f}; identical {row['identical_to_plain']}", flush=True)
         return {"drafter": {"model": info.model_name, "method": info.method, "device": info.device,
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             print(sidecar.log_tail(int(os.environ.get("DRAFTER_STALL_TRACE_LINES", "400"))))
         decisions = [line for line in sidecar.log_tail(100000).splitlines()
                      if "pre-drafting on for" in line or "pre-drafting off for" in line]
-        for line in decisions:  # the cycle check's decisions (docs/predraft.md)
+        for line in decisions:  # the odds and cycle checks' decisions (docs/predraft.md)
             print("drafter:", line)
     now = datetime.datetime.now(datetime.timezone.utc)
     out = {"benchmark": "predraft",

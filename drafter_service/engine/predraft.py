@@ -59,6 +59,7 @@ import torch
 from drafter_kernels import ops
 
 from drafter_service.engine.predraft_cycle import CycleCheck
+from drafter_service.engine.predraft_odds import OddsCheck
 from drafter_service.engine.sampling import SamplingSettings, seed_to_int64
 from drafter_service.engine.sequence import Sequence
 from drafter_service.engine.step_io import StepInput, StepOutput
@@ -156,6 +157,7 @@ class PredraftCounters:
     passes_skipped: int = 0  # batches of a pass (one per k) not started: expected to outlast the idle window
     pass_seconds: float = 0.0  # step-thread time in passes, finished or stopped
     short_forced_passes: int = 0  # groups whose forced pass reused the plain step's features (one row each)
+    refused_by_odds: int = 0  # step batches that kept nothing for a pass: too unlikely to hit all (predraft_odds.py)
 
 
 def _sampling_key(s: StepInput) -> tuple:
@@ -206,6 +208,8 @@ class Predrafter:
         # size (bit length of its sequence count: a batch of 64 pays off or not apart from a batch of 1)
         self.cycle_check = False  # (--predraft-cycle-check: True)
         self._cycles: dict[int, CycleCheck] = {}
+        # passes only for step batches likely to hit in full (predraft_odds.py; --predraft-min-all-hit)
+        self.odds = OddsCheck()
         self.window_s: float | None = None  # average idle time between a batch's end and the next request
         self._pass_s: dict[int, float] = {}  # sequences' bit length -> average seconds of a pass of that size
         # sequences' bit length -> passes of that size skipped in a row (by _fits, or by after_step not keeping a basis)
@@ -235,6 +239,7 @@ class Predrafter:
         br = st.branches
         row = self._hit_row(st, br, a) if br is not None else None
         if br is not None:
+            self.odds.observe(row is not None)
             self.counters.hits += row is not None
             self.counters.misses += row is None
             self._free_branches(seq)
@@ -277,6 +282,11 @@ class Predrafter:
         committed row of each (token and target state) is copied once for all of them."""
         answered = [(a, d, f) for a, d, f in answered if d and a.seq.predraft is not None]
         if not answered:
+            return
+        if not self.odds.allowed:  # the batch was unlikely to hit in full: its pass would not pay, nothing kept
+            self.counters.refused_by_odds += 1
+            for a, _, _ in answered:
+                a.seq.predraft.basis = None
             return
         if not self.worth_preparing(len(answered)):  # passes of this size do not fit, or do not pay: nothing kept
             self.counters.passes_skipped += 1
@@ -354,6 +364,7 @@ class Predrafter:
         self._probing.clear()
         self.recent_passes.clear()
         self.window_s = None
+        self.odds = OddsCheck(self.odds.min_all_hit, self.odds.probe_after)
 
     def observe_window(self, seconds: float) -> None:
         """The scheduler's idle time between a batch's end and the next request's arrival (0: one was waiting)."""
@@ -363,8 +374,9 @@ class Predrafter:
         """Whether a plain step of n pre-drafting sequences keeps what a pass needs (its last rows, its features).
         Not while passes of that size are expected to outlast the idle window (the pass would be skipped): the
         drafter then drafts plainly at no extra cost, but on the step before a probe (PROBE_AFTER_SKIPS skips in a
-        row), whose pass measures itself again. Never while the cycle check keeps passes off."""
-        if not self._passes_allowed(n):
+        row), whose pass measures itself again. Never after a step batch the odds check refused, nor while the cycle
+        check keeps passes off."""
+        if not self.odds.allowed or not self._passes_allowed(n):
             return False
         size = n.bit_length()
         return self._expected_to_fit(size) or self._skips[size] >= PROBE_AFTER_SKIPS
@@ -404,7 +416,10 @@ class Predrafter:
             self._pass_s[size] = (1 - EMA) * old + EMA * seconds
 
     def has_work(self) -> bool:
-        return bool(self._waiting) and self._skip_steps == 0 and self.proposer.fatal is None
+        """Whether a pass has something to do (not after a step batch the odds check refused: the pending rows of
+        its hits, if any, then go with their sequences' next steps)."""
+        return (bool(self._waiting) and self._skip_steps == 0 and self.odds.allowed
+                and self.proposer.fatal is None)
 
     def _hit_row(self, st: PredraftState, br: Branches, a) -> int | None:
         s = a.step

@@ -334,6 +334,9 @@ class Proposer:
         batch = [a for i, s in enumerate(steps) if (a := self._admit(i, s, outputs[i], found[i], now)) is not None]
         self.predraft.on_step()
         if self.fatal is None and any(a.seq.predraft is not None or a.step.predraft_branches for a in batch):
+            asking = sum(1 for a in batch if a.step.predraft_branches)
+            if asking:  # whether this batch's pass can pay: all its pre-drafting sequences must hit next time
+                self.predraft.odds.decide(asking)
             # a hit is answered from the branches prepared during the verification: nothing to run
             batch = [a for a in batch if not self.predraft.admit(a, outputs[a.index])]
         if batch and self.fatal is not None:
