@@ -272,21 +272,17 @@ class Predrafter:
         st.basis = None
         if not s.predraft_branches or not self.supported:
             seq.predraft = None
-        else:
+        elif self.odds.allowed:  # (after a refused batch no pass reads them: they are set at the next allowed one)
             self._settings_from(st, a)
         return False
 
     def after_step(self, answered: list[tuple]) -> None:
-        """After a plain step: (admitted, drafts, features or None) of each pre-drafting sequence it answered; their
+        """After a plain step the odds check allowed (proposer.step): (admitted, drafts, features or None) of each
+        pre-drafting sequence it answered; their
         next pass prepares from it (features: [k, H], the step's own g_0..g_{k-1}, when it kept them). The last
         committed row of each (token and target state) is copied once for all of them."""
         answered = [(a, d, f) for a, d, f in answered if d and a.seq.predraft is not None]
         if not answered:
-            return
-        if not self.odds.allowed:  # the batch was unlikely to hit in full: its pass would not pay, nothing kept
-            self.counters.refused_by_odds += 1
-            for a, _, _ in answered:
-                a.seq.predraft.basis = None
             return
         if not self.worth_preparing(len(answered)):  # passes of this size do not fit, or do not pay: nothing kept
             self.counters.passes_skipped += 1

@@ -333,10 +333,11 @@ class Proposer:
         found = [touch(s.namespace, s.sequence_id, now, serial) for s in steps]
         batch = [a for i, s in enumerate(steps) if (a := self._admit(i, s, outputs[i], found[i], now)) is not None]
         self.predraft.on_step()
+        refused = False  # by the odds check: this batch keeps nothing for a pass
         if self.fatal is None and any(a.seq.predraft is not None or a.step.predraft_branches for a in batch):
             asking = sum(1 for a in batch if a.step.predraft_branches)
             if asking:  # whether this batch's pass can pay: all its pre-drafting sequences must hit next time
-                self.predraft.odds.decide(asking)
+                refused = not self.predraft.odds.decide(asking)
             # a hit is answered from the branches prepared during the verification: nothing to run
             batch = [a for a in batch if not self.predraft.admit(a, outputs[a.index])]
         if batch and self.fatal is not None:
@@ -371,10 +372,12 @@ class Proposer:
                     out.drafts, out.committed_length = d, p + m
                     out.logprobs = lp if a.step.return_logprobs else []
                     out.top_k_ids, out.top_k_probs = ti, tp
-                    if a.seq.predraft is not None:
+                    if not refused and a.seq.predraft is not None:
                         predrafting.append((a, d, features.get(i)))
                 if predrafting:
                     self.predraft.after_step(predrafting)
+                elif refused:
+                    self.predraft.counters.refused_by_odds += 1
         self.metrics.record_step(steps, outputs, time.perf_counter() - t0, self.kv.pool.num_free,
                                  self.kv.pool.num_blocks)
         self.metrics.live_sequences = len(self.table)
