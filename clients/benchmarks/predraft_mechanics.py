@@ -342,13 +342,15 @@ def main(argv: list[str] | None = None) -> int:
         head, target = write_random_head(pathlib.Path(tmp), shape, max_len)
         rt = build_runtime(ServerConfig(model=str(head), target_model=str(target), device=a.device, dtype=dtype,
                                         kv_cache_tokens=(max(batches) * 2 + 8) * max_len, max_model_len=max_len,
-                                        max_batch_seqs=max(256, max(batches)), max_draft_tokens=max(8, a.k)))
+                                        max_batch_seqs=max(256, max(batches)), max_draft_tokens=max(8, a.k),
+                                        predraft_min_all_hit=0.0))
         cfg = ServerConfig(model=str(head), target_model=str(target), device=a.device, dtype=dtype,
                            kv_cache_tokens=(max(batches) * 2 + 8) * max_len, max_model_len=max_len,
                            max_batch_seqs=max(256, max(batches)), max_draft_tokens=max(8, a.k),
                            listen=[f"unix:{tmp}/drafter.sock"], log_level="WARNING",
-                           # (the mechanics of passes and hits, not the policy: no turns without passes mid-phase)
-                           predraft_cycle_check=False)
+                           # (the mechanics of passes and hits, not the policy: no turns without passes mid-phase,
+                           # and no batch refused on the prior hit rate, which outcomes picked to hit would not bear out)
+                           predraft_cycle_check=False, predraft_min_all_hit=0.0)
         print(f"in-process: {'batch':>5} {'plain ms':>9} {'pass ms':>8} {'hit ms':>7} {'miss ms':>8} "
               f"{'pass/verify':>11}")
         for B in batches:

@@ -44,7 +44,10 @@ branches take at most BRANCH_POOL_SHARE of the KV pool while it runs, and only f
 --predraft-cycle-check (off by default) passes run only while they shorten the engine's step cycle
 (predraft_cycle.py: turns with and without passes, measured on the arrivals of one engine's requests): where they
 make the engine slower (a GPU shared with the target, a large batch whose requests mostly wait for a miss anyway)
-pre-drafting turns itself off, and tries again after a back-off.
+pre-drafting turns itself off, and tries again after a back-off. On by default, the odds check (predraft_odds.py):
+a step batch is answered when its last sequence is, so only a batch whose pre-drafting sequences are all likely to
+hit (h^n >= --predraft-min-all-hit for n sequences and the measured per-sequence hit rate h) keeps what a pass needs;
+large batches fall back to plain drafting by themselves.
 
 Sequential heads only (EAGLE-1, EAGLE-3), whose next_hidden is their output (so L_j = compute_logits(g_j)); parallel
 and multi-layer heads ignore predraft_branches (GetInfo.predraft_supported is false).
