@@ -1,6 +1,7 @@
 """The messages of one engine step as the client library shows them (SequenceStep in, ProposeResult out), and
 their packing into / out of the protocol's ProposeRequest / ProposeResponse. Shared by the unary client
 (client.py), the stream session (session.py) and the step channel path; imports only the protocol."""
+import ctypes
 from dataclasses import dataclass, field
 
 import grpc
@@ -221,32 +222,34 @@ def _one_span(parts: list[torch.Tensor]) -> "torch.Tensor | None":
 
 def write_rows(parts: list[torch.Tensor], dest: memoryview) -> None:
     """The parts' bytes (tensors of one dtype, any device), one after another, into dest (a writable byte buffer of
-    exactly their size): the client's one copy of a step's states. With the caller's torch on one thread, one
-    torch.cat; otherwise a memcpy per part on this thread. torch.cat of a large step runs on the caller's intra-op
-    pool, and waking it cost an engine process with torch's default 16 threads, on a 16-vCPU H200 VM shared with the
-    drafter, 38 ms a step (EAGLE-3 states, batch 16-64: 42 ms wait for drafts against 4-8 ms with one thread;
-    docs/performance.md). States that are consecutive slices of one tensor go in one copy (dev CPU, 2 threads,
-    batch 256 of 3 x 4096 bf16 rows: 0.71 ms against 1.17 part by part)."""
+    exactly their size): the client's one copy of a step's states. States that are consecutive slices of one tensor
+    go in one copy; otherwise one memmove per part, on this thread. No torch op per part and none that runs on the
+    caller's intra-op pool: waking that pool cost an engine process with torch's default 16 threads, on a 16-vCPU
+    H200 VM shared with the drafter, 38 ms a step (torch.cat of EAGLE-3 states, batch 16-64), and a torch view per
+    part cost 2.6 ms at batch 128 (EAGLE-1, 3 MB; docs/performance.md). Dev CPU, 128 parts of 3 x 4096 bf16 rows:
+    0.21 ms by memmove against 0.64 ms with a view per part (16 torch threads), 0.33 ms with torch.cat (one)."""
     cpu = [p.detach().cpu() for p in parts]
     span = _one_span(cpu)
     if span is not None:  # (an engine's batch tensor sliced per sequence: one copy of the whole range)
         with memoryview(span.numpy()) as src:
             dest[:] = src
         return
-    if torch.get_num_threads() == 1 and cpu and cpu[0].dim() == 2:
-        rows = sum(p.shape[0] for p in cpu)
-        out = torch.frombuffer(dest, dtype=torch.uint8) if len(dest) else torch.empty(0, dtype=torch.uint8)
-        torch.cat(cpu, out=out.view(cpu[0].dtype).view(rows, cpu[0].shape[1]))
+    sizes = [p.numel() * p.element_size() for p in cpu]
+    if sum(sizes) != len(dest):
+        raise ValueError(f"the parts hold {sum(sizes)} bytes; the buffer {len(dest)}")
+    if not sizes or not len(dest):
         return
-    at = 0
-    for p in cpu:
-        n = p.numel() * p.element_size()
-        if n:
-            with memoryview(p.contiguous().view(-1).view(torch.uint8).numpy()) as src:
-                dest[at : at + n] = src
-        at += n
-    if at != len(dest):
-        raise ValueError(f"the parts hold {at} bytes; the buffer {len(dest)}")
+    target = torch.frombuffer(dest, dtype=torch.uint8)  # (only for its address: dest stays exported meanwhile)
+    try:
+        at = target.data_ptr()
+        for p, n in zip(cpu, sizes):
+            if n:
+                if not p.is_contiguous():
+                    p = p.contiguous()
+                ctypes.memmove(at, p.data_ptr(), n)
+            at += n
+    finally:
+        del target
 
 
 class DirectRequest:

@@ -165,7 +165,7 @@ def test_states_fields_of_the_wrong_wire_type_go_to_protobuf(scan_everything):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_states_are_written_alike_with_any_torch_thread_count(threads):
-    """write_rows copies on the calling thread unless torch runs one thread (then one torch.cat): same bytes."""
+    """write_rows copies on the calling thread (a memmove per part, whatever torch's thread count): the bytes of a cat."""
     from drafter_client.messages import write_rows
     parts = [torch.randn(m, 3000).to(torch.bfloat16) for m in (1, 3, 7, 2)] + [torch.randn(4, 6000)[:, ::2]]
     want = torch.cat([p.to(torch.bfloat16) for p in parts]).contiguous().view(-1).view(torch.uint8)
