@@ -6,6 +6,7 @@ thread, then SERVING. SIGTERM/SIGINT: health NOT_SERVING, stop taking RPCs, let 
 """
 import asyncio
 import ctypes
+import functools
 import gc
 import logging
 import os
@@ -24,7 +25,7 @@ from drafter_client.protocol.mailbox import checksums_needed
 from drafter_client.protocol import pb, pb_grpc
 from drafter_service.metrics import MetricsServer, serve_http
 from drafter_service.runtime import Runtime, build_runtime
-from drafter_service.engine.host_staging import pinned_bytes
+from drafter_service.engine.host_staging import pin_mapping, pinned_bytes
 from drafter_service.engine.scheduler import StepScheduler
 from drafter_service.transport.auth import (AuthInterceptor, Authorizer, load_tokens, restrict_socket,
                                             server_credentials)
@@ -199,6 +200,8 @@ class DrafterServer:
             authorizer=self.servicer.authorizer, socket_group=cfg.socket_group,
             trace_file=self.servicer.trace_file,
             read_buffer=pinned_bytes if self.runtime.proposer.device.type == "cuda" else None,
+            pin=(functools.partial(pin_mapping, device=self.runtime.proposer.device)
+                 if self.runtime.proposer.device.type == "cuda" else None),
             checksums=checksums_needed() if cfg.step_channel_checksums is None else cfg.step_channel_checksums)
         self.scheduler.attach_channels(channels)
         channels.start()

@@ -188,3 +188,53 @@ async def test_a_drafter_on_the_second_gpu_matches_cpu_and_naive(tiny_model, tmp
     for r in records:
         cpu, graphs, eager = r.replies
         assert cpu.drafts == graphs.drafts == eager.drafts == r.expected, r
+
+
+def test_a_pinned_mapping_goes_to_the_device_in_one_dma_and_unpins():
+    """host_staging.pin_mapping: a tensor over a registered mapping (a step channel's mailbox) is pinned memory, so a
+    request read in place goes to the GPU from the mailbox with one DMA (rows_to_device); unpin undoes it."""
+    import mmap
+
+    from drafter_service.engine.host_staging import pin_mapping, rows_to_device
+
+    mm = mmap.mmap(-1, 1 << 22)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    unpin = pin_mapping(mm, dev)
+    view = memoryview(mm)[4096 : 4096 + 3 * 1024 * 64 * 2]
+    rows = torch.frombuffer(view, dtype=torch.bfloat16).view(3 * 1024, 64)
+    rows.copy_(torch.randn(3 * 1024, 64))
+    assert rows.is_pinned()
+    parts = list(rows.split([1024, 1024, 1024]))
+    out = rows_to_device(parts, dev)
+    assert torch.equal(out.cpu(), rows)
+    unpin()
+    assert not rows.is_pinned()
+    assert torch.equal(rows_to_device(parts, dev).cpu(), rows)  # (copied through pinned memory as any host rows)
+    del rows, parts
+    view.release()
+    mm.close()
+
+
+async def test_a_large_channel_step_is_read_in_place_on_cuda(tiny_model, tmp_path):
+    """On CUDA a channel's mailbox is pinned when it opens: a large step (1 MiB of states) is read in place and
+    drafts what it drafts over gRPC and on the CPU."""
+    from drafter_client import SequenceStep
+
+    rows = 4500  # 4500 x 64 fp32 = 1.15 MB
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 512, (rows + 1,), generator=g)
+    step = SequenceStep("long", 0, tokens[:rows], torch.randn(rows, 64, generator=g), int(tokens[rows]), 5)
+    with ServerThread(make_config(*tiny_model, tmp_path / "gpu", device="cuda", dtype="float32", max_model_len=8192,
+                                  kv_cache_tokens=32768)) as srv, \
+            ServerThread(make_config(*tiny_model, tmp_path / "cpu", max_model_len=8192, kv_cache_tokens=32768)) as cpu:
+        async with DrafterClient(srv.uds, namespace="a", chunk_min_bytes=None) as c, \
+                DrafterClient(srv.uds, namespace="b", chunk_min_bytes=None) as grpc_client, \
+                DrafterClient(cpu.uds, namespace="c", chunk_min_bytes=None) as on_cpu:
+            assert await c.open_step_channel(request_bytes=4 << 20)
+            channels = srv.server.runtime.metrics.channels
+            a = await c.propose([step])
+            assert c.steps_through_channel == 1 and channels.in_place_reads == 1
+            assert channels._open[0].unpin is not None  # (pinned)
+            b, d = await grpc_client.propose([step]), await on_cpu.propose([step])
+            assert a.sequences[0].drafts.tolist() == b.sequences[0].drafts.tolist() == d.sequences[0].drafts.tolist()
+            c.close_step_channel()

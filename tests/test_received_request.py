@@ -118,7 +118,8 @@ def test_small_requests_go_to_protobuf_whole():
 
 def test_large_inline_states_through_every_path_give_the_in_process_drafts(tiny_model, tmp_path):
     """A prefill of 4500 x 64 fp32 states (1.15 MB, above MIN_SCAN_BYTES) sent as one message by Propose,
-    ProposeStream and a step channel: each is read as a view and drafts what the in-process proposer drafts."""
+    ProposeStream and a step channel (read in place, and copied out of the mailbox): each is read as a view and drafts
+    what the in-process proposer drafts."""
     head, target = tiny_model
     rows = 4500
     g = torch.Generator().manual_seed(7)
@@ -141,14 +142,18 @@ def test_large_inline_states_through_every_path_give_the_in_process_drafts(tiny_
                 got.append((await session.recv()).sequences[0].drafts.tolist())
         async with DrafterClient(srv.uds, namespace="ns", chunk_min_bytes=None) as c:
             assert await c.open_step_channel(request_bytes=4 << 20)
+            channels = srv.server.runtime.metrics.channels
             r = await c.propose([step])
-            assert c.steps_through_channel == 1
+            assert c.steps_through_channel == 1 and channels.in_place_reads == 1  # (a view of the mailbox)
             got.append(r.sequences[0].drafts.tolist())
-            # as on CUDA, the channel reads a large request into a buffer of its own (pinned memory there)
+            # as on CUDA where the mailbox could not be pinned, the channel reads a large request into a buffer of
+            # its own (pinned memory there)
             buffers = []
-            srv.server.runtime.metrics.channels.read_buffer = lambda n: buffers.append(n) or memoryview(bytearray(n))
+            channels.read_buffer = lambda n: buffers.append(n) or memoryview(bytearray(n))
+            channels._open[0].in_place = False
             r = await c.propose([step])  # (the same prefill again: a rewind to 0)
             assert c.steps_through_channel == 2 and len(buffers) == 1 and buffers[0] > rows * 64 * 4
+            assert channels.in_place_reads == 1
             got.append(r.sequences[0].drafts.tolist())
         return got
 

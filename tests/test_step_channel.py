@@ -352,3 +352,40 @@ async def test_a_large_step_is_written_straight_into_the_mailbox(ch_server, tiny
             big.token_ids.tolist() + [7], big.hidden_states, 4)
         await fast.release(["big"])
         await slow.release(["big"])
+
+
+def test_a_channel_closed_with_a_request_read_in_place_keeps_its_mapping_until_the_view_dies():
+    """A large request is read as a view of the mailbox (no copy). Closing the channel while a request still holds
+    such a view (queued, not yet stepped) must not unmap it under the view: the mapping goes when the view does, and
+    the pinning is undone (unpin) before."""
+    import fcntl
+    import mmap
+    import os
+    import socket
+
+    from drafter_client.protocol.mailbox import Mailbox
+    from drafter_service.transport.step_channels import Channel, ChannelLimits, ChannelSet
+
+    unpinned = []
+    channels = ChannelSet(socket_path="/nonexistent", limits=ChannelLimits(1, 1 << 22, 1 << 23),
+                          decode=None, encode=None, metrics=None, checksums=False,
+                          pin=lambda mm: (lambda: unpinned.append(len(mm))))
+    size = Mailbox.segment_bytes(1 << 21, 1 << 12)
+    fd = os.memfd_create("t", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    mm = mmap.mmap(fd, size)
+    box = Mailbox.initialize(mm, 1 << 21, 1 << 12, False)
+    ours, theirs = socket.socketpair()
+    ch = Channel(id=1, namespace="ns", conn=ours, fd=fd, mm=mm, box=box)
+    channels._count, channels._bytes = 1, size
+    channels._pin(ch)
+    assert ch.in_place and ch.unpin is not None
+    payload = bytes(range(256)) * 4096  # 1 MiB, as a client writes it (one mapping here for both sides)
+    box.write(box.request, 1, payload)
+    view = box.view(box.request, 1)
+    assert view is not None and bytes(view[:256]) == payload[:256] and len(view) == len(payload)
+    channels._close(ch, "test", client_gone=False)  # (the view still holds the mapping: no BufferError escapes)
+    assert unpinned == [size] and ch.closed
+    assert bytes(view[-256:]) == payload[-256:]  # still mapped
+    view.release()
+    theirs.close()

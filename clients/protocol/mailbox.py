@@ -152,6 +152,21 @@ class Mailbox:
             return None
         return payload
 
+    def view(self, area: _Area, seq: int) -> "memoryview | None":
+        """Drafter: the message behind doorbell seq as a view of the mapping (no copy), or None as read() says. The
+        view is valid until the writer reuses the area: a client writes its next request only after the reply to
+        this one, so the drafter uses it until it replies (a client that writes sooner changes only its own step).
+        While the view lives the mapping cannot be closed (mmap.close() raises BufferError: it is unmapped when the
+        view is collected)."""
+        n = self.words[area.length]
+        if n > area.capacity:
+            return None
+        payload = memoryview(self.mm)[area.start : area.start + n]
+        if self.checksums and _crc(seq, payload) != self.words[area.crc]:
+            payload.release()
+            return None
+        return payload
+
     def take(self, seq: int) -> None:
         """Drafter: mark request seq as read (a client that sees state CLOSED and taken_seq != its seq resends
         the request elsewhere: it was never looked at)."""

@@ -11,11 +11,15 @@ benchmarks/bench_staging.py carries that variant and measures it on another host
 The caching host allocator keeps the pinned block until every copy queued from it has completed, so a later step
 never overwrites rows still in flight.
 
-A step-channel request of 1 MiB or more is read out of the mailbox into pinned memory on CUDA (pinned_bytes), and a
-ProposeChunked upload is staged in pinned memory there: the inline states are a view of it, sliced per sequence.
-Such rows (one_block) go to the device with one DMA, with no cat at all.
+A step channel's mailbox is registered as pinned memory on CUDA when the channel opens (pin_mapping), and a request
+of 1 MiB or more is read in place, a view of the mailbox (where the registration failed: copied out of it into
+pinned memory, pinned_bytes); a ProposeChunked upload is staged in pinned memory there. The inline states are a view
+of it, sliced per sequence. Such rows (one_block) go to the device with one DMA, with no cat at all.
 """
+import ctypes
 import functools
+import mmap
+from typing import Callable
 
 import torch
 
@@ -26,6 +30,26 @@ def pinned_bytes(n: int) -> memoryview:
     """A writable buffer of n bytes of pinned host memory from torch's caching host allocator (the step channels
     read a large request into one: step_channels.ChannelSet.read_buffer)."""
     return memoryview(torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy())
+
+
+def pin_mapping(mm: mmap.mmap, device: torch.device) -> Callable[[], None]:
+    """Register the whole mapping as pinned (page-locked) host memory for CUDA (cudaHostRegister, portable: for every
+    device), so that a tensor over it is_pinned() and goes to the device in one DMA. Returns the function that
+    undoes it (it waits for the device first: no copy from the mapping may still be in flight), to be called
+    before the mapping is closed. Raises RuntimeError when CUDA refuses (the caller then copies instead)."""
+    anchor = ctypes.c_char.from_buffer(mm)  # (only for the address: the export ends with this function)
+    ptr, size = ctypes.addressof(anchor), len(mm)
+    del anchor
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(ptr, size, 1)  # cudaHostRegisterPortable
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {size} bytes failed: {err}")
+
+    def unpin() -> None:
+        torch.cuda.synchronize(device)
+        cudart.cudaHostUnregister(ptr)
+
+    return unpin
 
 
 def rows_to_device(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -9,7 +9,9 @@ unmaps the mailbox. Nothing is left in /dev/shm. The sequences first created thr
 when its client goes away they are freed too (release_owner); a channel the drafter closes (shutdown) keeps them,
 its client goes on over gRPC.
 
-Serving: the step thread (scheduler.py) polls every open mailbox. A new request is copied out of the mailbox,
+Serving: the step thread (scheduler.py) polls every open mailbox. A new request is copied out of the mailbox (one
+of MIN_SCAN_BYTES or more is read in place instead: a view of the mailbox, whose inline states go to the device
+from there; on CUDA the mapping is registered as pinned memory when the channel opens, so that this is one DMA),
 parsed and checked exactly as a Propose is (DrafterServicer.decode_propose: the same limits, the same shared-
 memory references), and queued with the gRPC requests; its reply is written back on the step thread. A request
 malformed as a whole gets a ProposeResponse with ``error`` set (the code a Propose would have failed with), and
@@ -65,6 +67,10 @@ class Channel:
     checked_at: float = 0.0
     closed: bool = False
     requests: int = 0
+    # large requests are read in place (a view of the mailbox, no copy): on the CPU always, on CUDA when the mapping
+    # could be registered as pinned memory (ChannelSet.pin), so that their states go to the device in one DMA
+    in_place: bool = False
+    unpin: Callable[[], None] | None = None  # undoes ChannelSet.pin (before the mapping is closed)
 
     @property
     def owner(self) -> str:
@@ -101,6 +107,11 @@ class ChannelSet:
     # view (received_request.py), go to the device in one DMA (host_staging.py) instead of a copy into pinned memory
     # first; None: new bytes
     read_buffer: "Callable[[int], memoryview] | None" = None
+    # on CUDA (runtime): registers a new channel's mapping as pinned host memory (mm -> the function that undoes it;
+    # raises when it cannot), so that large requests are read in place and their states DMA'd from the mailbox; a
+    # channel it fails for copies them into read_buffer. None (the CPU): large requests are read in place
+    pin: "Callable[[mmap.mmap], Callable[[], None]] | None" = None
+    in_place_reads: int = 0  # requests read as a view of their mailbox (diagnostics, tests)
     _open: list[Channel] = field(default_factory=list)  # step thread only
     _new: deque = field(default_factory=deque)  # acceptor -> step thread
     _listener: socket.socket | None = None
@@ -251,7 +262,9 @@ class ChannelSet:
         """Take every channel's new request (queued with enqueue, or answered at once when malformed); True when
         there was any."""
         while self._new:
-            self._open.append(self._new.popleft())
+            ch = self._new.popleft()
+            self._pin(ch)
+            self._open.append(ch)
         if not self._open:
             return False
         found = False
@@ -261,8 +274,12 @@ class ChannelSet:
             seq = box.doorbell(box.request)
             if seq != ch.taken:
                 t_seen = time.perf_counter()
-                large = self.read_buffer is not None and box.words[box.request.length] >= MIN_SCAN_BYTES
-                payload = box.read(box.request, seq, self.read_buffer if large else None)
+                large = box.words[box.request.length] >= MIN_SCAN_BYTES
+                if large and ch.in_place:  # (a view of the mailbox: the client writes again only after the reply)
+                    payload = box.view(box.request, seq)
+                    self.in_place_reads += payload is not None
+                else:
+                    payload = box.read(box.request, seq, self.read_buffer if large else None)
                 if payload is None:
                     now = now or time.monotonic()
                     if ch.unreadable_since is None:
@@ -285,6 +302,18 @@ class ChannelSet:
         if any(ch.closed for ch in self._open):
             self._open = [ch for ch in self._open if not ch.closed]
         return found
+
+    def _pin(self, ch: Channel) -> None:
+        """A new channel (step thread): whether its large requests are read in place (module docstring)."""
+        if self.pin is None:
+            ch.in_place = True
+            return
+        try:
+            ch.unpin = self.pin(ch.mm)
+            ch.in_place = True
+        except Exception as e:  # (large requests are then copied into pinned memory, as before)
+            log.warning("step channel %d: its mailbox could not be pinned (%s): large requests are copied out of it",
+                        ch.id, e)
 
     def _take(self, ch: Channel, seq: int) -> None:
         ch.taken = seq
@@ -365,6 +394,12 @@ class ChannelSet:
         size = Mailbox.segment_bytes(ch.box.request.capacity, ch.box.reply.capacity)
         ch.box.close()
         ch.box.release()
+        if ch.unpin is not None:  # (a request still queued with a view of the mailbox is then copied to the device)
+            try:
+                ch.unpin()
+            except Exception:
+                log.exception("step channel %d: unpinning its mailbox", ch.id)
+            ch.unpin = None
         try:
             ch.mm.close()
         except BufferError:  # a view still alive: unmapped when collected
