@@ -225,9 +225,9 @@ def write_rows(parts: list[torch.Tensor], dest: memoryview) -> None:
     exactly their size): the client's one copy of a step's states. States that are consecutive slices of one tensor
     go in one copy; otherwise one memmove per part, on this thread. No torch op per part and none that runs on the
     caller's intra-op pool: waking that pool cost an engine process with torch's default 16 threads, on a 16-vCPU
-    H200 VM shared with the drafter, 38 ms a step (torch.cat of EAGLE-3 states, batch 16-64), and a torch view per
-    part cost 2.6 ms at batch 128 (EAGLE-1, 3 MB; docs/performance.md). Dev CPU, 128 parts of 3 x 4096 bf16 rows:
-    0.21 ms by memmove against 0.64 ms with a view per part (16 torch threads), 0.33 ms with torch.cat (one)."""
+    H200 VM shared with the drafter, 38 ms a step (torch.cat of EAGLE-3 states, batch 16-64; docs/performance.md).
+    Dev CPU, 128 parts of 3 x 4096 bf16 rows: 0.21-0.29 ms by memmove against 0.43-0.64 ms with a torch view per part
+    (16 torch threads). On the H200 host the copy itself dominates (states scattered over 128 tensors)."""
     cpu = [p.detach().cpu() for p in parts]
     span = _one_span(cpu)
     if span is not None:  # (an engine's batch tensor sliced per sequence: one copy of the whole range)
