@@ -70,3 +70,41 @@ def test_bench_channel_write_writes_both_ways(tmp_path):
                  tmp_path / "cw.json")
     assert [(r["width"], r["batch"]) for r in result["rows"]] == [(1024, 32)]
     assert result["rows"][0]["direct_ms"] > 0 and result["rows"][0]["via-buffer_ms"] > 0
+
+
+def test_bench_predraft_fallback_compares_both_sets(tmp_path):
+    """The drafter's step with pre-drafting asked but refused by the odds check against plain, in-process."""
+    result = run(["benchmarks/bench_predraft_fallback.py", "--device", "cpu", "--batches", "1,8", "--steps", "6"],
+                 tmp_path / "fb.json")
+    assert [r["batch"] for r in result["rows"]] == [1, 8] and result["min_all_hit"] == 0.25
+    for r in result["rows"]:
+        assert r["step_ms_off_p50"] > 0 and r["step_ms_on_p50"] > 0 and r["on_over_off"] > 0
+    assert result["rows"][1]["refused_by_odds"] > 0  # (random outcomes: batch 8 is refused)
+
+
+def test_profile_channel_splits_a_channel_step():
+    done = subprocess.run([sys.executable, "scripts/profile_channel.py", "--preset", "tiny", "--device", "cpu",
+                           "--batches", "2", "--iters", "3", "--metrics-port", "9491"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [x for x in done.stdout.splitlines() if x.startswith("batch")]
+    assert len(lines) == 2 and all("client pack" in x and "hand-offs" in x for x in lines), done.stdout
+
+
+def test_plot_predraft_draws_runs_against_f0(tmp_path):
+    import pytest
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (the plot is skipped, not the benchmark)")
+
+    def row(batch, budget, tok, wait):
+        return {"batch": batch, "budget": budget, "tokens_per_s": tok, "wait_ms_p50": wait}
+
+    result = {"date": "2026-11-26T00:00:00", "drafter": {"method": "eagle3"},
+              "rows": [row(1, 0, 100, 2.0), row(1, 8, 110, 1.0), row(1, 0, 90, 2.0), row(4, 0, 300, 3.0),
+                       row(4, 8, 290, 3.3), {"batch": 4, "budget": None, "tokens_per_s": 250}]}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(result))
+    from drafter_client.benchmarks.plot_predraft import main, relative
+    rel = relative(result)
+    assert rel[(1, 8)] == (110 / 95, 0.5) and rel[(4, 8)][0] == 290 / 300 and rel[(1, "spread")] == (90 / 95, 100 / 95)
+    assert main([f"a={path}", str(path), "--out", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").stat().st_size > 1000
