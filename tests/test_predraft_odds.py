@@ -32,6 +32,20 @@ def test_the_odds_are_the_hit_rate_to_the_batch_size():
     assert OddsCheck(min_all_hit=0.0).decide(10_000)  # 0: the check is off
 
 
+def test_a_refused_size_comes_back_only_clearly_above_the_threshold():
+    """Odds hovering at the threshold do not flip the decision every step: a refused size needs 1.25x the
+    threshold to come back on."""
+    check = OddsCheck(min_all_hit=0.25)
+    check._hits, check._outcomes = 0.5, 1.0  # h = 0.5: batch 2 at 0.25 (on), batch 3 at 0.125 (off)
+    assert check.decide(2) and not check.decide(3)
+    check._hits = 0.6  # h = 0.6: batch 2 at 0.36, batch 3 at 0.216: still off (below 0.3125)
+    assert check.decide(2) and not check.decide(3)
+    check._hits = 0.7  # batch 3 at 0.343: on again
+    assert check.decide(3)
+    check._hits = 0.64  # batch 3 at 0.262: stays on (above 0.25)
+    assert check.decide(3)
+
+
 def test_a_refused_size_is_probed_now_and_then():
     """A size refused probe_after times in a row is let through once (its pass measures the hit rate again), then
     refused again while the estimate stays low."""

@@ -10,9 +10,9 @@ batch 64 lost 7-22% of tokens/s with passes at every budget, on a shared GPU and
 
 OddsCheck keeps h as a decaying average of the outcomes of sequences that had branches (hit or miss; a step that
 found nothing prepared says nothing about h) and lets a step batch of n pre-drafting sequences keep what a pass needs
-only when h^n >= min_all_hit. A batch size refused PROBE_AFTER times in a row is let through once, so that its
-pass measures h again (h moves with the text and the head; a size refused on the prior alone gets measured). Step
-thread only.
+only when h^n >= min_all_hit (a size that was refused: h^n >= HYSTERESIS * min_all_hit). A batch size refused
+PROBE_AFTER times in a row is let through once, so that its pass measures h again (h moves with the text and the
+head; a size refused on the prior alone gets measured). Step thread only.
 """
 import logging
 
@@ -23,6 +23,9 @@ PRIOR_HIT_RATE = 0.85  # h before any outcome is seen, ...
 PRIOR_WEIGHT = 8.0  # ... worth this many outcomes
 DECAY = 0.98  # per outcome: the estimate covers the last ~50 outcomes
 PROBE_AFTER = 128  # refusals of one batch size in a row before a step of that size is let through once
+# a size refused comes back on at min_all_hit * HYSTERESIS, so that odds hovering at the threshold do not flip the
+# decision (and log it) every few steps
+HYSTERESIS = 1.25
 
 
 class OddsCheck:
@@ -53,7 +56,8 @@ class OddsCheck:
         step keeps what a pass needs and the pass after it runs. Also kept in self.allowed."""
         size = n.bit_length()
         odds = self.all_hit(n)
-        if self.min_all_hit <= 0 or odds >= self.min_all_hit:
+        needed = self.min_all_hit * (1.0 if self._allowed_last.get(size, True) else HYSTERESIS)
+        if self.min_all_hit <= 0 or odds >= needed:
             self._refused[size] = 0
             self._note(size, True, odds)
             self.allowed = True
