@@ -41,13 +41,15 @@ def pin_mapping(mm: mmap.mmap, device: torch.device) -> Callable[[], None]:
     ptr, size = ctypes.addressof(anchor), len(mm)
     del anchor
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(ptr, size, 1)  # cudaHostRegisterPortable
+    with torch.cuda.device(device):  # (the caller may be another thread, whose current device is another GPU)
+        err = cudart.cudaHostRegister(ptr, size, 1)  # cudaHostRegisterPortable
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {size} bytes failed: {err}")
 
     def unpin() -> None:
         torch.cuda.synchronize(device)
-        cudart.cudaHostUnregister(ptr)
+        with torch.cuda.device(device):
+            cudart.cudaHostUnregister(ptr)
 
     return unpin
 

@@ -204,6 +204,7 @@ class ChannelSet:
                 self._count -= 1
                 self._bytes -= size
             raise
+        self._pin(ch)  # (here, not on the step thread: registering a large mailbox takes a while)
         log.info("namespace %r opened step channel %d (%d + %d bytes)", namespace, ch.id, req_bytes, rep_bytes)
         self._new.append(ch)
         self.wake()
@@ -262,9 +263,7 @@ class ChannelSet:
         """Take every channel's new request (queued with enqueue, or answered at once when malformed); True when
         there was any."""
         while self._new:
-            ch = self._new.popleft()
-            self._pin(ch)
-            self._open.append(ch)
+            self._open.append(self._new.popleft())
         if not self._open:
             return False
         found = False
@@ -304,7 +303,7 @@ class ChannelSet:
         return found
 
     def _pin(self, ch: Channel) -> None:
-        """A new channel (step thread): whether its large requests are read in place (module docstring)."""
+        """A new channel (acceptor thread): whether its large requests are read in place (module docstring)."""
         if self.pin is None:
             ch.in_place = True
             return
