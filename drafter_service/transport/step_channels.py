@@ -102,10 +102,10 @@ class ChannelSet:
     # Diagnostics (scripts/rpc_timeline.py): a text file that gets one JSON line per channel request with the
     # time.perf_counter() of each phase (seen, enter, parsed, worker_start, worker_end, resumed, replied).
     trace_file: object = None
-    # a request of at least MIN_SCAN_BYTES is copied out of the mailbox into a buffer from this allocator (n ->
-    # writable memoryview of n bytes): on CUDA pinned host memory (runtime), so that its inline states, read as a
-    # view (received_request.py), go to the device in one DMA (host_staging.py) instead of a copy into pinned memory
-    # first; None: new bytes
+    # on a channel whose mailbox could not be pinned (pin below), a request of at least MIN_SCAN_BYTES is copied out
+    # of the mailbox into a buffer from this allocator (n -> writable memoryview of n bytes): on CUDA pinned host
+    # memory (runtime), so that its inline states, read as a view (received_request.py), go to the device in one DMA
+    # (host_staging.py) instead of a copy into pinned memory first; None: new bytes
     read_buffer: "Callable[[int], memoryview] | None" = None
     # on CUDA (runtime): registers a new channel's mapping as pinned host memory (mm -> the function that undoes it;
     # raises when it cannot), so that large requests are read in place and their states DMA'd from the mailbox; a
