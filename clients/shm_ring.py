@@ -214,16 +214,21 @@ class SlotRing:
                     slot, self.name, self.num_slots - len(self.retired), self.num_slots)
 
     def write(self, slot: int, parts: list[torch.Tensor]) -> SharedTensorRef:
-        """Copy parts (each [rows, W], one dtype) one after another into the slot; one copy per part."""
+        """Copy parts (each [rows, W], one dtype) one after another into the slot: one cat on the slot's GPU when they
+        are all there (an engine's per-sequence slices of its target's states; 128 copies cost 128 launches), else
+        one copy per part."""
         dtype, width = parts[0].dtype, parts[0].shape[-1]
         rows = sum(p.shape[0] for p in parts)
         itemsize = dtype.itemsize
         offset = slot * self.slot_bytes
         dst = self.store.bytes[offset : offset + rows * width * itemsize].view(dtype).view(rows, width)
-        r = 0
-        for p in parts:
-            dst[r : r + p.shape[0]].copy_(p)  # D2H / H2H into the mapping, or D2D into the IPC buffer
-            r += p.shape[0]
+        if dst.is_cuda and all(p.device == dst.device and p.dtype == dtype for p in parts):
+            torch.cat(parts, out=dst)  # (D2D into the IPC buffer: one kernel, not one launch per sequence)
+        else:
+            r = 0
+            for p in parts:
+                dst[r : r + p.shape[0]].copy_(p)  # D2H / H2H into the mapping (or D2D from another GPU)
+                r += p.shape[0]
         if dst.is_cuda:  # device copies are asynchronous: done before the descriptor leaves
             torch.cuda.current_stream(dst.device).synchronize()
         return SharedTensorRef(self.name, offset, dtype, (rows, width))

@@ -3,7 +3,8 @@
 bench_step's random head and decode steps (m committed tokens, k drafts, fixed context) in a drafter subprocess;
 the engine side is this process. Per batch size, --iters timed steps, each split by timestamps into
 
-  client pack    propose() until the request is in the mailbox (serialize + the states' copy)
+  client pack    propose() until the request is in the mailbox (serialize + the states' copy; with --api ipc the
+                 copy into a CUDA IPC ring slot on the GPU and its synchronization)
   round trip     the mailbox written -> the reply seen (the drafter's parse, queue, step and reply inside it)
   client parse   the reply bytes -> the ProposeResult / BatchDrafts
 and, from the drafter's /metrics over the same steps, its parse, wait (queue + step) and reply. What the round
@@ -76,7 +77,15 @@ async def run(target: str, batch: int, a, width: int, vocab: int, metrics_port: 
         request_bytes = max(16 * 2**20, 2 * build_request("prof", decode, None).ByteSize())
         assert await c.open_step_channel(request_bytes=request_bytes)
         as_batch = dataclasses.replace(steps_as_batch(decode), hidden_states=torch.cat([s.hidden_states for s in decode]))
-        call = (lambda: c.propose(decode)) if api == "steps" else (lambda: c.propose_batch(as_batch))
+        if api == "ipc":  # the states on the engine's GPU, passed by CUDA IPC reference through a ring slot
+            dev = torch.device("cuda", torch.cuda.current_device())
+            on_gpu = [dataclasses.replace(s, hidden_states=s.hidden_states.to(dev)) for s in decode]
+            plane = await c.enable_shared_memory(batch * a.m, dtype=on_gpu[0].hidden_states.dtype, kind="cuda",
+                                                 device=dev)
+            assert plane == "cuda", plane
+            call = lambda: c.propose(on_gpu)  # noqa: E731
+        else:
+            call = (lambda: c.propose(decode)) if api == "steps" else (lambda: c.propose_batch(as_batch))
         for _ in range(5):
             await call()
         before = b.scrape_server_seconds(metrics_port)
@@ -94,6 +103,8 @@ async def run(target: str, batch: int, a, width: int, vocab: int, metrics_port: 
             rows.append({"total": t1 - t0, "pack": m["sent"] - t0, "round_trip": m["reply_seen"] - m["sent"],
                          "parse": t1 - m["reply_seen"]})
         after = b.scrape_server_seconds(metrics_port)
+        if api == "ipc":
+            await c.disable_shared_memory()
         c.close_step_channel()
         await c.release([s.sequence_id for s in decode])
     server = {k: (after[k] - before[k]) / a.iters for k in ("worker", "parse", "wait", "reply")}
@@ -116,7 +127,8 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=3)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--api", default="steps,batch", help="steps (propose), batch (propose_batch), or both")
+    ap.add_argument("--api", default="steps,batch", help="comma-separated: steps (propose), batch (propose_batch), "
+                    "ipc (propose with the states on the GPU, by CUDA IPC reference; CUDA only)")
     ap.add_argument("--cprofile", type=int, default=0, help="print this many client functions by own time")
     ap.add_argument("--metrics-port", type=int, default=9479)
     ap.add_argument("--drafter-flag", action="append", default=[])
