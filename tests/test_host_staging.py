@@ -57,3 +57,26 @@ def test_rows_of_a_pinned_request_go_to_cuda_in_one_block():
     assert block is not None and block.is_pinned()
     got = rows_to_device(slices, torch.device("cuda"))
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.gpu
+def test_rows_on_the_device_and_on_the_host_together():
+    """A batch merging a shared-memory step (its states on the GPU already) with inline ones (host tensors): the
+    rows in order on the device; all on the device: one cat there."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    dev = torch.device("cuda")
+    host = [torch.randn(3, 64) for _ in range(4)]
+    mixed = [host[0], host[1].to(dev), host[2], host[3].to(dev)]
+    assert torch.equal(rows_to_device(mixed, dev).cpu(), torch.cat(host))
+    on_device = [t.to(dev) for t in host]
+    got = rows_to_device(on_device, dev)
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), torch.cat(host))
+
+
+def test_rows_on_the_cpu_are_one_cat_of_new_memory():
+    """A CPU drafter: one cat, a tensor of its own (the steps' own tensors may be views of a request's buffer)."""
+    whole = torch.randn(10, 8)
+    parts = [whole[0:4], whole[4:10]]
+    got = rows_to_device(parts, torch.device("cpu"))
+    assert torch.equal(got, whole) and got.data_ptr() != whole.data_ptr()
