@@ -136,3 +136,34 @@ def test_a_refused_batch_keeps_nothing_and_later_steps_stay_plain(tiny_model, tm
     for sid in "abcd":
         proposer.table.release(NS, sid)
     assert proposer.kv.pool.num_free == proposer.kv.pool.num_blocks
+
+
+def test_a_large_batch_falls_back_through_the_server_and_the_metric_says_so(tiny_model, tmp_path):
+    """Through gRPC: 16 sequences asking for pre-drafting are refused on the prior (0.85^16 = 0.07), answered as plain
+    steps (none predrafted), and /metrics counts the refused batches; one sequence alone is prepared."""
+    import asyncio
+
+    from conftest import ServerThread
+    from drafter_client import DrafterClient, SequenceStep
+
+    head, target = tiny_model
+    gen = torch.Generator().manual_seed(9)
+
+    def steps(ids, p, m):
+        return [SequenceStep(sid, p, list(range(10, 10 + m)), torch.randn(m, 64, generator=gen), 3, 3,
+                             predraft_branches=8) for sid in ids]
+
+    async def run(srv) -> list[bool]:
+        async with DrafterClient(srv.uds, namespace="odds") as c:
+            many = [f"s{i}" for i in range(16)]
+            await c.propose(steps(many, 0, 5))
+            r = await c.propose(steps(many, 5, 2))
+            assert all(s.ok for s in r.sequences)
+            return [s.predrafted for s in r.sequences]
+
+    with ServerThread(make_config(head, target, tmp_path)) as srv:
+        assert not any(asyncio.run(run(srv)))
+        text = srv.server.runtime.metrics.prometheus_text()
+        refused = [line for line in text.splitlines() if line.startswith("drafter_predraft_refused_by_odds_total")]
+        assert refused and float(refused[0].split()[-1]) == 2.0, refused
+        assert srv.call(lambda: srv.server.runtime.proposer.predraft.has_work()) is False
