@@ -77,7 +77,7 @@ def serve_echo(tuned: bool, max_bytes: int, out, listen: str = "127.0.0.1:0") ->
     import grpc
 
     if tuned:
-        from drafter_service.server import keep_large_blocks_in_heap
+        from drafter_service.runtime import keep_large_blocks_in_heap
         keep_large_blocks_in_heap()
 
     async def main():

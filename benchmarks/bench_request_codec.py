@@ -40,7 +40,7 @@ from drafter_client.messages import parse_response, serialize_request  # noqa: E
 from drafter_client.protocol import pb  # noqa: E402
 from drafter_service.engine.step_io import StepOutput  # noqa: E402
 from drafter_service.transport.servicer import build_column_response, build_response  # noqa: E402
-from drafter_service.server import keep_large_blocks_in_heap  # noqa: E402
+from drafter_service.runtime import keep_large_blocks_in_heap  # noqa: E402
 from drafter_service.transport.received_request import read_request  # noqa: E402
 from drafter_service.transport.validation import Limits, parse_propose  # noqa: E402
 

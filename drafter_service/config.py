@@ -45,7 +45,8 @@ class ServerConfig:
     max_chunked_bytes_per_namespace: int = 2**29
     chunked_upload_timeout_s: float = 60.0
     # Large blocks (messages, staging tensors) stay in the heap instead of fresh mmaps that every use page-faults
-    # in again (server.keep_large_blocks_in_heap; docs/performance.md "Large steps over TCP"). glibc only.
+    # in again (runtime.keep_large_blocks_in_heap, called by build_runtime: a drafter in an engine's process too;
+    # docs/performance.md "Large steps over TCP"). glibc only.
     tune_malloc: bool = True
     # CPU only: torch's intra-op threads for the draft step; 0 = torch's default (one per core). Where the engine
     # shares the cores (a CPU sidecar), give each a share: two busy thread pools on the same cores slow both

@@ -5,7 +5,6 @@ thread, then SERVING. SIGTERM/SIGINT: health NOT_SERVING, stop taking RPCs, let 
 --shutdown-grace-s), exit 0.
 """
 import asyncio
-import ctypes
 import functools
 import gc
 import logging
@@ -39,25 +38,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name  # "drafter.v1.Drafter"
 
 # glibc mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_HEAP_BLOCK_BYTES = 1 << 30  # blocks up to this size come from (and go back to) the heap
-
-
-def keep_large_blocks_in_heap() -> bool:
-    """Have glibc serve blocks up to 1 GiB from the heap and keep freed memory there, instead of an mmap per large
-    block (its default from 32 MiB up, and trimming the heap's top past 128 KiB). Each large message (gRPC's
-    receive buffers, protobuf's bytes, staging tensors) otherwise lands on fresh pages that the kernel faults in
-    and zeroes one by one: for a 32 MiB message that was most of the server's time (docs/performance.md, "Large
-    steps over TCP"). The cost: the process keeps its peak heap instead of returning it to the kernel. Returns
-    False where the C library has no mallopt (not glibc)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, _HEAP_BLOCK_BYTES) and mallopt(_M_TRIM_THRESHOLD, _HEAP_BLOCK_BYTES))
-
-
 class _Handlers:
     """Stands in for a server to catch the method handlers that the generated add_DrafterServicer_to_server
     builds (add_drafter_service changes one of them)."""
@@ -116,8 +96,6 @@ class DrafterServer:
 
     async def start(self) -> None:
         cfg = self.config
-        if cfg.tune_malloc and not keep_large_blocks_in_heap():
-            log.info("malloc left as it is (no glibc mallopt here)")
         opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
