@@ -133,6 +133,11 @@ class DrafterClient:
         # Propose with the request already serialized (serialize_request: the hidden states copied once)
         self._propose_bytes = self._channel.unary_unary("/drafter.v1.Drafter/Propose", request_serializer=None,
                                                         response_deserializer=pb.ProposeResponse.FromString)
+        # ProposeStream with each message already serialized (ProposeSession: columns from 32 sequences, the hidden
+        # states copied once, as a unary Propose sends them)
+        self._propose_stream_bytes = self._channel.stream_stream(
+            "/drafter.v1.Drafter/ProposeStream", request_serializer=None,
+            response_deserializer=pb.ProposeResponse.FromString)
         # ProposeChunked with the messages already serialized (ChunkedRequest.messages)
         self._propose_chunked = self._channel.stream_unary("/drafter.v1.Drafter/ProposeChunked",
                                                            request_serializer=None,
@@ -563,7 +568,7 @@ class DrafterClient:
 
     def _new_stream(self):
         """A new ProposeStream call (ProposeSession opens one at its first send, and again after a break)."""
-        return self._stub.ProposeStream(metadata=self._metadata)
+        return self._propose_stream_bytes(metadata=self._metadata)
 
     async def release(self, sequence_ids: list[str], timeout: float | None = None) -> ReleaseResult:
         """Free these sequences' drafter state (KV blocks); ids the drafter does not hold come back in not_found.

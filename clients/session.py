@@ -5,7 +5,9 @@ from collections import deque
 import grpc
 import torch
 
-from drafter_client.messages import DrafterError, ProposeResult, SequenceStep, build_request, parse_response
+from drafter_client.batch import (COLUMNS_MIN_SEQUENCES, batch_as_result, columns_can_carry, parse_batch_response,
+                                  serialize_steps_as_columns, steps_as_batch)
+from drafter_client.messages import DrafterError, ProposeResult, SequenceStep, parse_response, serialize_request
 
 
 class ProposeSession:
@@ -24,7 +26,9 @@ class ProposeSession:
         self._client = client
         self._call = call  # None: a stream is opened at the next send
         self._lock = asyncio.Lock()
-        self._in_flight: deque = deque()  # per message sent and not yet answered: its ring slot (_Staged) or None
+        # per message sent and not yet answered: (its ring slot (_Staged) or None, its sequence ids when it went as
+        # columns, else None)
+        self._in_flight: deque = deque()
         self.streams_opened = 0 if call is None else 1  # (more than 1: streams replaced after a break)
 
     async def __aenter__(self) -> "ProposeSession":
@@ -40,26 +44,36 @@ class ProposeSession:
         return self._call
 
     async def send(self, steps: list[SequenceStep], hidden_states: torch.Tensor | None = None) -> int:
-        """Write one step's request on the stream; returns its request id. Raises DrafterError when the stream broke."""
-        staged = self._client._stage(steps, hidden_states)
+        """Write one step's request on the stream; returns its request id. Raises DrafterError when the stream broke.
+        As propose() sends a unary step: from COLUMNS_MIN_SEQUENCES sequences, to a drafter that takes columns, as
+        columns; inline states copied once into the message (serialize_request)."""
+        client = self._client
+        columns, _ = await client._columns_within(len(steps) >= COLUMNS_MIN_SEQUENCES and columns_can_carry(steps),
+                                                  None)
+        staged = client._stage(steps, hidden_states)
+        request_id = client._request_id()
         try:
-            req = build_request(self._client.namespace, steps, staged.ref if staged else hidden_states,
-                                self._client._request_id())
+            states = staged.ref if staged else hidden_states
+            if columns:
+                payload = serialize_steps_as_columns(client.namespace, steps, steps_as_batch(steps), states, request_id)
+            else:
+                payload = serialize_request(client.namespace, steps, states, request_id)
+            data = bytes(payload)
         except BaseException:
             if staged is not None:
                 staged.done(answered=True)  # never sent
             raise
         call = self._stream()
-        self._in_flight.append(staged)
+        self._in_flight.append((staged, [s.sequence_id for s in steps] if columns else None))
         try:
-            await call.write(req)
+            await call.write(data)
         except grpc.aio.AioRpcError as e:
             self._broken()
             raise DrafterError(e.code(), e.details() or "") from None
         except asyncio.InvalidStateError as e:  # the call already ended
             self._broken()
             raise DrafterError(grpc.StatusCode.UNAVAILABLE, f"the stream ended: {e}") from None
-        return req.request_id
+        return request_id
 
     async def recv(self) -> ProposeResult:
         """The reply to the oldest unanswered send(); raises DrafterError for a refused request or a closed stream."""
@@ -79,11 +93,10 @@ class ProposeSession:
             details = (await call.details()) or "stream closed by the server"
             self._broken()
             raise DrafterError(code if code != grpc.StatusCode.OK else grpc.StatusCode.UNAVAILABLE, details)
-        if self._in_flight:
-            staged = self._in_flight.popleft()
-            if staged is not None:
-                staged.done(answered=True)
-        return parse_response(resp)
+        staged, ids = self._in_flight.popleft() if self._in_flight else (None, None)
+        if staged is not None:
+            staged.done(answered=True)
+        return parse_response(resp) if ids is None else batch_as_result(parse_batch_response(resp, ids))
 
     def _broken(self) -> None:
         """The stream cannot be used any more (it broke, or a reply is late): cancel it, and retire the slots of the
@@ -92,7 +105,7 @@ class ProposeSession:
         if call is not None:
             call.cancel()
         while self._in_flight:
-            staged = self._in_flight.popleft()
+            staged, _ = self._in_flight.popleft()
             if staged is not None:
                 staged.done(answered=False)
 

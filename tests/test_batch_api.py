@@ -130,27 +130,37 @@ async def test_batch_api_answers_as_the_per_sequence_api(server, channel, column
         await rows.release(list(seqs))
 
 
-@pytest.mark.parametrize("channel", [False, True])
-async def test_propose_sends_a_large_step_as_columns_with_the_same_answer(server, channel, monkeypatch):
+@pytest.mark.parametrize("transport", ["unary", "channel", "stream"])
+async def test_propose_sends_a_large_step_as_columns_with_the_same_answer(server, transport, monkeypatch):
     """propose(list[SequenceStep]) of COLUMNS_MIN_SEQUENCES sequences or more goes as a columnar request (when the
     steps share return_logprobs and top_k_probs) and answers exactly what the per-sequence messages answer: drafts,
     codes and messages, log-probabilities, top-N, counts, over sampled and greedy steps, uint64 seeds, a sequence
-    the drafter does not know, per-step and packed states."""
+    the drafter does not know, per-step and packed states. Unary calls, a step channel, and a ProposeStream session
+    (whose messages go the same way)."""
+    import contextlib
+
     import drafter_client.batch
     import drafter_client.client
+    import drafter_client.session
 
+    channel = transport == "channel"
     sent_as_columns = []
     as_columns = drafter_client.batch.serialize_steps_as_columns
-    monkeypatch.setattr(drafter_client.client, "serialize_steps_as_columns",
-                        lambda *a, **kw: sent_as_columns.append(1) or as_columns(*a, **kw))
+    for module in (drafter_client.client, drafter_client.session):
+        monkeypatch.setattr(module, "serialize_steps_as_columns",
+                            lambda *a, **kw: sent_as_columns.append(1) or as_columns(*a, **kw))
     rng = random.Random(10 + channel)
     g = torch.Generator().manual_seed(2)
     n = drafter_client.client.COLUMNS_MIN_SEQUENCES + 8
-    async with DrafterClient(server.uds, namespace=f"pc-{channel}") as cols, \
-            DrafterClient(server.uds, namespace=f"pr-{channel}") as rows:
+    async with DrafterClient(server.uds, namespace=f"pc-{transport}") as cols, \
+            DrafterClient(server.uds, namespace=f"pr-{transport}") as rows, contextlib.AsyncExitStack() as stack:
         rows._step_columns = False  # a drafter without columns, as far as this client knows: messages
         if channel:
             assert await cols.open_step_channel() and await rows.open_step_channel()
+        by = {"cols": cols, "rows": rows}
+        if transport == "stream":
+            by = {"cols": await stack.enter_async_context(cols.stream()),
+                  "rows": await stack.enter_async_context(rows.stream())}
         seqs = {f"s{i}": dict(tokens=[rng.randrange(V) for _ in range(rng.randint(2, 9) + 1)], sent=0)
                 for i in range(n)}
         for s in seqs.values():
@@ -172,8 +182,8 @@ async def test_propose_sends_a_large_step_as_columns_with_the_same_answer(server
             if packed is not None:
                 steps = [dataclasses.replace(st, hidden_states=None) for st in steps]
             before = len(sent_as_columns)
-            by_rows = await rows.propose(steps, hidden_states=packed)
-            by_cols = await cols.propose(steps, hidden_states=packed)
+            by_rows = await by["rows"].propose(steps, hidden_states=packed)
+            by_cols = await by["cols"].propose(steps, hidden_states=packed)
             assert len(sent_as_columns) == before + 1  # (the rows client never asked the columns' way)
             assert not by_rows.fallback and not by_cols.fallback
             assert torch.equal(by_cols.draft_token_ids, by_rows.draft_token_ids)
@@ -192,7 +202,7 @@ async def test_propose_sends_a_large_step_as_columns_with_the_same_answer(server
         mixed = [SequenceStep(sid, 0, s["tokens"][:3], s["hidden"][:3], 7, 2, return_logprobs=i % 2 == 0)
                  for i, (sid, s) in enumerate(seqs.items())]
         before = len(sent_as_columns)
-        r = await cols.propose(mixed)
+        r = await by["cols"].propose(mixed)
         assert len(sent_as_columns) == before and all(x.ok for x in r.sequences)
         assert len(r.sequences) == n
         assert (cols.steps_through_channel > 0) == channel and cols._step_columns is True
