@@ -8,8 +8,11 @@ taken through the four host-side phases that surround the proposer, in one proce
   server reply   the proposer's outputs -> reply bytes  (DrafterServicer.encode_propose)
   client parse   reply bytes -> what the engine reads  (ProposeResult / BatchDrafts)
 
-in three forms:
+in four forms:
 
+  message       the request built and serialized by protobuf, one SequenceStep message per sequence (what a
+                ProposeStream session sent before it serialized its messages as propose() does; a client built
+                on the generated code alone sends this)
   rows          propose(list[SequenceStep]): one SequenceStep message per sequence, SequenceResult per sequence
   batch-rows    propose_batch(StepBatch) to a drafter without columnar requests: messages written from columns
   batch-cols    propose_batch(StepBatch) to a drafter with GetInfo.step_columns_supported: ProposeRequest.columns
@@ -36,7 +39,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from drafter_client.benchmarks.report import write_json  # noqa: E402
 from drafter_client import SequenceStep, StepBatch  # noqa: E402
 from drafter_client.batch import parse_batch_response, serialize_batch  # noqa: E402
-from drafter_client.messages import parse_response, serialize_request  # noqa: E402
+from drafter_client.messages import build_request, parse_response, serialize_request  # noqa: E402
 from drafter_client.protocol import pb  # noqa: E402
 from drafter_service.engine.step_io import StepOutput  # noqa: E402
 from drafter_service.transport.servicer import build_column_response, build_response  # noqa: E402
@@ -44,7 +47,7 @@ from drafter_service.runtime import keep_large_blocks_in_heap  # noqa: E402
 from drafter_service.transport.received_request import read_request  # noqa: E402
 from drafter_service.transport.validation import Limits, parse_propose  # noqa: E402
 
-FORMS = ("rows", "batch-rows", "batch-cols")
+FORMS = ("message", "rows", "batch-rows", "batch-cols")
 PHASES = ("client pack", "server parse", "server reply", "client parse")
 
 
@@ -67,7 +70,9 @@ def one_round(form: str, steps, cols, outputs, limits: Limits, reps: int) -> dic
     times = {p: [] for p in PHASES}
     for _ in range(reps):
         t0 = time.perf_counter()
-        if form == "rows":
+        if form == "message":  # protobuf builds and serializes the whole message (ProposeStream before 471563f)
+            data = build_request("bench", steps, None, 1).SerializeToString()
+        elif form == "rows":
             data = serialize_request("bench", steps, None, 1)
         else:
             data = serialize_batch("bench", cols, request_id=1, columns=form == "batch-cols")
@@ -80,7 +85,7 @@ def one_round(form: str, steps, cols, outputs, limits: Limits, reps: int) -> dic
                 else build_response(outputs, [s.sequence_id for s in req.steps], 1)).SerializeToString()
         t3 = time.perf_counter()
         reply = pb.ProposeResponse.FromString(resp)
-        parse_response(reply) if form == "rows" else parse_batch_response(reply, ids)
+        parse_response(reply) if form in ("message", "rows") else parse_batch_response(reply, ids)
         t4 = time.perf_counter()
         for p, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             times[p].append(dt)
