@@ -53,7 +53,7 @@ def test_bench_request_codec_reads_requests_as_the_server_does(tmp_path):
                   "--width", "64"], tmp_path / "codec.json")
     assert result["malloc_tuned"] in (True, False)
     assert {(r["batch"], r["form"]) for r in result["rows"]} == {
-        (b, f) for b in (1, 32) for f in ("rows", "batch-rows", "batch-cols")}
+        (b, f) for b in (1, 32) for f in ("message", "rows", "batch-rows", "batch-cols")}
     assert all(r["server parse"] > 0 for r in result["rows"])
 
 
