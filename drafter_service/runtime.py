@@ -176,6 +176,7 @@ def warm_up(proposer: Proposer, width: int, k: int) -> None:
              time.perf_counter() - t0, variants, passes, hits)
 
 
+# glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _HEAP_BLOCK_BYTES = 1 << 30  # blocks up to this size come from (and go back to) the heap
 

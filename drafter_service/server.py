@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name  # "drafter.v1.Drafter"
 
-# glibc mallopt parameters (malloc.h)
+
 class _Handlers:
     """Stands in for a server to catch the method handlers that the generated add_DrafterServicer_to_server
     builds (add_drafter_service changes one of them)."""
