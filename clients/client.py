@@ -239,20 +239,26 @@ class DrafterClient:
         From COLUMNS_MIN_SEQUENCES (32) sequences, to a drafter with GetInfo.step_columns_supported, the step goes
         as the batch API's columns (the drafter decodes it without a message per sequence), when the steps share
         return_logprobs and top_k_probs; the answer is the same ProposeResult."""
+        serialize, parse, timeout = await self._steps_codec(steps, timeout)
+        return await self._step(
+            lambda states, rid: serialize(states, rid, self._chunk_min_bytes()),
+            lambda: self._stage(steps, hidden_states), hidden_states, parse,
+            lambda reason: fallback_result(steps, reason), timeout)
+
+    async def _steps_codec(self, steps: list[SequenceStep], timeout: float | None):
+        """How a step of SequenceSteps is written and its reply read, for propose() and a ProposeSession alike:
+        (serialize(states, request_id, chunk_min_bytes), parse(response) -> ProposeResult, the step's timeout left).
+        From COLUMNS_MIN_SEQUENCES sequences that share return_logprobs and top_k_probs, to a drafter that takes
+        columns, as columns; else as per-sequence messages."""
         columns, timeout = await self._columns_within(
             len(steps) >= COLUMNS_MIN_SEQUENCES and columns_can_carry(steps), timeout)
-        if columns:
-            batch, ids = steps_as_batch(steps), [s.sequence_id for s in steps]
-            return await self._step(
-                lambda states, rid: serialize_steps_as_columns(self.namespace, steps, batch, states, rid,
-                                                               self._chunk_min_bytes()),
-                lambda: self._stage(steps, hidden_states), hidden_states,
-                lambda resp: batch_as_result(parse_batch_response(resp, ids)),
-                lambda reason: fallback_result(steps, reason), timeout)
-        return await self._step(
-            lambda states, rid: serialize_request(self.namespace, steps, states, rid, self._chunk_min_bytes()),
-            lambda: self._stage(steps, hidden_states), hidden_states, parse_response,
-            lambda reason: fallback_result(steps, reason), timeout)
+        if not columns:
+            return (lambda states, rid, chunk_min_bytes: serialize_request(self.namespace, steps, states, rid,
+                                                                           chunk_min_bytes)), parse_response, timeout
+        batch, ids = steps_as_batch(steps), [s.sequence_id for s in steps]
+        return ((lambda states, rid, chunk_min_bytes: serialize_steps_as_columns(self.namespace, steps, batch, states,
+                                                                                  rid, chunk_min_bytes)),
+                lambda resp: batch_as_result(parse_batch_response(resp, ids)), timeout)
 
     async def propose_batch(self, batch: StepBatch, timeout: float | None = None) -> BatchDrafts:
         """One engine step for a batch given as columns (drafter_client.batch.StepBatch), answered as columns

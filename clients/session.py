@@ -5,9 +5,7 @@ from collections import deque
 import grpc
 import torch
 
-from drafter_client.batch import (COLUMNS_MIN_SEQUENCES, batch_as_result, columns_can_carry, parse_batch_response,
-                                  serialize_steps_as_columns, steps_as_batch)
-from drafter_client.messages import DrafterError, ProposeResult, SequenceStep, parse_response, serialize_request
+from drafter_client.messages import DrafterError, ProposeResult, SequenceStep, parse_response
 
 
 class ProposeSession:
@@ -26,8 +24,7 @@ class ProposeSession:
         self._client = client
         self._call = call  # None: a stream is opened at the next send
         self._lock = asyncio.Lock()
-        # per message sent and not yet answered: (its ring slot (_Staged) or None, its sequence ids when it went as
-        # columns, else None)
+        # per message sent and not yet answered: (its ring slot (_Staged) or None, how to parse its reply)
         self._in_flight: deque = deque()
         self.streams_opened = 0 if call is None else 1  # (more than 1: streams replaced after a break)
 
@@ -48,23 +45,17 @@ class ProposeSession:
         As propose() sends a unary step: from COLUMNS_MIN_SEQUENCES sequences, to a drafter that takes columns, as
         columns; inline states copied once into the message (serialize_request)."""
         client = self._client
-        columns, _ = await client._columns_within(len(steps) >= COLUMNS_MIN_SEQUENCES and columns_can_carry(steps),
-                                                  None)
+        serialize, parse, _ = await client._steps_codec(steps, None)
         staged = client._stage(steps, hidden_states)
         request_id = client._request_id()
         try:
-            states = staged.ref if staged else hidden_states
-            if columns:
-                payload = serialize_steps_as_columns(client.namespace, steps, steps_as_batch(steps), states, request_id)
-            else:
-                payload = serialize_request(client.namespace, steps, states, request_id)
-            data = bytes(payload)
+            data = bytes(serialize(staged.ref if staged else hidden_states, request_id, None))  # (no chunks on a stream)
         except BaseException:
             if staged is not None:
                 staged.done(answered=True)  # never sent
             raise
         call = self._stream()
-        self._in_flight.append((staged, [s.sequence_id for s in steps] if columns else None))
+        self._in_flight.append((staged, parse))
         try:
             await call.write(data)
         except grpc.aio.AioRpcError as e:
@@ -93,10 +84,10 @@ class ProposeSession:
             details = (await call.details()) or "stream closed by the server"
             self._broken()
             raise DrafterError(code if code != grpc.StatusCode.OK else grpc.StatusCode.UNAVAILABLE, details)
-        staged, ids = self._in_flight.popleft() if self._in_flight else (None, None)
+        staged, parse = self._in_flight.popleft() if self._in_flight else (None, parse_response)
         if staged is not None:
             staged.done(answered=True)
-        return parse_response(resp) if ids is None else batch_as_result(parse_batch_response(resp, ids))
+        return parse(resp)
 
     def _broken(self) -> None:
         """The stream cannot be used any more (it broke, or a reply is late): cancel it, and retire the slots of the
