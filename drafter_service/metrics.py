@@ -23,6 +23,7 @@ from socketserver import TCPServer, ThreadingMixIn
 from typing import Callable
 from urllib.parse import urlparse
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import MetricsHandler
@@ -134,6 +135,31 @@ class Metrics:
         self.draft_tokens += drafts
         self.step_seconds.observe(seconds)
         self.batch_sequences.observe(len(steps))
+        self.kv_blocks_free, self.kv_blocks_total = blocks_free, blocks_total
+
+    def record_acceptance_columns(self, num_drafts: torch.Tensor, accepted: torch.Tensor) -> None:
+        """record_acceptance for many sequences at once: [n] int64 drafts evaluated and accepted of each."""
+        self.draft_proposals_evaluated += num_drafts.shape[0]
+        self.drafts_evaluated += int(num_drafts.sum())
+        self.drafts_accepted += int(accepted.sum())
+        for i in range(min(int(num_drafts.max()), MAX_TRACKED_POSITIONS)):
+            self.evaluated_by_position[i] += int((num_drafts > i).sum())
+            self.accepted_by_position[i] += int((accepted > i).sum())
+
+    def record_step_columns(self, num_tokens: torch.Tensor, codes: torch.Tensor, num_drafts: torch.Tensor,
+                            seconds: float, blocks_free: int, blocks_total: int) -> None:
+        """record_step of a step that ran from columns (batch_io.py): [B] committed tokens, status codes, drafts."""
+        B = codes.shape[0]
+        self.steps += 1
+        self.sequence_steps += B
+        ok = codes == 0
+        if not bool(ok.all()):
+            for code, count in zip(*(t.tolist() for t in torch.unique(codes[~ok], return_counts=True))):
+                self.sequence_errors[code] = self.sequence_errors.get(code, 0) + count
+        self.committed_tokens += int(num_tokens[ok].sum())
+        self.draft_tokens += int(num_drafts[ok].sum())
+        self.step_seconds.observe(seconds)
+        self.batch_sequences.observe(B)
         self.kv_blocks_free, self.kv_blocks_total = blocks_free, blocks_total
 
     def observe_queue_wait(self, seconds: float) -> None:

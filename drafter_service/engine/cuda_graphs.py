@@ -407,16 +407,13 @@ class DecodeGraphs:
         for _ in range(num_steps):
             self._replay(bs)  # each writes its draft into the next column of drafts_out
         if self.drafts_host is None:  # CPU
-            rows = self.drafts_out[:n, : num_steps + 1].tolist()
+            rows = self.drafts_out[:n, : num_steps + 1].clone()
         else:
             self.drafts_host[:n].copy_(self.drafts_out[:n], non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()  # the step's one device->host synchronization
-            rows = self.drafts_host[:n, : num_steps + 1].tolist()
+            rows = self.drafts_host[:n, : num_steps + 1].clone()  # (the buffer is the next step's)
         self.steps_run += 1
-        per_seq: list[list[int]] = [[] for _ in md.num_drafts]  # batch index -> drafts; k = 0 sequences: none
-        for r, i in enumerate(md.active):  # drafts past a sequence's own k are dropped here
-            per_seq[i] = rows[r][: ks[r]]
-        out.set_host_tokens(per_seq)
+        out.set_host_rows(rows, md.active, ks)
         return out
 
 

@@ -35,6 +35,7 @@ import torch
 
 from drafter_kernels import ops
 
+from drafter_service.engine.batch_io import BatchInput, BatchOutput
 from drafter_service.engine.host_staging import rows_to_device
 from drafter_service.engine.kv_cache import KVCache
 from drafter_service.metrics import Metrics
@@ -46,7 +47,7 @@ from drafter_service.engine.sampling import DraftSample, SamplingSettings, sampl
 from drafter_service.engine.sequence import EVICTED_FOR_NAMESPACE, Sequence, SequenceLimits, SequenceTable
 from drafter_service.engine.step_io import (FAILED_PRECONDITION, INTERNAL, NOT_FOUND, OUT_OF_RANGE,
                                             RESOURCE_EXHAUSTED, UNAVAILABLE, StepInput, StepOutput)
-from drafter_service.engine.step_metadata import StepMetadata
+from drafter_service.engine.step_metadata import SMALL_STEP_ROWS, StepMetadata, build_step_metadata_columns
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +68,53 @@ class _Drafts:
         self.batch_size = batch_size
         self.top_k = top_k
         self.columns: list[tuple[list[int], DraftSample]] = []  # (batch index of each row, samples of the rows)
-        self.host_tokens: list[list[int]] | None = None  # greedy graph path: [B] token lists, already on the host
+        self.host_tokens: list[list[int]] | None = None  # (finish() of host_rows: [B] token lists)
+        self.host_rows: tuple[torch.Tensor, list[int], list[int]] | None = None  # graph path: ([n, K] drafts on the
+        # host, the batch index of each row, each row's k), until finish() or as_tensor() reads them
         self.features: dict[int, torch.Tensor] = {}  # batch index -> [k, H] g_0..g_{k-1} (pre-drafting, eager path)
 
     def add(self, rows: list[int], sample: DraftSample) -> None:
         self.columns.append((rows, sample))
 
-    def set_host_tokens(self, tokens: list[list[int]]) -> None:
-        """All drafts of a greedy step at once, per batch index (no log-probs, no top-k)."""
-        assert not self.columns and len(tokens) == self.batch_size
-        self.host_tokens = tokens
+    def set_host_rows(self, rows: torch.Tensor, active: list[int], ks: list[int]) -> None:
+        """All drafts of a greedy step at once: rows [n, K] int64 on the host (a tensor of its own), row r the drafts of
+        batch index active[r], of which its first ks[r] count."""
+        assert not self.columns
+        self.host_rows = (rows, active, ks)
+
+    def as_tensor(self) -> torch.Tensor:
+        """The drafts as one [B, K] int64 host tensor (row i's first num_drafts[i] entries count; K = the largest k),
+        for a step without log-probabilities or top-N (Proposer.step_batch)."""
+        B = self.batch_size
+        if self.host_rows is not None:
+            rows, active, _ = self.host_rows
+            if len(active) == B:
+                return rows
+            out = torch.zeros(B, rows.shape[1], dtype=torch.int64)
+            out[torch.tensor(active, dtype=torch.int64)] = rows
+            return out
+        if not self.columns:
+            return torch.zeros(B, 0, dtype=torch.int64)
+        everyone = list(range(B))
+        if all(rows == everyone for rows, _ in self.columns):
+            return torch.stack([c[1].tokens for c in self.columns], 1).cpu()
+        K = len(self.columns)  # (one column per decode step: K = the largest k)
+        flat = torch.cat([c[1].tokens for c in self.columns]).cpu()
+        out = torch.zeros(B, K, dtype=torch.int64)
+        r = 0
+        for j, (rows, _) in enumerate(self.columns):
+            out[torch.tensor(rows, dtype=torch.int64), j] = flat[r : r + len(rows)]
+            r += len(rows)
+        return out
 
     def finish(self) -> tuple[list[list[int]], list[list[float]], list[torch.Tensor | None], list[torch.Tensor | None]]:
         B = self.batch_size
+        if self.host_rows is not None:
+            rows, active, ks = self.host_rows
+            host_rows = rows.tolist()
+            self.host_tokens = [[] for _ in range(B)]  # batch index -> drafts; k = 0 sequences: none
+            for r, i in enumerate(active):  # drafts past a sequence's own k are dropped here
+                self.host_tokens[i] = host_rows[r][: ks[r]]
         if self.host_tokens is not None:
             return self.host_tokens, [[] for _ in range(B)], [None] * B, [None] * B
         tokens: list[list[int]] = [[] for _ in range(B)]
@@ -156,6 +191,7 @@ class Proposer:
         self.fatal: str | None = None
         self.on_fatal = lambda reason: None
         self._failed_in_a_row = 0
+        self.columns_steps_run = 0  # steps step_batch ran from the columns (the rest went the per-sequence way)
         self._multi_layer = model.drafting == "multi_layer"
         self.predraft = Predrafter(self)  # pre-drafting: hits answered at admission, branches prepared when idle
         self.metrics.predraft_counters = self.predraft.counters
@@ -352,15 +388,7 @@ class Proposer:
             except Exception as e:  # never leave a sequence claiming KV it may not have
                 log.exception("step failed")
                 self._fail_batch(batch, outputs, e)
-                self._failed_in_a_row += 1
-                sticky = unrecoverable(e)
-                if sticky or self._failed_in_a_row >= MAX_FAILED_BATCHES_IN_A_ROW:
-                    self.fatal = (f"{type(e).__name__}: {e}" if sticky else
-                                  f"{self._failed_in_a_row} batches failed in a row, the last with "
-                                  f"{type(e).__name__}: {e}")
-                    log.critical("the step worker cannot go on: %s; health NOT_SERVING", self.fatal)
-                    self.metrics.step_worker_broken = True
-                    self.on_fatal(self.fatal)
+                self._step_failed(e)
             else:
                 self._failed_in_a_row = 0
                 predrafting = []
@@ -382,6 +410,130 @@ class Proposer:
                                  self.kv.pool.num_blocks)
         self.metrics.live_sequences = len(self.table)
         return outputs
+
+    # ---- the step from columns (batch_io.py): the common step without a Python object per sequence ----
+
+    @torch.inference_mode()
+    def step_batch(self, b: BatchInput) -> BatchOutput:
+        """One engine step given as columns. The common step (known sequences, a sequential head, no pre-drafting,
+        no log-probabilities or top-N, more than SMALL_STEP_ROWS committed rows) runs from the columns: the checks,
+        the acceptance count, the step metadata and the reply are tensor ops over the batch, and the only work per
+        sequence is the table lookup and a few attribute reads and writes in list comprehensions. Any other step
+        (or one where a check fails: then the per-sequence path works out each sequence's own status) runs as
+        Proposer.step of b.to_inputs(); the answers are the same either way (tests/test_step_batch.py)."""
+        outputs = self._step_columns(b)
+        return outputs if outputs is not None else BatchOutput.from_outputs(self.step(b.to_inputs()))
+
+    def _fast_path_applies(self, b: BatchInput) -> bool:
+        """What the columns tell alone (no table lookup yet)."""
+        return (self.fatal is None and self.model.drafting == "sequential" and len(b) > 0
+                and b.total_tokens > SMALL_STEP_ROWS and not bool(b.return_logprobs.any())
+                and not bool(b.top_k_probs.any()) and not bool(b.predraft_branches.any()))
+
+    def _step_columns(self, b: BatchInput) -> BatchOutput | None:
+        """step_batch's columnar path; None (having changed nothing a step would not) where it does not apply."""
+        if not self._fast_path_applies(b):
+            return None
+        t0 = time.perf_counter()
+        self._step_serial += 1
+        now, serial = self.clock(), self._step_serial
+        touch = self.table.touch
+        seqs = [touch(ns, sid, now, serial) for ns, sid in zip(b.namespaces, b.sequence_ids)]
+        if None in seqs or any(seq.predraft is not None for seq in seqs):
+            return None  # a new sequence or one that pre-drafts: the per-sequence path
+        B = len(seqs)
+        p, m = b.start_positions, b.num_tokens
+        C = p + m  # [B] committed length after the step
+        committed = torch.tensor([seq.committed_len for seq in seqs], dtype=torch.int64)
+        if bool((C >= self.max_model_len).any()) or bool((p > committed).any()):
+            return None  # OUT_OF_RANGE or a gap: the per-sequence path names it
+        k = torch.minimum(b.num_drafts, self.max_model_len - 1 - C).clamp_(min=0)  # [B] k after the max_model_len cut
+        # ---- blocks: only the sequences whose table changes size go through the table (a few per step) ----
+        needed = C + (k - 1).clamp_(min=0)  # positions the step writes KV for (scratch KV of all drafts but the last)
+        bs = self.block_size
+        blocks = (needed + bs - 1) // bs
+        have = torch.tensor([len(seq.block_table) for seq in seqs], dtype=torch.int64)
+        changed = (blocks != have).nonzero().squeeze(1).tolist()
+        for i in changed:
+            seq, missing = seqs[i], int(blocks[i] - have[i])
+            if missing > 0 and self._make_room(seq, False, missing) is not None:
+                return None  # the pool or a quota refuses: the per-sequence path gives each its status
+            if not self.table.resize(seq, int(needed[i])):
+                return None
+        accepted = self._count_accepted_columns(seqs, b, C)
+        # ---- run ----
+        out = BatchOutput(codes=torch.zeros(B, dtype=torch.int32), messages=[""] * B, num_drafts=k,
+                          accepted_drafts=accepted, committed_lengths=C)
+        self.predraft.on_step()
+        rows = [seq.table_row for seq in seqs]
+        try:
+            md = build_step_metadata_columns(
+                p, m, b.token_ids, b.hidden_states, b.next_tokens, k,
+                self.table.block_tables.gather(rows, int(blocks.max())), b.temperatures, b.seeds,
+                torch.zeros(B, dtype=torch.int64), self.block_size, self.device)
+            greedy = not bool((b.temperatures > 0).any())
+            sp = SamplingSettings(temperature=md.temperature, seed=md.seed, top_k=md.top_k, want_logprobs=False,
+                                  greedy_only=greedy)
+            drafts = self._draft_sequential(md, sp, _Drafts(B, [0] * B), None).as_tensor()
+        except Exception as e:  # never leave a sequence claiming KV it may not have
+            log.exception("step failed")
+            for seq, start in zip(seqs, p.tolist()):
+                seq.last_drafts = []
+                seq.committed_len = min(seq.committed_len, start)
+            self._step_failed(e)
+            failed = BatchOutput.failed(B, INTERNAL, f"internal error in the draft step: {type(e).__name__}: {e}")
+            self._record_columns(b, failed, time.perf_counter() - t0)
+            return failed
+        self._failed_in_a_row = 0
+        self.columns_steps_run += 1
+        out.drafts = drafts
+        # ---- the sequences' state after the step ----
+        ends, given = C.tolist(), drafts.tolist()
+        for seq, end, d, n in zip(seqs, ends, given, k.tolist()):
+            seq.committed_len = seq.last_drafts_base = end
+            seq.last_drafts = d[:n]
+        self._record_columns(b, out, time.perf_counter() - t0)
+        return out
+
+    def _count_accepted_columns(self, seqs: list[Sequence], b: BatchInput, C: torch.Tensor) -> torch.Tensor:
+        """[B] int64: _count_accepted for every sequence at once (the drafts given at its last step against the
+        committed tokens this step brings), recorded in the acceptance metrics."""
+        B = len(seqs)
+        lens = [len(seq.last_drafts) for seq in seqs]
+        K = max(lens)
+        if K == 0:
+            return torch.zeros(B, dtype=torch.int64)
+        given = torch.tensor([seq.last_drafts + [-1] * (K - n) for seq, n in zip(seqs, lens)], dtype=torch.int64)
+        base = torch.tensor([seq.last_drafts_base for seq in seqs], dtype=torch.int64)  # [B]
+        n = torch.tensor(lens, dtype=torch.int64)
+        p = b.start_positions
+        evaluated = (n > 0) & (p <= base + 1) & (base + 1 <= C)  # [B] (_count_accepted's condition)
+        pos = base[:, None] + torch.arange(1, K + 1)  # [B, K] position of each given draft
+        qsl = torch.cumsum(b.num_tokens, 0) - b.num_tokens  # [B] first row of each sequence in token_ids
+        rows = (qsl[:, None] + pos - p[:, None]).clamp_(0, max(b.total_tokens - 1, 0))
+        truth = torch.where(pos < C[:, None], b.token_ids[rows], b.next_tokens[:, None])  # committed token there
+        match = (pos <= C[:, None]) & (truth == given) & (torch.arange(K) < n[:, None])
+        accepted = match.to(torch.int64).cumprod(1).sum(1) * evaluated
+        if bool(evaluated.any()):
+            self.metrics.record_acceptance_columns(n[evaluated], accepted[evaluated])
+        return accepted
+
+    def _step_failed(self, e: Exception) -> None:
+        """A batch raised: count it, and give up on the step worker after a sticky device error or too many."""
+        self._failed_in_a_row += 1
+        sticky = unrecoverable(e)
+        if sticky or self._failed_in_a_row >= MAX_FAILED_BATCHES_IN_A_ROW:
+            self.fatal = (f"{type(e).__name__}: {e}" if sticky else
+                          f"{self._failed_in_a_row} batches failed in a row, the last with "
+                          f"{type(e).__name__}: {e}")
+            log.critical("the step worker cannot go on: %s; health NOT_SERVING", self.fatal)
+            self.metrics.step_worker_broken = True
+            self.on_fatal(self.fatal)
+
+    def _record_columns(self, b: BatchInput, out: BatchOutput, seconds: float) -> None:
+        self.metrics.record_step_columns(b.num_tokens, out.codes, out.num_drafts, seconds, self.kv.pool.num_free,
+                                         self.kv.pool.num_blocks)
+        self.metrics.live_sequences = len(self.table)
 
     def _slots(self, seq: Sequence, positions: torch.Tensor) -> torch.Tensor:
         table = torch.tensor(seq.block_table, dtype=torch.int64)
@@ -438,17 +590,22 @@ class Proposer:
     # ---- sequential: first step over the committed rows, then one row per further draft ----
 
     def _run_sequential(self, batch: list[_Admitted]) -> _Drafts:
-        dev = self.device
-        B = len(batch)
         # ---- step metadata (step_metadata.py): vectorized on the host, one host->device copy for the step ----
-        md = StepMetadata.build(batch, self.block_size, dev, self.table.block_tables)
+        md = StepMetadata.build(batch, self.block_size, self.device, self.table.block_tables)
         sp = self._sampling(batch, md)
+        out = _Drafts(len(batch), [a.step.top_k_probs for a in batch])
+        return self._draft_sequential(md, sp, out, [a.seq.predraft is not None for a in batch])
+
+    def _draft_sequential(self, md: StepMetadata, sp: SamplingSettings, out: _Drafts,
+                          predrafting: list[bool] | None) -> _Drafts:
+        """The first draft step over the committed rows, then one row per further draft (greedy steps replay CUDA
+        graphs where they can). predrafting: per batch index, whether the sequence pre-drafts (its features are kept
+        for the forced pass); None: none does."""
+        dev = self.device
         meta, seq_lens, block_tables = md.first_step, md.host_seq_lens, md.host_block_tables
-        # ---- end step metadata ----
-        out = _Drafts(B, [a.step.top_k_probs for a in batch])
         # ---- CUDA fast path (cuda_graphs.py): a greedy batch of small m replays the first step from a graph too ----
         if sp.greedy_only and self.decode_graphs is not None and self.decode_graphs.can_run_first_step(md):
-            return self._keep_graph_features(batch, md, self.decode_graphs.draft_all(md, out))
+            return self._keep_graph_features(predrafting, md, self.decode_graphs.draft_all(md, out))
         # CPU: the first step's gathered context is kept for the decode steps (the same sequences, one more position
         # each step), which then re-gather only their newest block
         context_cache = {} if dev.type == "cpu" else None
@@ -457,8 +614,8 @@ class Proposer:
         head_out = self.model.forward(md.input_ids, hidden_in, meta, self.kv_layers)
 
         # -- drafts: only sequences that asked for some (k = 0 is a prefill chunk) --
-        ks = [a.num_drafts for a in batch]
-        active = [i for i in range(B) if ks[i] > 0]  # batch indices still drafting
+        ks = md.num_drafts
+        active = list(md.active)  # batch indices still drafting
         if not active:
             return out
         last_rows = md.draft_rows  # [n] on the device
@@ -467,13 +624,13 @@ class Proposer:
         # ---- CUDA fast path (cuda_graphs.py): greedy decode steps replayed from CUDA graphs, one copy to host ----
         if sp.greedy_only and self.decode_graphs is not None and self.decode_graphs.can_run(md):
             return self._keep_graph_features(
-                batch, md, self.decode_graphs.draft(md, out, sample.tokens, self.model.next_hidden(head_last)))
+                predrafting, md, self.decode_graphs.draft(md, out, sample.tokens, self.model.next_hidden(head_last)))
         # ---- end CUDA fast path ----
         out.add(active, sample)
         tok, hidden_prev = sample.tokens, self.model.next_hidden(head_last)
         # pre-drafting: with one k for every drafting sequence the features g_0..g_{k-1} of the decode rows are kept
         # for its forced pass (predraft.py), which then needs to run only the row of draft k
-        features = [hidden_prev] if self._keeps_features(batch, active, ks) else None
+        features = [hidden_prev] if self._keeps_features(predrafting, active, ks) else None
         # decode steps j = 1..k-1: one row per sequence still drafting, at position C-1+j; the rows' block tables
         # and base positions are tensors, narrowed only when a sequence's k runs out
         ks_t = torch.tensor(ks)
@@ -506,21 +663,23 @@ class Proposer:
                 features.append(hidden_prev)
         if features is not None:  # g_0 and the k-1 decode rows' outputs
             kept = torch.stack(features, 1)  # [n, k, H]: g_0..g_{k-1} of the drafting sequences, in active order
-            out.features = {i: kept[r] for r, i in enumerate(active) if batch[i].seq.predraft is not None}
+            out.features = {i: kept[r] for r, i in enumerate(active) if predrafting[i]}
         return out
 
-    def _keeps_features(self, batch: list[_Admitted], active: list[int], ks: list[int]) -> bool:
+    def _keeps_features(self, predrafting: list[bool] | None, active: list[int], ks: list[int]) -> bool:
         """Whether this step keeps its pre-drafting sequences' features g_0..g_{k-1} for their forced pass: one k
         (ks, by batch index) for every drafting sequence (active), and passes over their number worth preparing."""
-        predrafting = sum(batch[i].seq.predraft is not None for i in active)
-        return predrafting > 0 and len({ks[i] for i in active}) == 1 and self.predraft.worth_preparing(predrafting)
+        if predrafting is None:
+            return False
+        n = sum(predrafting[i] for i in active)
+        return n > 0 and len({ks[i] for i in active}) == 1 and self.predraft.worth_preparing(n)
 
-    def _keep_graph_features(self, batch: list[_Admitted], md: StepMetadata, out: _Drafts) -> _Drafts:
+    def _keep_graph_features(self, predrafting: list[bool] | None, md: StepMetadata, out: _Drafts) -> _Drafts:
         """After the graphs drafted a step of uniform k: the pre-drafting sequences' features g_0..g_{k-1}, for their
         forced pass (as the eager loop keeps them)."""
-        if self._keeps_features(batch, md.active, md.num_drafts):
+        if self._keeps_features(predrafting, md.active, md.num_drafts):
             kept = self.decode_graphs.kept_features(len(md.active), md.num_drafts[md.active[0]])
-            out.features = {i: kept[r] for r, i in enumerate(md.active) if batch[i].seq.predraft is not None}
+            out.features = {i: kept[r] for r, i in enumerate(md.active) if predrafting[i]}
         return out
 
     # ---- parallel (P-EAGLE): the committed rows and k-1 masked rows in one forward ----

@@ -137,9 +137,33 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
     else:
         tables = (table_rows[0].gather(table_rows[1], w) if table_rows is not None
                   else _tables_from_lists(block_tables, w))
-        host, active, seq_lens = _pack_vectorized(start_positions, token_ids, q_lens, next_tokens, num_drafts,
-                                                  tables, temperatures, seeds, top_ks, block_size)
-    n = len(active)
+        i64 = torch.int64
+        host, active, seq_lens = _pack_vectorized(
+            torch.tensor(start_positions, dtype=i64), torch.tensor(q_lens, dtype=i64), torch.cat(token_ids),
+            torch.tensor(next_tokens, dtype=i64), torch.tensor(num_drafts, dtype=i64), tables,
+            torch.tensor(temperatures, dtype=torch.float32), torch.tensor(seeds, dtype=i64),
+            torch.tensor(top_ks, dtype=i64), block_size)
+    return _to_device(host, active, seq_lens, list(num_drafts), max(q_lens), T, w, hidden_states, device)
+
+
+def build_step_metadata_columns(start_positions: torch.Tensor, num_tokens: torch.Tensor, token_ids: torch.Tensor,
+                                hidden_states: torch.Tensor, next_tokens: torch.Tensor, num_drafts: torch.Tensor,
+                                block_tables: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+                                top_ks: torch.Tensor, block_size: int, device: torch.device) -> StepMetadata:
+    """The same metadata from a step's columns (batch_io.BatchInput: [B] int64 start positions, num_tokens,
+    next tokens, k after the max_model_len cut, float32 temperatures, int64 seed bits and top-N; token_ids [T]
+    int64; hidden_states [T, W]; block_tables [B, w] int32, zero-padded), vectorized whatever the batch size: no
+    per-sequence Python object is read."""
+    host, active, seq_lens = _pack_vectorized(start_positions, num_tokens, token_ids, next_tokens, num_drafts,
+                                              block_tables, temperatures, seeds, top_ks, block_size)
+    return _to_device(host, active, seq_lens, num_drafts.tolist(), int(num_tokens.max()),
+                      token_ids.shape[0], block_tables.shape[1], [hidden_states], device)
+
+
+def _to_device(host: torch.Tensor, active: list[int], seq_lens: list[int], num_drafts: list[int], max_q: int, T: int,
+               w: int, hidden_states: list[torch.Tensor], device: torch.device) -> StepMetadata:
+    """The packed host buffer to the device in one copy, and the StepMetadata of views of it."""
+    B, n = len(num_drafts), len(active)
     wide_sizes = [T, T, T, B, B, n, n, n]
     narrow_sizes = [B + 1, B, B * w, B, n, n]
     wide_padded = [aligned_len(x, 8) for x in wide_sizes]
@@ -159,11 +183,11 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
     return StepMetadata(
         input_ids=ids_d, hidden_states=rows_to_device(hidden_states, device),
         first_step=AttentionMetadata(positions=pos_d, slot_mapping=slots_d, query_start_loc=qsl_d,
-                                     seq_lens=seq_lens_d, block_tables=tables_d, max_query_len=max(q_lens)),
+                                     seq_lens=seq_lens_d, block_tables=tables_d, max_query_len=max_q),
         temperature=temperature_d.view(torch.float32), seed=seed_d, top_k=top_k_d,
         draft_rows=rows_d, draft_positions=dpos_d, draft_seq_lens=dseq_d,
         draft_block_tables=tables_d if n == B else tables_d[index_d],  # [n, w]: a gather on the device
-        draft_steps=dsteps_d, active=active, num_drafts=list(num_drafts),
+        draft_steps=dsteps_d, active=active, num_drafts=num_drafts,
         host_seq_lens=seq_lens, host_block_tables=host_tables)
 
 
@@ -201,16 +225,15 @@ def _tables_from_lists(block_tables: list[list[int]], w: int) -> torch.Tensor:
     return tables
 
 
-def _pack_vectorized(start_positions, token_ids, q_lens, next_tokens, num_drafts, block_tables_i32, temperatures,
-                     seeds, top_ks, block_size) -> tuple[torch.Tensor, list[int], list[int]]:
+def _pack_vectorized(p: torch.Tensor, q: torch.Tensor, committed: torch.Tensor, next_tokens: torch.Tensor,
+                     k: torch.Tensor, block_tables_i32: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                     top_ks: torch.Tensor, block_size: int) -> tuple[torch.Tensor, list[int], list[int]]:
     """The host buffer of a large step (prefill, or many sequences), vectorized over the batch: no per-sequence
-    tensor op. block_tables_i32: [B, w] int32, zero-padded."""
-    B = len(start_positions)
+    tensor op. p, q, next_tokens, k, seeds, top_ks: [B] int64; committed: [T] token ids; temperature: [B] float32;
+    block_tables_i32: [B, w] int32, zero-padded."""
+    B = p.shape[0]
     i64 = torch.int64
-    p = torch.tensor(start_positions, dtype=i64)  # [B]
-    q = torch.tensor(q_lens, dtype=i64)  # [B]
-    k = torch.tensor(num_drafts, dtype=i64)  # [B]
-    T = int(q.sum())
+    T = committed.shape[0]
 
     qsl = torch.zeros(B + 1, dtype=i64)
     torch.cumsum(q, 0, out=qsl[1:])
@@ -221,10 +244,10 @@ def _pack_vectorized(start_positions, token_ids, q_lens, next_tokens, num_drafts
     row_seq = torch.repeat_interleave(torch.arange(B), q)  # [T] sequence of each row
     positions = p[row_seq] + torch.arange(T) - qsl[row_seq]  # [T]
     slots = tables[row_seq, positions // block_size] * block_size + positions % block_size  # [T]
-    committed = torch.cat(token_ids).to(i64)  # [T] x[p_i .. p_i+m_i-1], sequence after sequence
+    committed = committed.to(i64)  # [T] x[p_i .. p_i+m_i-1], sequence after sequence
     input_ids = torch.empty(T, dtype=i64)
     input_ids[:-1] = committed[1:]  # row t gets x[t+1] ...
-    input_ids[qsl[1:] - 1] = torch.tensor(next_tokens, dtype=i64)  # ... and each sequence's last row next_token
+    input_ids[qsl[1:] - 1] = next_tokens  # ... and each sequence's last row next_token
 
     # drafting sequences
     draft_index = (k > 0).nonzero().squeeze(1)  # [n]
@@ -233,9 +256,7 @@ def _pack_vectorized(start_positions, token_ids, q_lens, next_tokens, num_drafts
     draft_positions = draft_seq_lens - 1
     draft_steps = k[draft_index] - 1
 
-    temperature = torch.tensor(temperatures, dtype=torch.float32)
-    wide = [input_ids, positions, slots, torch.tensor(seeds, dtype=i64), torch.tensor(top_ks, dtype=i64),
-            draft_index, draft_rows, draft_positions]
+    wide = [input_ids, positions, slots, seeds, top_ks, draft_index, draft_rows, draft_positions]
     narrow = [qsl.to(torch.int32), seq_lens.to(torch.int32), block_tables_i32.flatten(),
               temperature.view(torch.int32), draft_seq_lens.to(torch.int32), draft_steps.to(torch.int32)]
     host = torch.cat([_aligned_cat(wide).view(torch.int32), _aligned_cat(narrow)])

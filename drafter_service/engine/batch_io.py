@@ -1,0 +1,159 @@
+"""The proposer's input and output for a whole engine step as columns (the columnar form of step_io.py).
+
+A columnar request (ProposeRequest.columns, the client's StepBatch) is decoded into one BatchInput: a handful of
+tensors for all B sequences, no Python object per sequence. Proposer.step_batch runs the common step (known
+sequences, sequential head, no pre-drafting, no log-probabilities or top-N) straight from these columns; any other
+step goes through Proposer.step after BatchInput.to_inputs, and its outputs come back as a BatchOutput that wraps
+them (BatchOutput.from_outputs), so every caller sees one type.
+
+  BatchInput (host tensors unless said)
+    sequence_ids      list[str]  [B]
+    namespaces        list[str]  [B]   (one request has one namespace; a merged batch may hold several)
+    owners            list[str | None] [B]   the stream / step channel a new sequence would belong to
+    start_positions   [B] int64   p_i
+    num_tokens        [B] int64   m_i >= 1
+    token_ids         [T] int64   x[p_i .. p_i+m_i-1], sequence after sequence (T = sum m_i)
+    hidden_states     [T, W]      the target states, wire dtype; host, or the server's device (shared memory)
+    next_tokens       [B] int64   x[p_i+m_i]
+    num_drafts        [B] int64   k_i asked for
+    temperatures      [B] float32
+    seeds             [B] int64   the uint64 seeds' bits
+    return_logprobs   [B] bool
+    top_k_probs       [B] int64
+    predraft_branches [B] int64
+
+  BatchOutput (host tensors), when the fast path produced it
+    codes             [B] int32   per-sequence status (step_io's codes); messages: list[str] [B]
+    drafts            [B, K] int64  row i's first num_drafts[i] entries are its drafts (target ids)
+    num_drafts        [B] int64
+    accepted_drafts   [B] int64
+    committed_lengths [B] int64
+  or, from the per-sequence path, ``outputs``: list[StepOutput] (log-probabilities, top-N, pre-drafting).
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from drafter_service.engine.step_io import StepInput, StepOutput
+
+
+@dataclass
+class BatchInput:
+    sequence_ids: list[str]
+    namespaces: list[str]
+    owners: list[str | None]
+    start_positions: torch.Tensor
+    num_tokens: torch.Tensor
+    token_ids: torch.Tensor
+    hidden_states: torch.Tensor
+    next_tokens: torch.Tensor
+    num_drafts: torch.Tensor
+    temperatures: torch.Tensor
+    seeds: torch.Tensor
+    return_logprobs: torch.Tensor
+    top_k_probs: torch.Tensor
+    predraft_branches: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.sequence_ids)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+    def set_owner(self, owner: str | None) -> None:
+        self.owners = [owner] * len(self.sequence_ids)
+
+    @classmethod
+    def from_lists(cls, namespace: str, sequence_ids: list[str], start_positions: list[int], num_tokens: list[int],
+                   token_ids: torch.Tensor, hidden_states: torch.Tensor, next_tokens: list[int],
+                   num_drafts: list[int], temperatures: list[float], seeds: list[int], return_logprobs: list[bool],
+                   top_k_probs: list[int], predraft_branches: list[int]) -> "BatchInput":
+        """seeds: uint64 values (as the wire's SequenceStep carries them)."""
+        B = len(sequence_ids)
+        i64 = torch.int64
+        return cls(sequence_ids=list(sequence_ids), namespaces=[namespace] * B, owners=[None] * B,
+                   start_positions=torch.tensor(start_positions, dtype=i64),
+                   num_tokens=torch.tensor(num_tokens, dtype=i64), token_ids=token_ids, hidden_states=hidden_states,
+                   next_tokens=torch.tensor(next_tokens, dtype=i64), num_drafts=torch.tensor(num_drafts, dtype=i64),
+                   temperatures=torch.tensor(temperatures, dtype=torch.float32),
+                   seeds=torch.tensor([s - 2**64 if s >= 2**63 else s for s in seeds], dtype=i64),
+                   return_logprobs=torch.tensor(return_logprobs, dtype=torch.bool),
+                   top_k_probs=torch.tensor(top_k_probs, dtype=i64),
+                   predraft_branches=torch.tensor(predraft_branches, dtype=i64))
+
+    @classmethod
+    def cat(cls, parts: "list[BatchInput]") -> "BatchInput":
+        """One batch of several requests' sequences, in order (the scheduler merges requests so)."""
+        if len(parts) == 1:
+            return parts[0]
+        joined = lambda name: torch.cat([getattr(b, name) for b in parts])  # noqa: E731
+        states = [b.hidden_states for b in parts]
+        if len({s.device for s in states}) > 1:  # (host states and shared-memory states on the device)
+            states = [s.to(states[0].device) for s in states]
+        return cls(sequence_ids=[s for b in parts for s in b.sequence_ids],
+                   namespaces=[n for b in parts for n in b.namespaces], owners=[o for b in parts for o in b.owners],
+                   start_positions=joined("start_positions"), num_tokens=joined("num_tokens"),
+                   token_ids=joined("token_ids"), hidden_states=torch.cat(states), next_tokens=joined("next_tokens"),
+                   num_drafts=joined("num_drafts"), temperatures=joined("temperatures"), seeds=joined("seeds"),
+                   return_logprobs=joined("return_logprobs"), top_k_probs=joined("top_k_probs"),
+                   predraft_branches=joined("predraft_branches"))
+
+    def to_inputs(self) -> list[StepInput]:
+        """The same steps, one StepInput per sequence (Proposer.step's form)."""
+        ms = self.num_tokens.tolist()
+        if len(ms) == 1:
+            per_step = [(self.token_ids, self.hidden_states)]
+        else:
+            per_step = zip(self.token_ids.split(ms), self.hidden_states.split(ms))
+        seeds = [s + 2**64 if s < 0 else s for s in self.seeds.tolist()]
+        return [StepInput(namespace=ns, sequence_id=sid, start_position=p, token_ids=tok, hidden_states=hid,
+                          next_token=nxt, num_drafts=k, temperature=t, seed=seed, return_logprobs=lp, top_k_probs=n,
+                          owner=owner, predraft_branches=f)
+                for sid, ns, owner, p, nxt, k, t, seed, lp, n, f, (tok, hid)
+                in zip(self.sequence_ids, self.namespaces, self.owners, self.start_positions.tolist(),
+                       self.next_tokens.tolist(), self.num_drafts.tolist(), self.temperatures.tolist(), seeds,
+                       self.return_logprobs.tolist(), self.top_k_probs.tolist(), self.predraft_branches.tolist(),
+                       per_step)]
+
+
+@dataclass
+class BatchOutput:
+    codes: torch.Tensor | None = None  # [B] int32
+    messages: list[str] = field(default_factory=list)
+    drafts: torch.Tensor | None = None  # [B, K] int64
+    num_drafts: torch.Tensor | None = None  # [B] int64
+    accepted_drafts: torch.Tensor | None = None  # [B] int64
+    committed_lengths: torch.Tensor | None = None  # [B] int64
+    outputs: list[StepOutput] | None = None  # the per-sequence path's outputs (then the fields above are None)
+
+    def __len__(self) -> int:
+        return len(self.outputs) if self.outputs is not None else len(self.messages)
+
+    @classmethod
+    def from_outputs(cls, outputs: list[StepOutput]) -> "BatchOutput":
+        return cls(outputs=outputs)
+
+    @classmethod
+    def failed(cls, batch_size: int, code: int, message: str) -> "BatchOutput":
+        zeros = torch.zeros(batch_size, dtype=torch.int64)
+        return cls(codes=torch.full((batch_size,), code, dtype=torch.int32), messages=[message] * batch_size,
+                   drafts=torch.zeros(batch_size, 0, dtype=torch.int64), num_drafts=zeros, accepted_drafts=zeros,
+                   committed_lengths=zeros)
+
+    def slice(self, lo: int, hi: int) -> "BatchOutput":
+        """Sequences [lo, hi) (one request's share of a merged batch)."""
+        if self.outputs is not None:
+            return BatchOutput(outputs=self.outputs[lo:hi])
+        return BatchOutput(codes=self.codes[lo:hi], messages=self.messages[lo:hi], drafts=self.drafts[lo:hi],
+                           num_drafts=self.num_drafts[lo:hi], accepted_drafts=self.accepted_drafts[lo:hi],
+                           committed_lengths=self.committed_lengths[lo:hi])
+
+    def to_outputs(self) -> list[StepOutput]:
+        """One StepOutput per sequence (for callers of the per-sequence form, and tests)."""
+        if self.outputs is not None:
+            return self.outputs
+        drafts = self.drafts.tolist()
+        return [StepOutput(code=c, message=msg, drafts=d[:n], accepted_drafts=a, committed_length=cl)
+                for c, msg, d, n, a, cl in zip(self.codes.tolist(), self.messages, drafts, self.num_drafts.tolist(),
+                                                self.accepted_drafts.tolist(), self.committed_lengths.tolist())]

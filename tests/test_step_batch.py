@@ -1,0 +1,188 @@
+"""Proposer.step_batch (columns in, columns out: batch_io.py) answers exactly what Proposer.step answers for the same
+steps: drafts, accepted-draft counts, committed lengths, per-sequence statuses, the acceptance and step metrics, and
+the KV it leaves behind (later steps draft the same), over random traffic with mixed m and k, rollbacks, block
+boundaries, sampling, sequences that fail their own checks, a full pool and a step that raises. Two drafters built
+from the same head get the same traffic, one step by step, one by columns."""
+import random
+
+import pytest
+import torch
+
+from conftest import make_config
+from drafter_service.engine.batch_io import BatchInput, BatchOutput
+from drafter_service.engine.step_io import FAILED_PRECONDITION, INTERNAL, OK, RESOURCE_EXHAUSTED, StepInput
+from drafter_service.runtime import build_runtime
+
+NS = "ns"
+
+
+def runtimes(tiny_model, tmp_path, **kw):
+    a = build_runtime(make_config(*tiny_model, tmp_path / "a", **kw))
+    b = build_runtime(make_config(*tiny_model, tmp_path / "b", **kw))
+    return a, b
+
+
+class Traffic:
+    """Random engine steps for a set of sequences, each with its own token history (the engine's committed text)."""
+
+    def __init__(self, seed: int, width: int, vocab: int, n: int, prompt: int = 40):
+        self.rng = random.Random(seed)
+        self.g = torch.Generator().manual_seed(seed)
+        self.width, self.vocab = width, vocab
+        self.tokens = {f"s{i}": torch.randint(0, vocab, (prompt + 400,), generator=self.g) for i in range(n)}
+        self.states = {sid: torch.randn(prompt + 400, width, generator=self.g) for sid in self.tokens}
+        self.committed = {sid: 0 for sid in self.tokens}
+        self.prompt = prompt
+
+    def step(self, sid: str, m: int, k: int, back: int = 0, temperature: float = 0.0) -> StepInput:
+        p = max(0, self.committed[sid] - back)
+        if self.committed[sid] == 0:
+            m = self.prompt
+        toks, hid = self.tokens[sid], self.states[sid]
+        self.committed[sid] = p + m
+        return StepInput(NS, sid, p, toks[p : p + m].clone(), hid[p : p + m].clone(), int(toks[p + m]), k,
+                         temperature=temperature, seed=self.rng.randrange(2**64))
+
+    def answered(self, steps: list[StepInput], outputs) -> None:
+        """A refused step commits nothing: the engine sends it again."""
+        for s, o in zip(steps, outputs):
+            if o.code != OK:
+                self.committed[s.sequence_id] = min(self.committed[s.sequence_id], s.start_position)
+
+
+def as_batch(steps: list[StepInput]) -> BatchInput:
+    return BatchInput.from_lists(
+        NS, [s.sequence_id for s in steps], [s.start_position for s in steps], [s.num_tokens for s in steps],
+        torch.cat([s.token_ids for s in steps]), torch.cat([s.hidden_states for s in steps]),
+        [s.next_token for s in steps], [s.num_drafts for s in steps], [s.temperature for s in steps],
+        [s.seed for s in steps], [s.return_logprobs for s in steps], [s.top_k_probs for s in steps],
+        [s.predraft_branches for s in steps])
+
+
+def same(out_a, out_b: BatchOutput):
+    got = out_b.to_outputs()
+    assert [o.code for o in out_a] == [o.code for o in got], [(o.code, o.message) for o in got]
+    assert [o.message for o in out_a] == [o.message for o in got]
+    assert [o.drafts for o in out_a] == [o.drafts for o in got]
+    assert [o.accepted_drafts for o in out_a] == [o.accepted_drafts for o in got]
+    assert [o.committed_length for o in out_a] == [o.committed_length for o in got]
+
+
+def metrics_of(rt):
+    m = rt.metrics
+    return (m.steps, m.sequence_steps, m.committed_tokens, m.draft_tokens, dict(m.sequence_errors),
+            m.draft_proposals_evaluated, m.drafts_evaluated, m.drafts_accepted, list(m.evaluated_by_position),
+            list(m.accepted_by_position))
+
+
+def test_columns_answer_as_the_per_sequence_step_over_random_traffic(tiny_model, tmp_path):
+    a, b = runtimes(tiny_model, tmp_path)
+    width, vocab = a.limits.hidden_states_width, a.limits.vocab_size
+    t = Traffic(0, width, vocab, 40)
+    fast_before = b.proposer.columns_steps_run
+    for round in range(12):
+        rng = t.rng
+        sids = sorted(t.tokens, key=lambda _: rng.random())[: rng.randint(24, 40)]
+        sampled = round % 3 == 2
+        steps = [t.step(sid, m=rng.randint(1, 5), k=rng.choice([0, 1, 3, 5, 8]),
+                         back=rng.choice([0, 0, 0, 1, 3]), temperature=rng.choice([0.0, 0.8]) if sampled else 0.0)
+                 for sid in sids]
+        out_a = a.proposer.step(steps)
+        same(out_a, b.proposer.step_batch(as_batch(steps)))
+        assert metrics_of(a) == metrics_of(b)
+        t.answered(steps, out_a)
+    # the first rounds create the sequences (the per-sequence path); the later ones ran from the columns
+    assert b.proposer.columns_steps_run - fast_before >= 8
+
+
+def test_a_sequence_failing_its_own_check_gets_its_status_and_the_rest_draft(tiny_model, tmp_path):
+    a, b = runtimes(tiny_model, tmp_path)
+    t = Traffic(1, a.limits.hidden_states_width, a.limits.vocab_size, 30)
+    first = [t.step(sid, 3, 4) for sid in t.tokens]
+    same(a.proposer.step(first), b.proposer.step_batch(as_batch(first)))
+    steps = [t.step(sid, 3, 4) for sid in t.tokens]
+    gap = steps[5]
+    steps[5] = StepInput(NS, gap.sequence_id, gap.start_position + 7, gap.token_ids, gap.hidden_states,
+                         gap.next_token, 4)  # beyond the committed length
+    out_a, out_b = a.proposer.step(steps), b.proposer.step_batch(as_batch(steps))
+    same(out_a, out_b)
+    assert out_a[5].code == FAILED_PRECONDITION and all(o.code == OK for i, o in enumerate(out_a) if i != 5)
+
+
+def test_a_full_pool_refuses_as_the_per_sequence_step_does(tiny_model, tmp_path):
+    # 30 prompts of 40 tokens hold 3 blocks of 16 each, 90 of the pool's 100; as they grow past 48 positions the
+    # pool runs out, and every sequence of the step is busy (none can be evicted)
+    a, b = runtimes(tiny_model, tmp_path, kv_cache_tokens=1600)
+    t = Traffic(2, a.limits.hidden_states_width, a.limits.vocab_size, 30)
+    first = [t.step(sid, 3, 0) for sid in t.tokens]
+    same(a.proposer.step(first), b.proposer.step_batch(as_batch(first)))
+    codes = set()
+    for _ in range(4):
+        steps = [t.step(sid, 3, 5) for sid in t.tokens]
+        out_a = a.proposer.step(steps)
+        same(out_a, b.proposer.step_batch(as_batch(steps)))
+        assert metrics_of(a) == metrics_of(b)
+        t.answered(steps, out_a)
+        codes |= {o.code for o in out_a}
+    assert codes == {OK, RESOURCE_EXHAUSTED}
+    assert b.proposer.columns_steps_run >= 1  # (the first decode step fits)
+
+
+def test_a_step_that_raises_fails_its_sequences_and_keeps_their_earlier_kv(tiny_model, tmp_path, monkeypatch):
+    a, b = runtimes(tiny_model, tmp_path)
+    t = Traffic(3, a.limits.hidden_states_width, a.limits.vocab_size, 30)
+    first = [t.step(sid, 3, 4) for sid in t.tokens]
+    same(a.proposer.step(first), b.proposer.step_batch(as_batch(first)))
+    second = [t.step(sid, 3, 4) for sid in t.tokens]
+    same(a.proposer.step(second), b.proposer.step_batch(as_batch(second)))
+    steps = [t.step(sid, 3, 4) for sid in t.tokens]
+    for rt in (a, b):
+        def broken(*args, **kw):
+            raise RuntimeError("injected")
+        monkeypatch.setattr(rt.proposer.model, "forward", broken)
+    out_a, out_b = a.proposer.step(steps), b.proposer.step_batch(as_batch(steps))
+    same(out_a, out_b)
+    assert {o.code for o in out_a} == {INTERNAL} and "injected" in out_a[0].message
+    monkeypatch.undo()
+    # the engine sends the failed step again: both drafters draft it, and the same
+    same(a.proposer.step(steps), b.proposer.step_batch(as_batch(steps)))
+    again = [t.step(sid, 2, 5) for sid in t.tokens]
+    same(a.proposer.step(again), b.proposer.step_batch(as_batch(again)))
+    assert metrics_of(a) == metrics_of(b)
+
+
+def test_what_the_columns_cannot_carry_goes_the_per_sequence_way(tiny_model, tmp_path):
+    """Log-probabilities, top-N and pre-drafting budgets, and small steps, take Proposer.step: same answers, with
+    their per-sequence extras."""
+    a, b = runtimes(tiny_model, tmp_path)
+    t = Traffic(4, a.limits.hidden_states_width, a.limits.vocab_size, 30)
+    first = [t.step(sid, 3, 4) for sid in t.tokens]
+    same(a.proposer.step(first), b.proposer.step_batch(as_batch(first)))
+    steps = [t.step(sid, 3, 4) for sid in t.tokens]
+    for s in steps:
+        s.return_logprobs, s.top_k_probs = True, 3
+    before = b.proposer.columns_steps_run
+    out_a, out_b = a.proposer.step(steps), b.proposer.step_batch(as_batch(steps))
+    same(out_a, out_b)
+    assert out_b.outputs is not None and out_b.outputs[0].top_k_ids is not None
+    assert [o.logprobs for o in out_a] == [o.logprobs for o in out_b.outputs]
+    small = [t.step(sid, 1, 4) for sid in list(t.tokens)[:4]]  # 4 rows: below SMALL_STEP_ROWS
+    same(a.proposer.step(small), b.proposer.step_batch(as_batch(small)))
+    assert b.proposer.columns_steps_run == before
+
+
+@pytest.mark.parametrize("merged", [1, 3])
+def test_batch_input_round_trips_through_to_inputs_and_cat(merged):
+    t = Traffic(5, 8, 100, 12)
+    parts = []
+    for j in range(merged):
+        steps = [t.step(sid, 2, j + 1) for sid in list(t.tokens)[j * 4 : j * 4 + 4]]
+        parts.append((steps, as_batch(steps)))
+    batch = BatchInput.cat([p[1] for p in parts])
+    want = [s for p in parts for s in p[0]]
+    got = batch.to_inputs()
+    assert len(batch) == len(want)
+    for w, g in zip(want, got):
+        assert (w.namespace, w.sequence_id, w.start_position, w.next_token, w.num_drafts, w.seed) == \
+            (g.namespace, g.sequence_id, g.start_position, g.next_token, g.num_drafts, g.seed)
+        assert torch.equal(w.token_ids, g.token_ids) and torch.equal(w.hidden_states, g.hidden_states)
