@@ -36,6 +36,9 @@ def main() -> int:
                     "default on CUDA, 1)")
     ap.add_argument("--states-on-gpu", action="store_true",
                     help="the steps' hidden states on the GPU (no staging through the host)")
+    ap.add_argument("--columns", action="store_true",
+                    help="call Proposer.step_batch with the step as columns (batch_io.BatchInput), as an engine in the "
+                         "drafter's process would, instead of Proposer.step with one StepInput per sequence")
     ap.add_argument("--host-profile", action="store_true",
                     help="also run cProfile over 10 steps and print the python functions by own time (host work)")
     a = ap.parse_args()
@@ -55,21 +58,25 @@ def main() -> int:
             if a.states_on_gpu:
                 decode = [dataclasses.replace(s, hidden_states=s.hidden_states.cuda()) for s in decode]
             inputs = b.to_inputs(decode)
+            step = rt.proposer.step
+            if a.columns:
+                inputs, step = b.to_batch_input(decode), rt.proposer.step_batch
             for _ in range(5):
-                rt.proposer.step(inputs)
+                step(inputs)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             n = 20
             for _ in range(n):
-                rt.proposer.step(inputs)
+                step(inputs)
             wall = (time.perf_counter() - t0) / n
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    rt.proposer.step(inputs)
+                    step(inputs)
             events = prof.key_averages()
             gpu_total = sum(e.self_device_time_total for e in events) / 5 / 1e3  # ms per step
-            print(f"\n=== batch {batch} ({torch.get_num_threads()} host threads, states on the "
+            print(f"\n=== batch {batch} ({torch.get_num_threads()} host threads, "
+                  f"{'columns (step_batch)' if a.columns else 'StepInputs (step)'}, states on the "
                   f"{'GPU' if a.states_on_gpu else 'host'}): wall {wall * 1e3:.2f} ms/step, "
                   f"GPU kernel time {gpu_total:.2f} ms/step, "
                   f"idle GPU {wall * 1e3 - gpu_total:.2f} ms ===")
@@ -78,11 +85,11 @@ def main() -> int:
                 prof = cProfile.Profile()
                 prof.enable()
                 for _ in range(10):
-                    rt.proposer.step(inputs)
+                    step(inputs)
                 prof.disable()
                 print(f"--- batch {batch}: python functions by own time over 10 steps (cProfile adds overhead) ---")
                 pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-            for s in inputs:
+            for s in decode:
                 rt.proposer.table.release("bench", s.sequence_id)
     return 0
 

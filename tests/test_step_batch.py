@@ -186,3 +186,39 @@ def test_batch_input_round_trips_through_to_inputs_and_cat(merged):
         assert (w.namespace, w.sequence_id, w.start_position, w.next_token, w.num_drafts, w.seed) == \
             (g.namespace, g.sequence_id, g.start_position, g.next_token, g.num_drafts, g.seed)
         assert torch.equal(w.token_ids, g.token_ids) and torch.equal(w.hidden_states, g.hidden_states)
+
+
+@pytest.mark.parametrize("transport", ["unary", "channel", "stream"])
+async def test_a_columnar_request_runs_from_its_columns_through_the_server(server, transport):
+    """A columnar request (here propose() of 40 sequences, which goes as columns) reaches Proposer.step_batch as one
+    BatchInput and runs from the columns; its answers equal those of the same steps sent as per-sequence messages."""
+    import contextlib
+
+    from drafter_client import DrafterClient, SequenceStep
+
+    proposer = server.server.runtime.proposer
+    width, vocab = proposer.model.hidden_states_width, proposer.model.vocab_size
+    t = Traffic(6, width, vocab, 40)
+    async with DrafterClient(server.uds, namespace=f"bc-{transport}") as cols, \
+            DrafterClient(server.uds, namespace=f"br-{transport}") as rows, contextlib.AsyncExitStack() as stack:
+        rows._step_columns = False  # per-sequence messages
+        by = {"cols": cols, "rows": rows}
+        if transport == "channel":
+            assert await cols.open_step_channel() and await rows.open_step_channel()
+        if transport == "stream":
+            by = {name: await stack.enter_async_context(c.stream()) for name, c in by.items()}
+        before = server.call(lambda: proposer.columns_steps_run)
+        for round in range(4):
+            steps = [t.step(sid, 3, 4, back=round % 2) for sid in t.tokens]
+            wire = [SequenceStep(s.sequence_id, s.start_position, s.token_ids, s.hidden_states, s.next_token,
+                                 s.num_drafts) for s in steps]
+            by_rows = await by["rows"].propose(wire)
+            by_cols = await by["cols"].propose(wire)
+            assert torch.equal(by_cols.draft_token_ids, by_rows.draft_token_ids)
+            for c, r in zip(by_cols.sequences, by_rows.sequences, strict=True):
+                assert (c.code, c.accepted_drafts, c.committed_length) == (r.code, r.accepted_drafts,
+                                                                           r.committed_length)
+                assert c.ok, c.message
+        assert server.call(lambda: proposer.columns_steps_run) - before >= 3  # (the first round creates them)
+        await cols.release(list(t.tokens))
+        await rows.release(list(t.tokens))

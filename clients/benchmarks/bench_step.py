@@ -153,24 +153,40 @@ def to_inputs(steps):
                       s.hidden_states, int(s.next_token), s.num_drafts) for s in steps]
 
 
-def bench_in_process(rt, batch, context, m, k, iters, width, vocab, states_device: torch.device | None = None):
+def to_batch_input(steps):
+    """The steps as one BatchInput (columns: what an engine in the drafter's process hands Proposer.step_batch)."""
+    from drafter_service.engine.batch_io import BatchInput
+
+    return BatchInput.from_lists(
+        "bench", [s.sequence_id for s in steps], [s.start_position for s in steps],
+        [len(s.token_ids) for s in steps], torch.cat([torch.as_tensor(s.token_ids, dtype=torch.int64) for s in steps]),
+        torch.cat([s.hidden_states for s in steps]), [int(s.next_token) for s in steps],
+        [s.num_drafts for s in steps], [0.0] * len(steps), [0] * len(steps), [False] * len(steps), [0] * len(steps),
+        [0] * len(steps))
+
+
+def bench_in_process(rt, batch, context, m, k, iters, width, vocab, states_device: torch.device | None = None,
+                     columns: bool = False):
     """Median seconds of the proposer's step called in-process. states_device: the decode steps' hidden states live
     there (a GPU: as an engine in the drafter's process holds its target's states; none to stage through the host),
-    else on the host."""
+    else on the host. columns: the step as columns through Proposer.step_batch (one BatchInput), else one StepInput
+    per sequence through Proposer.step."""
     prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
     for chunk in range(0, batch, 8):
         out = rt.proposer.step(to_inputs(prefill[chunk : chunk + 8]))
         assert all(o.code == 0 for o in out), out[0].message
     if states_device is not None:
         decode = [dataclasses.replace(s, hidden_states=s.hidden_states.to(states_device)) for s in decode]
-    inputs = to_inputs(decode)
+    inputs, step = (to_batch_input(decode), rt.proposer.step_batch) if columns else (to_inputs(decode), rt.proposer.step)
     times = []
     for i in range(iters + 3):
         t0 = time.perf_counter()
-        out = rt.proposer.step(inputs)
+        out = step(inputs)
         times.append(time.perf_counter() - t0)
-    assert all(o.code == 0 and len(o.drafts) == k for o in out)
-    for s in inputs:
+    if columns:
+        out = out.to_outputs()
+    assert all(o.code == 0 and len(o.drafts) == k for o in out), out[0].message
+    for s in decode:
         rt.proposer.table.release("bench", s.sequence_id)
     return statistics.median(times[3:])
 
@@ -374,10 +390,17 @@ def main() -> int:
             t = bench_in_process(rt, b, context, a.m, a.k, a.iters, width, shape["vocab_size"])
             rows.append(dict(batch=b, in_process_ms=t * 1e3))
             print(f"in-process batch {b}: {t * 1e3:.2f} ms", flush=True)
+            t = bench_in_process(rt, b, context, a.m, a.k, a.iters, width, shape["vocab_size"], columns=True)
+            rows[-1]["in_process_columns_ms"] = t * 1e3
+            print(f"in-process batch {b}, as columns (step_batch): {t * 1e3:.2f} ms", flush=True)
             if device.type == "cuda":  # the same step with the states already on the GPU (no host staging)
                 t = bench_in_process(rt, b, context, a.m, a.k, a.iters, width, shape["vocab_size"], device)
                 rows[-1]["in_process_states_on_gpu_ms"] = t * 1e3
                 print(f"in-process batch {b}, states on the GPU: {t * 1e3:.2f} ms", flush=True)
+                t = bench_in_process(rt, b, context, a.m, a.k, a.iters, width, shape["vocab_size"], device,
+                                     columns=True)
+                rows[-1]["in_process_columns_states_on_gpu_ms"] = t * 1e3
+                print(f"in-process batch {b}, as columns, states on the GPU: {t * 1e3:.2f} ms", flush=True)
         prefill = None
         if a.prefill_tokens:
             hidden_bytes = a.prefill_tokens * width * 2  # bf16 on the wire
@@ -464,7 +487,8 @@ def main() -> int:
           f"{'chan/in':>8} {'batch ms':>9} {'bat/in':>7} {'ch+IPC ms':>10} {'floor ms':>9} {'in/floor':>9} "
           f"{'payload KB':>11} {'srv worker':>10} {'ch worker':>9} {'chw/in':>7} {'srv parse':>9} {'srv wait':>9} "
           f"{'srv reply':>9} {'transport':>9}"
-          + (f" {'eager ms':>9}" if ab else "") + (f" {'in, GPU states':>14}" if gpu_states else ""))
+          + (f" {'eager ms':>9}" if ab else "") + (f" {'in, GPU states':>14}" if gpu_states else "")
+          + f" {'in, columns':>11}" + (f" {'cols, GPU st.':>13}" if gpu_states else ""))
     for r in rows:
         print(f"{r['batch']:>5} {r['in_process_ms']:>11.2f} {r['sidecar_ms']:>11.2f} "
               f"{r['sidecar_over_in_process']:>8.2f} {r['sidecar_stream_ms']:>10.2f} "
@@ -478,7 +502,9 @@ def main() -> int:
               f"{r.get('channel_worker_over_in_process', float('nan')):>7.2f} {r['server_parse_ms']:>9.2f} "
               f"{r['server_wait_ms']:>9.2f} {r['server_reply_ms']:>9.2f} {r['transport_and_client_ms']:>9.2f}"
               + (f" {r['in_process_eager_ms']:>9.2f}" if ab else "")
-              + (f" {r['in_process_states_on_gpu_ms']:>14.2f}" if gpu_states else ""))
+              + (f" {r['in_process_states_on_gpu_ms']:>14.2f}" if gpu_states else "")
+              + f" {r['in_process_columns_ms']:>11.2f}"
+              + (f" {r['in_process_columns_states_on_gpu_ms']:>13.2f}" if gpu_states else ""))
     if prefill:
         print(f"prefill of {prefill['tokens']} tokens ({prefill['hidden_bytes'] / 2**20:.1f} MiB of hidden states, "
               f"inline bytes): in-process {prefill['in_process_ms']:.1f} ms ({prefill['in_process_gbps']:.2f} GB/s), "

@@ -439,20 +439,22 @@ class Proposer:
         now, serial = self.clock(), self._step_serial
         touch = self.table.touch
         seqs = [touch(ns, sid, now, serial) for ns, sid in zip(b.namespaces, b.sequence_ids)]
-        if None in seqs or any(seq.predraft is not None for seq in seqs):
+        if not all(seqs) or any(seq.predraft is not None for seq in seqs):  # (a Sequence is truthy, None is not)
             return None  # a new sequence or one that pre-drafts: the per-sequence path
         B = len(seqs)
         p, m = b.start_positions, b.num_tokens
         C = p + m  # [B] committed length after the step
-        committed = torch.tensor([seq.committed_len for seq in seqs], dtype=torch.int64)
-        if bool((C >= self.max_model_len).any()) or bool((p > committed).any()):
+        # [B, 5]: what the step needs of each sequence's state, read in one pass
+        state = torch.tensor([(seq.committed_len, len(seq.block_table), seq.table_row, seq.last_drafts_base,
+                               len(seq.last_drafts)) for seq in seqs], dtype=torch.int64)
+        committed, have, rows = state[:, 0], state[:, 1], state[:, 2]
+        if bool((C >= self.max_model_len).any()) or bool((p > committed).any()) or bool((rows < 0).any()):
             return None  # OUT_OF_RANGE or a gap: the per-sequence path names it
         k = torch.minimum(b.num_drafts, self.max_model_len - 1 - C).clamp_(min=0)  # [B] k after the max_model_len cut
         # ---- blocks: only the sequences whose table changes size go through the table (a few per step) ----
         needed = C + (k - 1).clamp_(min=0)  # positions the step writes KV for (scratch KV of all drafts but the last)
         bs = self.block_size
         blocks = (needed + bs - 1) // bs
-        have = torch.tensor([len(seq.block_table) for seq in seqs], dtype=torch.int64)
         changed = (blocks != have).nonzero().squeeze(1).tolist()
         for i in changed:
             seq, missing = seqs[i], int(blocks[i] - have[i])
@@ -460,16 +462,15 @@ class Proposer:
                 return None  # the pool or a quota refuses: the per-sequence path gives each its status
             if not self.table.resize(seq, int(needed[i])):
                 return None
-        accepted = self._count_accepted_columns(seqs, b, C)
+        accepted = self._count_accepted_columns(seqs, b, C, state[:, 3], state[:, 4])
         # ---- run ----
         out = BatchOutput(codes=torch.zeros(B, dtype=torch.int32), messages=[""] * B, num_drafts=k,
                           accepted_drafts=accepted, committed_lengths=C)
         self.predraft.on_step()
-        rows = [seq.table_row for seq in seqs]
         try:
             md = build_step_metadata_columns(
                 p, m, b.token_ids, b.hidden_states, b.next_tokens, k,
-                self.table.block_tables.gather(rows, int(blocks.max())), b.temperatures, b.seeds,
+                self.table.block_tables.tensor[rows, : int(blocks.max())], b.temperatures, b.seeds,
                 torch.zeros(B, dtype=torch.int64), self.block_size, self.device)
             greedy = not bool((b.temperatures > 0).any())
             sp = SamplingSettings(temperature=md.temperature, seed=md.seed, top_k=md.top_k, want_logprobs=False,
@@ -495,17 +496,20 @@ class Proposer:
         self._record_columns(b, out, time.perf_counter() - t0)
         return out
 
-    def _count_accepted_columns(self, seqs: list[Sequence], b: BatchInput, C: torch.Tensor) -> torch.Tensor:
-        """[B] int64: _count_accepted for every sequence at once (the drafts given at its last step against the
-        committed tokens this step brings), recorded in the acceptance metrics."""
+    def _count_accepted_columns(self, seqs: list[Sequence], b: BatchInput, C: torch.Tensor, base: torch.Tensor,
+                                n: torch.Tensor) -> torch.Tensor:
+        """[B] int64: _count_accepted for every sequence at once (the drafts given at its last step, n of them for
+        positions base + 1, ..., against the committed tokens this step brings), recorded in the acceptance
+        metrics."""
         B = len(seqs)
-        lens = [len(seq.last_drafts) for seq in seqs]
-        K = max(lens)
+        K = int(n.max())
         if K == 0:
             return torch.zeros(B, dtype=torch.int64)
-        given = torch.tensor([seq.last_drafts + [-1] * (K - n) for seq, n in zip(seqs, lens)], dtype=torch.int64)
-        base = torch.tensor([seq.last_drafts_base for seq in seqs], dtype=torch.int64)  # [B]
-        n = torch.tensor(lens, dtype=torch.int64)
+        if bool((n == K).all()):  # (the common case: one k for all at the last step)
+            given = torch.tensor([seq.last_drafts for seq in seqs], dtype=torch.int64)
+        else:
+            given = torch.tensor([seq.last_drafts + [-1] * (K - len(seq.last_drafts)) for seq in seqs],
+                                 dtype=torch.int64)
         p = b.start_positions
         evaluated = (n > 0) & (p <= base + 1) & (base + 1 <= C)  # [B] (_count_accepted's condition)
         pos = base[:, None] + torch.arange(1, K + 1)  # [B, K] position of each given draft

@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from drafter_service.engine.batch_io import BatchInput, BatchOutput
 from drafter_service.engine.proposer import Proposer
 from drafter_service.engine.step_io import StepInput, StepOutput
 from drafter_client.protocol.timer_slack import set_timer_slack
@@ -41,10 +42,26 @@ from drafter_client.protocol.timer_slack import set_timer_slack
 log = logging.getLogger(__name__)
 
 
+def set_owner(steps: "list[StepInput] | BatchInput", owner: str | None) -> None:
+    """The stream / step channel a sequence these steps create will belong to."""
+    if isinstance(steps, BatchInput):
+        steps.set_owner(owner)
+    else:
+        for s in steps:
+            s.owner = owner
+
+
+def dry_outputs(steps: "list[StepInput] | BatchInput") -> "list[StepOutput] | BatchOutput":
+    """Empty answers (ingest-only benchmarks: nothing ran), in the form a real step would have."""
+    outputs = [StepOutput() for _ in range(len(steps))]
+    return BatchOutput.from_outputs(outputs) if isinstance(steps, BatchInput) else outputs
+
+
 @dataclass
 class PendingRequest:
-    steps: list[StepInput]
-    deliver: Callable[[list[StepOutput] | None, BaseException | None], None]  # called on the step thread
+    steps: list[StepInput] | BatchInput  # one StepInput per sequence, or a columnar request's columns
+    # called on the step thread with the answers (a BatchOutput for a BatchInput) or the exception
+    deliver: Callable[[list[StepOutput] | BatchOutput | None, BaseException | None], None]
     trace: dict | None = None  # when given: the batch's worker_start / worker_end (time.perf_counter) go here
     dry: bool = False  # answer without running the head (benchmarks' ingest-only mode)
     cancelled: Callable[[], bool] = lambda: False  # True: nobody waits for it (the RPC was cancelled): skip it
@@ -52,7 +69,26 @@ class PendingRequest:
 
     @property
     def num_tokens(self) -> int:
+        if isinstance(self.steps, BatchInput):
+            return self.steps.total_tokens
         return sum(s.num_tokens for s in self.steps)
+
+    def keys(self) -> set[tuple[str, str]]:
+        """(namespace, sequence id) of every sequence the request steps."""
+        if isinstance(self.steps, BatchInput):
+            return set(zip(self.steps.namespaces, self.steps.sequence_ids))
+        return {(s.namespace, s.sequence_id) for s in self.steps}
+
+    def owner(self) -> str | None:
+        """The stream / step channel that sent it (None: unary)."""
+        if isinstance(self.steps, BatchInput):
+            return self.steps.owners[0] if len(self.steps) else None
+        return self.steps[0].owner if self.steps else None
+
+    def asks_predraft(self) -> bool:
+        if isinstance(self.steps, BatchInput):
+            return bool(self.steps.predraft_branches.any())
+        return any(s.predraft_branches for s in self.steps)
 
 
 @dataclass
@@ -181,7 +217,7 @@ class StepScheduler:
             p = self._queue.popleft()
             if p.cancelled():
                 continue
-            p_keys = {(s.namespace, s.sequence_id) for s in p.steps}
+            p_keys = p.keys()
             fits = tokens + p.num_tokens <= self.max_batch_tokens and seqs + len(p.steps) <= self.max_batch_seqs
             if batch and (not fits or p_keys & keys):
                 postponed.append(p)
@@ -252,11 +288,11 @@ class StepScheduler:
         Nothing without --predraft-cycle-check."""
         if not self.proposer.predraft.cycle_check:
             return
-        owners = {p.steps[0].owner for p in batch if p.steps and not p.dry}
+        owners = {p.owner() for p in batch if len(p.steps) and not p.dry}
         owner = next(iter(owners)) if len(owners) == 1 else None
         arrived = min(p.enqueued_at for p in batch)
         if (owner is not None and owner == self._cycle_owner
-                and any(p.steps[0].predraft_branches for p in batch if p.steps and not p.dry)):
+                and any(p.asks_predraft() for p in batch if len(p.steps) and not p.dry)):
             self.proposer.predraft.observe_cycle(arrived - self._cycle_arrived, sum(len(p.steps) for p in batch))
         self._cycle_owner, self._cycle_arrived = owner, arrived
 
@@ -266,11 +302,15 @@ class StepScheduler:
             self.proposer.predraft.observe_window(max(0.0, arrived - self._last_batch_end))
         if batch:
             self._observe_cycle(batch)
-        run = [p for p in batch if not p.dry]
-        steps = [s for p in run for s in p.steps]
+        run = [p for p in batch if not p.dry and len(p.steps)]
+        columnar = bool(run) and all(isinstance(p.steps, BatchInput) for p in run)
         t0 = time.perf_counter()
         try:
-            outputs = self.proposer.step(steps) if steps else []
+            if columnar:  # every request came as columns: one BatchInput for the whole batch
+                outputs = self.proposer.step_batch(BatchInput.cat([p.steps for p in run]))
+            else:
+                steps = [s for p in run for s in (p.steps.to_inputs() if isinstance(p.steps, BatchInput) else p.steps)]
+                outputs = self.proposer.step(steps) if steps else []
         except Exception as e:  # the proposer catches its own errors; this is a last resort
             log.exception("batch failed")
             for p in batch:
@@ -283,12 +323,19 @@ class StepScheduler:
         r = 0
         for p in batch:
             if p.dry:
-                p.deliver([StepOutput() for _ in p.steps], None)
+                p.deliver(dry_outputs(p.steps), None)
                 continue
             if p.trace is not None:
                 p.trace["worker_start"], p.trace["worker_end"] = span
-            p.deliver(outputs[r : r + len(p.steps)], None)
-            r += len(p.steps)
+            n = len(p.steps)
+            if columnar:
+                answer = outputs.slice(r, r + n)
+            elif isinstance(p.steps, BatchInput):
+                answer = BatchOutput.from_outputs(outputs[r : r + n])
+            else:
+                answer = outputs[r : r + n]
+            p.deliver(answer, None)
+            r += n
         for p in batch:  # (after the replies are on their way)
             self.proposer.metrics.observe_queue_wait(t0 - p.enqueued_at)
         self._last_batch_end = time.perf_counter()

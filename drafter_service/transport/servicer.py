@@ -18,6 +18,8 @@ from drafter_service.transport.chunked import (StagingBudget, drain_refused, fir
                                                staging_tensor)
 from drafter_service.transport.received_request import as_received
 from drafter_service.transport.shm_regions import RegionTable, ShmSettings
+from drafter_service.engine.batch_io import BatchInput, BatchOutput
+from drafter_service.engine.scheduler import dry_outputs, set_owner
 from drafter_service.engine.step_io import StepInput, StepOutput
 from drafter_service import tracing
 from drafter_service.logs import request_context
@@ -60,6 +62,31 @@ def build_column_response(outputs: list[StepOutput], request_id: int) -> "pb.Pro
         cols.problems.extend(pb.IndexedStatus(index=i, status=pb.Status(code=o.code, message=o.message))
                              for i, o in enumerate(outputs) if o.code)
     _encode_drafts(outputs, counts, resp)
+    return resp
+
+
+def build_batch_column_response(out: BatchOutput, request_id: int) -> "pb.ProposeResponse":
+    """build_column_response of a step that ran from columns (Proposer.step_batch): every column encoded from its
+    tensor, the drafts as one masked select of the [B, K] drafts."""
+    if out.outputs is not None:
+        return build_column_response(out.outputs, request_id)
+    resp = pb.ProposeResponse(request_id=request_id)
+    cols = resp.result_columns
+    counts = out.num_drafts * (out.codes == 0)  # (a failed sequence has no drafts)
+    encode_tensor(out.codes.to(torch.int32), into=cols.status_codes)
+    encode_tensor(counts.to(torch.int32), into=cols.num_drafts)
+    encode_tensor(out.accepted_drafts.to(torch.int32), into=cols.accepted_drafts)
+    encode_tensor(out.committed_lengths.to(torch.int64), into=cols.committed_lengths)
+    encode_tensor(torch.zeros(len(out), dtype=torch.int32), into=cols.predrafted)
+    if bool(out.codes.any()):
+        cols.problems.extend(pb.IndexedStatus(index=i, status=pb.Status(code=code, message=out.messages[i]))
+                             for i, code in enumerate(out.codes.tolist()) if code)
+    K = out.drafts.shape[1]
+    if K and bool((counts == K).all()):
+        drafts = out.drafts.reshape(-1)
+    else:
+        drafts = out.drafts[torch.arange(K) < counts[:, None]]
+    encode_tensor(drafts.to(torch.int64), into=resp.draft_token_ids)
     return resp
 
 
@@ -183,10 +210,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             max_predraft_branches=rt.limits.max_predraft_branches, step_columns_supported=True)
 
     def decode_propose(self, request, hidden: torch.Tensor | None = None,
-                       states: memoryview | None = None) -> tuple[list[StepInput], bool]:
+                       states: memoryview | None = None) -> "tuple[list[StepInput] | BatchInput, bool]":
         """Check and decode one engine step (a Propose, a ProposeStream message or a step-channel request; runs on
         the event loop or on the step thread). Returns the steps, and whether to answer without running the head
-        (ingest-only benchmarks). Raises RequestError for a request that is malformed as a whole. hidden: the
+        (ingest-only benchmarks); a columnar request's steps stay columns (a BatchInput, for Proposer.step_batch).
+        Raises RequestError for a request that is malformed as a whole. hidden: the
         staging tensor of a ProposeChunked request (its states are not in the message); states: the inline states
         that received_request.read_request left out of the message, as a view of the received bytes."""
         rt = self.runtime
@@ -197,17 +225,20 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             def read_shm(ref, field, dtype, shape, to_host=False):
                 return regions.read(namespace, ref, field, dtype, shape, to_host)
 
-        steps = parse_propose(request, rt.limits, read_shm, hidden, states)
+        steps = parse_propose(request, rt.limits, read_shm, hidden, states, columnar=True)
         inline = states is not None or request.hidden_states.WhichOneof("data") == "raw"
-        if self.ingest_only and hidden is None and inline and steps:
+        if self.ingest_only and hidden is None and inline and len(steps):
             # Inline states are still views of the message: move them to the device as the proposer would
             # (one copy), so that both data planes end with the bytes in a tensor of their own there.
-            torch.cat([s.hidden_states for s in steps]).to(rt.device)
+            (steps.hidden_states if isinstance(steps, BatchInput)
+             else torch.cat([s.hidden_states for s in steps])).to(rt.device)
             if rt.device.type == "cuda":
                 torch.cuda.synchronize(rt.device)
         return steps, self.ingest_only
 
-    def encode_propose(self, outputs: list[StepOutput], request) -> "pb.ProposeResponse":
+    def encode_propose(self, outputs: "list[StepOutput] | BatchOutput", request) -> "pb.ProposeResponse":
+        if isinstance(outputs, BatchOutput):  # (a columnar request's)
+            return build_batch_column_response(outputs, request.request_id)
         if request.HasField("columns"):
             return build_column_response(outputs, request.request_id)
         return build_response(outputs, [s.sequence_id for s in request.steps], request.request_id)
@@ -236,11 +267,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                     e.code.name, metadata)
             raise
         if owner is not None:
-            for s in steps:
-                s.owner = owner
+            set_owner(steps, owner)
         t_parsed = time.perf_counter()
         trace = {} if self.trace_file is not None else None
-        outputs = [StepOutput() for _ in steps] if dry else await self.scheduler.submit(steps, trace)
+        outputs = dry_outputs(steps) if dry else await self.scheduler.submit(steps, trace)
         t_stepped = time.perf_counter()
         response = self.encode_propose(outputs, request)
         t_replied = time.perf_counter()

@@ -39,7 +39,7 @@ from google.protobuf.message import DecodeError
 from drafter_client.protocol.mailbox import VERSION, Mailbox
 from drafter_client.protocol import pb
 from drafter_service.transport.received_request import MIN_SCAN_BYTES, read_request
-from drafter_service.engine.scheduler import PendingRequest
+from drafter_service.engine.scheduler import PendingRequest, set_owner
 from drafter_service.engine.step_io import StepInput, StepOutput
 from drafter_service import tracing
 from drafter_service.transport.auth import ANY, AuthError, restrict_socket
@@ -339,9 +339,7 @@ class ChannelSet:
         except RequestError as e:
             self._reply_error(ch, seq, request_id, e)
             return
-        owner = ch.owner
-        for s in steps:  # a sequence this request creates belongs to the channel
-            s.owner = owner
+        set_owner(steps, ch.owner)  # a sequence this request creates belongs to the channel
         t_parsed = time.perf_counter()
         trace = {} if self.trace_file is not None else None
 

@@ -14,6 +14,7 @@ import grpc
 import torch
 
 from drafter_client.protocol import pb
+from drafter_service.engine.batch_io import BatchInput
 from drafter_service.engine.step_io import StepInput
 from drafter_client.protocol.wire import WireError, decode_tensor
 
@@ -58,11 +59,13 @@ def check_sequence_id(sequence_id: str, field: str) -> None:
 
 
 def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable | None = None,
-                  hidden: torch.Tensor | None = None, states: memoryview | None = None) -> list[StepInput]:
+                  hidden: torch.Tensor | None = None, states: memoryview | None = None,
+                  columnar: bool = False) -> "list[StepInput] | BatchInput":
     """read_shm(ref, field, dtype, shape, to_host) resolves shared-memory references (None: refused).
     hidden: the request's hidden states when they did not come in the message (ProposeChunked's staging tensor,
     whose header chunked.staging_tensor checked); req.hidden_states is then not read. states: hidden_states.raw when
-    it was read off the wire apart from the message (received_request.py; req.hidden_states has dtype and shape)."""
+    it was read off the wire apart from the message (received_request.py; req.hidden_states has dtype and shape).
+    columnar: a columnar request's steps come back as one BatchInput (no StepInput per sequence)."""
     check_namespace(req.namespace)
     if req.HasField("columns"):
         if len(req.steps):
@@ -93,11 +96,13 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
                       f"{limits.hidden_states_width} (GetInfo.hidden_states_width)")
     token_ids = token_ids.to(torch.int64)
     _check_vocabulary(token_ids, limits.vocab_size)
+    ns = req.namespace
+    if columnar and req.HasField("columns"):
+        return BatchInput.from_lists(ns, sids, ps, ms, token_ids, hidden, nxts, ks, temps, seeds, lps, top_ns, branches)
     if len(ms) == 1:  # (the common decode step at batch 1: no split)
         per_step = [(token_ids, hidden)]
     else:
         per_step = zip(token_ids.split(ms), hidden.split(ms))
-    ns = req.namespace
     return [StepInput(namespace=ns, sequence_id=sid, start_position=p, token_ids=tok, hidden_states=hid,
                       next_token=nxt, num_drafts=k, temperature=t, seed=seed, return_logprobs=lp, top_k_probs=top_n,
                       predraft_branches=f)
