@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: carry .whl (pytest-asyncio, grpcio-health-checking/-reflection 1.84 wheels).
-#   scripts/gpu_session.sh tests|gpu-tests|bench|predraft|predraft-mechanics|predraft-sweep|host-profile|measure|bulk-grpc|all
+#   scripts/gpu_session.sh tests|gpu-tests|bench|predraft|predraft-mechanics|predraft-sweep|host-profile|measure|columns|columns-bench|bulk-grpc|all
 # results under $OUT (or ./gpu_out). followup = host-profile + predraft-mechanics (one 10-minute call, 7 files).
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -64,6 +64,25 @@ if [ "$what" = measure ]; then  # #13 after a host-side change: staging threads,
     timeout "${BENCH_TIMEOUT_S:-200}" python3 -m drafter_client.benchmarks.bench_step --preset $preset --device cuda \
       --batches "${BENCH_BATCHES:-1,8,32,64,128,256}" --prefill-tokens 0 --iters 20 \
       --out "$OUT/bench_step_$preset.json" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/bench_step.log" | tail -14
+  done
+fi
+if [ "$what" = columns ]; then  # #13: the step from columns (Proposer.step_batch) against the per-sequence step
+  timeout "${GPU_TESTS_TIMEOUT_S:-240}" python3 -m pytest -q -ra -p no:cacheprovider tests/test_step_batch.py \
+    tests/test_cuda_fast_path.py tests/test_host_staging.py tests/test_batch_api.py tests/test_drafts_match_naive.py 2>&1 \
+    | tee "$OUT/pytest_columns.log" | grep -E "passed|failed|FAILED|ERROR" | tail -20
+  for preset in llama3-8b llama3-8b-eagle3; do
+    for cols in "" --columns; do
+      timeout "${PROFILE_TIMEOUT_S:-80}" python3 scripts/profile_step.py --preset $preset --states-on-gpu \
+        --batches "${PROFILE_BATCHES:-1,64,128,256}" $cols 2>&1 | grep "=== batch" | sed "s/^/$preset /" \
+        | tee -a "$OUT/profile_step_columns.log"
+    done
+  done
+fi
+if [ "$what" = columns-bench ]; then  # bench_step with the in-process step as columns, both heads
+  for preset in llama3-8b llama3-8b-eagle3; do
+    timeout "${BENCH_TIMEOUT_S:-280}" python3 -m drafter_client.benchmarks.bench_step --preset $preset --device cuda \
+      --batches "${BENCH_BATCHES:-1,32,128,256}" --prefill-tokens 0 --iters 20 \
+      --out "$OUT/bench_step_$preset.json" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/bench_step.log" | tail -8
   done
 fi
 if [ "$what" = bulk-grpc ]; then  # large steps over TCP: bare gRPC echo, one message, chunks (docs/performance.md)

@@ -75,8 +75,10 @@ def metrics_of(rt):
             list(m.accepted_by_position))
 
 
-def test_columns_answer_as_the_per_sequence_step_over_random_traffic(tiny_model, tmp_path):
-    a, b = runtimes(tiny_model, tmp_path)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_columns_answer_as_the_per_sequence_step_over_random_traffic(tiny_model, tmp_path, device):
+    """On CUDA the greedy rounds replay the first-step and decode graphs (uniform small m) or run eagerly."""
+    a, b = runtimes(tiny_model, tmp_path, device=device)
     width, vocab = a.limits.hidden_states_width, a.limits.vocab_size
     t = Traffic(0, width, vocab, 40)
     fast_before = b.proposer.columns_steps_run
