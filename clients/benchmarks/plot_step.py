@@ -38,6 +38,8 @@ def main() -> int:
             label="in-process" + (" (CUDA graphs)" if d.get("cuda_graphs") else ""))
     if all("in_process_states_on_gpu_ms" in r for r in rows):
         ax.plot(b, [r["in_process_states_on_gpu_ms"] for r in rows], marker="o", label="in-process, states on the GPU")
+    if all("in_process_columns_ms" in r for r in rows):
+        ax.plot(b, [r["in_process_columns_ms"] for r in rows], marker="o", label="in-process, as columns (step_batch)")
     if all("in_process_eager_ms" in r for r in rows):
         ax.plot(b, [r["in_process_eager_ms"] for r in rows], marker="o", label="in-process, eager")
     ax.plot(b, [r["floor_ms"] for r in rows], linestyle="--", color="k", label="floor (bytes / bandwidth)")
