@@ -19,6 +19,10 @@ multi_layer (multi-layer EAGLE): _run_multi_layer
   shift cache, with the tokens shifted by j more; its output at row C-1 gives draft j+1 (multi_layer_inputs.py).
 After the step the sequence's committed length is C; scratch KV past it is overwritten by the next step.
 
+Two entry points: step(list[StepInput]) works sequence by sequence (admission with each sequence's own status,
+pre-drafting, log-probabilities, top-N, every head); step_batch(BatchInput) runs the common step of a sequential head
+from the step's columns (batch_io.py) with tensor ops over the batch, and hands anything else to step().
+
 Every draft is sampled per sequence (sampling.py): greedy at temperature 0, otherwise Gumbel-max seeded by the
 sequence's seed and the position of the drafted token minus one, so a replayed step gives the same drafts.
 
