@@ -187,7 +187,12 @@ async def test_chunked_uploads_are_checked_like_every_other_call(tiny_model, tok
             async with DrafterClient(s.tcp, namespace="ns-a", token=token) as other:
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await other._propose_chunked(iter(list(restart.messages(64))), timeout=30, metadata=other._metadata)
-                assert e.value.code() == code, e.value
+                # (grpc/grpc#36066: when the server ends the call before the client's last chunk is written, grpc's
+                # asyncio client may report INTERNAL "Failed execute_batch" instead of the server's status, from
+                # time to time; what matters here is that the upload was refused and changed nothing)
+                lost_status = (e.value.code() == grpc.StatusCode.INTERNAL
+                               and "execute_batch" in (e.value.debug_error_string() or ""))
+                assert e.value.code() == code or lost_status, e.value
         async with DrafterClient(s.tcp, namespace="ns-a", token=TOKEN_A) as a:
             r = await a.propose([step("c", 300)])  # the sequence was not restarted by the refused uploads
             assert r.sequences[0].ok, r.sequences[0].message
