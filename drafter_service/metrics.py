@@ -137,8 +137,9 @@ class Metrics:
         self.batch_sequences.observe(len(steps))
         self.kv_blocks_free, self.kv_blocks_total = blocks_free, blocks_total
 
-    def record_acceptance_columns(self, num_drafts: torch.Tensor, accepted: torch.Tensor) -> None:
-        """record_acceptance for many sequences at once: [n] int64 drafts evaluated and accepted of each."""
+    def record_acceptance_columns(self, num_drafts, accepted) -> None:
+        """record_acceptance for many sequences at once: [n] int64 drafts evaluated and accepted of each (numpy
+        arrays or tensors)."""
         self.draft_proposals_evaluated += num_drafts.shape[0]
         self.drafts_evaluated += int(num_drafts.sum())
         self.drafts_accepted += int(accepted.sum())

@@ -31,10 +31,12 @@ combine_hidden_states, draft_to_target; sequential and parallel heads add forwar
 (parallel ones parallel_token_id and mask_hidden), multi-layer heads num_predict / forward_layer /
 compute_logits_layer.
 """
+import array
 import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from drafter_kernels import ops
@@ -446,21 +448,23 @@ class Proposer:
         if not all(seqs) or any(seq.predraft is not None for seq in seqs):  # (a Sequence is truthy, None is not)
             return None  # a new sequence or one that pre-drafts: the per-sequence path
         B = len(seqs)
-        p, m = b.start_positions, b.num_tokens
+        # The batch arithmetic below is numpy over views of the columns: some twenty ops on [B] arrays, each about a
+        # microsecond where a torch op on a small CPU tensor costs several.
+        p, m = b.start_positions.numpy(), b.num_tokens.numpy()
         C = p + m  # [B] committed length after the step
         # [B, 5]: what the step needs of each sequence's state, read in one pass
-        state = torch.tensor([(seq.committed_len, len(seq.block_table), seq.table_row, seq.last_drafts_base,
-                               len(seq.last_drafts)) for seq in seqs], dtype=torch.int64)
+        state = np.frombuffer(array.array("q", [x for seq in seqs for x in (
+            seq.committed_len, len(seq.block_table), seq.table_row, seq.last_drafts_base, len(seq.last_drafts))]),
+            dtype=np.int64).reshape(B, 5)
         committed, have, rows = state[:, 0], state[:, 1], state[:, 2]
-        if bool((C >= self.max_model_len).any()) or bool((p > committed).any()) or bool((rows < 0).any()):
+        if (C >= self.max_model_len).any() or (p > committed).any() or (rows < 0).any():
             return None  # OUT_OF_RANGE or a gap: the per-sequence path names it
-        k = torch.minimum(b.num_drafts, self.max_model_len - 1 - C).clamp_(min=0)  # [B] k after the max_model_len cut
+        k = np.clip(np.minimum(b.num_drafts.numpy(), self.max_model_len - 1 - C), 0, None)  # [B] after the cut
         # ---- blocks: only the sequences whose table changes size go through the table (a few per step) ----
-        needed = C + (k - 1).clamp_(min=0)  # positions the step writes KV for (scratch KV of all drafts but the last)
+        needed = C + np.maximum(k - 1, 0)  # positions the step writes KV for (scratch KV of all drafts but the last)
         bs = self.block_size
         blocks = (needed + bs - 1) // bs
-        changed = (blocks != have).nonzero().squeeze(1).tolist()
-        for i in changed:
+        for i in np.flatnonzero(blocks != have).tolist():
             seq, missing = seqs[i], int(blocks[i] - have[i])
             if missing > 0 and self._make_room(seq, False, missing) is not None:
                 return None  # the pool or a quota refuses: the per-sequence path gives each its status
@@ -468,13 +472,15 @@ class Proposer:
                 return None
         accepted = self._count_accepted_columns(seqs, b, C, state[:, 3], state[:, 4])
         # ---- run ----
-        out = BatchOutput(codes=torch.zeros(B, dtype=torch.int32), messages=[""] * B, num_drafts=k,
-                          accepted_drafts=accepted, committed_lengths=C)
+        k_t = torch.from_numpy(k)
+        out = BatchOutput(codes=torch.zeros(B, dtype=torch.int32), messages=[""] * B, num_drafts=k_t,
+                          accepted_drafts=torch.from_numpy(accepted), committed_lengths=torch.from_numpy(C))
         self.predraft.on_step()
         try:
             md = build_step_metadata_columns(
-                p, m, b.token_ids, b.hidden_states, b.next_tokens, k,
-                self.table.block_tables.tensor[rows, : int(blocks.max())], b.temperatures, b.seeds,
+                b.start_positions, b.num_tokens, b.token_ids, b.hidden_states, b.next_tokens, k_t,
+                torch.from_numpy(self.table.block_tables.tensor.numpy()[rows, : int(blocks.max())]), b.temperatures,
+                b.seeds,
                 torch.zeros(B, dtype=torch.int64), self.block_size, self.device)
             greedy = not bool((b.temperatures > 0).any())
             sp = SamplingSettings(temperature=md.temperature, seed=md.seed, top_k=md.top_k, want_logprobs=False,
@@ -482,7 +488,7 @@ class Proposer:
             drafts = self._draft_sequential(md, sp, _Drafts(B, [0] * B), None).as_tensor()
         except Exception as e:  # never leave a sequence claiming KV it may not have
             log.exception("step failed")
-            for seq, start in zip(seqs, p.tolist()):
+            for seq, start in zip(seqs, p.tolist()):  # (p: numpy)
                 seq.last_drafts = []
                 seq.committed_len = min(seq.committed_len, start)
             self._step_failed(e)
@@ -494,35 +500,35 @@ class Proposer:
         out.drafts = drafts
         # ---- the sequences' state after the step ----
         ends, given = C.tolist(), drafts.tolist()
-        for seq, end, d, n in zip(seqs, ends, given, k.tolist()):
+        for seq, end, d, n in zip(seqs, ends, given, k.tolist()):  # (C, k: numpy)
             seq.committed_len = seq.last_drafts_base = end
             seq.last_drafts = d[:n]
         self._record_columns(b, out, time.perf_counter() - t0)
         return out
 
-    def _count_accepted_columns(self, seqs: list[Sequence], b: BatchInput, C: torch.Tensor, base: torch.Tensor,
-                                n: torch.Tensor) -> torch.Tensor:
+    def _count_accepted_columns(self, seqs: list[Sequence], b: BatchInput, C: np.ndarray, base: np.ndarray,
+                                n: np.ndarray) -> np.ndarray:
         """[B] int64: _count_accepted for every sequence at once (the drafts given at its last step, n of them for
         positions base + 1, ..., against the committed tokens this step brings), recorded in the acceptance
-        metrics."""
+        metrics. C, base, n: [B] int64 (numpy)."""
         B = len(seqs)
         K = int(n.max())
         if K == 0:
-            return torch.zeros(B, dtype=torch.int64)
-        if bool((n == K).all()):  # (the common case: one k for all at the last step)
-            given = torch.tensor([seq.last_drafts for seq in seqs], dtype=torch.int64)
+            return np.zeros(B, dtype=np.int64)
+        if (n == K).all():  # (the common case: one k for all at the last step)
+            flat = array.array("q", [d for seq in seqs for d in seq.last_drafts])
         else:
-            given = torch.tensor([seq.last_drafts + [-1] * (K - len(seq.last_drafts)) for seq in seqs],
-                                 dtype=torch.int64)
-        p = b.start_positions
+            flat = array.array("q", [d for seq in seqs for d in seq.last_drafts + [-1] * (K - len(seq.last_drafts))])
+        given = np.frombuffer(flat, dtype=np.int64).reshape(B, K)
+        p, m = b.start_positions.numpy(), b.num_tokens.numpy()
         evaluated = (n > 0) & (p <= base + 1) & (base + 1 <= C)  # [B] (_count_accepted's condition)
-        pos = base[:, None] + torch.arange(1, K + 1)  # [B, K] position of each given draft
-        qsl = torch.cumsum(b.num_tokens, 0) - b.num_tokens  # [B] first row of each sequence in token_ids
-        rows = (qsl[:, None] + pos - p[:, None]).clamp_(0, max(b.total_tokens - 1, 0))
-        truth = torch.where(pos < C[:, None], b.token_ids[rows], b.next_tokens[:, None])  # committed token there
-        match = (pos <= C[:, None]) & (truth == given) & (torch.arange(K) < n[:, None])
-        accepted = match.to(torch.int64).cumprod(1).sum(1) * evaluated
-        if bool(evaluated.any()):
+        pos = base[:, None] + np.arange(1, K + 1)  # [B, K] position of each given draft
+        qsl = np.cumsum(m) - m  # [B] first row of each sequence in token_ids
+        rows = np.clip(qsl[:, None] + pos - p[:, None], 0, b.total_tokens - 1)
+        truth = np.where(pos < C[:, None], b.token_ids.numpy()[rows], b.next_tokens.numpy()[:, None])  # committed
+        match = (pos <= C[:, None]) & (truth == given) & (np.arange(K) < n[:, None])
+        accepted = np.cumprod(match, axis=1).sum(1) * evaluated
+        if evaluated.any():
             self.metrics.record_acceptance_columns(n[evaluated], accepted[evaluated])
         return accepted
 

@@ -40,6 +40,7 @@ import itertools
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from drafter_service.engine.block_tables import BlockTables
@@ -105,18 +106,6 @@ def _aligned_lists(fields: list[list[int]], itemsize: int) -> list[int]:
         out += f
         out += [0] * (aligned_len(len(f), itemsize) - len(f))
     return out
-
-
-def _aligned_cat(fields: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat of 1-D tensors of one dtype, each padded with zeros to a multiple of ALIGN_BYTES."""
-    zeros = torch.zeros(ALIGN_BYTES // fields[0].element_size(), dtype=fields[0].dtype)
-    parts = []
-    for f in fields:
-        parts.append(f)
-        pad = aligned_len(f.numel(), f.element_size()) - f.numel()
-        if pad:
-            parts.append(zeros[:pad])
-    return torch.cat(parts)
 
 
 def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor], hidden_states: list[torch.Tensor],
@@ -229,35 +218,49 @@ def _pack_vectorized(p: torch.Tensor, q: torch.Tensor, committed: torch.Tensor, 
                      k: torch.Tensor, block_tables_i32: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                      top_ks: torch.Tensor, block_size: int) -> tuple[torch.Tensor, list[int], list[int]]:
     """The host buffer of a large step (prefill, or many sequences), vectorized over the batch: no per-sequence
-    tensor op. p, q, next_tokens, k, seeds, top_ks: [B] int64; committed: [T] token ids; temperature: [B] float32;
-    block_tables_i32: [B, w] int32, zero-padded."""
-    B = p.shape[0]
-    i64 = torch.int64
-    T = committed.shape[0]
-
-    qsl = torch.zeros(B + 1, dtype=i64)
-    torch.cumsum(q, 0, out=qsl[1:])
+    op. p, q, next_tokens, k, seeds, top_ks: [B] int64; committed: [T] token ids; temperature: [B] float32;
+    block_tables_i32: [B, w] int32, zero-padded (host tensors). The arithmetic runs in numpy on views of them, each
+    field written straight into its place in the buffer: small-array numpy ops cost about a microsecond where a torch
+    op costs several, and there are some twenty of them."""
+    p, q, k = p.numpy(), q.numpy(), k.numpy()
+    B, T, w = p.shape[0], committed.shape[0], block_tables_i32.shape[1]
+    qsl = np.zeros(B + 1, dtype=np.int64)
+    np.cumsum(q, out=qsl[1:])
     seq_lens = p + q  # [B]
-    tables = block_tables_i32.to(i64)  # [B, w]
+    draft_index = np.flatnonzero(k > 0)  # [n] batch index of each drafting sequence
+    n = draft_index.shape[0]
+
+    wide_padded = [aligned_len(x, 8) for x in (T, T, T, B, B, n, n, n)]
+    narrow_padded = [aligned_len(x, 4) for x in (B + 1, B, B * w, B, n, n)]
+    host = np.zeros(2 * sum(wide_padded) + sum(narrow_padded), dtype=np.int32)
+    wide_at = np.cumsum([0] + wide_padded)  # int64 element offsets of the int64 region's fields
+    narrow_at = 2 * sum(wide_padded) + np.cumsum([0] + narrow_padded)  # int32 element offsets
+    wide = host[: 2 * sum(wide_padded)].view(np.int64)
+    field64 = lambda i, size: wide[wide_at[i] : wide_at[i] + size]  # noqa: E731
+    field32 = lambda i, size: host[narrow_at[i] : narrow_at[i] + size]  # noqa: E731
 
     # first-step rows
-    row_seq = torch.repeat_interleave(torch.arange(B), q)  # [T] sequence of each row
-    positions = p[row_seq] + torch.arange(T) - qsl[row_seq]  # [T]
-    slots = tables[row_seq, positions // block_size] * block_size + positions % block_size  # [T]
-    committed = committed.to(i64)  # [T] x[p_i .. p_i+m_i-1], sequence after sequence
-    input_ids = torch.empty(T, dtype=i64)
-    input_ids[:-1] = committed[1:]  # row t gets x[t+1] ...
-    input_ids[qsl[1:] - 1] = next_tokens  # ... and each sequence's last row next_token
-
+    row_seq = np.repeat(np.arange(B), q)  # [T] sequence of each row
+    positions = field64(1, T)
+    np.add(p[row_seq] - qsl[row_seq], np.arange(T), out=positions)  # p_i + r for the r-th row of sequence i
+    tables = block_tables_i32.numpy()
+    field64(2, T)[:] = (tables[row_seq, positions // block_size].astype(np.int64) * block_size
+                        + positions % block_size)  # slots
+    input_ids = field64(0, T)
+    input_ids[:-1] = committed.numpy()[1:]  # row t gets x[t+1] ...
+    input_ids[qsl[1:] - 1] = next_tokens.numpy()  # ... and each sequence's last row next_token
+    field64(3, B)[:] = seeds.numpy()
+    field64(4, B)[:] = top_ks.numpy()
     # drafting sequences
-    draft_index = (k > 0).nonzero().squeeze(1)  # [n]
-    draft_rows = qsl[draft_index + 1] - 1
+    field64(5, n)[:] = draft_index
+    field64(6, n)[:] = qsl[draft_index + 1] - 1  # the row that gives draft 1
     draft_seq_lens = seq_lens[draft_index]
-    draft_positions = draft_seq_lens - 1
-    draft_steps = k[draft_index] - 1
+    field64(7, n)[:] = draft_seq_lens - 1  # its position
 
-    wide = [input_ids, positions, slots, seeds, top_ks, draft_index, draft_rows, draft_positions]
-    narrow = [qsl.to(torch.int32), seq_lens.to(torch.int32), block_tables_i32.flatten(),
-              temperature.view(torch.int32), draft_seq_lens.to(torch.int32), draft_steps.to(torch.int32)]
-    host = torch.cat([_aligned_cat(wide).view(torch.int32), _aligned_cat(narrow)])
-    return host, draft_index.tolist(), seq_lens.tolist()
+    field32(0, B + 1)[:] = qsl
+    field32(1, B)[:] = seq_lens
+    field32(2, B * w)[:] = tables.reshape(-1)
+    field32(3, B)[:] = temperature.numpy().view(np.int32)  # (float32 bits)
+    field32(4, n)[:] = draft_seq_lens
+    field32(5, n)[:] = k[draft_index] - 1  # decode steps it needs
+    return torch.from_numpy(host), draft_index.tolist(), seq_lens.tolist()
