@@ -11,6 +11,8 @@ left as an engine's would be):
                     ceiling of one message on this machine)
     echo-chunked    the same bytes as a client stream of --chunk-bytes messages, copied into a buffer on arrival
                     (the ceiling of chunking)
+    echo-parallelN  the same chunks over N streams at once, each on a channel (TCP connection) of its own, 1/N of the
+                    bytes each (does more than one connection lift gRPC's ceiling where cores are free?)
     old             DrafterClient.propose, the states inline in one ProposeRequest (unary Propose: the path before
                     ProposeChunked), drafter with malloc tuned (ServerConfig.tune_malloc, now the default)
     new             DrafterClient.propose as engines call it: the client picks ProposeChunked (1 MiB chunks)
@@ -47,7 +49,8 @@ from drafter_client.messages import CHUNK_BYTES, CHUNKED_MIN_BYTES
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WIDTH = 4096  # Llama-3.1-8B hidden size: EAGLE-1's hidden_states_width
 DTYPE = torch.bfloat16
-ALL_MODES = ("tcp", "echo", "echo-chunked", "old", "new", "echo-untuned", "old-untuned", "new-untuned")
+ALL_MODES = ("tcp", "echo", "echo-chunked", "old", "new", "echo-untuned", "old-untuned", "new-untuned", "echo-parallel2",
+             "echo-parallel4")
 
 
 # ---- servers, each in its own process ----
@@ -161,6 +164,24 @@ async def make_modes(addresses: dict[str, str], modes: list[str], max_bytes: int
                 sock.sendall(len(data).to_bytes(8, "little"))
                 sock.sendall(data)
                 assert sock.recv(1) == b"k"
+        elif kind.startswith("echo-parallel"):  # the chunks over N streams, each on its own channel (connection)
+            n_streams = int(kind.removeprefix("echo-parallel"))
+            rpcs = []
+            for _ in range(n_streams):
+                ch = grpc.aio.insecure_channel(server, options=opts + [("grpc.use_local_subchannel_pool", 1)])
+                closers.append(ch.close)
+                rpcs.append(ch.stream_unary("/bench.Echo/Upload"))
+
+            def part_pieces(data: bytes, lo: int, hi: int):
+                view = memoryview(data)
+                for o in range(lo, hi, chunk_bytes):
+                    yield o.to_bytes(8, "little") + view[o : min(o + chunk_bytes, hi)]
+
+            async def call(payload, rpcs=rpcs):
+                data = payload["bytes"]
+                step = -(-len(data) // len(rpcs) // chunk_bytes) * chunk_bytes  # whole chunks per stream
+                await asyncio.gather(*(rpc(part_pieces(data, i * step, min((i + 1) * step, len(data))))
+                                       for i, rpc in enumerate(rpcs)))
         elif kind in ("echo", "echo-chunked"):
             ch = grpc.aio.insecure_channel(server, options=opts)
             closers.append(ch.close)
