@@ -153,12 +153,15 @@ class Metrics:
         B = codes.shape[0]
         self.steps += 1
         self.sequence_steps += B
-        ok = codes == 0
-        if not bool(ok.all()):
+        if bool(codes.any()):
+            ok = codes == 0
             for code, count in zip(*(t.tolist() for t in torch.unique(codes[~ok], return_counts=True))):
                 self.sequence_errors[code] = self.sequence_errors.get(code, 0) + count
-        self.committed_tokens += int(num_tokens[ok].sum())
-        self.draft_tokens += int(num_drafts[ok].sum())
+            self.committed_tokens += int(num_tokens[ok].sum())
+            self.draft_tokens += int(num_drafts[ok].sum())
+        else:  # (the common case: every sequence drafted)
+            self.committed_tokens += int(num_tokens.sum())
+            self.draft_tokens += int(num_drafts.sum())
         self.step_seconds.observe(seconds)
         self.batch_sequences.observe(B)
         self.kv_blocks_free, self.kv_blocks_total = blocks_free, blocks_total

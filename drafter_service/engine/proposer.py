@@ -459,7 +459,7 @@ class Proposer:
         committed, have, rows = state[:, 0], state[:, 1], state[:, 2]
         if (C >= self.max_model_len).any() or (p > committed).any() or (rows < 0).any():
             return None  # OUT_OF_RANGE or a gap: the per-sequence path names it
-        k = np.clip(np.minimum(b.num_drafts.numpy(), self.max_model_len - 1 - C), 0, None)  # [B] after the cut
+        k = np.maximum(np.minimum(b.num_drafts.numpy(), self.max_model_len - 1 - C), 0)  # [B] after the cut
         # ---- blocks: only the sequences whose table changes size go through the table (a few per step) ----
         needed = C + np.maximum(k - 1, 0)  # positions the step writes KV for (scratch KV of all drafts but the last)
         bs = self.block_size
@@ -524,7 +524,7 @@ class Proposer:
         evaluated = (n > 0) & (p <= base + 1) & (base + 1 <= C)  # [B] (_count_accepted's condition)
         pos = base[:, None] + np.arange(1, K + 1)  # [B, K] position of each given draft
         qsl = np.cumsum(m) - m  # [B] first row of each sequence in token_ids
-        rows = np.clip(qsl[:, None] + pos - p[:, None], 0, b.total_tokens - 1)
+        rows = np.minimum(np.maximum(qsl[:, None] + pos - p[:, None], 0), b.total_tokens - 1)
         truth = np.where(pos < C[:, None], b.token_ids.numpy()[rows], b.next_tokens.numpy()[:, None])  # committed
         match = (pos <= C[:, None]) & (truth == given) & (np.arange(K) < n[:, None])
         accepted = np.cumprod(match, axis=1).sum(1) * evaluated
