@@ -224,3 +224,45 @@ async def test_a_columnar_request_runs_from_its_columns_through_the_server(serve
         assert server.call(lambda: proposer.columns_steps_run) - before >= 3  # (the first round creates them)
         await cols.release(list(t.tokens))
         await rows.release(list(t.tokens))
+
+
+def test_merged_columnar_requests_run_as_one_batch_and_each_gets_its_share(tiny_model, tmp_path):
+    """The scheduler merges columnar requests of two namespaces (and a per-sequence request, which sends the whole
+    batch the per-sequence way) into one batch; each request gets exactly its own answers."""
+    from drafter_service.engine.scheduler import PendingRequest, StepScheduler
+
+    a, b = runtimes(tiny_model, tmp_path)
+    width, vocab = a.limits.hidden_states_width, a.limits.vocab_size
+    ta, tb = Traffic(7, width, vocab, 24), Traffic(8, width, vocab, 24)
+    sched = StepScheduler(b.proposer, max_batch_tokens=1 << 20, max_batch_seqs=1024)
+
+    def run_merged(parts):
+        got = {}
+        pending = [PendingRequest(p, lambda out, exc, i=i: got.__setitem__(i, (out, exc))) for i, p in enumerate(parts)]
+        sched._run_batch(pending)
+        return [got[i] for i in range(len(parts))]
+
+    def steps_of(t, ns, m, k):
+        steps = [t.step(sid, m, k) for sid in t.tokens]
+        for s in steps:
+            s.namespace = ns
+        return steps
+
+    for round, mixed in enumerate([False, False, False, True]):
+        sa, sb = steps_of(ta, "na", 3, 4), steps_of(tb, "nb", 2, 5)
+        want = a.proposer.step([*sa, *sb])
+        ba, bb = as_batch(sa), as_batch(sb)
+        ba.namespaces, bb.namespaces = ["na"] * len(sa), ["nb"] * len(sb)
+        before = b.proposer.columns_steps_run
+        extra = []
+        if mixed:  # a per-sequence request in the same batch: everything goes the per-sequence way
+            extra = [steps_of(Traffic(9 + round, width, vocab, 1), "nc", 3, 2)]
+        results = run_merged([ba, bb, *extra])
+        (out_a, exc_a), (out_b, exc_b) = results[:2]
+        assert exc_a is None and exc_b is None
+        assert isinstance(out_a, BatchOutput) and len(out_a) == len(sa) and len(out_b) == len(sb)
+        same(want[: len(sa)], out_a)
+        same(want[len(sa):], out_b)
+        assert b.proposer.columns_steps_run - before == (0 if mixed or round == 0 else 1)
+        if extra:
+            assert isinstance(results[2][0], list) and all(o.code == OK for o in results[2][0])
