@@ -423,7 +423,7 @@ class Proposer:
     def step_batch(self, b: BatchInput) -> BatchOutput:
         """One engine step given as columns. The common step (known sequences, a sequential head, no pre-drafting,
         no log-probabilities or top-N, more than SMALL_STEP_ROWS committed rows) runs from the columns: the checks,
-        the acceptance count, the step metadata and the reply are tensor ops over the batch, and the only work per
+        the acceptance count, the step metadata and the reply are array ops over the batch, and the only work per
         sequence is the table lookup and a few attribute reads and writes in list comprehensions. Any other step
         (or one where a check fails: then the per-sequence path works out each sequence's own status) runs as
         Proposer.step of b.to_inputs(); the answers are the same either way (tests/test_step_batch.py)."""
