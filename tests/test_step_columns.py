@@ -54,9 +54,19 @@ def test_columns_decode_to_the_steps_of_the_per_sequence_request(sampled):
     rng = random.Random(sampled)
     for n in (1, 2, 7, 64):
         batch, steps = random_batch(rng, n, sampled)
-        by_cols = parse_bytes(serialize_batch("ns", batch, request_id=4, columns=True))
+        data = serialize_batch("ns", batch, request_id=4, columns=True)
+        by_cols = parse_bytes(data)
         by_rows = parse_propose(pb.ProposeRequest.FromString(build_request("ns", steps).SerializeToString()), LIMITS)
         assert len(by_cols) == len(by_rows) == n
+        # the server's form: the same steps as one BatchInput of the decoded columns (Proposer.step_batch's input)
+        as_batch = parse_propose(pb.ProposeRequest.FromString(bytes(data)), LIMITS, columnar=True)
+        assert len(as_batch) == n and as_batch.total_tokens == sum(len(s.token_ids) for s in steps)
+        by_cols_batch = as_batch.to_inputs()
+        for c, r in zip(by_cols_batch, by_cols, strict=True):
+            for f in ("namespace", "sequence_id", "start_position", "next_token", "num_drafts", "seed",
+                      "return_logprobs", "top_k_probs", "predraft_branches", "temperature"):
+                assert getattr(c, f) == getattr(r, f), f
+            assert torch.equal(c.token_ids, r.token_ids) and torch.equal(c.hidden_states, r.hidden_states)
         for c, r in zip(by_cols, by_rows):
             for f in ("namespace", "sequence_id", "start_position", "next_token", "num_drafts", "seed",
                       "return_logprobs", "top_k_probs", "predraft_branches"):

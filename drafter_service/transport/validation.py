@@ -67,10 +67,12 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
     it was read off the wire apart from the message (received_request.py; req.hidden_states has dtype and shape).
     columnar: a columnar request's steps come back as one BatchInput (no StepInput per sequence)."""
     check_namespace(req.namespace)
+    tensors = None
     if req.HasField("columns"):
         if len(req.steps):
             raise invalid("the request has both steps and columns; send one of them")
-        columns = _parse_columns(req.columns, limits)
+        tensors = {} if columnar else None
+        columns = _parse_columns(req.columns, limits, tensors)
     else:
         columns = _parse_steps(req.steps, limits)
     sids, ps, ms, nxts, ks, temps, seeds, lps, top_ns, branches = columns
@@ -97,8 +99,8 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
     token_ids = token_ids.to(torch.int64)
     _check_vocabulary(token_ids, limits.vocab_size)
     ns = req.namespace
-    if columnar and req.HasField("columns"):
-        return BatchInput.from_lists(ns, sids, ps, ms, token_ids, hidden, nxts, ks, temps, seeds, lps, top_ns, branches)
+    if tensors is not None:  # a columnar request as columns: its decoded (and checked) tensors, no list round trip
+        return _batch_input(ns, sids, tensors, token_ids, hidden, lps, top_ns, branches)
     if len(ms) == 1:  # (the common decode step at batch 1: no split)
         per_step = [(token_ids, hidden)]
     else:
@@ -108,6 +110,21 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
                       predraft_branches=f)
             for sid, p, nxt, k, t, seed, lp, top_n, f, (tok, hid)
             in zip(sids, ps, nxts, ks, temps, seeds, lps, top_ns, branches, per_step)]
+
+
+def _batch_input(namespace: str, sids: list[str], tensors: dict, token_ids: torch.Tensor, hidden: torch.Tensor,
+                 lps: list[bool], top_ns: list[int], branches: list[int]) -> BatchInput:
+    """A checked columnar request's BatchInput from its decoded columns (optional ones absent: zeros)."""
+    n, i64 = len(sids), torch.int64
+    get = lambda name, dtype: (tensors[name].to(dtype) if name in tensors  # noqa: E731
+                               else torch.zeros(n, dtype=dtype))
+    f = get("predraft_branches", i64) if any(branches) else torch.zeros(n, dtype=i64)  # (0 where pre-drafting is off)
+    return BatchInput(sequence_ids=sids, namespaces=[namespace] * n, owners=[None] * n,
+                      start_positions=get("start_positions", i64), num_tokens=get("num_tokens", i64),
+                      token_ids=token_ids, hidden_states=hidden, next_tokens=get("next_tokens", i64),
+                      num_drafts=get("num_drafts", i64), temperatures=get("temperatures", torch.float32),
+                      seeds=get("seeds", i64), return_logprobs=torch.tensor(lps[:1] * n, dtype=torch.bool),
+                      top_k_probs=torch.tensor(top_ns[:1] * n, dtype=i64), predraft_branches=f)
 
 
 def _check_sequence_count(n: int, limits: Limits) -> None:
@@ -163,7 +180,7 @@ def committed_rows(req: "pb.ProposeRequest") -> int:
     return sum(m.tolist())  # (python ints: a torch sum of int64 values wraps around)
 
 
-def _parse_columns(c: "pb.StepColumns", limits: Limits) -> tuple[list, ...]:
+def _parse_columns(c: "pb.StepColumns", limits: Limits, tensors: dict | None = None) -> tuple[list, ...]:
     """A columnar request's steps (StepColumns), checked, as the ten lists of parse_propose. Each column is decoded
     with one torch.frombuffer and turned into a list in one call; the range checks are min/max over the lists (C
     loops, no tensor op per check: cheap at any batch size). Each error names the column and the first offending
@@ -190,6 +207,8 @@ def _parse_columns(c: "pb.StepColumns", limits: Limits) -> tuple[list, ...]:
             raise invalid(str(e)) from None
         if x.shape[0] != n:
             raise invalid(f"columns.{name} has {x.shape[0]} values for {n} sequence_ids")
+        if tensors is not None:  # (the decoded column, kept for a BatchInput)
+            tensors[name] = x
         return x.tolist()
 
     def check(name: str, values: list, ok: Callable, why: str) -> None:
