@@ -149,14 +149,21 @@ def build_step_metadata_columns(start_positions: torch.Tensor, num_tokens: torch
                       token_ids.shape[0], block_tables.shape[1], [hidden_states], device)
 
 
+def _layout(T: int, B: int, n: int, w: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The buffer's fields in order (module docstring): (int64 field sizes, int32 field sizes, and each padded to
+    ALIGN_BYTES), in elements: _pack_vectorized writes and _to_device splits by it (_pack_lists writes the same
+    order with _aligned_lists)."""
+    wide_sizes = [T, T, T, B, B, n, n, n]
+    narrow_sizes = [B + 1, B, B * w, B, n, n]
+    return (wide_sizes, narrow_sizes, [aligned_len(x, 8) for x in wide_sizes],
+            [aligned_len(x, 4) for x in narrow_sizes])
+
+
 def _to_device(host: torch.Tensor, active: list[int], seq_lens: list[int], num_drafts: list[int], max_q: int, T: int,
                w: int, hidden_states: list[torch.Tensor], device: torch.device) -> StepMetadata:
     """The packed host buffer to the device in one copy, and the StepMetadata of views of it."""
     B, n = len(num_drafts), len(active)
-    wide_sizes = [T, T, T, B, B, n, n, n]
-    narrow_sizes = [B + 1, B, B * w, B, n, n]
-    wide_padded = [aligned_len(x, 8) for x in wide_sizes]
-    narrow_padded = [aligned_len(x, 4) for x in narrow_sizes]
+    wide_sizes, narrow_sizes, wide_padded, narrow_padded = _layout(T, B, n, w)
     num_wide = sum(wide_padded)  # int64 elements = 2 * num_wide int32 elements
     if device.type == "cuda":
         host = host.pin_memory()
@@ -230,8 +237,7 @@ def _pack_vectorized(p: torch.Tensor, q: torch.Tensor, committed: torch.Tensor, 
     draft_index = np.flatnonzero(k > 0)  # [n] batch index of each drafting sequence
     n = draft_index.shape[0]
 
-    wide_padded = [aligned_len(x, 8) for x in (T, T, T, B, B, n, n, n)]
-    narrow_padded = [aligned_len(x, 4) for x in (B + 1, B, B * w, B, n, n)]
+    _, _, wide_padded, narrow_padded = _layout(T, B, n, w)
     host = np.zeros(2 * sum(wide_padded) + sum(narrow_padded), dtype=np.int32)
     wide_at = np.cumsum([0] + wide_padded)  # int64 element offsets of the int64 region's fields
     narrow_at = 2 * sum(wide_padded) + np.cumsum([0] + narrow_padded)  # int32 element offsets
