@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from drafter_service.engine.sampling import int64_to_seed, seed_to_int64
 from drafter_service.engine.step_io import StepInput, StepOutput
 
 
@@ -77,7 +78,7 @@ class BatchInput:
                    num_tokens=torch.tensor(num_tokens, dtype=i64), token_ids=token_ids, hidden_states=hidden_states,
                    next_tokens=torch.tensor(next_tokens, dtype=i64), num_drafts=torch.tensor(num_drafts, dtype=i64),
                    temperatures=torch.tensor(temperatures, dtype=torch.float32),
-                   seeds=torch.tensor([s - 2**64 if s >= 2**63 else s for s in seeds], dtype=i64),
+                   seeds=torch.tensor([seed_to_int64(s) for s in seeds], dtype=i64),
                    return_logprobs=torch.tensor(return_logprobs, dtype=torch.bool),
                    top_k_probs=torch.tensor(top_k_probs, dtype=i64),
                    predraft_branches=torch.tensor(predraft_branches, dtype=i64))
@@ -106,7 +107,7 @@ class BatchInput:
             per_step = [(self.token_ids, self.hidden_states)]
         else:
             per_step = zip(self.token_ids.split(ms), self.hidden_states.split(ms))
-        seeds = [s + 2**64 if s < 0 else s for s in self.seeds.tolist()]
+        seeds = [int64_to_seed(s) for s in self.seeds.tolist()]
         return [StepInput(namespace=ns, sequence_id=sid, start_position=p, token_ids=tok, hidden_states=hid,
                           next_token=nxt, num_drafts=k, temperature=t, seed=seed, return_logprobs=lp, top_k_probs=n,
                           owner=owner, predraft_branches=f)

@@ -23,6 +23,11 @@ def seed_to_int64(seed: int) -> int:
     return seed - 2**64 if seed >= 2**63 else seed
 
 
+def int64_to_seed(bits: int) -> int:
+    """The uint64 seed whose bits an int64 holds (seed_to_int64's inverse)."""
+    return bits + 2**64 if bits < 0 else bits
+
+
 @dataclass
 class DraftSample:
     tokens: torch.Tensor  # [n] int64 column ids of the logits (draft-vocabulary ids for draft-vocab heads)

@@ -15,6 +15,7 @@ import torch
 
 from drafter_client.protocol import pb
 from drafter_service.engine.batch_io import BatchInput
+from drafter_service.engine.sampling import int64_to_seed
 from drafter_service.engine.step_io import StepInput
 from drafter_client.protocol.wire import WireError, decode_tensor
 
@@ -240,7 +241,7 @@ def _parse_columns(c: "pb.StepColumns", limits: Limits, tensors: dict | None = N
             check("predraft_branches", f, lambda v: 0 <= v <= max_f,
                   f"at most {limits.max_predraft_branches} (GetInfo.max_predraft_branches)")
         if min(seeds) < 0:  # the wire's uint64 seeds travel as int64 bits: back to the uint64 value
-            seeds = [s + 2**64 if s < 0 else s for s in seeds]
+            seeds = [int64_to_seed(s) for s in seeds]
     if c.top_k_probs > limits.max_top_k_probs:
         raise invalid(f"columns.top_k_probs is {c.top_k_probs}; at most {limits.max_top_k_probs} "
                       "(GetInfo.max_top_k_probs)")
