@@ -74,9 +74,8 @@ class _Drafts:
         self.batch_size = batch_size
         self.top_k = top_k
         self.columns: list[tuple[list[int], DraftSample]] = []  # (batch index of each row, samples of the rows)
-        self.host_tokens: list[list[int]] | None = None  # (finish() of host_rows: [B] token lists)
         self.host_rows: tuple[torch.Tensor, list[int], list[int]] | None = None  # graph path: ([n, K] drafts on the
-        # host, the batch index of each row, each row's k), until finish() or as_tensor() reads them
+        # host, the batch index of each row, each row's k), for finish() or as_tensor()
         self.features: dict[int, torch.Tensor] = {}  # batch index -> [k, H] g_0..g_{k-1} (pre-drafting, eager path)
 
     def add(self, rows: list[int], sample: DraftSample) -> None:
@@ -118,11 +117,10 @@ class _Drafts:
         if self.host_rows is not None:
             rows, active, ks = self.host_rows
             host_rows = rows.tolist()
-            self.host_tokens = [[] for _ in range(B)]  # batch index -> drafts; k = 0 sequences: none
+            per_seq: list[list[int]] = [[] for _ in range(B)]  # batch index -> drafts; k = 0 sequences: none
             for r, i in enumerate(active):  # drafts past a sequence's own k are dropped here
-                self.host_tokens[i] = host_rows[r][: ks[r]]
-        if self.host_tokens is not None:
-            return self.host_tokens, [[] for _ in range(B)], [None] * B, [None] * B
+                per_seq[i] = host_rows[r][: ks[r]]
+            return per_seq, [[] for _ in range(B)], [None] * B, [None] * B
         tokens: list[list[int]] = [[] for _ in range(B)]
         logprobs: list[list[float]] = [[] for _ in range(B)]
         top_ids: list[list[torch.Tensor]] = [[] for _ in range(B)]
@@ -350,17 +348,22 @@ class Proposer:
         new sequences are dropped, the others only trust positions below this step's start (the engine re-sends
         from there)."""
         for a in batch:
-            a.seq.last_drafts = []
-            a.seq.committed_len = min(a.seq.committed_len, a.step.start_position)
-            if a.seq.shift_cache is not None:  # multi-layer: KV is only trusted below the final prefix
-                a.seq.committed_len = min(a.seq.committed_len, a.seq.shift_cache.final_len)
-            self.predraft.failed(a.seq)
+            self._forget_failed_step(a.seq, a.step.start_position)
             if a.is_new:
                 self.table.release(a.seq.namespace, a.seq.sequence_id)
             out = outputs[a.index]
             out.code = INTERNAL
             out.message = f"internal error in the draft step: {type(e).__name__}: {e}"
             out.accepted_drafts = 0
+
+    def _forget_failed_step(self, seq: Sequence, start: int) -> None:
+        """After a batch raised: seq trusts its KV only below the failed step's start (the engine re-sends from
+        there) and gave no drafts."""
+        seq.last_drafts = []
+        seq.committed_len = min(seq.committed_len, start)
+        if seq.shift_cache is not None:  # multi-layer: KV is only trusted below the final prefix
+            seq.committed_len = min(seq.committed_len, seq.shift_cache.final_len)
+        self.predraft.failed(seq)
 
     # ---- the step ----
 
@@ -489,8 +492,7 @@ class Proposer:
         except Exception as e:  # never leave a sequence claiming KV it may not have
             log.exception("step failed")
             for seq, start in zip(seqs, p.tolist()):  # (p: numpy)
-                seq.last_drafts = []
-                seq.committed_len = min(seq.committed_len, start)
+                self._forget_failed_step(seq, start)
             self._step_failed(e)
             failed = BatchOutput.failed(B, INTERNAL, f"internal error in the draft step: {type(e).__name__}: {e}")
             self._record_columns(b, failed, time.perf_counter() - t0)
