@@ -16,6 +16,8 @@ left as an engine's would be):
     old             DrafterClient.propose, the states inline in one ProposeRequest (unary Propose: the path before
                     ProposeChunked), drafter with malloc tuned (ServerConfig.tune_malloc, now the default)
     new             DrafterClient.propose as engines call it: the client picks ProposeChunked (1 MiB chunks)
+    new-parallelN   the same with DrafterClient(upload_streams=N): from 8 MiB the upload is spread over N
+                    ProposeChunked calls at once, each on a connection of its own (ProposeChunk.part)
     *-untuned       the same against servers with glibc's default malloc thresholds (old-untuned is the state
                     before this work: docs/performance.md, "Large steps over TCP")
 
@@ -50,7 +52,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 WIDTH = 4096  # Llama-3.1-8B hidden size: EAGLE-1's hidden_states_width
 DTYPE = torch.bfloat16
 ALL_MODES = ("tcp", "echo", "echo-chunked", "old", "new", "echo-untuned", "old-untuned", "new-untuned", "echo-parallel2",
-             "echo-parallel4")
+             "echo-parallel4", "new-parallel2", "new-parallel4")
 
 
 # ---- servers, each in its own process ----
@@ -201,19 +203,22 @@ async def make_modes(addresses: dict[str, str], modes: list[str], max_bytes: int
                 async def call(payload, rpc=rpc):
                     await rpc(pieces(payload["bytes"]))
         else:
+            streams = int(kind.removeprefix("new-parallel")) if kind.startswith("new-parallel") else 1
             client = DrafterClient(server, namespace=f"bench-{mode}", max_message_bytes=max_bytes,
                                    step_timeout_s=None, raise_on_error=True,
                                    chunk_min_bytes=None if kind == "old" else chunk_min_bytes,
-                                   chunk_bytes=chunk_bytes)
+                                   chunk_bytes=chunk_bytes, upload_streams=streams)
             await client.wait_ready(120)
             closers.append(client.close)
 
-            async def call(payload, client=client, kind=kind):
-                before = client.steps_chunked
+            async def call(payload, client=client, kind=kind, streams=streams):
+                before, spread_before = client.steps_chunked, client.steps_spread
                 r = await client.propose(payload["steps"], payload["hidden"])
                 assert r.sequences[0].ok, r.sequences[0].message
-                chunked = kind == "new" and payload["nbytes"] >= chunk_min_bytes
+                chunked = kind.startswith("new") and payload["nbytes"] >= chunk_min_bytes
+                spread = streams > 1 and payload["nbytes"] >= client.upload_streams_min_bytes
                 assert client.steps_chunked - before == chunked, "the step took the wrong path"
+                assert client.steps_spread - spread_before == spread, "the upload was not spread as asked"
         calls[mode] = call
     return calls, closers
 

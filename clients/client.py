@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -22,7 +23,8 @@ from drafter_client.batch import (COLUMNS_MIN_SEQUENCES, BatchDrafts, StepBatch,
                                  fallback_batch, parse_batch_response, serialize_batch, serialize_steps_as_columns,
                                  steps_as_batch)
 from drafter_client.breaker import CircuitBreaker
-from drafter_client.messages import (CHUNK_BYTES, CHUNKED_MIN_BYTES, FAULT_CODES, ChunkedRequest, DirectRequest,
+from drafter_client.messages import (CHUNK_BYTES, CHUNKED_MIN_BYTES, FAULT_CODES, UPLOAD_PARTS_MIN_BYTES,
+                                     ChunkedRequest, DirectRequest,
                                      DrafterError, ProposeResult, ReleaseResult, SequenceDrafts, SequenceStep,
                                      build_request, fallback_result, hidden_parts, parse_response, serialize_request)
 from drafter_client.protocol import pb, pb_grpc
@@ -106,7 +108,8 @@ class DrafterClient:
                  credentials: "grpc.ChannelCredentials | None" = None, token: str | None = None,
                  step_timeout_s: "float | None" = _FROM_ENV, raise_on_error: bool = False,  # type: ignore[assignment]
                  breaker: CircuitBreaker | None = None, chunk_min_bytes: int | None = CHUNKED_MIN_BYTES,
-                 chunk_bytes: int = CHUNK_BYTES):
+                 chunk_bytes: int = CHUNK_BYTES, upload_streams: int = 1,
+                 upload_streams_min_bytes: int = UPLOAD_PARTS_MIN_BYTES):
         """target: ``host:port`` or ``unix:/path``; namespace: this engine's sequences and regions live under it.
         credentials: TLS channel credentials (drafter_client.auth.tls_credentials) for a TLS listener; token: a
         bearer token sent with every call and in step-channel hellos (drafter --auth-token-file).
@@ -116,7 +119,11 @@ class DrafterClient:
         breaker: the circuit breaker's settings (default CircuitBreaker(): backoff 0.1 s doubling to 5 s).
         chunk_min_bytes: a step whose inline hidden states reach this size goes by ProposeChunked, in chunks of
         chunk_bytes (docs/protocol.md; much faster than one message for a long prefill); None: never. A drafter
-        without ProposeChunked (UNIMPLEMENTED) gets one message from then on."""
+        without ProposeChunked (UNIMPLEMENTED) gets one message from then on.
+        upload_streams: a ProposeChunked upload of at least upload_streams_min_bytes is spread over this many calls
+        at once, each on a TCP connection of its own (one connection tops out below the network's speed; docs/
+        performance.md, "Large steps over TCP"), where the drafter allows it (GetInfo.max_upload_parts); 1: one
+        call. The extra connections open at the first such step."""
         self.target = target
         self.namespace = namespace
         self._token = token
@@ -125,10 +132,8 @@ class DrafterClient:
         options += RECONNECT_OPTIONS
         # call metadata of every Drafter call (health checks go without: probes need no token)
         self._metadata = bearer_metadata(token)
-        if credentials is not None:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
-        else:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
+        self._credentials, self._options = credentials, options  # (the extra upload connections are made alike)
+        self._channel = self._new_channel(options)
         self._stub = pb_grpc.DrafterStub(self._channel)
         # Propose with the request already serialized (serialize_request: the hidden states copied once)
         self._propose_bytes = self._channel.unary_unary("/drafter.v1.Drafter/Propose", request_serializer=None,
@@ -144,9 +149,17 @@ class DrafterClient:
                                                            response_deserializer=pb.ProposeResponse.FromString)
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes is {chunk_bytes}; at least 1")
+        if not 1 <= upload_streams <= 8:
+            raise ValueError(f"upload_streams is {upload_streams}; 1 to 8")
         self.chunk_min_bytes = chunk_min_bytes
         self.chunk_bytes = chunk_bytes
+        self.upload_streams = upload_streams
+        self.upload_streams_min_bytes = upload_streams_min_bytes
         self.steps_chunked = 0  # steps sent by ProposeChunked
+        self.steps_spread = 0  # ... of which over several calls (upload_streams)
+        self._upload_rpcs: list = []  # ProposeChunked on each extra upload connection (opened when first needed)
+        self._upload_channels: list = []
+        self._max_upload_parts: int | None = None  # GetInfo.max_upload_parts, once asked
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._next_request_id = 1
         self._step_columns: bool | None = None  # GetInfo.step_columns_supported, once asked (propose_batch)
@@ -192,7 +205,14 @@ class DrafterClient:
             except DrafterError as e:  # the drafter's lease reclaims them
                 log.info("unregistering %s: %s", sorted(self._own_regions), e)
         await self._stop_heartbeat()
+        for ch in self._upload_channels:
+            await ch.close()
         await self._channel.close()
+
+    def _new_channel(self, options: list):
+        if self._credentials is not None:
+            return grpc.aio.secure_channel(self.target, self._credentials, options=options)
+        return grpc.aio.insecure_channel(self.target, options=options)
 
     async def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Block until the server's health says SERVING (the model is loaded)."""
@@ -363,7 +383,12 @@ class DrafterClient:
         no ProposeChunked gets the step as one message, and every step after it too."""
         deadline = time.monotonic() + timeout if timeout is not None else None
         try:
-            resp = await self._call(self._propose_chunked, payload.messages(self.chunk_bytes), timeout)
+            parts = await self._upload_parts(payload, timeout)
+            if parts > 1:
+                left = max(0.0, deadline - time.monotonic()) if deadline is not None else None
+                resp = await self._send_spread(payload, parts, left)
+            else:
+                resp = await self._call(self._propose_chunked, payload.messages(self.chunk_bytes), timeout)
         except DrafterError as e:
             if e.code != grpc.StatusCode.UNIMPLEMENTED:
                 raise
@@ -373,6 +398,46 @@ class DrafterClient:
             left = max(0.0, deadline - time.monotonic()) if deadline is not None else None
             return await self._call(self._propose_bytes, bytes(payload.unary()), left)
         self.steps_chunked += 1
+        return resp
+
+    async def _upload_parts(self, payload: ChunkedRequest, timeout: float | None) -> int:
+        """Over how many calls this upload goes: upload_streams from upload_streams_min_bytes, where the drafter
+        allows that many (GetInfo.max_upload_parts, asked once and again after a fault); else 1."""
+        if self.upload_streams == 1 or payload.nbytes < self.upload_streams_min_bytes:
+            return 1
+        if self._max_upload_parts is None:
+            try:
+                self._max_upload_parts = (await self.get_info(timeout)).max_upload_parts
+            except DrafterError:
+                return 1
+        parts = min(self.upload_streams, self._max_upload_parts)
+        return parts if parts > 1 else 1
+
+    async def _send_spread(self, payload: ChunkedRequest, parts: int, timeout: float | None) -> "pb.ProposeResponse":
+        """One upload over ``parts`` ProposeChunked calls at once (proto: ProposeChunk.part): the request and the
+        first part on the client's channel, each other part on a connection of its own. The first call's answer is
+        the step's; the others are cancelled when it fails."""
+        while len(self._upload_rpcs) < parts - 1:  # (a local subchannel pool: a TCP connection per channel)
+            ch = self._new_channel(self._options + [("grpc.use_local_subchannel_pool", 1)])
+            self._upload_channels.append(ch)
+            self._upload_rpcs.append(ch.stream_unary("/drafter.v1.Drafter/ProposeChunked", request_serializer=None,
+                                                     response_deserializer=pb.ProposeResponse.FromString))
+        upload_id = uuid.uuid4().hex
+        extras = [asyncio.ensure_future(self._call(
+            rpc, payload.messages(self.chunk_bytes, pb.UploadPart(namespace=self.namespace, upload_id=upload_id,
+                                                                  index=i, count=parts)), timeout))
+            for i, rpc in enumerate(self._upload_rpcs[: parts - 1], start=1)]
+        answered = False
+        try:
+            resp = await self._call(self._propose_chunked, payload.messages(
+                self.chunk_bytes, pb.UploadPart(upload_id=upload_id, index=0, count=parts)), timeout)
+            answered = True
+        finally:
+            if not answered:  # (after a step, every extra call has its bytes in and is answered)
+                for f in extras:
+                    f.cancel()
+            await asyncio.gather(*extras, return_exceptions=True)
+        self.steps_spread += 1
         return resp
 
     # ---- when the drafter is sick: fallback, circuit breaker (docs/protocol.md) ----
@@ -386,6 +451,7 @@ class DrafterClient:
         reason = f"{e.code.name}: {e.message}"
         # the drafter may come back as another version (a rollback): ask again whether it takes columnar requests
         self._step_columns = None
+        self._max_upload_parts = None
         backoff = self.breaker.failure(reason)
         log.warning("the drafter at %s failed a call (%s): no drafts for %.2f s, then a probe (%d failures in a row)",
                     self.target, reason, backoff, self.breaker.failures)

@@ -290,9 +290,20 @@ class DirectRequest:
 # 2 MiB of states the chunked call clearly beats one message, at 1 MiB it is about even).
 CHUNKED_MIN_BYTES = 2 << 20
 CHUNK_BYTES = 1 << 20
+# A ProposeChunked upload from this size is spread over DrafterClient's upload_streams connections (when more than one)
+UPLOAD_PARTS_MIN_BYTES = 8 << 20
 # ProposeChunk's fields (proto/drafter/v1/drafter.proto)
 _CHUNK_OFFSET_KEY = bytes([2 << 3])  # offset = 2 (varint)
 _CHUNK_DATA_KEY = bytes([3 << 3 | 2])  # data = 3 (bytes)
+
+
+def upload_part_range(nbytes: int, count: int, index: int) -> tuple[int, int]:
+    """Bytes [lo, hi) of hidden_states that call ``index`` of an upload spread over ``count`` ProposeChunked calls
+    carries (proto/drafter/v1/drafter.proto, ProposeChunk): ceil(nbytes / count) each, the last ones shorter or
+    empty."""
+    per = -(-nbytes // count)
+    lo = min(index * per, nbytes)
+    return lo, min(lo + per, nbytes)
 
 
 class ChunkedRequest:
@@ -307,37 +318,53 @@ class ChunkedRequest:
         self.dtype = first.dtype
         self.shape = (sum(p.shape[0] for p in parts), first.shape[1])
         self.nbytes = self.shape[0] * self.shape[1] * first.element_size()
+        self._flat: torch.Tensor | None = None  # flat_states(), once gathered
 
     def __len__(self) -> int:
         return self.nbytes  # (about the request's size: a step channel takes it only if it fits)
 
-    def header(self) -> bytes:
-        """The first ProposeChunk: the request, hidden_states with dtype and shape and no data."""
+    def header(self, part: "pb.UploadPart | None" = None) -> bytes:
+        """The first ProposeChunk: the request, hidden_states with dtype and shape and no data (and the part of an
+        upload spread over several calls: index 0)."""
         req = pb.ProposeRequest()
         req.CopyFrom(self.req)
         req.hidden_states.dtype = WIRE_DTYPE[self.dtype]
         req.hidden_states.shape.extend(self.shape)
-        return pb.ProposeChunk(request=req).SerializeToString()
+        return pb.ProposeChunk(request=req, part=part).SerializeToString()
 
     def flat_states(self) -> torch.Tensor:
-        """The states as one contiguous host tensor of bytes ([nbytes] uint8): a view where they are one already."""
-        p = self.parts[0]
-        if len(self.parts) != 1 or p.device.type != "cpu" or not p.is_contiguous():
-            flat = torch.empty(self.nbytes, dtype=torch.uint8)
-            write_rows(self.parts, memoryview(flat.numpy()))
-            return flat
-        return p.detach().view(-1).view(torch.uint8)
+        """The states as one contiguous host tensor of bytes ([nbytes] uint8): a view where they are one already.
+        Gathered once (the calls of an upload spread over several share it)."""
+        if self._flat is None:
+            p = self.parts[0]
+            if len(self.parts) != 1 or p.device.type != "cpu" or not p.is_contiguous():
+                flat = torch.empty(self.nbytes, dtype=torch.uint8)
+                write_rows(self.parts, memoryview(flat.numpy()))
+                self._flat = flat
+            else:
+                self._flat = p.detach().view(-1).view(torch.uint8)
+        return self._flat
 
-    def messages(self, chunk_bytes: int = CHUNK_BYTES):
-        """The call's messages, serialized: the header, then ProposeChunk{offset, data} of chunk_bytes each
-        (the last one shorter). Lazy: a chunk is copied when gRPC asks for it."""
-        yield self.header()
+    def messages(self, chunk_bytes: int = CHUNK_BYTES, part: "pb.UploadPart | None" = None):
+        """One call's messages, serialized: the header, then ProposeChunk{offset, data} of chunk_bytes each (the last
+        one shorter). Lazy: a chunk is copied when gRPC asks for it. part: this call's part of an upload spread over
+        part.count calls (bytes upload_part_range(...) only; an extra call's first message carries the part and
+        its first chunk, no request)."""
+        lo, hi = (0, self.nbytes) if part is None else upload_part_range(self.nbytes, part.count, part.index)
+        extra = part is not None and part.index > 0
+        if not extra:
+            yield self.header(part)
         flat = self.flat_states().numpy()  # (uint8: numpy takes it; a memoryview of it is then zero-copy)
         view = memoryview(flat)
-        for start in range(0, self.nbytes, chunk_bytes):
-            data = view[start : start + chunk_bytes]
+        first = extra
+        for start in range(lo, max(hi, lo + 1) if extra else hi, chunk_bytes):  # (an empty extra part: one message)
+            data = view[start : min(start + chunk_bytes, hi)]
             # bytes + buffer: one copy of the data into the message
-            yield _CHUNK_OFFSET_KEY + _varint(start) + _CHUNK_DATA_KEY + _varint(len(data)) + data
+            chunk = _CHUNK_OFFSET_KEY + _varint(start) + _CHUNK_DATA_KEY + _varint(len(data)) + data
+            if first:  # (fields of one message may come in any order: the part, then offset and data)
+                chunk = pb.ProposeChunk(part=part).SerializeToString() + chunk
+                first = False
+            yield chunk
 
     def unary(self) -> DirectRequest:
         """The same step as one ProposeRequest (a drafter without ProposeChunked)."""

@@ -86,7 +86,8 @@ if [ "$what" = columns-bench ]; then  # bench_step with the in-process step as c
   done
 fi
 if [ "$what" = bulk-grpc ]; then  # large steps over TCP: bare gRPC echo, one message, chunks (docs/performance.md)
-  timeout "${BULK_TIMEOUT_S:-150}" python3 benchmarks/bench_bulk_grpc.py --out "$OUT" 2>&1 | tee "$OUT/bulk_grpc.log" | tail -14
+  timeout "${BULK_TIMEOUT_S:-150}" python3 benchmarks/bench_bulk_grpc.py --out "$OUT" ${BULK_MIB:+--mib $BULK_MIB} \
+    ${BULK_MODES:+--modes $BULK_MODES} 2>&1 | tee "$OUT/bulk_grpc.log" | tail -30
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m drafter_client.benchmarks.bench_step --preset llama3-8b --device cuda --batches 1,8,32,128 --graphs-ab \

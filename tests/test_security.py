@@ -3,6 +3,7 @@ namespaces (gRPC calls and step-channel hellos), Unix sockets 0660, reflection o
 
 The tests make their own CA and certificates with the openssl command line (skipped, saying so, without it).
 """
+import dataclasses
 import os
 import shutil
 import stat
@@ -196,6 +197,19 @@ async def test_chunked_uploads_are_checked_like_every_other_call(tiny_model, tok
         async with DrafterClient(s.tcp, namespace="ns-a", token=TOKEN_A) as a:
             r = await a.propose([step("c", 300)])  # the sequence was not restarted by the refused uploads
             assert r.sequences[0].ok, r.sequences[0].message
+        # an upload spread over several calls: every call carries the token, and an extra call's part names its
+        # namespace, checked like a request's (another token cannot add bytes to ns-a's upload)
+        async with DrafterClient(s.tcp, namespace="ns-a", token=TOKEN_A, chunk_min_bytes=0, upload_streams=3,
+                                 upload_streams_min_bytes=0) as a:
+            r = await a.propose([dataclasses.replace(prompt, sequence_id="spread")])
+            assert r.sequences[0].ok and a.steps_spread == 1
+        extra = pb.ProposeChunk(part=pb.UploadPart(namespace="ns-a", upload_id="u", index=1, count=2), offset=0,
+                                data=b"x").SerializeToString()
+        for token, code in ((None, grpc.StatusCode.UNAUTHENTICATED), (TOKEN_B, grpc.StatusCode.PERMISSION_DENIED)):
+            async with DrafterClient(s.tcp, namespace="ns-a", token=token) as other:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await other._propose_chunked(iter([extra]), timeout=30, metadata=other._metadata)
+                assert e.value.code() == code, e.value
 
 
 def test_sockets_are_owner_and_group_only_and_group_is_settable(tiny_model, tmp_path):

@@ -124,14 +124,28 @@ class ProposeRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., columns: _Optional[_Union[StepColumns, _Mapping]] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class ProposeChunk(_message.Message):
-    __slots__ = ("request", "offset", "data")
+    __slots__ = ("request", "offset", "data", "part")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
     request: ProposeRequest
     offset: int
     data: bytes
-    def __init__(self, request: _Optional[_Union[ProposeRequest, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    part: UploadPart
+    def __init__(self, request: _Optional[_Union[ProposeRequest, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., part: _Optional[_Union[UploadPart, _Mapping]] = ...) -> None: ...
+
+class UploadPart(_message.Message):
+    __slots__ = ("namespace", "upload_id", "index", "count")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    upload_id: str
+    index: int
+    count: int
+    def __init__(self, namespace: _Optional[str] = ..., upload_id: _Optional[str] = ..., index: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("code", "message")
@@ -236,7 +250,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("server_version", "model_name", "method", "hidden_size", "hidden_states_width", "hidden_states_source", "target_layer_ids", "vocab_size", "max_draft_tokens", "max_model_len", "accepted_hidden_dtypes", "accepted_token_dtypes", "model_dtype", "device", "kv_capacity_tokens", "kv_block_size", "kv_free_tokens", "max_message_bytes", "shared_memory_supported", "draft_vocab_size", "parallel_drafting", "max_top_k_probs", "shared_memory_kinds", "shared_memory_lease_seconds", "step_channel_socket", "predraft_supported", "max_predraft_branches", "step_columns_supported")
+    __slots__ = ("server_version", "model_name", "method", "hidden_size", "hidden_states_width", "hidden_states_source", "target_layer_ids", "vocab_size", "max_draft_tokens", "max_model_len", "accepted_hidden_dtypes", "accepted_token_dtypes", "model_dtype", "device", "kv_capacity_tokens", "kv_block_size", "kv_free_tokens", "max_message_bytes", "shared_memory_supported", "draft_vocab_size", "parallel_drafting", "max_top_k_probs", "shared_memory_kinds", "shared_memory_lease_seconds", "step_channel_socket", "predraft_supported", "max_predraft_branches", "step_columns_supported", "max_upload_parts")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +279,7 @@ class GetInfoResponse(_message.Message):
     PREDRAFT_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
     MAX_PREDRAFT_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     STEP_COLUMNS_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
+    MAX_UPLOAD_PARTS_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     model_name: str
     method: str
@@ -293,7 +308,8 @@ class GetInfoResponse(_message.Message):
     predraft_supported: bool
     max_predraft_branches: int
     step_columns_supported: bool
-    def __init__(self, server_version: _Optional[str] = ..., model_name: _Optional[str] = ..., method: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_states_width: _Optional[int] = ..., hidden_states_source: _Optional[str] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., accepted_hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., accepted_token_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., model_dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shared_memory_supported: _Optional[bool] = ..., draft_vocab_size: _Optional[int] = ..., parallel_drafting: _Optional[bool] = ..., max_top_k_probs: _Optional[int] = ..., shared_memory_kinds: _Optional[_Iterable[_Union[SharedMemoryKind, str]]] = ..., shared_memory_lease_seconds: _Optional[int] = ..., step_channel_socket: _Optional[str] = ..., predraft_supported: _Optional[bool] = ..., max_predraft_branches: _Optional[int] = ..., step_columns_supported: _Optional[bool] = ...) -> None: ...
+    max_upload_parts: int
+    def __init__(self, server_version: _Optional[str] = ..., model_name: _Optional[str] = ..., method: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_states_width: _Optional[int] = ..., hidden_states_source: _Optional[str] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., accepted_hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., accepted_token_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., model_dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shared_memory_supported: _Optional[bool] = ..., draft_vocab_size: _Optional[int] = ..., parallel_drafting: _Optional[bool] = ..., max_top_k_probs: _Optional[int] = ..., shared_memory_kinds: _Optional[_Iterable[_Union[SharedMemoryKind, str]]] = ..., shared_memory_lease_seconds: _Optional[int] = ..., step_channel_socket: _Optional[str] = ..., predraft_supported: _Optional[bool] = ..., max_predraft_branches: _Optional[int] = ..., step_columns_supported: _Optional[bool] = ..., max_upload_parts: _Optional[int] = ...) -> None: ...
 
 class SystemSharedMemory(_message.Message):
     __slots__ = ("key", "offset")

@@ -11,11 +11,12 @@ import grpc
 import torch
 
 from drafter_service import __version__
+from drafter_client.messages import upload_part_range
 from drafter_client.protocol import pb, pb_grpc
 from drafter_service.runtime import Runtime
 from drafter_service.engine.scheduler import StepScheduler
-from drafter_service.transport.chunked import (StagingBudget, drain_refused, first_chunk_error, receive_states,
-                                               staging_tensor)
+from drafter_service.transport.chunked import (MAX_UPLOAD_PARTS, StagingBudget, UploadRegistry, drain_refused,
+                                                first_chunk_error, receive_range, receive_states, staging_tensor)
 from drafter_service.transport.received_request import as_received
 from drafter_service.transport.shm_regions import RegionTable, ShmSettings
 from drafter_service.engine.batch_io import BatchInput, BatchOutput
@@ -131,6 +132,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.scheduler: StepScheduler | None = None
         self.regions: RegionTable | None = None  # shared-memory regions; None = shared memory off
         self.staging: StagingBudget | None = None  # bytes of ProposeChunked uploads in flight (attach)
+        self.uploads: UploadRegistry | None = None  # uploads spread over several ProposeChunked calls (attach)
         self._sweeper: asyncio.Task | None = None
         # Benchmarks only (benchmarks/bench_data_plane.py): decode, check and stage the tensors, then answer with
         # no drafts and without running the head, to time the data plane alone.
@@ -151,6 +153,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.regions = shared_memory_table(runtime)
         cfg = runtime.config
         self.staging = StagingBudget(cfg.max_chunked_bytes, cfg.max_chunked_bytes_per_namespace)
+        self.uploads = UploadRegistry()
         runtime.metrics.shm = self.regions
         if self.regions is not None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_leases(), name="drafter-shm-leases")
@@ -207,7 +210,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             shared_memory_lease_seconds=math.ceil(rt.config.shm_lease_s) if self.regions is not None else 0,
             step_channel_socket=self.step_channel_socket,
             predraft_supported=rt.limits.max_predraft_branches > 0,
-            max_predraft_branches=rt.limits.max_predraft_branches, step_columns_supported=True)
+            max_predraft_branches=rt.limits.max_predraft_branches, step_columns_supported=True,
+            max_upload_parts=MAX_UPLOAD_PARTS)
 
     def decode_propose(self, request, hidden: torch.Tensor | None = None,
                        states: memoryview | None = None) -> "tuple[list[StepInput] | BatchInput, bool]":
@@ -325,17 +329,66 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         error = first_chunk_error(first)
         if error is not None:
             raise error
+        part = first.part
+        if part is not None and part.index > 0:
+            return await self._upload_part(first, chunks, uploading)
         request = first.request
-        check_namespace(request.namespace)
-        # (checks hidden_states' header: bounded size; pinned on CUDA)
-        staging = staging_tensor(request, self.runtime.limits, pin=self.runtime.proposer.device.type == "cuda")
-        nbytes, namespace = staging.numel() * staging.element_size(), request.namespace
-        self.staging.acquire(namespace, nbytes)
-        try:  # _propose checks the whole request before receive() takes any data
-            return await self._propose(request, "chunked", metadata, hidden=staging,
-                                       receive=lambda: uploading(receive_states(first, chunks, staging)))
+        try:
+            check_namespace(request.namespace)
+            # (checks hidden_states' header: bounded size; pinned on CUDA)
+            staging = staging_tensor(request, self.runtime.limits, pin=self.runtime.proposer.device.type == "cuda")
+            nbytes, namespace = staging.numel() * staging.element_size(), request.namespace
+            self.staging.acquire(namespace, nbytes)
+        except RequestError as e:
+            if part is not None:  # (its extra calls waiting for it end now)
+                self.uploads.refuse(request.namespace, part.upload_id, e)
+            raise
+        if part is not None:
+            try:
+                upload = self.uploads.open(namespace, part.upload_id, staging.view(-1).view(torch.uint8), part.count)
+            except RequestError:  # (an upload of that id is in flight: left alone)
+                self.staging.release(namespace, nbytes)
+                raise
+        try:
+            if part is None:
+                receive = lambda: uploading(receive_states(first, chunks, staging))  # noqa: E731
+            else:
+                async def receive():  # this call's part, then the extra calls'
+                    lo, hi = upload_part_range(nbytes, part.count, 0)
+                    await uploading(receive_range(first, chunks, upload.flat, lo, hi, "part 0: ", upload.check_parts))
+                    await uploading(upload.all_parts())
+            # _propose checks the whole request before receive() takes any data
+            return await self._propose(request, "chunked", metadata, hidden=staging, receive=receive)
+        except RequestError as e:
+            if part is not None:
+                self.uploads.close(namespace, part.upload_id, e)
+            raise
         finally:
+            if part is not None:  # (done: extra calls of it still reading stop)
+                self.uploads.close(namespace, part.upload_id,
+                                   RequestError(grpc.StatusCode.ABORTED, "the upload's first call has ended"))
             self.staging.release(namespace, nbytes)
+
+    async def _upload_part(self, first, chunks, uploading) -> "pb.ProposeResponse":
+        """An extra call of an upload spread over several (part.index >= 1): its bytes into the staging tensor of
+        the upload's first call; an empty reply once they are all in (the step's reply goes to the first call)."""
+        part = first.part
+        check_namespace(part.namespace)
+        upload = await uploading(self.uploads.join(part.namespace, part.upload_id))
+        upload.claim(part.index, part.count)
+        where = f"part {part.index}: "
+        try:
+            upload.check_alive()
+            lo, hi = upload_part_range(upload.flat.numel(), part.count, part.index)
+            await uploading(receive_range(first, chunks, upload.flat, lo, hi, where, upload.check_alive))
+        except RequestError as e:
+            upload.part_done(part.index, e)
+            raise
+        except BaseException:  # (cancelled: the client went away)
+            upload.part_done(part.index, RequestError(grpc.StatusCode.CANCELLED, f"{where}the call was cancelled"))
+            raise
+        upload.part_done(part.index)
+        return pb.ProposeResponse()
 
     async def ProposeStream(self, request_iterator, context):
         await self._ready(context)
