@@ -12,6 +12,10 @@ def test_demo_runs_and_stops_the_sidecar(tmp_path, capsys):
     assert "mean acceptance length: " in out and "per-position acceptance: 1: " in out
     assert "speculative output identical to plain greedy decoding: yes" in out
     assert "sidecar stopped with SIGTERM, exit code 0" in out
+    # the steps go where the header says: through the step channel, none by gRPC (warm-up and timed runs)
+    assert "steps through a shared-memory step channel" in out
+    line = next(x for x in out.splitlines() if x.startswith("drafter steps: "))
+    assert int(line.split()[2]) > 0 and line.endswith(", 0 by unary gRPC"), line
     if importlib.util.find_spec("matplotlib"):
         assert chart.stat().st_size > 1000
     else:

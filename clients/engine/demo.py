@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "while the target verifies (docs/predraft.md)")
     ap.add_argument("--step-channel", action=argparse.BooleanOptionalAction, default=True,
                     help="send the steps through a shared-memory step channel, the same-node path "
-                         "(docs/step_channel.md); --no-step-channel: one unary gRPC call per step")
+                         "(docs/step_channel.md); --no-step-channel: one gRPC stream (ProposeStream) for the steps")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present) for both processes")
     ap.add_argument("--chart", default=str(DEFAULT_CHART),
                     help="PNG of acceptance by draft position (its folder is made); '' for none")
@@ -116,9 +116,10 @@ async def run_engine(args: argparse.Namespace, address: str, device: str, target
               f"{target_dir} on {device}; {len(ids)} prompts in one batch, k = {cfg.num_drafts}, "
               f"{'greedy' if cfg.temperature == 0 else f'temperature {cfg.temperature}'}, "
               f"{cfg.max_new_tokens} new tokens each; steps through "
-              f"{'a shared-memory step channel' if channel else 'unary gRPC'}")
+              f"{'a shared-memory step channel' if channel else 'a gRPC stream (ProposeStream)'}")
         args.target_parameters = sum(p.numel() for p in target.model.parameters())
-        engine = ReferenceEngine(target, drafter, info)
+        # with a step channel, each step is a propose() that the channel takes (a stream would bypass it)
+        engine = ReferenceEngine(target, drafter, info, use_stream=not channel)
         warm = dataclasses.replace(cfg, max_new_tokens=4)  # first calls pay one-time costs: keep them out of timing
         await engine.generate(ids, warm)
         await engine.generate_plain(ids, warm)
@@ -128,6 +129,7 @@ async def run_engine(args: argparse.Namespace, address: str, device: str, target
         progress = Progress("plain      ", total)
         plain = await engine.generate_plain(ids, cfg, on_step=progress)
         progress.end()
+        args.channel_steps, args.grpc_steps = drafter.steps_through_channel, drafter.steps_through_grpc
     report(args, prompts, tokenizer, spec, plain, cfg)
 
 
@@ -152,6 +154,8 @@ def report(args, prompts: list[str], tokenizer, spec: GenerationResult, plain: G
               f"{r.target_forwards} target forwards")
     speedup = spec.tokens_per_s / plain.tokens_per_s
     print(f"speedup: {speedup:.2f}x")
+    if args.channel_steps or args.grpc_steps:  # (a ProposeStream's steps are counted by neither)
+        print(f"drafter steps: {args.channel_steps} through the step channel, {args.grpc_steps} by unary gRPC")
     explain_speed(spec, plain, acc.mean_acceptance_length, cfg.num_drafts, args.target_parameters)
     if cfg.temperature == 0:
         same = spec.tokens == plain.tokens
