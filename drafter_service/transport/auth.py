@@ -19,7 +19,13 @@ from dataclasses import dataclass
 
 import grpc
 
+from drafter_service.transport.chunked import drain_refused
+
 ANY = "*"
+# What the server reads of an upload it refuses for its token or namespace before it answers (chunked.drain_refused;
+# less than for a request error: the caller is not known to be a client of this drafter)
+AUTH_DRAIN_MAX_BYTES = 16 * 2**20
+AUTH_DRAIN_MAX_S = 1.0
 DRAFTER_METHOD_PREFIX = "/drafter.v1.Drafter/"
 
 
@@ -143,8 +149,15 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 except AuthError as e:
                     await context.abort(e.code, e.message)
 
-        async def checked(requests, allowed, context):
+        async def checked(requests, allowed, context, drain: bool = False):
+            requests = aiter(requests)
             async for request in requests:
+                namespace = getattr(request, "namespace", None)
+                if drain and namespace is not None:  # (an upload: the rest is read first, see upload below)
+                    try:
+                        auth.check(allowed, namespace)
+                    except AuthError:
+                        await drain_refused(requests, AUTH_DRAIN_MAX_BYTES, AUTH_DRAIN_MAX_S)
                 await check_or_abort(allowed, request, context)
                 yield request
 
@@ -177,8 +190,15 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             inner_upload = handler.stream_unary
 
             async def upload(request_iterator, context):
-                allowed = await allowed_or_abort(context)
-                return await inner_upload(checked(request_iterator, allowed, context), context)
+                # A refused upload is read to its end (bounded) before the answer: answered while the client still
+                # writes, grpcio's asyncio client reports INTERNAL in place of the status (grpc/grpc#36066), which
+                # a client takes for a drafter fault (chunked.drain_refused)
+                try:
+                    allowed = auth.allowed(context.invocation_metadata(), context.auth_context(), context.peer())
+                except AuthError as e:
+                    await drain_refused(request_iterator, AUTH_DRAIN_MAX_BYTES, AUTH_DRAIN_MAX_S)
+                    await context.abort(e.code, e.message)
+                return await inner_upload(checked(request_iterator, allowed, context, drain=True), context)
 
             return grpc.stream_unary_rpc_method_handler(upload, handler.request_deserializer,
                                                         handler.response_serializer)
