@@ -221,3 +221,22 @@ async def test_missing_parts_time_out_and_waiting_parts_are_bounded(tiny_model, 
             assert servicer.staging.in_flight == 0 and servicer.uploads.uploads == {}
             assert servicer.uploads.waiting == {} and servicer.uploads.waiters == {}
             assert (await c.propose([prefill("s2")])).sequences[0].ok
+
+
+async def test_a_spread_upload_cut_by_the_deadline_leaves_nothing_behind(server):
+    """The step's deadline passes mid-upload: the client cancels every call of it (a fallback result), and the
+    drafter frees the staging bytes and forgets the upload; the next spread step works."""
+    big = prefill("late", rows=1000)  # 256 kB of states in 1 KiB chunks over 4 calls
+    async with DrafterClient(server.tcp, namespace="late", chunk_min_bytes=0, chunk_bytes=1024, upload_streams=4,
+                             upload_streams_min_bytes=0) as c:
+        r = await c.propose([big], timeout=0.002)
+        assert r.fallback and not r.sequences[0].ok
+        servicer = server.server.servicer
+        for _ in range(500):
+            if servicer.staging.in_flight == 0 and not servicer.uploads.uploads and not servicer.uploads.waiting:
+                break
+            await asyncio.sleep(0.01)
+        assert servicer.staging.in_flight == 0 and servicer.uploads.uploads == {} and servicer.uploads.waiting == {}
+        c.breaker.success()  # (the missed deadline opened the breaker: close it for the next step)
+        r = await c.propose([prefill("late2", rows=1000)], timeout=30)
+        assert r.sequences[0].ok and c.steps_spread == 1, (r.fallback_reason, r.sequences[0].message)
