@@ -79,7 +79,7 @@ def one_round(form: str, steps, cols, outputs, limits: Limits, reps: int) -> dic
         t1 = time.perf_counter()
         received = read_request(bytes(data))  # as the server reads Propose, ProposeStream and channel requests
         req = received.request
-        parse_propose(req, limits, None, None, received.states)
+        parse_propose(req, limits, None, None, received.states, columnar=True)  # (as the servicer parses)
         t2 = time.perf_counter()
         resp = (build_column_response(outputs, 1) if req.HasField("columns")
                 else build_response(outputs, [s.sequence_id for s in req.steps], 1)).SerializeToString()
