@@ -384,11 +384,11 @@ class DrafterClient:
         deadline = time.monotonic() + timeout if timeout is not None else None
         try:
             parts = await self._upload_parts(payload, timeout)
+            left = max(0.0, deadline - time.monotonic()) if deadline is not None else None
             if parts > 1:
-                left = max(0.0, deadline - time.monotonic()) if deadline is not None else None
                 resp = await self._send_spread(payload, parts, left)
             else:
-                resp = await self._call(self._propose_chunked, payload.messages(self.chunk_bytes), timeout)
+                resp = await self._call(self._propose_chunked, payload.messages(self.chunk_bytes), left)
         except DrafterError as e:
             if e.code != grpc.StatusCode.UNIMPLEMENTED:
                 raise

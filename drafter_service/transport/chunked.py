@@ -11,6 +11,11 @@ Everything a client sends is untrusted. The request is checked whole (parse_prop
 the staging tensor is sized by the checked header (so at most max_request_tokens * width * itemsize bytes), the
 bytes of all uploads in flight are capped per namespace and for the server (StagingBudget), chunks must come in
 order without gaps or overlaps and add up to exactly the tensor's size, and an upload has a time limit.
+
+One upload may also be spread over several calls at once, each on a connection of its own (ProposeChunk.part):
+the call with the request makes the staging tensor and registers it (UploadRegistry, by namespace and upload id),
+each extra call fills its byte range of it (SpreadUpload), and the step runs once every part is in. A part that
+fails fails the upload; the other calls then stop.
 """
 import asyncio
 import collections

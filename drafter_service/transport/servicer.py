@@ -349,6 +349,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             except RequestError:  # (an upload of that id is in flight: left alone)
                 self.staging.release(namespace, nbytes)
                 raise
+        ended = RequestError(grpc.StatusCode.ABORTED, "the upload's first call has ended")
         try:
             if part is None:
                 receive = lambda: uploading(receive_states(first, chunks, staging))  # noqa: E731
@@ -360,13 +361,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             # _propose checks the whole request before receive() takes any data
             return await self._propose(request, "chunked", metadata, hidden=staging, receive=receive)
         except RequestError as e:
-            if part is not None:
-                self.uploads.close(namespace, part.upload_id, e)
+            ended = e
             raise
         finally:
-            if part is not None:  # (done: extra calls of it still reading stop)
-                self.uploads.close(namespace, part.upload_id,
-                                   RequestError(grpc.StatusCode.ABORTED, "the upload's first call has ended"))
+            if part is not None:  # (its extra calls still reading stop, and later ones end at once, with why)
+                self.uploads.close(namespace, part.upload_id, ended)
             self.staging.release(namespace, nbytes)
 
     async def _upload_part(self, first, chunks, uploading) -> "pb.ProposeResponse":
