@@ -108,7 +108,19 @@ class Metrics:
         self.channel_requests = Counter("drafter_step_channel_requests",
                                         "Propose requests answered through shared-memory step channels (they count "
                                         "in drafter_rpc_propose_total too).", registry=r)
+        uploads = Counter("drafter_chunked_uploads", "ProposeChunked uploads received whole, by the calls that "
+                          "carried them: one, or spread over several connections (ProposeChunk.part).", ["calls"],
+                          registry=r)
+        upload_bytes = Counter("drafter_chunked_upload_bytes", "Hidden-state bytes of the ProposeChunked uploads "
+                               "received whole.", ["calls"], registry=r)
+        self._uploads = {calls: (uploads.labels(calls), upload_bytes.labels(calls)) for calls in ("one", "spread")}
         r.register(_StepCollector(self))
+
+    def record_upload(self, spread: bool, nbytes: int) -> None:
+        """A ProposeChunked upload received whole (event loop)."""
+        count, total = self._uploads["spread" if spread else "one"]
+        count.inc()
+        total.inc(nbytes)
 
     # ---- the step thread ----
 

@@ -63,6 +63,10 @@ async def test_spread_upload_gives_the_drafts_of_one_message(server, streams):
         assert torch.equal((await one.propose(nxt)).draft_token_ids, (await spread.propose(nxt)).draft_token_ids)
         assert spread.steps_spread == spread.steps_chunked == 2
         assert len(spread._upload_channels) == streams - 1
+    registry = server.server.runtime.metrics.registry
+    sample = lambda name, calls: registry.get_sample_value(name, {"calls": calls}) or 0  # noqa: E731
+    assert sample("drafter_chunked_uploads_total", "spread") >= 2
+    assert sample("drafter_chunked_upload_bytes_total", "spread") >= 2 * NBYTES
     servicer = server.server.servicer
     assert servicer.staging.in_flight == 0 and servicer.uploads.uploads == {} and servicer.uploads.waiting == {}
 

@@ -351,13 +351,14 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 raise
         ended = RequestError(grpc.StatusCode.ABORTED, "the upload's first call has ended")
         try:
-            if part is None:
-                receive = lambda: uploading(receive_states(first, chunks, staging))  # noqa: E731
-            else:
-                async def receive():  # this call's part, then the extra calls'
+            async def receive():  # (the whole upload; spread: this call's part, then the extra calls')
+                if part is None:
+                    await uploading(receive_states(first, chunks, staging))
+                else:
                     lo, hi = upload_part_range(nbytes, part.count, 0)
                     await uploading(receive_range(first, chunks, upload.flat, lo, hi, "part 0: ", upload.check_parts))
                     await uploading(upload.all_parts())
+                self.runtime.metrics.record_upload(part is not None, nbytes)
             # _propose checks the whole request before receive() takes any data
             return await self._propose(request, "chunked", metadata, hidden=staging, receive=receive)
         except RequestError as e:
