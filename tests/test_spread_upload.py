@@ -244,3 +244,28 @@ async def test_a_spread_upload_cut_by_the_deadline_leaves_nothing_behind(server)
         c.breaker.success()  # (the missed deadline opened the breaker: close it for the next step)
         r = await c.propose([prefill("late2", rows=1000)], timeout=30)
         assert r.sequences[0].ok and c.steps_spread == 1, (r.fallback_reason, r.sequences[0].message)
+
+
+async def test_the_same_upload_id_in_two_namespaces_are_two_uploads(server):
+    """Uploads are keyed by (namespace, upload_id): two clients that pick the same id do not mix their bytes."""
+    outcomes = {}
+    async with DrafterClient(server.tcp, namespace="ns-x", chunk_min_bytes=0) as x, \
+            DrafterClient(server.tcp, namespace="ns-y", chunk_min_bytes=0) as y:
+        ch, rpc2 = await second_rpc(x)
+
+        async def upload(client, ns, seed):
+            steps = [prefill("same", 100, seed=seed)]
+            data = states_bytes(steps)
+            half = upload_part_range(len(data), 2, 1)[0]
+            first = header(steps, namespace=ns) + pb.ProposeChunk(
+                part=pb.UploadPart(upload_id="dup", index=0, count=2)).SerializeToString()
+            r0, r1 = await asyncio.gather(raw(client, client._propose_chunked, [first, chunk(0, data[:half])]),
+                                          raw(client, rpc2, [part_msg("dup", 1, 2, half, data[half:], ns)]))
+            outcomes[ns] = parse_response(r0).draft_token_ids.tolist()
+            async with DrafterClient(server.tcp, namespace=f"{ns}-ref", chunk_min_bytes=None) as ref:
+                want = (await ref.propose([prefill("same", 100, seed=seed)])).draft_token_ids.tolist()
+            assert outcomes[ns] == want, ns
+
+        await asyncio.gather(upload(x, "ns-x", 11), upload(y, "ns-y", 12))
+        await ch.close()
+    assert outcomes["ns-x"] != outcomes["ns-y"]
