@@ -9,7 +9,9 @@ The drafter is drafter-serve in a child process on a tiny random EAGLE-1 head (t
 small KV pool and a short sequence lease. Each engine is a process
 with its own DrafterClient (a per-step deadline, fallback, circuit breaker); engine i talks unary Propose, a
 ProposeStream, a step channel or the batch API (propose_batch) (i % 4; all but the step channel over TCP through
-a proxy that can cut connections, the step channel on the Unix socket). Engines of odd index ask for pre-drafting
+a proxy that can cut connections, the step channel on the Unix socket). The unary engines send half their steps as
+ProposeChunked uploads spread over two connections (ProposeChunk.part, in 512-byte chunks), so that cuts and
+restarts land mid-upload too. Engines of odd index ask for pre-drafting
 (--predraft-branches, docs/predraft.md), so that passes, branches and hits run through the same faults; the batch
 engines keep --batch-sequences sequences, enough for columnar requests (ProposeRequest.columns). An engine keeps
 --sequences sequences with random tokens and hidden states, accepts a random
@@ -106,7 +108,14 @@ class Engine:
         from drafter_client import DrafterClient
 
         mode = self.args["mode"]
-        c = DrafterClient(self.address, namespace=f"engine-{self.index}", step_timeout_s=self.args["deadline_s"])
+        # the unary engines send half their steps as ProposeChunked uploads spread over two connections (run(); small
+        # chunks, so that a cut or a restart lands mid-upload), the other half as one Propose
+        spread = dict(chunk_bytes=512, upload_streams=2, upload_streams_min_bytes=0) if mode == "unary" else {}
+        if mode == "unary":  # (this process only: steps of any size may take the chunked path, not only >= 64 KiB)
+            from drafter_client import messages
+            messages.DIRECT_STATES_MIN_BYTES = 1
+        c = DrafterClient(self.address, namespace=f"engine-{self.index}", step_timeout_s=self.args["deadline_s"],
+                          **spread)
         if mode == "channel" and not await c.open_step_channel():
             raise RuntimeError("no step channel")
         return c, (c.stream() if mode == "stream" else None)
@@ -123,6 +132,9 @@ class Engine:
                 t0 = time.perf_counter()
                 if self.args["mode"] == "batch":
                     reply = as_result(await client.propose_batch(as_batch(steps)))
+                elif self.args["mode"] == "unary":
+                    client.chunk_min_bytes = 0 if self.rng.random() < 0.5 else 1 << 62  # (spread upload, or one Propose)
+                    reply = await client.propose(steps)
                 else:
                     reply = await (session.propose(steps) if session is not None else client.propose(steps))
                 took = time.perf_counter() - t0
@@ -198,6 +210,7 @@ class Engine:
         self.stats["streams_opened"] = session.streams_opened if session is not None else 0
         self.stats["breaker_opened"] = client.breaker.times_opened
         self.stats["columnar"] = bool(client._step_columns) and self.args["mode"] == "batch"  # requests as columns
+        self.stats["spread_steps"] = client.steps_spread  # steps uploaded over two connections (unary engines)
         lat, fb = self.stats.pop("latencies_ms"), self.stats.pop("fallback_latencies_ms")
         results.put(dict(self.stats, index=self.index, mode=self.args["mode"], latencies_ms=lat,
                          fallback_latencies_ms=fb))
@@ -459,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     fb = [x for r in reports for x in r["fallback_latencies_ms"]]
     total = {k: sum(r[k] for r in reports) for k in ("steps", "steps_with_drafts", "fallback_steps", "resyncs",
                                                        "checked", "predrafted", "mismatches", "near_ties",
-                                                       "late_steps")}
+                                                       "late_steps", "spread_steps")}
     result = dict(benchmark="soak", date=datetime.datetime.now().isoformat(timespec="seconds"),
                   device=f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                   command=" ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]), args=vars(a),
@@ -473,8 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     out = write_json(a.out, result, say=False)
     print(f"\nsoak {a.duration_s:.0f} s, {a.engines} engines x {a.sequences} sequences, {result['date']}")
     for key in ("engines_reporting", "engines_crashed", "columnar_engines", "faults", "connections_cut", "steps",
-                "steps_with_drafts", "fallback_steps", "resyncs", "checked", "predrafted", "mismatches", "near_ties",
-                "drafter_errors", "late_steps", "leaked_kv_tokens", "step_ms_p50", "step_ms_p99",
+                "steps_with_drafts", "fallback_steps", "resyncs", "checked", "predrafted", "spread_steps", "mismatches",
+                "near_ties", "drafter_errors", "late_steps", "leaked_kv_tokens", "step_ms_p50", "step_ms_p99",
                 "fallback_step_ms_p50", "fallback_step_ms_p99", "drafter_rss_mib_start", "drafter_rss_mib_end"):
         v = result[key]
         print(f"  {key:22s} {v:.2f}" if isinstance(v, float) else f"  {key:22s} {v}")
