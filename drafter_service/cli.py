@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                     help="... of one namespace's uploads")
     ap.add_argument("--chunked-upload-timeout-s", type=float, default=d.chunked_upload_timeout_s,
                     help="a ProposeChunked upload that takes longer ends with DEADLINE_EXCEEDED")
+    ap.add_argument("--max-upload-parts", type=int, default=d.max_upload_parts,
+                    help="most ProposeChunked calls (connections) one upload may be spread over "
+                         "(DrafterClient(upload_streams=N); docs/protocol.md); 1: every upload in one call")
     ap.add_argument("--no-tune-malloc", action="store_true",
                     help="leave glibc's malloc thresholds alone (by default large blocks are kept in the heap: "
                          "messages of many MiB then cost no page faults; docs/performance.md)")
@@ -140,7 +143,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         max_sequences_per_namespace=a.max_sequences_per_namespace, namespace_pool_share=a.namespace_pool_share,
         max_message_bytes=a.max_message_bytes, metrics_port=a.metrics_port,
         max_chunked_bytes=a.max_chunked_bytes, max_chunked_bytes_per_namespace=a.max_chunked_bytes_per_namespace,
-        chunked_upload_timeout_s=a.chunked_upload_timeout_s, tune_malloc=not a.no_tune_malloc,
+        chunked_upload_timeout_s=a.chunked_upload_timeout_s, max_upload_parts=a.max_upload_parts,
+        tune_malloc=not a.no_tune_malloc,
         cpu_threads=a.cpu_threads,
         shutdown_grace_s=a.shutdown_grace_s, log_level=a.log_level, shared_memory=not a.no_shared_memory,
         shm_dir=a.shm_dir, shm_lease_s=a.shm_lease_s, cuda_graphs=a.cuda_graphs,

@@ -44,6 +44,7 @@ class ServerConfig:
     max_chunked_bytes: int = 2**31
     max_chunked_bytes_per_namespace: int = 2**29
     chunked_upload_timeout_s: float = 60.0
+    max_upload_parts: int = 8  # most ProposeChunked calls one upload may be spread over (ProposeChunk.part); 1: none
     # Large blocks (messages, staging tensors) stay in the heap instead of fresh mmaps that every use page-faults
     # in again (runtime.keep_large_blocks_in_heap, called by build_runtime: a drafter in an engine's process too;
     # docs/performance.md "Large steps over TCP"). glibc only.
@@ -125,5 +126,7 @@ class ServerConfig:
             raise ValueError("max_chunked_bytes and max_chunked_bytes_per_namespace must be >= 0")
         if not self.chunked_upload_timeout_s > 0:
             raise ValueError("chunked_upload_timeout_s must be > 0")
+        if not 1 <= self.max_upload_parts <= 64:
+            raise ValueError("max_upload_parts must be in [1, 64]")
         if not 0.0 < self.shm_lease_s <= self.shm_max_lease_s:
             raise ValueError("shm_lease_s must be in (0, shm_max_lease_s]")

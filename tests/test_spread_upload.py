@@ -12,7 +12,10 @@ from conftest import ServerThread, make_config
 from drafter_client import DrafterClient, DrafterError, SequenceStep
 from drafter_client.messages import ChunkedRequest, parse_response, serialize_request, upload_part_range
 from drafter_client.protocol import pb
-from drafter_service.transport.chunked import MAX_UPLOAD_PARTS, parse_chunk
+from drafter_service.config import ServerConfig
+from drafter_service.transport.chunked import parse_chunk
+
+MAX_UPLOAD_PARTS = ServerConfig.max_upload_parts  # (the default: what the test server allows)
 from test_chunked_upload import H, NBYTES, ROWS, V, chunk, header, prefill, states_bytes
 
 
@@ -269,3 +272,23 @@ async def test_the_same_upload_id_in_two_namespaces_are_two_uploads(server):
         await asyncio.gather(upload(x, "ns-x", 11), upload(y, "ns-y", 12))
         await ch.close()
     assert outcomes["ns-x"] != outcomes["ns-y"]
+
+
+async def test_max_upload_parts_1_turns_spreading_off(tiny_model, tmp_path):
+    from drafter_service.cli import parse_args
+
+    assert parse_args(["--max-upload-parts", "3"]).max_upload_parts == 3
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match="max_upload_parts"):
+            ServerConfig(model="m", max_upload_parts=bad)
+    head, target = tiny_model
+    with ServerThread(make_config(head, target, tmp_path, max_upload_parts=1)) as srv:
+        async with DrafterClient(srv.tcp, namespace="raw", chunk_min_bytes=0, upload_streams=4,
+                                 upload_streams_min_bytes=0) as c:
+            assert (await c.get_info()).max_upload_parts == 1
+            assert (await c.propose([prefill("one")])).sequences[0].ok
+            assert (c.steps_chunked, c.steps_spread) == (1, 0)  # the client asked GetInfo and sent one call
+            steps = [prefill("m", 100)]
+            with pytest.raises(DrafterError) as e:
+                await raw(c, c._propose_chunked, [first_msg(steps, "u", 2), chunk(0, states_bytes(steps))])
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "--max-upload-parts 1" in e.value.message

@@ -34,9 +34,7 @@ DRAIN_MAX_S = 2.0
 
 # ProposeChunk's fields (proto/drafter/v1/drafter.proto)
 _REQUEST, _OFFSET, _DATA, _PART = 1, 2, 3, 4
-# Most ProposeChunked calls one upload may be spread over (GetInfo.max_upload_parts), and most uploads of one
-# namespace whose extra calls may wait for their first call at once (UploadRegistry.join)
-MAX_UPLOAD_PARTS = 8
+# Most uploads of one namespace whose extra calls may wait for their first call at once (UploadRegistry.join)
 MAX_WAITING_UPLOADS = 16
 MAX_UPLOAD_ID_CHARS = 128
 MAX_ENDED_UPLOADS = 1024  # ended uploads remembered, so that an extra call coming after its upload ended ends at once
@@ -242,17 +240,21 @@ async def receive_range(first: Chunk, chunks, flat: torch.Tensor, lo: int, hi: i
                       + ("hidden_states" if (lo, hi) == (0, nbytes) else f"its part [{lo}, {hi})"))
 
 
-def first_chunk_error(chunk: "Chunk | None") -> "RequestError | None":
+def first_chunk_error(chunk: "Chunk | None", max_parts: int) -> "RequestError | None":
     """What is wrong with the first message of a ProposeChunked call, if anything (an extra call of an upload
-    spread over several: its part; its offset is checked against its part's range by receive_range)."""
+    spread over several: its part; its offset is checked against its part's range by receive_range). max_parts:
+    --max-upload-parts."""
     if chunk is None:
         return invalid("ProposeChunked got no message; the first chunk carries the request")
     if chunk.error:
         return invalid(f"chunk 0: {chunk.error}")
     part = chunk.part
     if part is not None:
-        if not 2 <= part.count <= MAX_UPLOAD_PARTS:
-            return invalid(f"part.count is {part.count}; an upload spreads over 2 to {MAX_UPLOAD_PARTS} calls "
+        if max_parts < 2:
+            return invalid("this drafter takes every upload in one call (--max-upload-parts 1, "
+                           "GetInfo.max_upload_parts); send no part")
+        if not 2 <= part.count <= max_parts:
+            return invalid(f"part.count is {part.count}; an upload spreads over 2 to {max_parts} calls "
                            "(GetInfo.max_upload_parts)")
         if part.index >= part.count:
             return invalid(f"part.index is {part.index}; part.count is {part.count}")

@@ -15,7 +15,7 @@ from drafter_client.messages import upload_part_range
 from drafter_client.protocol import pb, pb_grpc
 from drafter_service.runtime import Runtime
 from drafter_service.engine.scheduler import StepScheduler
-from drafter_service.transport.chunked import (MAX_UPLOAD_PARTS, StagingBudget, UploadRegistry, drain_refused,
+from drafter_service.transport.chunked import (StagingBudget, UploadRegistry, drain_refused,
                                                 first_chunk_error, receive_range, receive_states, staging_tensor)
 from drafter_service.transport.received_request import as_received
 from drafter_service.transport.shm_regions import RegionTable, ShmSettings
@@ -211,7 +211,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             step_channel_socket=self.step_channel_socket,
             predraft_supported=rt.limits.max_predraft_branches > 0,
             max_predraft_branches=rt.limits.max_predraft_branches, step_columns_supported=True,
-            max_upload_parts=MAX_UPLOAD_PARTS)
+            max_upload_parts=rt.config.max_upload_parts)
 
     def decode_propose(self, request, hidden: torch.Tensor | None = None,
                        states: memoryview | None = None) -> "tuple[list[StepInput] | BatchInput, bool]":
@@ -326,7 +326,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
         chunks = aiter(chunks)
         first = await uploading(anext(chunks, None))
-        error = first_chunk_error(first)
+        error = first_chunk_error(first, self.runtime.config.max_upload_parts)
         if error is not None:
             raise error
         part = first.part
