@@ -101,6 +101,17 @@ async def test_tls_and_mutual_tls_bind_namespaces_to_certificates(tiny_model, pk
             assert (await b.release(["s1"])).released == 1
         async with DrafterClient(address, namespace="engine-a", credentials=creds_a) as a:
             assert (await a.release(["s1"])).released == 1  # still there after engine-b's release
+        # an upload spread over several connections: each extra connection is TLS with the same certificate, and
+        # its part's namespace is held to it like a request's
+        g = torch.Generator().manual_seed(3)
+        big = SequenceStep("big", 0, torch.randint(0, 512, (300,), generator=g), torch.randn(300, H, generator=g), 4, 2)
+        async with DrafterClient(address, namespace="engine-a", credentials=creds_a, chunk_min_bytes=0,
+                                 upload_streams=3, upload_streams_min_bytes=0) as a:
+            assert (await a.propose([big])).sequences[0].ok and a.steps_spread == 1
+            a.namespace = "engine-b"  # the certificate says engine-a: the first call and the extra ones are refused
+            with pytest.raises(DrafterError) as e:
+                await a.propose([dataclasses.replace(big, sequence_id="big2")])
+            assert e.value.code == grpc.StatusCode.PERMISSION_DENIED, e.value
 
 
 async def test_tls_server_without_client_ca_accepts_any_tls_client(tiny_model, pki, tmp_path):
