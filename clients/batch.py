@@ -282,9 +282,12 @@ def batch_as_result(drafts: BatchDrafts) -> ProposeResult:
     top_ids = split(drafts.top_k_ids) if drafts.top_k_ids is not None else none
     top_probs = split(drafts.top_k_probs) if drafts.top_k_probs is not None else none
     predrafted = drafts.predrafted.tolist() if drafts.predrafted is not None else [False] * len(counts)
-    seqs = [SequenceDrafts(sequence_id=sid, code=code, message=drafts.messages.get(i, ""), drafts=d, logprobs=lp,
-                           accepted_drafts=acc, committed_length=length, top_k_ids=ti, top_k_probs=tp,
-                           needs_resync=code in RESYNC_CODES, predrafted=pre)
+    # (by position, in SequenceDrafts' field order: sequence_id, code, message, drafts, logprobs, accepted_drafts,
+    # committed_length, top_k_ids, top_k_probs, needs_resync, predrafted; by keyword the call cost 3x more, ~0.6 us
+    # a sequence, the largest part of parsing a batch-128 reply)
+    messages = drafts.messages
+    seqs = [SequenceDrafts(sid, code, messages.get(i, "") if code else "", d, lp, acc, length, ti, tp,
+                           code in RESYNC_CODES, pre)
             for i, (sid, code, d, lp, acc, length, ti, tp, pre) in enumerate(zip(
                 drafts.sequence_ids, drafts.codes.tolist(), per_seq, lps, drafts.accepted_drafts.tolist(),
                 drafts.committed_lengths.tolist(), top_ids, top_probs, predrafted))]
