@@ -105,7 +105,7 @@ class Engine:
                             predraft_branches=self.budget)
 
     async def client(self):
-        from drafter_client import DrafterClient
+        from drafter_client import DrafterClient, DrafterError
 
         mode = self.args["mode"]
         # the unary engines send half their steps as ProposeChunked uploads spread over two connections (run(); small
@@ -116,8 +116,18 @@ class Engine:
             messages.DIRECT_STATES_MIN_BYTES = 1
         c = DrafterClient(self.address, namespace=f"engine-{self.index}", step_timeout_s=self.args["deadline_s"],
                           **spread)
-        if mode == "channel" and not await c.open_step_channel():
-            raise RuntimeError("no step channel")
+        if mode == "channel":  # (a replacement engine may start while the drafter restarts: wait for it, as an
+            # engine starting next to a drafter would)
+            for attempt in range(5):
+                try:
+                    await c.wait_ready(30)
+                    if await c.open_step_channel():
+                        break
+                except (DrafterError, TimeoutError) as e:
+                    print(f"engine {self.index}: no step channel yet ({e}); trying again", flush=True)
+                await asyncio.sleep(0.5)
+            else:
+                raise RuntimeError("no step channel")
         return c, (c.stream() if mode == "stream" else None)
 
     async def run(self, results, stop_at: float) -> None:

@@ -410,6 +410,7 @@ class DecodeGraphs:
             rows = self.drafts_out[:n, : num_steps + 1].clone()
         else:
             self.drafts_host[:n].copy_(self.drafts_out[:n], non_blocking=True)
+            out.run_meanwhile()  # (the caller's host work that needs no draft, while the GPU runs the graphs)
             torch.cuda.current_stream(self.device).synchronize()  # the step's one device->host synchronization
             rows = self.drafts_host[:n, : num_steps + 1].clone()  # (the buffer is the next step's)
         self.steps_run += 1

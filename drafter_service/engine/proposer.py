@@ -34,6 +34,7 @@ compute_logits_layer.
 import array
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +78,15 @@ class _Drafts:
         self.host_rows: tuple[torch.Tensor, list[int], list[int]] | None = None  # graph path: ([n, K] drafts on the
         # host, the batch index of each row, each row's k), for finish() or as_tensor()
         self.features: dict[int, torch.Tensor] = {}  # batch index -> [k, H] g_0..g_{k-1} (pre-drafting, eager path)
+        # host work that needs nothing of the drafts: the graph path runs it after its launches, before it waits for
+        # the GPU (run_meanwhile); otherwise the caller runs it after the step
+        self.meanwhile: Callable[[], None] | None = None
+
+    def run_meanwhile(self) -> None:
+        """Run the host work of ``meanwhile`` once (a no-op after the first call, or with none)."""
+        work, self.meanwhile = self.meanwhile, None
+        if work is not None:
+            work()
 
     def add(self, rows: list[int], sample: DraftSample) -> None:
         self.columns.append((rows, sample))
@@ -473,12 +483,14 @@ class Proposer:
                 return None  # the pool or a quota refuses: the per-sequence path gives each its status
             if not self.table.resize(seq, int(needed[i])):
                 return None
-        accepted = self._count_accepted_columns(seqs, b, C, state[:, 3], state[:, 4])
         # ---- run ----
         k_t = torch.from_numpy(k)
-        out = BatchOutput(codes=torch.zeros(B, dtype=torch.int32), messages=[""] * B, num_drafts=k_t,
-                          accepted_drafts=torch.from_numpy(accepted), committed_lengths=torch.from_numpy(C))
         self.predraft.on_step()
+        # the acceptance count needs nothing of the run: on CUDA it is done while the GPU drafts (_Drafts.meanwhile)
+        found = []
+        step_drafts = _Drafts(B, [0] * B)
+        step_drafts.meanwhile = lambda: found.append(
+            self._count_accepted_columns(seqs, b, C, state[:, 3], state[:, 4]))
         try:
             md = build_step_metadata_columns(
                 b.start_positions, b.num_tokens, b.token_ids, b.hidden_states, b.next_tokens, k_t,
@@ -488,8 +500,10 @@ class Proposer:
             greedy = not bool((b.temperatures > 0).any())
             sp = SamplingSettings(temperature=md.temperature, seed=md.seed, top_k=md.top_k, want_logprobs=False,
                                   greedy_only=greedy)
-            drafts = self._draft_sequential(md, sp, _Drafts(B, [0] * B), None).as_tensor()
+            drafts = self._draft_sequential(md, sp, step_drafts, None).as_tensor()
+            step_drafts.run_meanwhile()  # (where no graph ran it)
         except Exception as e:  # never leave a sequence claiming KV it may not have
+            step_drafts.run_meanwhile()  # (the acceptance is counted whether the step then fails or not)
             log.exception("step failed")
             for seq, start in zip(seqs, p.tolist()):  # (p: numpy)
                 self._forget_failed_step(seq, start)
@@ -499,6 +513,8 @@ class Proposer:
             return failed
         self._failed_in_a_row = 0
         self.columns_steps_run += 1
+        out = BatchOutput(codes=torch.zeros(B, dtype=torch.int32), messages=[""] * B, num_drafts=k_t,
+                          accepted_drafts=torch.from_numpy(found[0]), committed_lengths=torch.from_numpy(C))
         out.drafts = drafts
         # ---- the sequences' state after the step ----
         ends, given = C.tolist(), drafts.tolist()
