@@ -32,6 +32,7 @@ combine_hidden_states, draft_to_target; sequential and parallel heads add forwar
 compute_logits_layer.
 """
 import array
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -503,8 +504,9 @@ class Proposer:
             drafts = self._draft_sequential(md, sp, step_drafts, None).as_tensor()
             step_drafts.run_meanwhile()  # (where no graph ran it)
         except Exception as e:  # never leave a sequence claiming KV it may not have
-            step_drafts.run_meanwhile()  # (the acceptance is counted whether the step then fails or not)
             log.exception("step failed")
+            with contextlib.suppress(Exception):  # (counted either way; never in the way of the rollback)
+                step_drafts.run_meanwhile()
             for seq, start in zip(seqs, p.tolist()):  # (p: numpy)
                 self._forget_failed_step(seq, start)
             self._step_failed(e)
