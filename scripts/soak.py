@@ -143,7 +143,8 @@ class Engine:
                 if self.args["mode"] == "batch":
                     reply = as_result(await client.propose_batch(as_batch(steps)))
                 elif self.args["mode"] == "unary":
-                    client.chunk_min_bytes = 0 if self.rng.random() < 0.5 else 1 << 62  # (spread upload, or one Propose)
+                    # a spread upload, or one Propose
+                    client.chunk_min_bytes = 0 if self.rng.random() < 0.5 else 1 << 62
                     reply = await client.propose(steps)
                 else:
                     reply = await (session.propose(steps) if session is not None else client.propose(steps))
