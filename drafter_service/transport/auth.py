@@ -135,30 +135,28 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         auth = self.auth
 
-        async def allowed_or_abort(context):
+        async def allowed_or_abort(context, before_abort=None):
+            """before_abort(): awaited before a refusal (an upload: read what is left of it; see upload below)."""
             try:
                 return auth.allowed(context.invocation_metadata(), context.auth_context(), context.peer())
             except AuthError as e:
+                if before_abort is not None:
+                    await before_abort()
                 await context.abort(e.code, e.message)
 
-        async def check_or_abort(allowed, request, context):
+        async def check_or_abort(allowed, request, context, before_abort=None):
             namespace = getattr(request, "namespace", None)  # (a ProposeChunked chunk: its request's, first only)
             if namespace is not None:
                 try:
                     auth.check(allowed, namespace)
                 except AuthError as e:
+                    if before_abort is not None:
+                        await before_abort()
                     await context.abort(e.code, e.message)
 
-        async def checked(requests, allowed, context, drain: bool = False):
-            requests = aiter(requests)
+        async def checked(requests, allowed, context, before_abort=None):
             async for request in requests:
-                namespace = getattr(request, "namespace", None)
-                if drain and namespace is not None:  # (an upload: the rest is read first, see upload below)
-                    try:
-                        auth.check(allowed, namespace)
-                    except AuthError:
-                        await drain_refused(requests, AUTH_DRAIN_MAX_BYTES, AUTH_DRAIN_MAX_S)
-                await check_or_abort(allowed, request, context)
+                await check_or_abort(allowed, request, context, before_abort)
                 yield request
 
         if handler.unary_unary is not None:
@@ -193,12 +191,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 # A refused upload is read to its end (bounded) before the answer: answered while the client still
                 # writes, grpcio's asyncio client reports INTERNAL in place of the status (grpc/grpc#36066), which
                 # a client takes for a drafter fault (chunked.drain_refused)
-                try:
-                    allowed = auth.allowed(context.invocation_metadata(), context.auth_context(), context.peer())
-                except AuthError as e:
-                    await drain_refused(request_iterator, AUTH_DRAIN_MAX_BYTES, AUTH_DRAIN_MAX_S)
-                    await context.abort(e.code, e.message)
-                return await inner_upload(checked(request_iterator, allowed, context, drain=True), context)
+                requests = aiter(request_iterator)
+                drain = lambda: drain_refused(requests, AUTH_DRAIN_MAX_BYTES, AUTH_DRAIN_MAX_S)  # noqa: E731
+                allowed = await allowed_or_abort(context, drain)
+                return await inner_upload(checked(requests, allowed, context, drain), context)
 
             return grpc.stream_unary_rpc_method_handler(upload, handler.request_deserializer,
                                                         handler.response_serializer)
