@@ -410,8 +410,7 @@ class DrafterClient:
                 self._max_upload_parts = (await self.get_info(timeout)).max_upload_parts
             except DrafterError:
                 return 1
-        parts = min(self.upload_streams, self._max_upload_parts)
-        return parts if parts > 1 else 1
+        return max(1, min(self.upload_streams, self._max_upload_parts))
 
     async def _send_spread(self, payload: ChunkedRequest, parts: int, timeout: float | None) -> "pb.ProposeResponse":
         """One upload over ``parts`` ProposeChunked calls at once (proto: ProposeChunk.part): the request and the

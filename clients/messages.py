@@ -356,14 +356,15 @@ class ChunkedRequest:
             yield self.header(part)
         flat = self.flat_states().numpy()  # (uint8: numpy takes it; a memoryview of it is then zero-copy)
         view = memoryview(flat)
-        first = extra
-        for start in range(lo, max(hi, lo + 1) if extra else hi, chunk_bytes):  # (an empty extra part: one message)
+        starts = range(lo, hi, chunk_bytes)
+        if extra and not starts:  # (an empty extra part: its first message alone)
+            starts = [lo]
+        for start in starts:
             data = view[start : min(start + chunk_bytes, hi)]
             # bytes + buffer: one copy of the data into the message
             chunk = _CHUNK_OFFSET_KEY + _varint(start) + _CHUNK_DATA_KEY + _varint(len(data)) + data
-            if first:  # (fields of one message may come in any order: the part, then offset and data)
+            if extra and start == lo:  # (fields of one message may come in any order: the part, then offset and data)
                 chunk = pb.ProposeChunk(part=part).SerializeToString() + chunk
-                first = False
             yield chunk
 
     def unary(self) -> DirectRequest:
