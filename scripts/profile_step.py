@@ -4,6 +4,10 @@
     python scripts/profile_step.py --batches 128 --host-profile         # + the python functions by own time
     python scripts/profile_step.py --batches 128 --states-on-gpu        # the steps' hidden states already on the GPU
     python scripts/profile_step.py --batches 128 --columns --gaps       # Proposer.step_batch; where the GPU idles
+    python scripts/profile_step.py --batches 128 --columns --phases     # the step's host phases, no profiler
+    python scripts/profile_step.py --batches 8 --columns --timeline     # every GPU activity of one step, and the
+                                                                        # cost of the graphs' kernel boundaries
+    python scripts/profile_step.py --batches 128 --columns --mixed-m    # steps of 1..m committed tokens each
 
 By default the steps' target hidden states are host tensors (as a sidecar receives them: the step stages them through
 pinned memory); --states-on-gpu gives them on the GPU, as an engine in the drafter's own process holds them.
@@ -37,9 +41,11 @@ def print_gaps(step, inputs, batch: int, n: int = 10) -> None:
             with torch.profiler.record_function("engine_step"):
                 step(inputs)
     events = prof.events()
-    steps = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "engine_step")
+    steps = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.name == "engine_step" and e.device_type == torch.autograd.DeviceType.CPU)
+    # (the record_function range shows on the GPU timeline too, spanning the step's activities: not an activity)
     gpu = sorted((e.time_range.start, e.time_range.end) for e in events
-                 if e.device_type == torch.autograd.DeviceType.CUDA)
+                 if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "engine_step")
     rows = []
     for s0, s1 in steps:
         spans = [(max(a, s0), min(b_, s1)) for a, b_ in gpu if b_ > s0 and a < s1]
@@ -61,6 +67,157 @@ def print_gaps(step, inputs, batch: int, n: int = 10) -> None:
           f"{med[3]:.3f} ---", flush=True)
 
 
+def print_timeline(step, inputs, batch: int, n: int = 5) -> None:
+    """Every GPU activity of the last of n profiled steps, in order: its start from the step's start, its duration,
+    the idle time before it (since the previous activity ended) and its name; then the gaps summed by the kernel
+    that follows them. Shows what the GPU does between kernels inside the replayed graphs."""
+    import collections
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            with torch.profiler.record_function("engine_step"):
+                step(inputs)
+    events = prof.events()
+    s0, s1 = max((e.time_range.start, e.time_range.end) for e in events
+                   if e.name == "engine_step" and e.device_type == torch.autograd.DeviceType.CPU)
+    gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                 if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "engine_step"
+                 and e.time_range.end > s0 and e.time_range.start < s1)
+    launches = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and s0 <= e.time_range.start < s1
+                and e.name in ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync")]
+    print(f"--- batch {batch}: timeline of one step ({len(gpu)} GPU activities, step {(s1 - s0) / 1e3:.3f} ms; "
+          f"host launches: " + ", ".join(f"{name} x{c}" for name, c in
+                                        collections.Counter(e.name for e in launches).items()) + ") ---")
+    print("    start_us    dur_us    gap_us  name")
+    end, gaps, durs = s0, collections.Counter(), 0.0
+    count = collections.Counter()
+    for a, b_, name in gpu:
+        gap = max(0.0, a - end)
+        short = name if len(name) <= 70 else name[:67] + "..."
+        print(f"  {a - s0:10.1f} {b_ - a:9.1f} {gap:9.1f}  {short}")
+        gaps[short] += gap
+        count[short] += 1
+        durs += b_ - a
+        end = max(end, b_)
+    total_gap = sum(gaps.values())
+    print(f"--- batch {batch}: {len(gpu)} activities, {durs / 1e3:.3f} ms of their own time, {total_gap / 1e3:.3f} ms "
+          f"idle between/before them ({total_gap / max(1, len(gpu)):.1f} us per activity); idle before each kind: ---")
+    for name, g in gaps.most_common(15):
+        print(f"  {g:9.1f} us over {count[name]:3d}  {name}")
+
+
+def replay_rate(graphs, batch: int, n: int = 50) -> None:
+    """Without the profiler: one decode-step graph replayed n times back to back (the GPU never waits for the host),
+    timed with CUDA events, against the kernel time of one replay under the profiler. The difference is what the
+    boundaries between the graph's kernels cost."""
+    if graphs is None:
+        return
+    from drafter_service.engine.cuda_graphs import padded_batch_size
+
+    bs = padded_batch_size(batch, graphs.sizes)
+    if bs is None or bs not in graphs.graphs:
+        return
+    with torch.inference_mode():
+        graphs.steps_left.zero_()  # every row masked: no KV write
+    for _ in range(3):
+        graphs._replay(bs)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graphs._replay(bs)
+    stop.record()
+    torch.cuda.synchronize()
+    per_replay = start.elapsed_time(stop) / n
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            graphs._replay(bs)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith("Memcpy")]
+    own = sum(e.time_range.end - e.time_range.start for e in kernels) / n / 1e3
+    print(f"--- batch {batch}: one decode-step graph (padded batch {bs}) replayed {n} times: {per_replay:.3f} ms per "
+          f"replay, kernels {own:.3f} ms ({len(kernels) // n} per replay): {(per_replay - own) * 1e3:.1f} us between "
+          f"them, {(per_replay - own) * 1e3 / max(1, len(kernels) // n):.2f} us per kernel ---", flush=True)
+
+
+def print_phases(rt, step, inputs, batch: int, n: int = 30) -> None:
+    """Without the profiler: the host phases of n steps of the graph path, from timestamps taken by thin wrappers
+    (about a microsecond each) at the stage boundaries of a step, medians in ms:
+      admit     step start -> step metadata (table lookups, checks, block resizes)
+      metadata  build_step_metadata_columns (numpy packing, pinned copy, the one metadata copy)
+      copy-in   metadata -> the first graph launch: mostly the graph path's device copies of the rows into the
+                graphs' static buffers
+      launch    the first-step and decode graph replays (launches only: the GPU runs behind)
+      meanwhile the host work run while the GPU drafts (the acceptance count)
+      wait      the step's one synchronization: the GPU still running
+      after     drafts on the host -> the step returns (the sequences' state, the reply, metrics)
+    The host work the GPU waits for is admit + metadata + copy-in before the GPU starts, and after."""
+    import statistics
+    from drafter_service.engine import cuda_graphs, proposer as proposer_mod
+
+    graphs = rt.proposer.decode_graphs
+    if graphs is None:
+        return
+    marks: list[tuple[str, float]] = []
+    clock = time.perf_counter
+
+    def wrap(owner, name, before, after=None):
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            marks.append((before, clock()))
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if after:
+                    marks.append((after, clock()))
+        setattr(owner, name, wrapped)
+        return owner, name, original
+
+    undo = [wrap(proposer_mod, "build_step_metadata_columns", "metadata", "metadata_end"),
+            wrap(graphs, "_replay_first", "launch"),
+            wrap(proposer_mod._Drafts, "run_meanwhile", "meanwhile", "meanwhile_end"),
+            wrap(proposer_mod._Drafts, "set_host_rows", "after")]
+    if hasattr(cuda_graphs.ops, "load_first_step_rows"):  # (the one launch that loads the rows: part of copy-in)
+        undo.append(wrap(cuda_graphs.ops, "load_first_step_rows", "rows_in", "rows_in_end"))
+    rows = []
+    try:
+        for _ in range(n):
+            marks.clear()
+            t0 = clock()
+            step(inputs)
+            t1 = clock()
+            first = {}
+            for name, t in marks:
+                first.setdefault(name, t)
+            if not all(x in first for x in ("metadata", "launch", "meanwhile", "after")):
+                continue
+            rows.append(dict(admit=first["metadata"] - t0, metadata=first["metadata_end"] - first["metadata"],
+                             copy_in=first["launch"] - first["metadata_end"],
+                             launch=first["meanwhile"] - first["launch"],
+                             meanwhile=first["meanwhile_end"] - first["meanwhile"],
+                             wait=first["after"] - first["meanwhile_end"], after=t1 - first["after"], wall=t1 - t0,
+                             rows_in=first["rows_in_end"] - first["rows_in"] if "rows_in" in first else 0.0))
+    finally:
+        for owner, name, original in undo:
+            if owner is graphs:
+                delattr(graphs, name)  # (the instance attribute hid the class's method)
+            else:
+                setattr(owner, name, original)
+    if not rows:
+        print(f"--- batch {batch}: phases: the step did not take the first-step graph path ---")
+        return
+    med = {key: statistics.median(r[key] for r in rows) * 1e3 for key in rows[0]}
+    host = med["admit"] + med["metadata"] + med["copy_in"] + med["after"]
+    print(f"--- batch {batch}: phases (median of {len(rows)} steps, no profiler, ms): " +
+          " + ".join(f"{key} {med[key]:.3f}" for key in ("admit", "metadata", "copy_in", "launch", "meanwhile",
+                                                          "wait", "after")) +
+          f" (of copy-in, the rows' load kernel {med['rows_in']:.3f})"
+          f"; wall {med['wall']:.3f}; host work the GPU waits for (admit + metadata + copy-in + after) {host:.3f} ---",
+          flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llama3-8b")
@@ -68,6 +225,9 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--m", type=int, default=3)
+    ap.add_argument("--mixed-m", action="store_true",
+                    help="sequence i re-sends 1 + i %% m committed tokens (mixed m, as after varying acceptance) "
+                         "instead of m each")
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--cpu-threads", type=int, default=0, help="torch threads for the host side (0: the server's "
                     "default on CUDA, 1)")
@@ -79,6 +239,10 @@ def main() -> int:
     ap.add_argument("--gaps", action="store_true",
                     help="also split the GPU's idle time of a step: before its first kernel (host work before the "
                          "launches), between its kernels, and after its last one (host work after the sync)")
+    ap.add_argument("--phases", action="store_true",
+                    help="also split the step's host time into phases with timestamps, without the profiler")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also print every GPU activity of one step with the idle time before it")
     ap.add_argument("--host-profile", action="store_true",
                     help="also run cProfile over 10 steps and print the python functions by own time (host work)")
     a = ap.parse_args()
@@ -95,6 +259,11 @@ def main() -> int:
             prefill, decode = b.make_steps(batch, a.context, a.m, a.k, width, shape["vocab_size"], seed=batch)
             for i in range(0, batch, 8):
                 rt.proposer.step(b.to_inputs(prefill[i : i + 8]))
+            if a.mixed_m:  # (a suffix of each decode step: its positions are in the KV already)
+                decode = [dataclasses.replace(s, start_position=s.start_position + a.m - (1 + i % a.m),
+                                              token_ids=s.token_ids[a.m - (1 + i % a.m):],
+                                              hidden_states=s.hidden_states[a.m - (1 + i % a.m):])
+                          for i, s in enumerate(decode)]
             if a.states_on_gpu:
                 decode = [dataclasses.replace(s, hidden_states=s.hidden_states.cuda()) for s in decode]
             inputs = b.to_inputs(decode)
@@ -116,13 +285,19 @@ def main() -> int:
             events = prof.key_averages()
             gpu_total = sum(e.self_device_time_total for e in events) / 5 / 1e3  # ms per step
             print(f"\n=== batch {batch} ({torch.get_num_threads()} host threads, "
-                  f"{'columns (step_batch)' if a.columns else 'StepInputs (step)'}, states on the "
+                  f"{'columns (step_batch)' if a.columns else 'StepInputs (step)'}, "
+                  f"{'m = 1..' if a.mixed_m else 'm = '}{a.m}, states on the "
                   f"{'GPU' if a.states_on_gpu else 'host'}): wall {wall * 1e3:.2f} ms/step, "
                   f"GPU kernel time {gpu_total:.2f} ms/step, "
                   f"idle GPU {wall * 1e3 - gpu_total:.2f} ms ===")
             print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
             if a.gaps:
                 print_gaps(step, inputs, batch)
+            if a.phases:
+                print_phases(rt, step, inputs, batch)
+            if a.timeline:
+                print_timeline(step, inputs, batch)
+                replay_rate(rt.proposer.decode_graphs, batch)
             if a.host_profile:
                 prof = cProfile.Profile()
                 prof.enable()

@@ -21,6 +21,7 @@ from drafter_kernels.testing import kernel_module  # noqa: E402
 attention = kernel_module("paged_attention")
 sampling = kernel_module("sampling")
 draft_step = kernel_module("draft_step")
+load_first_step = kernel_module("load_first_step")
 
 
 class CompileKeys:
@@ -104,6 +105,28 @@ def test_draft_step_compiles_a_few_variants_across_batch_sizes(recorded):
                 torch.ones(rows, dtype=torch.int32), 16, 4096,
                 torch.empty(rows, dtype=torch.int64), torch.empty(rows + 3, dtype=torch.int64))
     assert len(main.keys) <= 10, sorted(main.keys)  # BLOCK: a power of two up to 1024 (36 keys before)
+
+
+def test_load_first_step_compiles_one_variant_across_batches_and_contexts(recorded):
+    """It runs eagerly before every first-step graph replay: no batch size, M, table width or state width may
+    compile another variant."""
+    main = recorded(load_first_step, "_load_first_step_rows_kernel")
+    for B in (1, 2, 3, 16, 17, 64, 128, 200, 256):
+        for M in (1, 2, 3, 8):
+            for blocks in (1, 16, 17, 64, 65):
+                for width in (64, 4096, 12288):
+                    bs = -(-B // 16) * 16
+                    T = B * M
+                    load_first_step.load_first_step_rows_triton(
+                        torch.zeros(T, dtype=torch.int64), torch.zeros(T, width, dtype=torch.bfloat16),
+                        torch.zeros(T, dtype=torch.int64), torch.arange(B + 1, dtype=torch.int32) * M,
+                        torch.zeros(B, dtype=torch.int64), torch.ones(B, dtype=torch.int32),
+                        torch.zeros(B, blocks, dtype=torch.int32), torch.zeros(B, dtype=torch.int32), M,
+                        torch.empty(bs, dtype=torch.int64), torch.empty(bs, dtype=torch.int32),
+                        torch.empty(bs, 65, dtype=torch.int32), torch.empty(bs, dtype=torch.int32),
+                        torch.empty(bs * M, dtype=torch.int64), torch.empty(bs * M, dtype=torch.int64),
+                        torch.empty(bs * M, dtype=torch.int64), torch.empty(bs * M, width, dtype=torch.bfloat16))
+    assert len(main.keys) == 1, sorted(main.keys)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,dtype", [(32, 8, 128, torch.bfloat16), (32, 8, 128, torch.float32),

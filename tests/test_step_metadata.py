@@ -31,12 +31,8 @@ def naive_metadata(starts, token_ids, next_tokens, num_drafts, tables, block_siz
                 dtables=[padded[i] for i in active])
 
 
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("packing", ["lists", "vectorized", "vectorized-table-rows"])
-def test_step_metadata_matches_per_sequence_reference(seed, packing, monkeypatch):
-    """Every way of packing the host buffer: python lists for small steps, vectorized torch for large ones, with
-    the block tables from the lists or gathered from the sequence table's rows (BlockTables)."""
-    monkeypatch.setattr(step_metadata, "SMALL_STEP_ROWS", 10**9 if packing == "lists" else 0)
+def random_step(seed: int, packing: str) -> dict:
+    """A random step's arguments to build_step_metadata (table_rows as `packing` says)."""
     rng = random.Random(seed)
     block_size = rng.choice([8, 16, 32])
     B = rng.choice([1, 2, 3, 5, 17, 40])
@@ -68,9 +64,16 @@ def test_step_metadata_matches_per_sequence_reference(seed, packing, monkeypatch
         for row in rows[B:]:
             bt.write(row, 0, [7] * 3)
         table_rows = (bt, rows[:B])
-    md = build_step_metadata(starts, token_ids, hidden, next_tokens, num_drafts, tables, temperatures, seeds,
-                             top_ks, block_size, torch.device("cpu"), table_rows=table_rows)
-    ref = naive_metadata(starts, token_ids, next_tokens, num_drafts, tables, block_size)
+    return dict(start_positions=starts, token_ids=token_ids, hidden_states=hidden, next_tokens=next_tokens,
+                num_drafts=num_drafts, block_tables=tables, temperatures=temperatures, seeds=seeds, top_ks=top_ks,
+                block_size=block_size, device=torch.device("cpu"), table_rows=table_rows)
+
+
+def check_metadata(md, step: dict) -> None:
+    """md equals the per-sequence reference of step (random_step's arguments)."""
+    token_ids, num_drafts = step["token_ids"], step["num_drafts"]
+    ref = naive_metadata(step["start_positions"], token_ids, step["next_tokens"], num_drafts, step["block_tables"],
+                         step["block_size"])
     meta = md.first_step
     assert md.input_ids.tolist() == ref["ids"] and md.input_ids.dtype == torch.int64
     assert meta.positions.tolist() == ref["pos"] and meta.positions.dtype == torch.int64
@@ -79,10 +82,11 @@ def test_step_metadata_matches_per_sequence_reference(seed, packing, monkeypatch
     assert meta.seq_lens.tolist() == ref["seq_lens"] and meta.seq_lens.dtype == torch.int32
     assert meta.block_tables.tolist() == ref["tables"] and meta.block_tables.dtype == torch.int32
     assert meta.max_query_len == max(len(t) for t in token_ids)
-    assert torch.equal(md.hidden_states, torch.cat(hidden))
-    assert md.temperature.tolist() == torch.tensor(temperatures).tolist() and md.temperature.dtype == torch.float32
-    assert md.seed.tolist() == seeds and md.seed.dtype == torch.int64
-    assert md.top_k.tolist() == top_ks and md.top_k.dtype == torch.int64
+    assert torch.equal(md.hidden_states, torch.cat(step["hidden_states"]))
+    assert md.temperature.tolist() == torch.tensor(step["temperatures"]).tolist()
+    assert md.temperature.dtype == torch.float32
+    assert md.seed.tolist() == step["seeds"] and md.seed.dtype == torch.int64
+    assert md.top_k.tolist() == step["top_ks"] and md.top_k.dtype == torch.int64
     assert md.active == ref["active"] and md.num_drafts == num_drafts
     assert md.draft_rows.tolist() == ref["rows"] and md.draft_rows.dtype == torch.int64
     assert md.draft_positions.tolist() == ref["dpos"] and md.draft_positions.dtype == torch.int64
@@ -98,6 +102,40 @@ def test_step_metadata_matches_per_sequence_reference(seed, packing, monkeypatch
         assert getattr(md, name).data_ptr() % 16 == 0, name
     for name in ("positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
         assert getattr(meta, name).data_ptr() % 16 == 0, name
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("packing", ["lists", "vectorized", "vectorized-table-rows"])
+def test_step_metadata_matches_per_sequence_reference(seed, packing, monkeypatch):
+    """Every way of packing the host buffer: python lists for small steps, vectorized torch for large ones, with
+    the block tables from the lists or gathered from the sequence table's rows (BlockTables)."""
+    monkeypatch.setattr(step_metadata, "SMALL_STEP_ROWS", 10**9 if packing == "lists" else 0)
+    step = random_step(seed, packing)
+    check_metadata(build_step_metadata(**step), step)
+
+
+@pytest.mark.parametrize("packing", ["lists", "vectorized", "vectorized-table-rows"])
+def test_step_metadata_in_kept_buffers(packing, monkeypatch):
+    """A proposer's MetadataBuffers across many steps of different sizes (the buffer grows; a smaller step after a
+    larger one finds stale bytes past its end): each step's metadata equals the reference; a step of a layout seen
+    before reuses its views, and a step of another layout gets views of its own."""
+    monkeypatch.setattr(step_metadata, "SMALL_STEP_ROWS", 10**9 if packing == "lists" else 0)
+    buffers = step_metadata.MetadataBuffers(torch.device("cpu"))
+    capacities = set()
+    for seed in [0, 1, 2, 3, 4, 5, 6, 7, 1, 8, 0]:
+        step = random_step(seed, packing)
+        md = build_step_metadata(**step, buffers=buffers)
+        check_metadata(md, step)
+        capacities.add(buffers.host.shape[0])
+        again = build_step_metadata(**step, buffers=buffers)  # the same layout: the same views, refilled
+        check_metadata(again, step)
+        assert again.input_ids is md.input_ids and again.first_step.block_tables is md.first_step.block_tables
+    assert len(capacities) > 1  # (it grew at least once)
+    small, large = random_step(2, packing), random_step(4, packing)
+    md_small = build_step_metadata(**small, buffers=buffers)
+    assert md_small.input_ids.data_ptr() == buffers.host.data_ptr()  # (in place, at the start of the buffer)
+    build_step_metadata(**large, buffers=buffers)
+    check_metadata(build_step_metadata(**small, buffers=buffers), small)
 
 
 def test_step_metadata_no_drafting_sequence():

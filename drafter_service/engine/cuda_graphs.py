@@ -25,8 +25,8 @@ the results are collected. Rows that are still drafting never reach the max_mode
 advance_draft_step (admission cuts k to fit), masked rows may: the clamp keeps their position inside the RoPE
 cache and their slot at -1.
 
-The host copies the drafting rows' inputs into the static buffers with device->device copies, replays the graph
-max(k) - 1 times, and copies drafts_out to the host once (into a pinned buffer of its own): the step's only
+The host copies the drafting rows' inputs into the static buffers with device->device copies (a step whose first step
+replays a graph too: with one kernel, load_first_step_rows, below), replays the graph max(k) - 1 times, and copies drafts_out to the host once (into a pinned buffer of its own): the step's only
 device->host synchronization. (K = --max-draft-tokens.)
 Only greedy steps use the graphs (every sequence at temperature 0, no logprobs, no top-k); the proposer runs the
 others, and batches of more than MAX_GRAPH_BATCH drafting sequences, with its eager decode loop.
@@ -39,7 +39,8 @@ pads to a captured size (up to MAX_FIRST_STEP_GRAPH_BATCH): each sequence gets M
 padding. The attention kernel places query row j of a sequence at seq_len - M + j, so the real rows sit at their
 own positions p_i .. p_i+m_i-1 and the padding rows at the positions just before p_i (already in the cache; they
 read it, write nothing, and their outputs are dropped). Row i*M + M - 1 gives draft 1 for every sequence, so the
-graph's query_start_loc (i * M) and its last rows are constants. A uniform batch (every m_i = M) is the case with
+graph's query_start_loc (i * M) and its last rows are constants. One launch of kernels/load_first_step.py puts a
+step's rows there (and the decode rows' positions, seq_lens, block tables and steps), before the replay. A uniform batch (every m_i = M) is the case with
 no padding rows. The graph reads its own static rows and writes the decode buffers above, so the whole greedy step
 is graph replays between one batch of device copies in and one copy of the drafts out:
 
@@ -304,27 +305,16 @@ class DecodeGraphs:
         """Drafts 1..k of a batch that can_run_first_step: the first step replayed too."""
         B, M = len(md.num_drafts), md.first_step.max_query_len
         bs = padded_batch_size(B, self.first_sizes)
-        T, R = md.input_ids.shape[0], bs * M
-        self._load_decode_rows(md, B, bs)  # block tables and seq_lens (p + m) serve the first step as well
-        if B < bs:  # padding sequences: rows at positions 0..M-1 whose slots write nothing
-            self.seq_lens[B:bs].fill_(M)
-        # row r of sequence i sits at seq_len_i - M + r (p_i + j on its real rows; 0..M-1 for padding sequences)
-        offsets = torch.arange(M, 0, -1, device=self.device)  # [M] M .. 1
-        torch.sub(self.seq_lens[:bs, None], offsets, out=self.fs_positions[:R].view(bs, M))
-        if T == B * M:  # uniform: the rows are already in place
-            self.fs_input_ids[:T].copy_(md.input_ids)
-            self.fs_hidden[:T].copy_(md.hidden_states)
-            self.fs_slots[:T].copy_(md.first_step.slot_mapping)
-            self.fs_slots[T:R].fill_(ops.PADDING_SLOT_ID)
-        else:  # row t of sequence s goes to padded row (s + 1) * M - (qsl[s + 1] - t): its m_s real rows last
-            ends = md.first_step.query_start_loc[1:].to(torch.int64)  # [B] qsl[s + 1]
-            seq = torch.repeat_interleave(torch.arange(B, device=self.device), ends.diff(prepend=ends.new_zeros(1)),
-                                          output_size=T)  # [T] sequence of each row
-            dest = (seq + 1) * M - ends[seq] + torch.arange(T, device=self.device)  # [T]
-            self.fs_slots[:R].fill_(ops.PADDING_SLOT_ID)
-            self.fs_slots.index_copy_(0, dest, md.first_step.slot_mapping)
-            self.fs_input_ids.index_copy_(0, dest, md.input_ids)
-            self.fs_hidden.index_copy_(0, dest, md.hidden_states.to(self.fs_hidden.dtype))
+        R = bs * M
+        # the rows in the graphs' layout, in one launch (kernels/load_first_step.py): decode rows [0, bs) (block
+        # tables, seq_lens p + m, which serve the first step as well; padding sequences masked, seq_len M), and
+        # first-step row r of sequence i at seq_len_i - M + r, its m_i real rows last
+        fs = md.first_step
+        ops.load_first_step_rows(md.input_ids, md.hidden_states, fs.slot_mapping, fs.query_start_loc,
+                                 md.draft_positions, md.draft_seq_lens, md.draft_block_tables, md.draft_steps, M,
+                                 self.positions[:bs], self.seq_lens[:bs], self.block_tables[:B],
+                                 self.steps_left[:bs], self.fs_positions[:R], self.fs_input_ids[:R],
+                                 self.fs_slots[:R], self.fs_hidden[:R])
         self._replay_first(bs, M)
         self.first_steps_run += 1
         return self._decode_and_collect(md, out, B, bs)

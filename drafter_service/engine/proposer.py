@@ -55,7 +55,8 @@ from drafter_service.engine.sampling import DraftSample, SamplingSettings, sampl
 from drafter_service.engine.sequence import EVICTED_FOR_NAMESPACE, Sequence, SequenceLimits, SequenceTable
 from drafter_service.engine.step_io import (FAILED_PRECONDITION, INTERNAL, NOT_FOUND, OUT_OF_RANGE,
                                             RESOURCE_EXHAUSTED, UNAVAILABLE, StepInput, StepOutput)
-from drafter_service.engine.step_metadata import SMALL_STEP_ROWS, StepMetadata, build_step_metadata_columns
+from drafter_service.engine.step_metadata import (SMALL_STEP_ROWS, MetadataBuffers, StepMetadata,
+                                                  build_step_metadata_columns)
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +200,7 @@ class Proposer:
         self.metrics.sequence_counters = self.table.counters
         self.kv_layers = [kv.layer(i) for i in range(model.num_kv_layers)]
         self.decode_graphs = None  # cuda_graphs.DecodeGraphs: set by runtime.py on CUDA with --cuda-graphs
+        self.metadata_buffers = MetadataBuffers(device)  # the steps' metadata, packed and copied in place
         self.draining = False  # Drain / SIGTERM: new sequences get UNAVAILABLE, live ones keep drafting
         # Set when the step worker cannot go on (a sticky device error, or MAX_FAILED_BATCHES_IN_A_ROW failed
         # batches): every later step gets UNAVAILABLE without running, and on_fatal(reason) tells the server, which
@@ -497,7 +499,7 @@ class Proposer:
                 b.start_positions, b.num_tokens, b.token_ids, b.hidden_states, b.next_tokens, k_t,
                 torch.from_numpy(self.table.block_tables.tensor.numpy()[rows, : int(blocks.max())]), b.temperatures,
                 b.seeds,
-                torch.zeros(B, dtype=torch.int64), self.block_size, self.device)
+                torch.zeros(B, dtype=torch.int64), self.block_size, self.device, self.metadata_buffers)
             greedy = not bool((b.temperatures > 0).any())
             sp = SamplingSettings(temperature=md.temperature, seed=md.seed, top_k=md.top_k, want_logprobs=False,
                                   greedy_only=greedy)
@@ -625,7 +627,7 @@ class Proposer:
 
     def _run_sequential(self, batch: list[_Admitted]) -> _Drafts:
         # ---- step metadata (step_metadata.py): vectorized on the host, one host->device copy for the step ----
-        md = StepMetadata.build(batch, self.block_size, self.device, self.table.block_tables)
+        md = StepMetadata.build(batch, self.block_size, self.device, self.table.block_tables, self.metadata_buffers)
         sp = self._sampling(batch, md)
         out = _Drafts(len(batch), [a.step.top_k_probs for a in batch])
         return self._draft_sequential(md, sp, out, [a.seq.predraft is not None for a in batch])

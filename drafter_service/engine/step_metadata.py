@@ -26,14 +26,20 @@ regions, so that no field needs a cast kernel on the device:
     draft_seq_lens    [n]      p_i + m_i
     draft_steps       [n]      k_i - 1: the decode steps it needs
 
+The proposer keeps both buffers from step to step (MetadataBuffers): the packing writes the host buffer in place,
+the copy goes to the same device buffer, and the ~15 views that split it into fields are made once per layout (T, B,
+n, w) and reused. A new host buffer for every step cost an allocation, a pin_memory copy and the views, host work
+the device waits for.
+
 Every field starts at a 16-byte boundary of the buffer (zeros pad a field to a multiple of 16 bytes): Triton
 specializes a kernel on each pointer argument's 16-byte alignment, so a field at an offset that depends on the batch
 would compile another variant of the attention kernel in the middle of a step (0.3-0.4 s on an H200).
 
 The target hidden states (data, not metadata: [T, W] in the wire dtype) are concatenated straight into a second
 pinned buffer and sent with a non_blocking copy (host_staging.py), or used in place when they came through CUDA
-shared memory and are already on the device. Neither copy waits for the device. Each copy's source is pinned memory from
-torch's caching host allocator, which keeps the block until its copy has completed, so a later step never
+shared memory and are already on the device. Neither copy waits for the device. The states' source is pinned memory
+from torch's caching host allocator, which keeps the block until its copy has completed; the metadata's is the
+proposer's buffer, which the next step rewrites only after an event says the copy completed. So a later step never
 overwrites a buffer still in flight.
 """
 import itertools
@@ -47,6 +53,64 @@ from drafter_service.engine.block_tables import BlockTables
 from drafter_service.engine.host_staging import rows_to_device
 from drafter_service.models.attention_metadata import AttentionMetadata
 from drafter_service.engine.sampling import seed_to_int64
+
+
+class MetadataBuffers:
+    """One proposer's step-metadata buffers, kept from step to step: ``host`` (int32, pinned on CUDA), which the
+    packing writes in place, and on CUDA ``device``, which it is copied to. The fields are views of ``device`` (of
+    ``host`` on the CPU), so a step's metadata tensors are valid until the next step's metadata is built: nothing
+    keeps them past its step (pre-drafting builds its own, unbuffered). The host buffer is rewritten only once the
+    copy from it has completed (an event recorded after the copy: a step that failed before its synchronization may
+    have left one in flight). Both grow when a step needs more, and keep their size."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.host = torch.zeros(0, dtype=torch.int32)
+        self.on_device = self.host
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._in_flight = False
+        self._fields: dict[tuple, tuple] = {}  # layout (T, B, n, w) -> the device views of the fields
+
+    def host_array(self, size: int) -> np.ndarray:
+        """A zeroed int32 host array of ``size`` elements to pack a step into (a view of ``host``)."""
+        if size > self.host.shape[0]:
+            capacity = max(size, 2 * self.host.shape[0])
+            cuda = self.device.type == "cuda"
+            if self._in_flight:  # (the old host buffer is freed: no copy may still read it)
+                self._copied.synchronize()
+                self._in_flight = False
+            self.host = torch.zeros(capacity, dtype=torch.int32, pin_memory=cuda)
+            self.on_device = (torch.zeros(capacity, dtype=torch.int32, device=self.device) if cuda else self.host)
+            self._fields.clear()
+        elif self._in_flight:
+            self._copied.synchronize()  # (returns at once after the step's own synchronization)
+            self._in_flight = False
+        out = self.host[:size].numpy()
+        out.fill(0)
+        return out
+
+    def send(self, host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """host: a packed step (a view of host_array's, or a tensor of its own, which is copied in first) -> (its
+        device copy, its host copy), views of the buffers; the device copy is non_blocking."""
+        size = host.shape[0]
+        if host.data_ptr() != self.host.data_ptr():
+            self.host_array(size)
+            self.host[:size].copy_(host)
+        if self._copied is None:
+            return self.host[:size], self.host[:size]
+        self.on_device[:size].copy_(self.host[:size], non_blocking=True)
+        self._copied.record()
+        self._in_flight = True
+        return self.on_device[:size], self.host[:size]
+
+    def fields(self, layout: tuple, split):
+        """The field views for ``layout`` (made by split() the first time, then reused: same buffer, same views)."""
+        views = self._fields.get(layout)
+        if views is None:
+            if len(self._fields) >= 256:  # (a bound: a stream of new layouts costs a split each, never memory)
+                self._fields.clear()
+            views = self._fields[layout] = split()
+        return views
 
 
 @dataclass
@@ -72,9 +136,10 @@ class StepMetadata:
 
     @classmethod
     def build(cls, batch, block_size: int, device: torch.device,
-              tables: BlockTables | None = None) -> "StepMetadata":
+              tables: BlockTables | None = None, buffers: MetadataBuffers | None = None) -> "StepMetadata":
         """From the proposer's admitted batch (``a.step``: StepInput, ``a.seq``: Sequence, ``a.num_drafts``);
-        tables: the sequence table's block tables, whose rows (``a.seq.table_row``) a large step gathers."""
+        tables: the sequence table's block tables, whose rows (``a.seq.table_row``) a large step gathers; buffers:
+        the proposer's MetadataBuffers (None: buffers of this step's own)."""
         return build_step_metadata(
             start_positions=[a.step.start_position for a in batch],
             token_ids=[a.step.token_ids for a in batch],
@@ -86,7 +151,7 @@ class StepMetadata:
             seeds=[seed_to_int64(a.step.seed) for a in batch],
             top_ks=[a.step.top_k_probs for a in batch],
             block_size=block_size, device=device,
-            table_rows=(tables, [a.seq.table_row for a in batch]) if tables is not None else None)
+            table_rows=(tables, [a.seq.table_row for a in batch]) if tables is not None else None, buffers=buffers)
 
 
 SMALL_STEP_ROWS = 64  # up to this many first-step rows, the host buffer is built with plain python lists
@@ -112,7 +177,8 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
                         next_tokens: list[int], num_drafts: list[int], block_tables: list[list[int]],
                         temperatures: list[float], seeds: list[int], top_ks: list[int], block_size: int,
                         device: torch.device,
-                        table_rows: "tuple[BlockTables, list[int]] | None" = None) -> StepMetadata:
+                        table_rows: "tuple[BlockTables, list[int]] | None" = None,
+                        buffers: MetadataBuffers | None = None) -> StepMetadata:
     """Packs the host buffer (two ways, same bytes: python lists for a small step, where ~50 small tensor ops would
     cost more than the lists; vectorized torch above SMALL_STEP_ROWS rows), copies it to the device once.
     table_rows: (the block tables tensor, each sequence's row of it) holding the same tables as block_tables: a
@@ -131,22 +197,24 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
             torch.tensor(start_positions, dtype=i64), torch.tensor(q_lens, dtype=i64), torch.cat(token_ids),
             torch.tensor(next_tokens, dtype=i64), torch.tensor(num_drafts, dtype=i64), tables,
             torch.tensor(temperatures, dtype=torch.float32), torch.tensor(seeds, dtype=i64),
-            torch.tensor(top_ks, dtype=i64), block_size)
-    return _to_device(host, active, seq_lens, list(num_drafts), max(q_lens), T, w, hidden_states, device)
+            torch.tensor(top_ks, dtype=i64), block_size, buffers.host_array if buffers is not None else None)
+    return _to_device(host, active, seq_lens, list(num_drafts), max(q_lens), T, w, hidden_states, device, buffers)
 
 
 def build_step_metadata_columns(start_positions: torch.Tensor, num_tokens: torch.Tensor, token_ids: torch.Tensor,
                                 hidden_states: torch.Tensor, next_tokens: torch.Tensor, num_drafts: torch.Tensor,
                                 block_tables: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
-                                top_ks: torch.Tensor, block_size: int, device: torch.device) -> StepMetadata:
+                                top_ks: torch.Tensor, block_size: int, device: torch.device,
+                                buffers: MetadataBuffers | None = None) -> StepMetadata:
     """The same metadata from a step's columns (batch_io.BatchInput: [B] int64 start positions, num_tokens,
     next tokens, k after the max_model_len cut, float32 temperatures, int64 seed bits and top-N; token_ids [T]
     int64; hidden_states [T, W]; block_tables [B, w] int32, zero-padded), vectorized whatever the batch size: no
     per-sequence Python object is read."""
     host, active, seq_lens = _pack_vectorized(start_positions, num_tokens, token_ids, next_tokens, num_drafts,
-                                              block_tables, temperatures, seeds, top_ks, block_size)
+                                              block_tables, temperatures, seeds, top_ks, block_size,
+                                              buffers.host_array if buffers is not None else None)
     return _to_device(host, active, seq_lens, num_drafts.tolist(), int(num_tokens.max()),
-                      token_ids.shape[0], block_tables.shape[1], [hidden_states], device)
+                      token_ids.shape[0], block_tables.shape[1], [hidden_states], device, buffers)
 
 
 def _layout(T: int, B: int, n: int, w: int) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -159,32 +227,50 @@ def _layout(T: int, B: int, n: int, w: int) -> tuple[list[int], list[int], list[
             [aligned_len(x, 4) for x in narrow_sizes])
 
 
-def _to_device(host: torch.Tensor, active: list[int], seq_lens: list[int], num_drafts: list[int], max_q: int, T: int,
-               w: int, hidden_states: list[torch.Tensor], device: torch.device) -> StepMetadata:
-    """The packed host buffer to the device in one copy, and the StepMetadata of views of it."""
-    B, n = len(num_drafts), len(active)
+def _split(dev: torch.Tensor, T: int, B: int, n: int, w: int) -> tuple:
+    """The fields of a packed buffer (device or host), as views: 8 int64 fields, then 6 int32 fields (the
+    block tables as [B, w], the temperatures as float32), in the order of the module docstring."""
     wide_sizes, narrow_sizes, wide_padded, narrow_padded = _layout(T, B, n, w)
     num_wide = sum(wide_padded)  # int64 elements = 2 * num_wide int32 elements
-    if device.type == "cuda":
-        host = host.pin_memory()
-    dev = host.to(device, non_blocking=True)  # the step's one metadata host->device copy (a no-op on the CPU)
+    wide = [part[:size] for part, size in zip(torch.split(dev[: 2 * num_wide].view(torch.int64), wide_padded),
+                                             wide_sizes)]
+    narrow = [part[:size] for part, size in zip(torch.split(dev[2 * num_wide:], narrow_padded), narrow_sizes)]
+    narrow[2] = narrow[2].view(B, w)
+    narrow[3] = narrow[3].view(torch.float32)
+    return (*wide, *narrow)
 
-    ids_d, pos_d, slots_d, seed_d, top_k_d, index_d, rows_d, dpos_d = (
-        part[:size] for part, size in zip(torch.split(dev[: 2 * num_wide].view(torch.int64), wide_padded), wide_sizes))
-    qsl_d, seq_lens_d, tables_d, temperature_d, dseq_d, dsteps_d = (
-        part[:size] for part, size in zip(torch.split(dev[2 * num_wide:], narrow_padded), narrow_sizes))
-    tables_d = tables_d.view(B, w)
-    tables_at = 2 * num_wide + narrow_padded[0] + narrow_padded[1]
-    host_tables = host[tables_at : tables_at + B * w].view(B, w)
+
+def _host_tables(host: torch.Tensor, T: int, B: int, n: int, w: int) -> torch.Tensor:
+    """[B, w] int32: the block tables field of a packed host buffer."""
+    _, _, wide_padded, narrow_padded = _layout(T, B, n, w)
+    at = 2 * sum(wide_padded) + narrow_padded[0] + narrow_padded[1]
+    return host[at : at + B * w].view(B, w)
+
+
+def _to_device(host: torch.Tensor, active: list[int], seq_lens: list[int], num_drafts: list[int], max_q: int, T: int,
+               w: int, hidden_states: list[torch.Tensor], device: torch.device,
+               buffers: MetadataBuffers | None = None) -> StepMetadata:
+    """The packed host buffer to the device in one copy, and the StepMetadata of views of it."""
+    B, n = len(num_drafts), len(active)
+    if buffers is not None:
+        dev, host = buffers.send(host)  # (the same buffers every step: the views are made once per layout)
+        fields = buffers.fields((T, B, n, w), lambda: _split(dev, T, B, n, w))
+    else:
+        if device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(device, non_blocking=True)  # the step's one metadata host->device copy (a no-op on the CPU)
+        fields = _split(dev, T, B, n, w)
+    ids_d, pos_d, slots_d, seed_d, top_k_d, index_d, rows_d, dpos_d = fields[:8]
+    qsl_d, seq_lens_d, tables_d, temperature_d, dseq_d, dsteps_d = fields[8:]
     return StepMetadata(
         input_ids=ids_d, hidden_states=rows_to_device(hidden_states, device),
         first_step=AttentionMetadata(positions=pos_d, slot_mapping=slots_d, query_start_loc=qsl_d,
                                      seq_lens=seq_lens_d, block_tables=tables_d, max_query_len=max_q),
-        temperature=temperature_d.view(torch.float32), seed=seed_d, top_k=top_k_d,
+        temperature=temperature_d, seed=seed_d, top_k=top_k_d,
         draft_rows=rows_d, draft_positions=dpos_d, draft_seq_lens=dseq_d,
         draft_block_tables=tables_d if n == B else tables_d[index_d],  # [n, w]: a gather on the device
         draft_steps=dsteps_d, active=active, num_drafts=num_drafts,
-        host_seq_lens=seq_lens, host_block_tables=host_tables)
+        host_seq_lens=seq_lens, host_block_tables=_host_tables(host, T, B, n, w))
 
 
 def _pack_lists(start_positions, token_ids, q_lens, next_tokens, num_drafts, block_tables, temperatures, seeds,
@@ -223,10 +309,12 @@ def _tables_from_lists(block_tables: list[list[int]], w: int) -> torch.Tensor:
 
 def _pack_vectorized(p: torch.Tensor, q: torch.Tensor, committed: torch.Tensor, next_tokens: torch.Tensor,
                      k: torch.Tensor, block_tables_i32: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                     top_ks: torch.Tensor, block_size: int) -> tuple[torch.Tensor, list[int], list[int]]:
+                     top_ks: torch.Tensor, block_size: int,
+                     alloc=None) -> tuple[torch.Tensor, list[int], list[int]]:
     """The host buffer of a large step (prefill, or many sequences), vectorized over the batch: no per-sequence
     op. p, q, next_tokens, k, seeds, top_ks: [B] int64; committed: [T] token ids; temperature: [B] float32;
-    block_tables_i32: [B, w] int32, zero-padded (host tensors). The arithmetic runs in numpy on views of them, each
+    block_tables_i32: [B, w] int32, zero-padded (host tensors). alloc(size): the zeroed int32 array to pack into
+    (MetadataBuffers.host_array; None: a new one). The arithmetic runs in numpy on views of them, each
     field written straight into its place in the buffer: small-array numpy ops cost about a microsecond where a torch
     op costs several, and there are some twenty of them."""
     p, q, k = p.numpy(), q.numpy(), k.numpy()
@@ -238,7 +326,8 @@ def _pack_vectorized(p: torch.Tensor, q: torch.Tensor, committed: torch.Tensor, 
     n = draft_index.shape[0]
 
     _, _, wide_padded, narrow_padded = _layout(T, B, n, w)
-    host = np.zeros(2 * sum(wide_padded) + sum(narrow_padded), dtype=np.int32)
+    size = 2 * sum(wide_padded) + sum(narrow_padded)
+    host = alloc(size) if alloc is not None else np.zeros(size, dtype=np.int32)  # (zeroed)
     wide_at = np.cumsum([0] + wide_padded)  # int64 element offsets of the int64 region's fields
     narrow_at = 2 * sum(wide_padded) + np.cumsum([0] + narrow_padded)  # int32 element offsets
     wide = host[: 2 * sum(wide_padded)].view(np.int64)

@@ -1,0 +1,124 @@
+"""The host cost of the eager work around a graph-replayed step (a script, not a test): what the GPU waits for
+before the first-step graph of a batch-B decode step (m rows each) can start.
+
+  metadata, step buffers    build_step_metadata_columns with the proposer's MetadataBuffers (packing in place, the
+                            views of a layout made once)
+  metadata, new buffers     the same with a new host buffer, pin_memory copy, device buffer and views every step
+  rows in, one kernel       load_first_step_rows' Triton launch (kernels/load_first_step.py)
+  rows in, torch ops        its torch reference: the ~10 ops (copies, fills, an arange, an index_copy) it replaced
+
+Each variant is called --iters times in a row; the host time per call is measured without synchronizing inside the
+loop (launches only, as in a step), then the loop's total with a synchronize at its end. The variants alternate in
+--rounds rounds; the table gives the median over rounds and the spread. Prints a table, writes JSON.
+
+    python benchmarks/bench_step_host_ops.py --device cuda --batches 32,128,256 --out docs/bench/step_host_ops.json
+"""
+import argparse
+import datetime
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from drafter_client.benchmarks.report import write_json  # noqa: E402
+from drafter_kernels import load_first_step  # noqa: E402
+from drafter_service.engine import step_metadata as sm  # noqa: E402
+
+
+def make_step(B: int, m: int, width: int, table_width: int, device: torch.device, gen: torch.Generator):
+    """A decode step's columns (host tensors, states on the device as an engine in the process holds them)."""
+    T = B * m
+    return dict(
+        start_positions=torch.full((B,), 1021, dtype=torch.int64), num_tokens=torch.full((B,), m, dtype=torch.int64),
+        token_ids=torch.randint(0, 32000, (T,), generator=gen),
+        hidden_states=torch.randn(T, width, generator=gen).to(device=device, dtype=torch.bfloat16),
+        next_tokens=torch.randint(0, 32000, (B,), generator=gen), num_drafts=torch.full((B,), 5, dtype=torch.int64),
+        block_tables=torch.randint(0, 5000, (B, table_width), generator=gen, dtype=torch.int32),
+        temperatures=torch.zeros(B), seeds=torch.zeros(B, dtype=torch.int64), top_ks=torch.zeros(B, dtype=torch.int64),
+        block_size=16, device=device)
+
+
+def static_rows(B: int, M: int, width: int, table_width: int, device: torch.device) -> dict:
+    bs = -(-B // 16) * 16
+    z = dict(device=device)
+    return dict(out_positions=torch.zeros(bs, dtype=torch.int64, **z), out_seq_lens=torch.zeros(bs, dtype=torch.int32, **z),
+                out_block_tables=torch.zeros(bs, table_width, dtype=torch.int32, **z),
+                out_steps_left=torch.zeros(bs, dtype=torch.int32, **z),
+                out_fs_positions=torch.zeros(bs * M, dtype=torch.int64, **z),
+                out_fs_input_ids=torch.zeros(bs * M, dtype=torch.int64, **z),
+                out_fs_slots=torch.zeros(bs * M, dtype=torch.int64, **z),
+                out_fs_hidden=torch.zeros(bs * M, width, dtype=torch.bfloat16, **z))
+
+
+def time_calls(fn, iters: int, sync) -> tuple[float, float]:
+    """(host us per call, launches only; us per call with the device's work, a sync at the end)."""
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    t1 = time.perf_counter()
+    sync()
+    t2 = time.perf_counter()
+    return (t1 - t0) / iters * 1e6, (t2 - t0) / iters * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", default="32,128,256")
+    ap.add_argument("--m", type=int, default=3)
+    ap.add_argument("--width", type=int, default=4096, help="hidden states columns (4096: EAGLE-1 8B)")
+    ap.add_argument("--table-width", type=int, default=70, help="block-table columns (1088 tokens / 16)")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default="bench_out/step_host_ops.json")
+    a = ap.parse_args()
+    device = torch.device(a.device)
+    torch.set_num_threads(1)  # (the drafter's host side on CUDA)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows = []
+    for B in [int(x) for x in a.batches.split(",")]:
+        step = make_step(B, a.m, a.width, a.table_width, device, torch.Generator().manual_seed(B))
+        buffers = sm.MetadataBuffers(device)
+        md = sm.build_step_metadata_columns(**step, buffers=buffers)
+        out = static_rows(B, a.m, a.width, a.table_width, device)
+        fs = md.first_step
+        rows_args = (md.input_ids, md.hidden_states, fs.slot_mapping, fs.query_start_loc, md.draft_positions,
+                     md.draft_seq_lens, md.draft_block_tables, md.draft_steps, a.m)
+        variants = {
+            "metadata, step buffers": lambda: sm.build_step_metadata_columns(**step, buffers=buffers),
+            "metadata, new buffers": lambda: sm.build_step_metadata_columns(**step),
+        }
+        if device.type == "cuda":
+            variants["rows in, one kernel"] = lambda: load_first_step.load_first_step_rows_triton(*rows_args, **out)
+        variants["rows in, torch ops"] = lambda: load_first_step.load_first_step_rows_ref(*rows_args, **out)
+        results = {name: [] for name in variants}
+        for name, fn in variants.items():  # warm-up (compiles)
+            for _ in range(5):
+                fn()
+        sync()
+        for _ in range(a.rounds):
+            for name, fn in variants.items():
+                results[name].append(time_calls(fn, a.iters, sync))
+        for name, runs in results.items():
+            host = [r[0] for r in runs]
+            total = [r[1] for r in runs]
+            rows.append(dict(batch=B, variant=name, host_us=statistics.median(host), host_us_min=min(host),
+                             host_us_max=max(host), with_device_us=statistics.median(total)))
+    print(f"{'batch':>5}  {'variant':<24} {'host us/call':>12} {'spread':>15} {'with device us':>15}")
+    for r in rows:
+        print(f"{r['batch']:>5}  {r['variant']:<24} {r['host_us']:>12.1f} "
+              f"{r['host_us_min']:>7.1f}-{r['host_us_max']:<7.1f} {r['with_device_us']:>15.1f}")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    write_json(a.out, dict(script="benchmarks/bench_step_host_ops.py", device=name, cpu_count=os.cpu_count(),
+                           date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv),
+                           torch=torch.__version__, rows=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
