@@ -23,7 +23,7 @@ def test_every_kernel_compiles_for_sm90():
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when unset
     result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "compiled 69 kernel variants" in result.stdout, result.stdout[-3000:]
+    assert "compiled 71 kernel variants" in result.stdout, result.stdout[-3000:]
 
 
 def cross_compile_all() -> int:
@@ -32,8 +32,9 @@ def cross_compile_all() -> int:
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    from drafter_kernels import (copy_expand_inputs, draft_step, kv_write, paged_attention, prepare_inputs_padded,
-                                 prepare_next_token_padded, rms_norm, rope, sampling, shift_and_cache)
+    from drafter_kernels import (copy_expand_inputs, draft_step, kv_write, load_first_step, paged_attention,
+                                 prepare_inputs_padded, prepare_next_token_padded, rms_norm, rope, sampling,
+                                 shift_and_cache)
 
     type_names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32",
                   torch.bool: "i1", torch.float64: "fp64"}
@@ -70,7 +71,7 @@ def cross_compile_all() -> int:
                 num_compiled += 1
             return launch
 
-    modules = (copy_expand_inputs, draft_step, kv_write, paged_attention, prepare_inputs_padded,
+    modules = (copy_expand_inputs, draft_step, kv_write, load_first_step, paged_attention, prepare_inputs_padded,
                prepare_next_token_padded, rms_norm, rope, sampling, shift_and_cache)
     for module in modules:
         for name, value in list(vars(module).items()):
@@ -120,6 +121,12 @@ def cross_compile_all() -> int:
             zeros(5, num_columns), zeros(5, dtype=torch.bool), zeros(5), 1000, zeros(5), zeros(5, dtype=torch.int32))
     draft_step.advance_draft_step_triton(zeros(5), zeros(5, 3, dtype=torch.int32), zeros(5, dtype=torch.int32), 16,
                                          100, zeros(5), zeros(8))
+    for dtype in (torch.float32, torch.bfloat16):
+        load_first_step.load_first_step_rows_triton(
+            zeros(6), zeros(6, 100, dtype=dtype), zeros(6), zeros(3, dtype=torch.int32), zeros(2),
+            zeros(2, dtype=torch.int32), zeros(2, 3, dtype=torch.int32), zeros(2, dtype=torch.int32), 3, zeros(4),
+            zeros(4, dtype=torch.int32), zeros(4, 5, dtype=torch.int32), zeros(4, dtype=torch.int32), zeros(12),
+            zeros(12), zeros(12), zeros(12, 100, dtype=dtype))
     for dtype in (torch.int64, torch.int32):
         shift_and_cache.shift_and_cache_triton(zeros(20, dtype=dtype), zeros(20, dtype=dtype),
                                                zeros(3, 4, dtype=dtype), *[zeros(2)] * 6)
