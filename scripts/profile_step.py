@@ -29,23 +29,33 @@ from drafter_service.config import ServerConfig  # noqa: E402
 from drafter_service.runtime import build_runtime  # noqa: E402
 
 
-def print_gaps(step, inputs, batch: int, n: int = 10) -> None:
-    """Medians over n steps of: the step's wall time, the time from its start to its first GPU activity (kernel,
-    copy or memset), the GPU's idle time between its first and last activity, and from the last activity to the
-    step's return."""
-    import statistics
-
+def profiled_steps(step, inputs, n: int):
+    """n steps under torch.profiler, each in a record_function range: (the profiler's events, the steps' (start, end)
+    on the host clock, in order)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             with torch.profiler.record_function("engine_step"):
                 step(inputs)
     events = prof.events()
-    steps = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.name == "engine_step" and e.device_type == torch.autograd.DeviceType.CPU)
-    # (the record_function range shows on the GPU timeline too, spanning the step's activities: not an activity)
-    gpu = sorted((e.time_range.start, e.time_range.end) for e in events
-                 if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "engine_step")
+    return events, sorted((e.time_range.start, e.time_range.end) for e in events
+                          if e.name == "engine_step" and e.device_type == torch.autograd.DeviceType.CPU)
+
+
+def is_gpu_activity(event) -> bool:
+    """A kernel, copy or memset. (The record_function range shows on the GPU timeline too, spanning the step's
+    activities: not an activity. Counting it hid every idle interval until 2026-11-26.)"""
+    return event.device_type == torch.autograd.DeviceType.CUDA and event.name != "engine_step"
+
+
+def print_gaps(step, inputs, batch: int, n: int = 10) -> None:
+    """Medians over n steps of: the step's wall time, the time from its start to its first GPU activity (kernel,
+    copy or memset), the GPU's idle time between its first and last activity, and from the last activity to the
+    step's return."""
+    import statistics
+
+    events, steps = profiled_steps(step, inputs, n)
+    gpu = sorted((e.time_range.start, e.time_range.end) for e in events if is_gpu_activity(e))
     rows = []
     for s0, s1 in steps:
         spans = [(max(a, s0), min(b_, s1)) for a, b_ in gpu if b_ > s0 and a < s1]
@@ -73,17 +83,10 @@ def print_timeline(step, inputs, batch: int, n: int = 5) -> None:
     that follows them. Shows what the GPU does between kernels inside the replayed graphs."""
     import collections
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            with torch.profiler.record_function("engine_step"):
-                step(inputs)
-    events = prof.events()
-    s0, s1 = max((e.time_range.start, e.time_range.end) for e in events
-                   if e.name == "engine_step" and e.device_type == torch.autograd.DeviceType.CPU)
+    events, steps = profiled_steps(step, inputs, n)
+    s0, s1 = steps[-1]
     gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                 if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "engine_step"
-                 and e.time_range.end > s0 and e.time_range.start < s1)
+                 if is_gpu_activity(e) and e.time_range.end > s0 and e.time_range.start < s1)
     launches = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and s0 <= e.time_range.start < s1
                 and e.name in ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync")]
     print(f"--- batch {batch}: timeline of one step ({len(gpu)} GPU activities, step {(s1 - s0) / 1e3:.3f} ms; "
