@@ -99,7 +99,8 @@ class MetadataBuffers:
         if self._copied is None:
             return self.host[:size], self.host[:size]
         self.on_device[:size].copy_(self.host[:size], non_blocking=True)
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.device))  # (the stream the copy went on, whatever the
+        # thread's current device)
         self._in_flight = True
         return self.on_device[:size], self.host[:size]
 
