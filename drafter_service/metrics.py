@@ -162,20 +162,26 @@ class Metrics:
     def record_step_columns(self, num_tokens: torch.Tensor, codes: torch.Tensor, num_drafts: torch.Tensor,
                             seconds: float, blocks_free: int, blocks_total: int) -> None:
         """record_step of a step that ran from columns (batch_io.py): [B] committed tokens, status codes, drafts."""
-        B = codes.shape[0]
+        if not bool(codes.any()):  # (every sequence drafted)
+            self.record_step_totals(codes.shape[0], int(num_tokens.sum()), int(num_drafts.sum()), seconds,
+                                    blocks_free, blocks_total)
+            return
+        ok = codes == 0
+        for code, count in zip(*(t.tolist() for t in torch.unique(codes[~ok], return_counts=True))):
+            self.sequence_errors[code] = self.sequence_errors.get(code, 0) + count
+        self.record_step_totals(codes.shape[0], int(num_tokens[ok].sum()), int(num_drafts[ok].sum()), seconds,
+                                blocks_free, blocks_total)
+
+    def record_step_totals(self, num_sequences: int, committed_tokens: int, draft_tokens: int, seconds: float,
+                           blocks_free: int, blocks_total: int) -> None:
+        """A step of num_sequences sequences, from its totals over the sequences that succeeded (no tensor op: the
+        columns path calls it for a step where every sequence did, the sums already known)."""
         self.steps += 1
-        self.sequence_steps += B
-        if bool(codes.any()):
-            ok = codes == 0
-            for code, count in zip(*(t.tolist() for t in torch.unique(codes[~ok], return_counts=True))):
-                self.sequence_errors[code] = self.sequence_errors.get(code, 0) + count
-            self.committed_tokens += int(num_tokens[ok].sum())
-            self.draft_tokens += int(num_drafts[ok].sum())
-        else:  # (the common case: every sequence drafted)
-            self.committed_tokens += int(num_tokens.sum())
-            self.draft_tokens += int(num_drafts.sum())
+        self.sequence_steps += num_sequences
+        self.committed_tokens += committed_tokens
+        self.draft_tokens += draft_tokens
         self.step_seconds.observe(seconds)
-        self.batch_sequences.observe(B)
+        self.batch_sequences.observe(num_sequences)
         self.kv_blocks_free, self.kv_blocks_total = blocks_free, blocks_total
 
     def observe_queue_wait(self, seconds: float) -> None:

@@ -113,3 +113,29 @@ def test_rows_grown_inside_a_step_can_be_released_outside_one():
     for s in seqs[::2]:
         assert table.release("ns", s.sequence_id)
     check_tensor_rows(table, seqs[1::2])
+
+
+def test_touch_batch_is_touch_of_each_in_order():
+    """SequenceTable.touch_batch (the columns path's admission) leaves the table as touch() of each pair in turn:
+    the same sequences returned (None for unknown ones), the same LRU order overall and per namespace, the same
+    last_used / last_step."""
+    rng = random.Random(1)
+    tables = [SequenceTable(BlockPool(256), block_size=8) for _ in range(2)]
+    keys = [(ns, f"s{i}") for ns in ("x", "y") for i in range(10)]
+    for table in tables:
+        for key in keys:
+            s = Sequence(*key)
+            assert table.resize(s, 9)
+            table.add(s)
+    one, batch = tables
+    for serial in range(1, 40):
+        asked = rng.sample(keys + [("x", "gone"), ("z", "s1")], rng.randint(1, 12))
+        namespaces, ids = [k[0] for k in asked], [k[1] for k in asked]
+        expected = [one.touch(ns, sid, float(serial), serial) for ns, sid in asked]
+        got = batch.touch_batch(namespaces, ids, float(serial), serial)
+        assert [None if s is None else (s.namespace, s.sequence_id) for s in got] == \
+            [None if s is None else (s.namespace, s.sequence_id) for s in expected]
+        assert list(batch._seqs) == list(one._seqs)
+        assert {ns: list(d) for ns, d in batch._by_ns.items()} == {ns: list(d) for ns, d in one._by_ns.items()}
+        assert [(s.last_used, s.last_step) for s in batch._seqs.values()] == \
+            [(s.last_used, s.last_step) for s in one._seqs.values()]

@@ -459,8 +459,7 @@ class Proposer:
         t0 = time.perf_counter()
         self._step_serial += 1
         now, serial = self.clock(), self._step_serial
-        touch = self.table.touch
-        seqs = [touch(ns, sid, now, serial) for ns, sid in zip(b.namespaces, b.sequence_ids)]
+        seqs = self.table.touch_batch(b.namespaces, b.sequence_ids, now, serial)
         if not all(seqs) or any(seq.predraft is not None for seq in seqs):  # (a Sequence is truthy, None is not)
             return None  # a new sequence or one that pre-drafts: the per-sequence path
         B = len(seqs)
@@ -525,7 +524,9 @@ class Proposer:
         for seq, end, d, n in zip(seqs, ends, given, k.tolist()):  # (C, k: numpy)
             seq.committed_len = seq.last_drafts_base = end
             seq.last_drafts = d[:n]
-        self._record_columns(b, out, time.perf_counter() - t0)
+        self.metrics.record_step_totals(B, b.total_tokens, int(k.sum()), time.perf_counter() - t0,
+                                        self.kv.pool.num_free, self.kv.pool.num_blocks)  # (every sequence drafted)
+        self.metrics.live_sequences = len(self.table)
         return out
 
     def _count_accepted_columns(self, seqs: list[Sequence], b: BatchInput, C: np.ndarray, base: np.ndarray,

@@ -105,6 +105,22 @@ class SequenceTable:
             seq.last_used, seq.last_step = now, step_serial
         return seq
 
+    def touch_batch(self, namespaces: list[str], sequence_ids: list[str], now: float,
+                    step_serial: int) -> list[Sequence | None]:
+        """touch() of every (namespace, sequence_id) pair, in order, in one call (a step of many sequences: the
+        per-call overhead of touch() was a quarter of the columns path's admission)."""
+        seqs, by_ns = self._seqs, self._by_ns
+        get, to_end = seqs.get, seqs.move_to_end
+        out = []
+        for key in zip(namespaces, sequence_ids):
+            seq = get(key)
+            if seq is not None:
+                to_end(key)
+                by_ns[key[0]].move_to_end(key[1])
+                seq.last_used, seq.last_step = now, step_serial
+            out.append(seq)
+        return out
+
     def add(self, seq: Sequence) -> None:
         """Insert seq (its blocks were already counted by resize) as the most recently used."""
         key = (seq.namespace, seq.sequence_id)
