@@ -15,6 +15,7 @@ from drafter_kernels._triton_shim import HAS_TRITON
 from drafter_kernels.copy_expand_inputs import copy_and_expand_inputs_ref, copy_and_expand_inputs_triton
 from drafter_kernels.draft_step import advance_draft_step_ref, advance_draft_step_triton
 from drafter_kernels.kv_write import PADDING_SLOT_ID, write_kv_ref, write_kv_triton
+from drafter_kernels.mask_finished_rows import mask_finished_rows_ref, mask_finished_rows_triton
 from drafter_kernels.load_first_step import load_first_step_rows_ref, load_first_step_rows_triton
 from drafter_kernels.paged_attention import paged_attention_batched, paged_attention_ref, paged_attention_triton
 from drafter_kernels.prepare_inputs_padded import prepare_inputs_padded_ref, prepare_inputs_padded_triton
@@ -22,6 +23,7 @@ from drafter_kernels.prepare_next_token_padded import prepare_next_token_padded_
 from drafter_kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from drafter_kernels.rope import apply_rope_ref, apply_rope_triton
 from drafter_kernels.sampling import argmax_ref, argmax_triton, gumbel_sample_ref, gumbel_sample_triton
+from drafter_kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 from drafter_kernels.shift_and_cache import shift_and_cache_ref, shift_and_cache_triton, shift_cache_store_window
 
 
@@ -51,6 +53,7 @@ def _dispatch(reference, triton_launcher, cpu=None):
 write_kv = _dispatch(write_kv_ref, write_kv_triton)
 paged_attention = _dispatch(paged_attention_ref, paged_attention_triton, cpu=paged_attention_batched)
 rms_norm = _dispatch(rms_norm_ref, rms_norm_triton)
+silu_and_mul = _dispatch(silu_and_mul_ref, silu_and_mul_triton)
 apply_rope = _dispatch(apply_rope_ref, apply_rope_triton)
 argmax = _dispatch(argmax_ref, argmax_triton)
 gumbel_sample = _dispatch(gumbel_sample_ref, gumbel_sample_triton)
@@ -59,13 +62,14 @@ prepare_inputs_padded = _dispatch(prepare_inputs_padded_ref, prepare_inputs_padd
 prepare_next_token_padded = _dispatch(prepare_next_token_padded_ref, prepare_next_token_padded_triton)
 advance_draft_step = _dispatch(advance_draft_step_ref, advance_draft_step_triton)
 load_first_step_rows = _dispatch(load_first_step_rows_ref, load_first_step_rows_triton)
+mask_finished_rows = _dispatch(mask_finished_rows_ref, mask_finished_rows_triton)
 shift_and_cache = _dispatch(shift_and_cache_ref, shift_and_cache_triton)
 
 __all__ = [
     "PADDING_SLOT_ID",
-    "write_kv", "paged_attention", "rms_norm", "apply_rope", "argmax", "gumbel_sample",
+    "write_kv", "paged_attention", "rms_norm", "silu_and_mul", "apply_rope", "argmax", "gumbel_sample",
     "copy_and_expand_inputs", "prepare_inputs_padded", "prepare_next_token_padded", "advance_draft_step",
-    "load_first_step_rows",
+    "load_first_step_rows", "mask_finished_rows",
     "shift_and_cache", "shift_cache_store_window",
     "use_triton",
 ]

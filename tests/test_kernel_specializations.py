@@ -167,9 +167,10 @@ def test_compile_argmax_variants_cover_every_batch_size(recorded, vocab):
     assert set(reduce.keys) == warm[1], sorted(set(reduce.keys) - warm[1])
 
 
-KERNEL_MODULES = ["paged_attention", "sampling", "draft_step", "kv_write", "rms_norm", "rope"]
-RECORDED_OPS = ["write_kv", "paged_attention", "rms_norm", "apply_rope", "argmax", "gumbel_sample",
-                "advance_draft_step"]
+KERNEL_MODULES = ["paged_attention", "sampling", "draft_step", "kv_write", "rms_norm", "rope", "silu_and_mul",
+                  "mask_finished_rows"]
+RECORDED_OPS = ["write_kv", "paged_attention", "rms_norm", "silu_and_mul", "apply_rope", "argmax", "gumbel_sample",
+                "advance_draft_step", "mask_finished_rows"]
 
 
 @pytest.mark.parametrize("head", ["eagle3", "eagle1"])

@@ -158,12 +158,8 @@ class DecodeGraphs:
         block_tables = self.block_tables[:bs]
         ops.advance_draft_step(positions, block_tables, seq_lens, self.block_size, self.max_model_len,
                                positions, slots)
-        finished = steps_left <= 0  # [bs] padding rows and rows past their own k
-        slots.masked_fill_(finished, ops.PADDING_SLOT_ID)
-        seq_lens.masked_fill_(finished, 1)
-        input_ids.masked_fill_(finished, 0)
-        hidden.masked_fill_(finished[:, None], 0)
-        steps_left.sub_(1)
+        # padding rows and rows past their own k (steps_left <= 0): no KV write, seq_len 1, zero inputs; steps - 1
+        ops.mask_finished_rows(steps_left, slots, seq_lens, input_ids, hidden)
         meta = AttentionMetadata(positions=positions, slot_mapping=slots,
                                  query_start_loc=self.query_start_loc[: bs + 1], seq_lens=seq_lens,
                                  block_tables=block_tables, max_query_len=1)
