@@ -585,16 +585,15 @@ class Proposer:
 
     def _sampling(self, batch: list[_Admitted], md: StepMetadata | None = None) -> SamplingSettings:
         dev = self.device
-        temperature = torch.tensor([a.step.temperature for a in batch], dtype=torch.float32)
         top_k = [a.step.top_k_probs for a in batch]
         want_logprobs = any(a.step.return_logprobs for a in batch)
-        greedy_only = not want_logprobs and not any(top_k) and not bool((temperature > 0).any())
+        greedy_only = not want_logprobs and not any(top_k) and not any(a.step.temperature > 0 for a in batch)
         if md is not None:  # ---- the step's packed metadata (step_metadata.py) holds the tensors: no copy ----
             return SamplingSettings(temperature=md.temperature, seed=md.seed, top_k=md.top_k,
                                     want_logprobs=want_logprobs,
                              greedy_only=greedy_only)
         return SamplingSettings(
-            temperature=temperature.to(dev),
+            temperature=torch.tensor([a.step.temperature for a in batch], dtype=torch.float32).to(dev),
             seed=torch.tensor([seed_to_int64(a.step.seed) for a in batch], dtype=torch.int64).to(dev),
             top_k=torch.tensor(top_k, dtype=torch.int64).to(dev), want_logprobs=want_logprobs,
             greedy_only=greedy_only)

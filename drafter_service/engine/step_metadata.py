@@ -105,7 +105,8 @@ class MetadataBuffers:
         return self.on_device[:size], self.host[:size]
 
     def fields(self, layout: tuple, split):
-        """The field views for ``layout`` (made by split() the first time, then reused: same buffer, same views)."""
+        """The field views (device, and the host block tables) for ``layout``, made by split() the first time, then
+        reused: same buffers, same views."""
         views = self._fields.get(layout)
         if views is None:
             if len(self._fields) >= 256:  # (a bound: a stream of new layouts costs a split each, never memory)
@@ -189,7 +190,8 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
     T, w = sum(q_lens), max(len(t) for t in block_tables)
     if T <= SMALL_STEP_ROWS:
         host, active, seq_lens = _pack_lists(start_positions, token_ids, q_lens, next_tokens, num_drafts,
-                                             block_tables, temperatures, seeds, top_ks, block_size, w)
+                                             block_tables, temperatures, seeds, top_ks, block_size, w,
+                                             buffers.host_array if buffers is not None else None)
     else:
         tables = (table_rows[0].gather(table_rows[1], w) if table_rows is not None
                   else _tables_from_lists(block_tables, w))
@@ -255,14 +257,14 @@ def _to_device(host: torch.Tensor, active: list[int], seq_lens: list[int], num_d
     B, n = len(num_drafts), len(active)
     if buffers is not None:
         dev, host = buffers.send(host)  # (the same buffers every step: the views are made once per layout)
-        fields = buffers.fields((T, B, n, w), lambda: _split(dev, T, B, n, w))
+        fields = buffers.fields((T, B, n, w), lambda: (*_split(dev, T, B, n, w), _host_tables(host, T, B, n, w)))
     else:
         if device.type == "cuda":
             host = host.pin_memory()
         dev = host.to(device, non_blocking=True)  # the step's one metadata host->device copy (a no-op on the CPU)
-        fields = _split(dev, T, B, n, w)
+        fields = (*_split(dev, T, B, n, w), _host_tables(host, T, B, n, w))
     ids_d, pos_d, slots_d, seed_d, top_k_d, index_d, rows_d, dpos_d = fields[:8]
-    qsl_d, seq_lens_d, tables_d, temperature_d, dseq_d, dsteps_d = fields[8:]
+    qsl_d, seq_lens_d, tables_d, temperature_d, dseq_d, dsteps_d, host_tables = fields[8:]
     return StepMetadata(
         input_ids=ids_d, hidden_states=rows_to_device(hidden_states, device),
         first_step=AttentionMetadata(positions=pos_d, slot_mapping=slots_d, query_start_loc=qsl_d,
@@ -271,12 +273,13 @@ def _to_device(host: torch.Tensor, active: list[int], seq_lens: list[int], num_d
         draft_rows=rows_d, draft_positions=dpos_d, draft_seq_lens=dseq_d,
         draft_block_tables=tables_d if n == B else tables_d[index_d],  # [n, w]: a gather on the device
         draft_steps=dsteps_d, active=active, num_drafts=num_drafts,
-        host_seq_lens=seq_lens, host_block_tables=_host_tables(host, T, B, n, w))
+        host_seq_lens=seq_lens, host_block_tables=host_tables)
 
 
 def _pack_lists(start_positions, token_ids, q_lens, next_tokens, num_drafts, block_tables, temperatures, seeds,
-                top_ks, block_size, w) -> tuple[torch.Tensor, list[int], list[int]]:
-    """The host buffer of a small step, sequence by sequence in python: (buffer, active, seq_lens)."""
+                top_ks, block_size, w, alloc=None) -> tuple[torch.Tensor, list[int], list[int]]:
+    """The host buffer of a small step, sequence by sequence in python: (buffer, active, seq_lens). alloc(size): the
+    zeroed int32 array to write it into (MetadataBuffers.host_array; None: a new tensor)."""
     ids, pos, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
     for p, toks, m, nxt, table in zip(start_positions, token_ids, q_lens, next_tokens, block_tables):
         ids += toks.tolist()[1:]  # row t gets x[t+1] ...
@@ -295,8 +298,14 @@ def _pack_lists(start_positions, token_ids, q_lens, next_tokens, num_drafts, blo
     temperature_bits = list(struct.unpack(f"{len(temperatures)}i", struct.pack(f"{len(temperatures)}f", *temperatures)))
     narrow = _aligned_lists([qsl, seq_lens, tables, temperature_bits, draft_seq_lens,
                              [num_drafts[i] - 1 for i in active]], 4)
-    host = torch.cat([torch.tensor(wide, dtype=torch.int64).view(torch.int32), torch.tensor(narrow, dtype=torch.int32)])
-    return host, active, seq_lens
+    if alloc is None:
+        host = torch.cat([torch.tensor(wide, dtype=torch.int64).view(torch.int32),
+                          torch.tensor(narrow, dtype=torch.int32)])
+        return host, active, seq_lens
+    out = alloc(2 * len(wide) + len(narrow))  # (numpy takes the lists faster than torch.tensor does)
+    out[: 2 * len(wide)].view(np.int64)[:] = wide
+    out[2 * len(wide):] = narrow
+    return torch.from_numpy(out), active, seq_lens
 
 
 def _tables_from_lists(block_tables: list[list[int]], w: int) -> torch.Tensor:
