@@ -148,7 +148,8 @@ def print_phases(rt, step, inputs, batch: int, n: int = 30) -> None:
     """Without the profiler: the host phases of n steps of the graph path, from timestamps taken by thin wrappers
     (about a microsecond each) at the stage boundaries of a step, medians in ms:
       admit     step start -> step metadata (table lookups, checks, block resizes)
-      metadata  build_step_metadata_columns (numpy packing, pinned copy, the one metadata copy)
+      metadata  build_step_metadata_columns, or StepMetadata.build on the per-sequence path (a step of 64 rows or
+                fewer): the packing and the one metadata copy
       copy-in   metadata -> the first graph launch: mostly the graph path's device copies of the rows into the
                 graphs' static buffers
       launch    the first-step and decode graph replays (launches only: the GPU runs behind)
@@ -167,6 +168,7 @@ def print_phases(rt, step, inputs, batch: int, n: int = 30) -> None:
 
     def wrap(owner, name, before, after=None):
         original = getattr(owner, name)
+        raw = vars(owner).get(name)  # (what to put back: a classmethod as such; None: an instance's method)
 
         def wrapped(*args, **kwargs):
             marks.append((before, clock()))
@@ -176,9 +178,10 @@ def print_phases(rt, step, inputs, batch: int, n: int = 30) -> None:
                 if after:
                     marks.append((after, clock()))
         setattr(owner, name, wrapped)
-        return owner, name, original
+        return owner, name, raw
 
     undo = [wrap(proposer_mod, "build_step_metadata_columns", "metadata", "metadata_end"),
+            wrap(proposer_mod.StepMetadata, "build", "metadata", "metadata_end"),  # (the per-sequence path)
             wrap(graphs, "_replay_first", "launch"),
             wrap(proposer_mod._Drafts, "run_meanwhile", "meanwhile", "meanwhile_end"),
             wrap(proposer_mod._Drafts, "set_host_rows", "after")]
@@ -194,22 +197,23 @@ def print_phases(rt, step, inputs, batch: int, n: int = 30) -> None:
             first = {}
             for name, t in marks:
                 first.setdefault(name, t)
-            if not all(x in first for x in ("metadata", "launch", "meanwhile", "after")):
+            if not all(x in first for x in ("metadata", "launch", "after")):
                 continue
+            # (no acceptance count to run meanwhile, as on the per-sequence path on the CPU: a zero-length phase)
+            meanwhile, meanwhile_end = first.get("meanwhile", first["after"]), first.get("meanwhile_end", first["after"])
             rows.append(dict(admit=first["metadata"] - t0, metadata=first["metadata_end"] - first["metadata"],
-                             copy_in=first["launch"] - first["metadata_end"],
-                             launch=first["meanwhile"] - first["launch"],
-                             meanwhile=first["meanwhile_end"] - first["meanwhile"],
-                             wait=first["after"] - first["meanwhile_end"], after=t1 - first["after"], wall=t1 - t0,
+                             copy_in=first["launch"] - first["metadata_end"], launch=meanwhile - first["launch"],
+                             meanwhile=meanwhile_end - meanwhile, wait=first["after"] - meanwhile_end,
+                             after=t1 - first["after"], wall=t1 - t0,
                              rows_in=first["rows_in_end"] - first["rows_in"] if "rows_in" in first else 0.0))
     finally:
-        for owner, name, original in undo:
-            if owner is graphs:
-                delattr(graphs, name)  # (the instance attribute hid the class's method)
+        for owner, name, raw in undo:
+            if raw is None:
+                delattr(owner, name)  # (the instance attribute hid the class's method)
             else:
-                setattr(owner, name, original)
+                setattr(owner, name, raw)
     if not rows:
-        print(f"--- batch {batch}: phases: the step did not take the first-step graph path ---")
+        print(f"--- batch {batch}: phases: the step did not replay the first-step graph ---")
         return
     med = {key: statistics.median(r[key] for r in rows) * 1e3 for key in rows[0]}
     host = med["admit"] + med["metadata"] + med["copy_in"] + med["after"]
