@@ -200,7 +200,8 @@ def print_phases(rt, step, inputs, batch: int, n: int = 30) -> None:
             if not all(x in first for x in ("metadata", "launch", "after")):
                 continue
             # (no acceptance count to run meanwhile, as on the per-sequence path on the CPU: a zero-length phase)
-            meanwhile, meanwhile_end = first.get("meanwhile", first["after"]), first.get("meanwhile_end", first["after"])
+            meanwhile = first.get("meanwhile", first["after"])
+            meanwhile_end = first.get("meanwhile_end", first["after"])
             rows.append(dict(admit=first["metadata"] - t0, metadata=first["metadata_end"] - first["metadata"],
                              copy_in=first["launch"] - first["metadata_end"], launch=meanwhile - first["launch"],
                              meanwhile=meanwhile_end - meanwhile, wait=first["after"] - meanwhile_end,

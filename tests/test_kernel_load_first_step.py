@@ -62,7 +62,8 @@ def test_worked_example(device, function):
     # two sequences, M = 3, padded to bs = 3: sequence 0 has 2 rows (t = 0, 1), sequence 1 has 3 rows (t = 2..4)
     fields = dict(
         input_ids=torch.tensor([10, 11, 20, 21, 22]), hidden_states=torch.arange(10.).view(5, 2),
-        slot_mapping=torch.tensor([100, 101, 200, 201, 202]), query_start_loc=torch.tensor([0, 2, 5], dtype=torch.int32),
+        slot_mapping=torch.tensor([100, 101, 200, 201, 202]),
+        query_start_loc=torch.tensor([0, 2, 5], dtype=torch.int32),
         draft_positions=torch.tensor([41, 9]), draft_seq_lens=torch.tensor([42, 10], dtype=torch.int32),
         draft_block_tables=torch.tensor([[5, 6], [7, 8]], dtype=torch.int32),
         draft_steps=torch.tensor([4, 2], dtype=torch.int32))

@@ -25,9 +25,10 @@ the results are collected. Rows that are still drafting never reach the max_mode
 advance_draft_step (admission cuts k to fit), masked rows may: the clamp keeps their position inside the RoPE
 cache and their slot at -1.
 
-The host copies the drafting rows' inputs into the static buffers with device->device copies (a step whose first step
-replays a graph too: with one kernel, load_first_step_rows, below), replays the graph max(k) - 1 times, and copies drafts_out to the host once (into a pinned buffer of its own): the step's only
-device->host synchronization. (K = --max-draft-tokens.)
+The host copies the drafting rows' inputs into the static buffers with device->device copies (a step whose first
+step replays a graph too: with one kernel, load_first_step_rows, below), replays the graph max(k) - 1 times, and
+copies drafts_out to the host once (into a pinned buffer of its own): the step's only device->host synchronization.
+(K = --max-draft-tokens.)
 Only greedy steps use the graphs (every sequence at temperature 0, no logprobs, no top-k); the proposer runs the
 others, and batches of more than MAX_GRAPH_BATCH drafting sequences, with its eager decode loop.
 
@@ -40,8 +41,8 @@ padding. The attention kernel places query row j of a sequence at seq_len - M + 
 own positions p_i .. p_i+m_i-1 and the padding rows at the positions just before p_i (already in the cache; they
 read it, write nothing, and their outputs are dropped). Row i*M + M - 1 gives draft 1 for every sequence, so the
 graph's query_start_loc (i * M) and its last rows are constants. One launch of kernels/load_first_step.py puts a
-step's rows there (and the decode rows' positions, seq_lens, block tables and steps), before the replay. A uniform batch (every m_i = M) is the case with
-no padding rows. The graph reads its own static rows and writes the decode buffers above, so the whole greedy step
+step's rows there (and the decode rows' positions, seq_lens, block tables and steps), before the replay. A uniform
+batch (every m_i = M) is the case with no padding rows. The graph reads its own static rows and writes the decode buffers above, so the whole greedy step
 is graph replays between one batch of device copies in and one copy of the drafts out:
 
   static buffer      shape              before the first-step replay
