@@ -46,7 +46,8 @@ def make_step(B: int, m: int, width: int, table_width: int, device: torch.device
 def static_rows(B: int, M: int, width: int, table_width: int, device: torch.device) -> dict:
     bs = -(-B // 16) * 16
     z = dict(device=device)
-    return dict(out_positions=torch.zeros(bs, dtype=torch.int64, **z), out_seq_lens=torch.zeros(bs, dtype=torch.int32, **z),
+    return dict(out_positions=torch.zeros(bs, dtype=torch.int64, **z),
+                out_seq_lens=torch.zeros(bs, dtype=torch.int32, **z),
                 out_block_tables=torch.zeros(bs, table_width, dtype=torch.int32, **z),
                 out_steps_left=torch.zeros(bs, dtype=torch.int32, **z),
                 out_fs_positions=torch.zeros(bs * M, dtype=torch.int64, **z),

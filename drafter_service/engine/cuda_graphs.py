@@ -42,8 +42,9 @@ own positions p_i .. p_i+m_i-1 and the padding rows at the positions just before
 read it, write nothing, and their outputs are dropped). Row i*M + M - 1 gives draft 1 for every sequence, so the
 graph's query_start_loc (i * M) and its last rows are constants. One launch of kernels/load_first_step.py puts a
 step's rows there (and the decode rows' positions, seq_lens, block tables and steps), before the replay. A uniform
-batch (every m_i = M) is the case with no padding rows. The graph reads its own static rows and writes the decode buffers above, so the whole greedy step
-is graph replays between one batch of device copies in and one copy of the drafts out:
+batch (every m_i = M) is the case with no padding rows. The graph reads its own static rows and writes the decode
+buffers above, so the whole greedy step is graph replays between that one launch (and the step's metadata copy) in
+and one copy of the drafts out:
 
   static buffer      shape              before the first-step replay
   fs_input_ids       [R] int64          real row j of sequence i (row i*M + M - m_i + j): x[t+1], its last row
