@@ -13,14 +13,17 @@ convenience over the same request.
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 import torch
 
 from drafter_client.messages import (RESYNC_CODES, UNAVAILABLE, ChunkedRequest, DirectRequest, DrafterError,
                                      ProposeResult, SequenceDrafts, SequenceStep, _status_code, flat_token_ids,
                                      hidden_parts, serialize_with_states)
 from drafter_client.protocol import pb
-from drafter_client.protocol.wire import decode_tensor, encode_tensor
+from drafter_client.protocol.wire import decode_array, decode_tensor, encode_tensor
 from drafter_client.shm_ring import SharedTensorRef
+
+RESYNC_ARRAY = np.array(sorted(RESYNC_CODES), dtype=np.int32)  # (np.isin of a reply's status codes)
 
 
 # A batch of at least this many sequences goes as a columnar request (when the drafter takes them): below it the
@@ -202,32 +205,39 @@ def parse_batch_response(resp: "pb.ProposeResponse", sequence_ids: list[str]) ->
 
 
 def _parse_result_columns(resp: "pb.ProposeResponse", sequence_ids: list[str]) -> BatchDrafts:
-    """parse_batch_response for a reply with ResultColumns (the answer to a columnar request)."""
+    """parse_batch_response for a reply with ResultColumns (the answer to a columnar request). The columns are read
+    as numpy views and handed out as tensors of their own (torch.from_numpy of copies): some fifteen torch ops on
+    [n] tensors cost ~0.1 ms of fixed cost per reply on a 2-core VM, the numpy ones a few microseconds."""
     n = len(sequence_ids)
     cols = resp.result_columns
 
-    def column(name: str, allowed: tuple[int, ...]) -> torch.Tensor:
+    def column(name: str, allowed: tuple[int, ...]) -> np.ndarray:
         try:
-            x = decode_tensor(getattr(cols, name), f"result_columns.{name}", allowed, 1)
+            x = decode_array(getattr(cols, name), f"result_columns.{name}", allowed, 1)
         except ValueError as e:
             raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply is malformed: {e}") from None
         if x.shape[0] != n:
             raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply answers {x.shape[0]} sequences of {n}")
-        return x.to(torch.int64)
+        return x
 
-    codes = column("status_codes", (pb.INT32,))
-    counts = column("num_drafts", (pb.INT32,))
-    flat = decode_tensor(resp.draft_token_ids, "draft_token_ids", (pb.INT64,), 1).clone()
-    if int(counts.sum()) != flat.numel():
+    codes = column("status_codes", (pb.INT32,)).astype(np.int32)  # (astype: a writable copy, off the message)
+    counts = column("num_drafts", (pb.INT32,)).astype(np.int64)
+    try:
+        flat = decode_array(resp.draft_token_ids, "draft_token_ids", (pb.INT64,), 1).copy()
+    except ValueError as e:
+        raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply is malformed: {e}") from None
+    if int(counts.sum()) != flat.shape[0]:
         raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply's num_drafts add up to {int(counts.sum())}, but "
-                                                     f"it holds {flat.numel()} draft ids")
-    messages = {p.index: p.status.message for p in cols.problems if p.index < n}
-    out = BatchDrafts(sequence_ids=list(sequence_ids), codes=codes.to(torch.int32), num_drafts=counts,
-                      draft_token_ids=flat, accepted_drafts=column("accepted_drafts", (pb.INT32,)),
-                      committed_lengths=column("committed_lengths", (pb.INT64,)),
-                      needs_resync=torch.isin(codes, torch.tensor(sorted(RESYNC_CODES))),
-                      messages={i: messages.get(i, "") for i in codes.nonzero().flatten().tolist()},
-                      request_id=resp.request_id, predrafted=column("predrafted", (pb.INT32,)).to(torch.bool))
+                                                     f"it holds {flat.shape[0]} draft ids")
+    failed = np.flatnonzero(codes).tolist()
+    messages = {p.index: p.status.message for p in cols.problems if p.index < n} if failed else {}
+    out = BatchDrafts(sequence_ids=list(sequence_ids), codes=torch.from_numpy(codes),
+                      num_drafts=torch.from_numpy(counts), draft_token_ids=torch.from_numpy(flat),
+                      accepted_drafts=torch.from_numpy(column("accepted_drafts", (pb.INT32,)).astype(np.int64)),
+                      committed_lengths=torch.from_numpy(column("committed_lengths", (pb.INT64,)).astype(np.int64)),
+                      needs_resync=torch.from_numpy(np.isin(codes, RESYNC_ARRAY) if failed else np.zeros(n, bool)),
+                      messages={i: messages.get(i, "") for i in failed},
+                      request_id=resp.request_id, predrafted=torch.from_numpy(column("predrafted", (pb.INT32,)) != 0))
     return _with_distributions(out, resp)
 
 

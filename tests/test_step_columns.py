@@ -249,3 +249,23 @@ def test_a_column_reply_for_another_batch_size_is_internal():
     with pytest.raises(DrafterError) as e:
         parse_batch_response(reply, ["a", "b"])
     assert e.value.code == grpc.StatusCode.INTERNAL
+
+
+@pytest.mark.parametrize("field,damage", [("status_codes", "dtype"), ("num_drafts", "bytes"), ("predrafted", "rank"),
+                                          ("draft_token_ids", "bytes"), ("committed_lengths", "dtype")])
+def test_a_malformed_column_reply_is_internal_naming_the_field(field, damage):
+    """A reply the client cannot read is the drafter's fault: INTERNAL, with the field named (the columns are read as
+    numpy views with the same checks as any tensor field)."""
+    outs = random_outputs(random.Random(1), 3)
+    reply = pb.ProposeResponse.FromString(build_column_response(outs, 1).SerializeToString())
+    t = reply.draft_token_ids if field == "draft_token_ids" else getattr(reply.result_columns, field)
+    if damage == "dtype":
+        t.dtype = pb.FLOAT32
+    elif damage == "bytes":
+        t.raw = t.raw + b"\x00"
+    else:
+        t.shape.append(1)
+    from drafter_client.messages import DrafterError
+    with pytest.raises(DrafterError) as e:
+        parse_batch_response(reply, ["a", "b", "c"])
+    assert e.value.code == grpc.StatusCode.INTERNAL and field in str(e.value), str(e.value)
