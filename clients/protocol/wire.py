@@ -76,12 +76,13 @@ def _checked_shape(t: "pb.Tensor", field: str, allowed: tuple[int, ...], rank: i
 
 
 def decode_array(t: "pb.Tensor", field: str, allowed: tuple[int, ...], rank: int) -> np.ndarray:
-    """decode_tensor for a small inline tensor (a reply's per-sequence columns) as a read-only numpy view of the
-    message's bytes: the same checks, about a microsecond where a torch view costs several. allowed: FLOAT32, INT32
-    or INT64 only."""
+    """decode_tensor for a small inline tensor (a request's or a reply's per-sequence columns) as a read-only numpy view
+    of the message's bytes: the same checks and messages, about a microsecond where a torch view costs several.
+    allowed: FLOAT32, INT32 or INT64 only; a shared-memory reference is refused (as decode_tensor without read_shm)."""
     shape = _checked_shape(t, field, allowed, rank)
     if t.WhichOneof("data") == "shm":
-        raise WireError(f"{field}.shm: expected inline bytes")
+        raise WireError(f"{field}.shm: this server does not accept shared-memory references "
+                        "(GetInfo.shared_memory_supported is false); send raw bytes")
     dtype = NUMPY_DTYPE[t.dtype]
     expected = math.prod(shape) * np.dtype(dtype).itemsize
     if len(t.raw) != expected:
