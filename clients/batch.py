@@ -211,21 +211,21 @@ def _parse_result_columns(resp: "pb.ProposeResponse", sequence_ids: list[str]) -
     n = len(sequence_ids)
     cols = resp.result_columns
 
-    def column(name: str, allowed: tuple[int, ...]) -> np.ndarray:
+    def read(t: "pb.Tensor", field: str, allowed: tuple[int, ...]) -> np.ndarray:
         try:
-            x = decode_array(getattr(cols, name), f"result_columns.{name}", allowed, 1)
+            return decode_array(t, field, allowed, 1)
         except ValueError as e:
             raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply is malformed: {e}") from None
+
+    def column(name: str, allowed: tuple[int, ...]) -> np.ndarray:
+        x = read(getattr(cols, name), f"result_columns.{name}", allowed)
         if x.shape[0] != n:
             raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply answers {x.shape[0]} sequences of {n}")
         return x
 
     codes = column("status_codes", (pb.INT32,)).astype(np.int32)  # (astype: a writable copy, off the message)
     counts = column("num_drafts", (pb.INT32,)).astype(np.int64)
-    try:
-        flat = decode_array(resp.draft_token_ids, "draft_token_ids", (pb.INT64,), 1).copy()
-    except ValueError as e:
-        raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply is malformed: {e}") from None
+    flat = read(resp.draft_token_ids, "draft_token_ids", (pb.INT64,)).copy()
     if int(counts.sum()) != flat.shape[0]:
         raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply's num_drafts add up to {int(counts.sum())}, but "
                                                      f"it holds {flat.shape[0]} draft ids")

@@ -42,22 +42,17 @@ def decode_tensor(t: "pb.Tensor", field: str, allowed: tuple[int, ...], rank: in
     raw: the tensor's raw bytes when they were read apart from the message t (t then has dtype and shape only)."""
     shape = _checked_shape(t, field, allowed, rank)
     which = t.WhichOneof("data") if raw is None else "raw"
-    if which == "shm" and read_shm is None:
-        raise WireError(f"{field}.shm: this server does not accept shared-memory references "
-                        "(GetInfo.shared_memory_supported is false); send raw bytes")
     dtype = TORCH_DTYPE[t.dtype]
-    itemsize = dtype.itemsize
-    expected = math.prod(shape) * itemsize
     if which == "shm":
+        if read_shm is None:
+            raise _shm_refused(field)
+        expected = math.prod(shape) * dtype.itemsize
         if t.shm.byte_size != expected:
             raise WireError(f"{field}.shm.byte_size is {t.shm.byte_size}; shape {shape} of {dtype_name(t.dtype)} "
                             f"needs {expected}")
         return read_shm(t.shm, field, dtype, shape)
-    if raw is None:
-        raw = t.raw if which == "raw" else b""
-    if len(raw) != expected:
-        raise WireError(f"{field}.raw has {len(raw)} bytes; shape {shape} of {dtype_name(t.dtype)} needs {expected}")
-    if expected == 0:
+    raw = _checked_raw(t, field, shape, dtype.itemsize, raw)
+    if len(raw) == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(raw, dtype=dtype).view(shape)
 
@@ -75,19 +70,31 @@ def _checked_shape(t: "pb.Tensor", field: str, allowed: tuple[int, ...], rank: i
     return shape
 
 
+def _shm_refused(field: str) -> WireError:
+    return WireError(f"{field}.shm: this server does not accept shared-memory references "
+                     "(GetInfo.shared_memory_supported is false); send raw bytes")
+
+
+def _checked_raw(t: "pb.Tensor", field: str, shape: list[int], itemsize: int,
+                 raw: "bytes | memoryview | None" = None) -> "bytes | memoryview":
+    """t's inline bytes (or raw, when they were read apart from t), once their length is what shape needs."""
+    if raw is None:
+        raw = t.raw if t.WhichOneof("data") == "raw" else b""
+    expected = math.prod(shape) * itemsize
+    if len(raw) != expected:
+        raise WireError(f"{field}.raw has {len(raw)} bytes; shape {shape} of {dtype_name(t.dtype)} needs {expected}")
+    return raw
+
+
 def decode_array(t: "pb.Tensor", field: str, allowed: tuple[int, ...], rank: int) -> np.ndarray:
     """decode_tensor for a small inline tensor (a request's or a reply's per-sequence columns) as a read-only numpy view
     of the message's bytes: the same checks and messages, about a microsecond where a torch view costs several.
     allowed: FLOAT32, INT32 or INT64 only; a shared-memory reference is refused (as decode_tensor without read_shm)."""
     shape = _checked_shape(t, field, allowed, rank)
     if t.WhichOneof("data") == "shm":
-        raise WireError(f"{field}.shm: this server does not accept shared-memory references "
-                        "(GetInfo.shared_memory_supported is false); send raw bytes")
-    dtype = NUMPY_DTYPE[t.dtype]
-    expected = math.prod(shape) * np.dtype(dtype).itemsize
-    if len(t.raw) != expected:
-        raise WireError(f"{field}.raw has {len(t.raw)} bytes; shape {shape} of {dtype_name(t.dtype)} needs {expected}")
-    return np.frombuffer(t.raw, dtype=dtype).reshape(shape)
+        raise _shm_refused(field)
+    dtype = np.dtype(NUMPY_DTYPE[t.dtype])
+    return np.frombuffer(_checked_raw(t, field, shape, dtype.itemsize), dtype=dtype).reshape(shape)
 
 
 # The encoders fill ``into`` (a Tensor field of the message being built, e.g. req.hidden_states) when given, else a
