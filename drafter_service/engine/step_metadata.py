@@ -73,18 +73,15 @@ class MetadataBuffers:
 
     def host_array(self, size: int) -> np.ndarray:
         """A zeroed int32 host array of ``size`` elements to pack a step into (a view of ``host``)."""
+        if self._in_flight:  # (the buffer is rewritten or freed below; returns at once after the step's own sync)
+            self._copied.synchronize()
+            self._in_flight = False
         if size > self.host.shape[0]:
             capacity = max(size, 2 * self.host.shape[0])
             cuda = self.device.type == "cuda"
-            if self._in_flight:  # (the old host buffer is freed: no copy may still read it)
-                self._copied.synchronize()
-                self._in_flight = False
             self.host = torch.zeros(capacity, dtype=torch.int32, pin_memory=cuda)
             self.on_device = (torch.zeros(capacity, dtype=torch.int32, device=self.device) if cuda else self.host)
             self._fields.clear()
-        elif self._in_flight:
-            self._copied.synchronize()  # (returns at once after the step's own synchronization)
-            self._in_flight = False
         out = self.host[:size].numpy()
         out.fill(0)
         return out
@@ -230,9 +227,10 @@ def _layout(T: int, B: int, n: int, w: int) -> tuple[list[int], list[int], list[
             [aligned_len(x, 4) for x in narrow_sizes])
 
 
-def _split(dev: torch.Tensor, T: int, B: int, n: int, w: int) -> tuple:
-    """The fields of a packed buffer (device or host), as views: 8 int64 fields, then 6 int32 fields (the
-    block tables as [B, w], the temperatures as float32), in the order of the module docstring."""
+def _split(dev: torch.Tensor, host: torch.Tensor, T: int, B: int, n: int, w: int) -> tuple:
+    """The fields of a packed buffer as views of its device copy: 8 int64 fields, then 6 int32 fields (the block
+    tables as [B, w], the temperatures as float32), in the order of the module docstring; then the block tables as a
+    [B, w] view of the host buffer."""
     wide_sizes, narrow_sizes, wide_padded, narrow_padded = _layout(T, B, n, w)
     num_wide = sum(wide_padded)  # int64 elements = 2 * num_wide int32 elements
     wide = [part[:size] for part, size in zip(torch.split(dev[: 2 * num_wide].view(torch.int64), wide_padded),
@@ -240,14 +238,8 @@ def _split(dev: torch.Tensor, T: int, B: int, n: int, w: int) -> tuple:
     narrow = [part[:size] for part, size in zip(torch.split(dev[2 * num_wide:], narrow_padded), narrow_sizes)]
     narrow[2] = narrow[2].view(B, w)
     narrow[3] = narrow[3].view(torch.float32)
-    return (*wide, *narrow)
-
-
-def _host_tables(host: torch.Tensor, T: int, B: int, n: int, w: int) -> torch.Tensor:
-    """[B, w] int32: the block tables field of a packed host buffer."""
-    _, _, wide_padded, narrow_padded = _layout(T, B, n, w)
-    at = 2 * sum(wide_padded) + narrow_padded[0] + narrow_padded[1]
-    return host[at : at + B * w].view(B, w)
+    tables_at = 2 * num_wide + narrow_padded[0] + narrow_padded[1]
+    return (*wide, *narrow, host[tables_at : tables_at + B * w].view(B, w))
 
 
 def _to_device(host: torch.Tensor, active: list[int], seq_lens: list[int], num_drafts: list[int], max_q: int, T: int,
@@ -257,12 +249,12 @@ def _to_device(host: torch.Tensor, active: list[int], seq_lens: list[int], num_d
     B, n = len(num_drafts), len(active)
     if buffers is not None:
         dev, host = buffers.send(host)  # (the same buffers every step: the views are made once per layout)
-        fields = buffers.fields((T, B, n, w), lambda: (*_split(dev, T, B, n, w), _host_tables(host, T, B, n, w)))
+        fields = buffers.fields((T, B, n, w), lambda: _split(dev, host, T, B, n, w))
     else:
         if device.type == "cuda":
             host = host.pin_memory()
         dev = host.to(device, non_blocking=True)  # the step's one metadata host->device copy (a no-op on the CPU)
-        fields = (*_split(dev, T, B, n, w), _host_tables(host, T, B, n, w))
+        fields = _split(dev, host, T, B, n, w)
     ids_d, pos_d, slots_d, seed_d, top_k_d, index_d, rows_d, dpos_d = fields[:8]
     qsl_d, seq_lens_d, tables_d, temperature_d, dseq_d, dsteps_d, host_tables = fields[8:]
     return StepMetadata(
