@@ -15,16 +15,16 @@ from drafter_kernels._triton_shim import HAS_TRITON
 from drafter_kernels.copy_expand_inputs import copy_and_expand_inputs_ref, copy_and_expand_inputs_triton
 from drafter_kernels.draft_step import advance_draft_step_ref, advance_draft_step_triton
 from drafter_kernels.kv_write import PADDING_SLOT_ID, write_kv_ref, write_kv_triton
-from drafter_kernels.mask_finished_rows import mask_finished_rows_ref, mask_finished_rows_triton
 from drafter_kernels.load_first_step import load_first_step_rows_ref, load_first_step_rows_triton
+from drafter_kernels.mask_finished_rows import mask_finished_rows_ref, mask_finished_rows_triton
 from drafter_kernels.paged_attention import paged_attention_batched, paged_attention_ref, paged_attention_triton
 from drafter_kernels.prepare_inputs_padded import prepare_inputs_padded_ref, prepare_inputs_padded_triton
 from drafter_kernels.prepare_next_token_padded import prepare_next_token_padded_ref, prepare_next_token_padded_triton
 from drafter_kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from drafter_kernels.rope import apply_rope_ref, apply_rope_triton
 from drafter_kernels.sampling import argmax_ref, argmax_triton, gumbel_sample_ref, gumbel_sample_triton
-from drafter_kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 from drafter_kernels.shift_and_cache import shift_and_cache_ref, shift_and_cache_triton, shift_cache_store_window
+from drafter_kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 
 
 def use_triton(tensor: torch.Tensor) -> bool:

@@ -115,27 +115,29 @@ def test_rows_grown_inside_a_step_can_be_released_outside_one():
     check_tensor_rows(table, seqs[1::2])
 
 
-def test_touch_batch_is_touch_of_each_in_order():
-    """SequenceTable.touch_batch (the columns path's admission) leaves the table as touch() of each pair in turn:
-    the same sequences returned (None for unknown ones), the same LRU order overall and per namespace, the same
-    last_used / last_step."""
+def test_touch_batch_moves_each_known_sequence_to_the_end_in_order():
+    """SequenceTable.touch_batch (every step's admission): the sequences returned in order (None for unknown ones), each
+    known one moved to the most recently used end in the order given, overall and in its namespace's order, with
+    last_used / last_step set; the others keep their place and their marks. Checked against a plain list model."""
     rng = random.Random(1)
-    tables = [SequenceTable(BlockPool(256), block_size=8) for _ in range(2)]
+    table = SequenceTable(BlockPool(256), block_size=8)
     keys = [(ns, f"s{i}") for ns in ("x", "y") for i in range(10)]
-    for table in tables:
-        for key in keys:
-            s = Sequence(*key)
-            assert table.resize(s, 9)
-            table.add(s)
-    one, batch = tables
+    for key in keys:
+        s = Sequence(*key)
+        assert table.resize(s, 9)
+        table.add(s)
+    order, marks = list(keys), {key: (0.0, 0) for key in keys}  # the model: LRU order, (last_used, last_step)
     for serial in range(1, 40):
         asked = rng.sample(keys + [("x", "gone"), ("z", "s1")], rng.randint(1, 12))
-        namespaces, ids = [k[0] for k in asked], [k[1] for k in asked]
-        expected = [one.touch(ns, sid, float(serial), serial) for ns, sid in asked]
-        got = batch.touch_batch(namespaces, ids, float(serial), serial)
+        got = table.touch_batch([k[0] for k in asked], [k[1] for k in asked], float(serial), serial)
         assert [None if s is None else (s.namespace, s.sequence_id) for s in got] == \
-            [None if s is None else (s.namespace, s.sequence_id) for s in expected]
-        assert list(batch._seqs) == list(one._seqs)
-        assert {ns: list(d) for ns, d in batch._by_ns.items()} == {ns: list(d) for ns, d in one._by_ns.items()}
-        assert [(s.last_used, s.last_step) for s in batch._seqs.values()] == \
-            [(s.last_used, s.last_step) for s in one._seqs.values()]
+            [k if k in marks else None for k in asked]
+        for key in asked:
+            if key in marks:
+                order.remove(key)
+                order.append(key)
+                marks[key] = (float(serial), serial)
+        assert list(table._seqs) == order
+        assert {ns: list(d) for ns, d in table._by_ns.items()} == \
+            {ns: [sid for n, sid in order if n == ns] for ns in ("x", "y")}
+        assert [(s.last_used, s.last_step) for s in table._seqs.values()] == [marks[k] for k in order]

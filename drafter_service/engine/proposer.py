@@ -387,8 +387,8 @@ class Proposer:
         # Touch every sequence of the step before admitting any: admission may evict idle sequences, and these are
         # not idle (sequence.py: the touched ones form the tail of the LRU order).
         self._step_serial += 1
-        now, serial, touch = self.clock(), self._step_serial, self.table.touch
-        found = [touch(s.namespace, s.sequence_id, now, serial) for s in steps]
+        now, serial = self.clock(), self._step_serial
+        found = self.table.touch_batch([s.namespace for s in steps], [s.sequence_id for s in steps], now, serial)
         batch = [a for i, s in enumerate(steps) if (a := self._admit(i, s, outputs[i], found[i], now)) is not None]
         self.predraft.on_step()
         refused = False  # by the odds check: this batch keeps nothing for a pass

@@ -75,7 +75,6 @@ class LlamaMLP:
         self.gate_up_w, self.gate_up_b = fuse_rows(
             [weights[f"{prefix}.gate_proj.weight"], weights[f"{prefix}.up_proj.weight"]],
             [weights.get(f"{prefix}.gate_proj.bias"), weights.get(f"{prefix}.up_proj.bias")])
-        self.intermediate_size = weights[f"{prefix}.gate_proj.weight"].shape[0]
         self.down_w = weights[f"{prefix}.down_proj.weight"]
         self.down_b = weights.get(f"{prefix}.down_proj.bias")
 
