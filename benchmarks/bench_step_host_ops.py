@@ -6,6 +6,11 @@ before the first-step graph of a batch-B decode step (m rows each) can start.
   metadata, new buffers     the same with a new host buffer, pin_memory copy, device buffer and views every step
   rows in, one kernel       load_first_step_rows' Triton launch (kernels/load_first_step.py)
   rows in, torch ops        its torch reference: the ~10 ops (copies, fills, an arange, an index_copy) it replaced
+  columns step, run stubbed Proposer.step_batch of a decode step of known sequences (tiny random head, context 1024)
+                            with the draft run replaced by a stub that returns fixed drafts: the columns path's own
+                            host work around the run (table lookups, checks, acceptance count, metadata, the
+                            sequences' state after the step, metrics), all of it host work the GPU waits for but the
+                            acceptance count
 
 Each variant is called --iters times in a row; the host time per call is measured without synchronizing inside the
 loop (launches only, as in a step), then the loop's total with a synchronize at its end. The variants alternate in
@@ -20,6 +25,7 @@ import pathlib
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -27,7 +33,10 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from drafter_client.benchmarks.report import write_json  # noqa: E402
 from drafter_kernels import load_first_step  # noqa: E402
+from drafter_client.benchmarks import bench_step  # noqa: E402
+from drafter_service.config import ServerConfig  # noqa: E402
 from drafter_service.engine import step_metadata as sm  # noqa: E402
+from drafter_service.runtime import build_runtime  # noqa: E402
 
 
 def make_step(B: int, m: int, width: int, table_width: int, device: torch.device, gen: torch.Generator):
@@ -56,6 +65,31 @@ def static_rows(B: int, M: int, width: int, table_width: int, device: torch.devi
                 out_fs_hidden=torch.zeros(bs * M, width, dtype=torch.bfloat16, **z))
 
 
+def stubbed_columns_step(rt, B: int, m: int, k: int, context: int):
+    """A function running Proposer.step_batch on a decode step of B known sequences, with the draft run stubbed."""
+    p = rt.proposer
+    prefill, decode = bench_step.make_steps(B, context, m, k, rt.limits.hidden_states_width, rt.limits.vocab_size,
+                                            seed=B)
+    for i in range(0, B, 8):
+        assert all(o.code == 0 for o in p.step(bench_step.to_inputs(prefill[i : i + 8])))
+    batch = bench_step.to_batch_input(decode)
+    drafts = torch.randint(0, rt.limits.vocab_size, (B, k))
+
+    def run_stub(md, sp, out, predrafting):  # (in place of Proposer._draft_sequential: nothing runs on the device)
+        out.set_host_rows(drafts.clone(), list(range(B)), [k] * B)
+        return out
+
+    def step():
+        p._draft_sequential = run_stub
+        try:
+            out = p.step_batch(batch)
+        finally:
+            del p._draft_sequential  # (the class's method again)
+        assert out.outputs is None  # (the columns path ran)
+
+    return step
+
+
 def time_calls(fn, iters: int, sync) -> tuple[float, float]:
     """(host us per call, launches only; us per call with the device's work, a sync at the end)."""
     t0 = time.perf_counter()
@@ -82,7 +116,14 @@ def main() -> int:
     torch.set_num_threads(1)  # (the drafter's host side on CUDA)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
-    for B in [int(x) for x in a.batches.split(",")]:
+    context = 1024
+    with tempfile.TemporaryDirectory() as tmp:
+        head, target = bench_step.write_random_head(pathlib.Path(tmp), bench_step.PRESETS["tiny"], context + 64)
+        batches = [int(x) for x in a.batches.split(",")]
+        rt = build_runtime(ServerConfig(
+            model=str(head), target_model=str(target), device=a.device, max_model_len=context + 64,
+            kv_cache_tokens=(max(batches) + 8) * (context + 96), max_batch_seqs=4096, cuda_graphs=False))
+    for B in batches:
         step = make_step(B, a.m, a.width, a.table_width, device, torch.Generator().manual_seed(B))
         buffers = sm.MetadataBuffers(device)
         md = sm.build_step_metadata_columns(**step, buffers=buffers)
@@ -97,6 +138,7 @@ def main() -> int:
         if device.type == "cuda":
             variants["rows in, one kernel"] = lambda: load_first_step.load_first_step_rows_triton(*rows_args, **out)
         variants["rows in, torch ops"] = lambda: load_first_step.load_first_step_rows_ref(*rows_args, **out)
+        variants["columns step, run stubbed"] = stubbed_columns_step(rt, B, a.m, 5, context)
         results = {name: [] for name in variants}
         for name, fn in variants.items():  # warm-up (compiles)
             for _ in range(5):
@@ -110,9 +152,9 @@ def main() -> int:
             total = [r[1] for r in runs]
             rows.append(dict(batch=B, variant=name, host_us=statistics.median(host), host_us_min=min(host),
                              host_us_max=max(host), with_device_us=statistics.median(total)))
-    print(f"{'batch':>5}  {'variant':<24} {'host us/call':>12} {'spread':>15} {'with device us':>15}")
+    print(f"{'batch':>5}  {'variant':<26} {'host us/call':>12} {'spread':>15} {'with device us':>15}")
     for r in rows:
-        print(f"{r['batch']:>5}  {r['variant']:<24} {r['host_us']:>12.1f} "
+        print(f"{r['batch']:>5}  {r['variant']:<26} {r['host_us']:>12.1f} "
               f"{r['host_us_min']:>7.1f}-{r['host_us_max']:<7.1f} {r['with_device_us']:>15.1f}")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     write_json(a.out, dict(script="benchmarks/bench_step_host_ops.py", device=name, cpu_count=os.cpu_count(),

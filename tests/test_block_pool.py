@@ -60,7 +60,7 @@ def test_namespaces_are_separate_and_no_block_is_shared():
 
 def check_tensor_rows(table: SequenceTable, live) -> None:
     """Each live sequence's row of the block-tables tensor holds its list then zeros; every other row is zero."""
-    t = table.block_tables.tensor
+    t = table.rows.block_tables
     rows = set()
     for s in live:
         assert s.table_row >= 0 and s.table_row not in rows, "a row is shared"
@@ -96,7 +96,7 @@ def test_block_tables_tensor_follows_resize_release_and_eviction():
         if step % 100 == 0:
             check_tensor_rows(table, live.values())
     check_tensor_rows(table, live.values())
-    assert table.block_tables.tensor.shape[0] >= 128  # it grew
+    assert table.rows.block_tables.shape[0] >= 128  # it grew
 
 
 def test_rows_grown_inside_a_step_can_be_released_outside_one():
@@ -129,9 +129,12 @@ def test_touch_batch_moves_each_known_sequence_to_the_end_in_order():
     order, marks = list(keys), {key: (0.0, 0) for key in keys}  # the model: LRU order, (last_used, last_step)
     for serial in range(1, 40):
         asked = rng.sample(keys + [("x", "gone"), ("z", "s1")], rng.randint(1, 12))
-        got = table.touch_batch([k[0] for k in asked], [k[1] for k in asked], float(serial), serial)
+        if serial % 3 == 0:  # one namespace, every sequence known (touch_batch's path without a Python loop)
+            asked = rng.sample(keys[:10], rng.randint(2, 10))
+        got, rows = table.touch_batch([k[0] for k in asked], [k[1] for k in asked], float(serial), serial)
         assert [None if s is None else (s.namespace, s.sequence_id) for s in got] == \
             [k if k in marks else None for k in asked]
+        assert rows.tolist() == [s.table_row for s in got if s is not None]
         for key in asked:
             if key in marks:
                 order.remove(key)
@@ -141,3 +144,53 @@ def test_touch_batch_moves_each_known_sequence_to_the_end_in_order():
         assert {ns: list(d) for ns, d in table._by_ns.items()} == \
             {ns: [sid for n, sid in order if n == ns] for ns in ("x", "y")}
         assert [(s.last_used, s.last_step) for s in table._seqs.values()] == [marks[k] for k in order]
+
+
+def test_step_state_lives_in_the_rows_and_survives_growth_and_drop():
+    """A sequence's committed_len / last_drafts / last_drafts_base / predraft flag read back what was written, whether
+    it holds a row or not; the row's columns hold them (what Proposer.step_batch reads as arrays), growth of the rows
+    and of the drafts' width keeps them, a dropped sequence keeps them on the object, and a freed row is all zero.
+    Checked against a plain dict model under random operations."""
+    import numpy as np
+
+    from drafter_service.engine.sequence_rows import STATE_COLUMNS
+
+    rng = random.Random(3)
+    table = SequenceTable(BlockPool(600), block_size=4, max_model_len=64)
+    live, model, dropped = {}, {}, []
+    for step in range(3000):
+        sid = f"s{rng.randrange(200)}"
+        s = table.get("ns", sid)
+        op = rng.random()
+        if s is None:
+            s = Sequence("ns", sid)
+            s.committed_len, s.last_drafts_base = rng.randrange(50), rng.randrange(50)  # (before it has a row)
+            s.last_drafts = [rng.randrange(1000) for _ in range(rng.randrange(4))]
+            if table.resize(s, rng.randint(1, 12)):
+                table.add(s)
+                live[sid] = s
+                model[sid] = (s.committed_len, s.last_drafts_base, s.last_drafts, False)
+        elif op < 0.1:
+            table.release("ns", sid)
+            dropped.append((live.pop(sid), model.pop(sid)))
+        else:
+            k = rng.choice([0, 1, 3, 5, 8, 12, 20])  # (past the first width of the drafts' column)
+            s.committed_len, s.last_drafts_base = rng.randrange(60), rng.randrange(60)
+            s.last_drafts = [rng.randrange(1000) for _ in range(k)]
+            s.predraft = object() if rng.random() < 0.3 else None
+            model[sid] = (s.committed_len, s.last_drafts_base, s.last_drafts, s.predraft is not None)
+        if step % 100 == 0 or step == 2999:
+            R = table.rows
+            for sid, s in live.items():
+                c, base, drafts, pre = model[sid]
+                assert (s.committed_len, s.last_drafts_base, s.last_drafts, s.predraft is not None) == model[sid]
+                r = s.table_row
+                assert (R.committed_len[r], R.drafts_base[r], R.num_drafts[r], R.predrafting[r]) == \
+                    (c, base, len(drafts), pre)
+                assert R.drafts[r, : len(drafts)].tolist() == drafts and R.num_blocks[r] == len(s.block_table)
+            for s, (c, base, drafts, _) in dropped:
+                assert s.table_row == -1 and (s.committed_len, s.last_drafts_base, s.last_drafts) == (c, base, drafts)
+            free = np.setdiff1d(np.arange(R.num_blocks.shape[0]), [s.table_row for s in live.values()])
+            for name in STATE_COLUMNS:
+                assert not getattr(R, name)[free].any(), f"a free row's {name} is not zero"
+    assert table.rows.num_blocks.shape[0] >= 128 and table.rows.drafts.shape[1] >= 20  # both grew

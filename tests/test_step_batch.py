@@ -173,6 +173,24 @@ def test_what_the_columns_cannot_carry_goes_the_per_sequence_way(tiny_model, tmp
     assert b.proposer.columns_steps_run == before
 
 
+def test_a_sequence_named_twice_in_one_batch_goes_the_per_sequence_way(tiny_model, tmp_path):
+    """The server never merges two steps of one sequence into a batch (scheduler.py), but an engine calling step_batch
+    in its own process may: the columns path, which writes the sequences' state as columns by row, hands such a batch
+    to Proposer.step, whose answers it gives."""
+    a, b = runtimes(tiny_model, tmp_path)
+    t = Traffic(5, a.limits.hidden_states_width, a.limits.vocab_size, 30)
+    first = [t.step(sid, 3, 4) for sid in t.tokens]
+    same(a.proposer.step(first), b.proposer.step_batch(as_batch(first)))
+    steps = [t.step(sid, 3, 4) for sid in t.tokens]
+    steps.append(steps[0])
+    before = b.proposer.columns_steps_run
+    same(a.proposer.step(steps), b.proposer.step_batch(as_batch(steps)))
+    assert b.proposer.columns_steps_run == before
+    later = [t.step(sid, 3, 4) for sid in t.tokens]  # and the state both left behind drafts the same
+    same(a.proposer.step(later), b.proposer.step_batch(as_batch(later)))
+    assert b.proposer.columns_steps_run == before + 1
+
+
 @pytest.mark.parametrize("merged", [1, 3])
 def test_batch_input_round_trips_through_to_inputs_and_cat(merged):
     t = Traffic(5, 8, 100, 12)

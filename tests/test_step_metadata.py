@@ -7,7 +7,7 @@ import torch
 from drafter_service.cli import parse_args
 from drafter_service.engine.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes, padded_batch_size
 from drafter_service.engine import step_metadata
-from drafter_service.engine.block_tables import BlockTables
+from drafter_service.engine.sequence_rows import SequenceRows
 from drafter_service.engine.step_metadata import build_step_metadata
 
 
@@ -56,7 +56,7 @@ def random_step(seed: int, packing: str) -> dict:
         tables.append(blocks)
     table_rows = None
     if packing == "vectorized-table-rows":  # rows handed out in another order than the batch, stale rows between
-        bt = BlockTables(max_blocks=max(len(t) for t in tables) + 3, rows=2)
+        bt = SequenceRows(max_blocks=max(len(t) for t in tables) + 3, rows=2)
         rows = [bt.assign() for _ in range(2 * B)]
         rng.shuffle(rows)
         for row, table in zip(rows, tables):
@@ -108,7 +108,7 @@ def check_metadata(md, step: dict) -> None:
 @pytest.mark.parametrize("packing", ["lists", "vectorized", "vectorized-table-rows"])
 def test_step_metadata_matches_per_sequence_reference(seed, packing, monkeypatch):
     """Every way of packing the host buffer: python lists for small steps, vectorized torch for large ones, with
-    the block tables from the lists or gathered from the sequence table's rows (BlockTables)."""
+    the block tables from the lists or gathered from the sequence table's rows (SequenceRows)."""
     monkeypatch.setattr(step_metadata, "SMALL_STEP_ROWS", 10**9 if packing == "lists" else 0)
     step = random_step(seed, packing)
     check_metadata(build_step_metadata(**step), step)

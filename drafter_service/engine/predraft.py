@@ -528,7 +528,7 @@ class Predrafter:
         if bases[0].features is not None:  # (a group either has them all or none)
             # ---- forced pass, shortened: the plain step kept g_0..g_{k-1}; only the row of D_k runs ----
             w = max(len(seq.block_table) for seq in seqs)
-            tables = p.table.block_tables.gather([seq.table_row for seq in seqs], w)  # [n, w] int32
+            tables = p.table.rows.gather([seq.table_row for seq in seqs], w)  # [n, w] int32
             kept = torch.stack([b.features for b in bases])  # [n, k, H]
             meta = self._decode_meta(C - 1 + k, tables, tables.to(dev, non_blocking=True))
             out = model.forward(served_dev[:, k - 1], kept[:, k - 1], meta, p.kv_layers)
@@ -546,7 +546,7 @@ class Predrafter:
             hidden_states=[b.hidden_states for b in bases], next_tokens=[b.next_token for b in bases],
             num_drafts=[k] * n, block_tables=[seq.block_table for seq in seqs], temperatures=list(temperature),
             seeds=[seed_to_int64(x) for x in seed], top_ks=list(top_k), block_size=bs, device=dev,
-            table_rows=(p.table.block_tables, [seq.table_row for seq in seqs]))
+            table_rows=(p.table.rows, [seq.table_row for seq in seqs]))
         rows = torch.tensor([b.token_ids.shape[0] for b in bases])
         rerun = torch.repeat_interleave(torch.tensor([not b.pending for b in bases]), rows)  # [T]
         if bool(rerun.any()):

@@ -31,7 +31,6 @@ combine_hidden_states, draft_to_target; sequential and parallel heads add forwar
 (parallel ones parallel_token_id and mask_hidden), multi-layer heads num_predict / forward_layer /
 compute_logits_layer.
 """
-import array
 import contextlib
 import logging
 import time
@@ -388,7 +387,7 @@ class Proposer:
         # not idle (sequence.py: the touched ones form the tail of the LRU order).
         self._step_serial += 1
         now, serial = self.clock(), self._step_serial
-        found = self.table.touch_batch([s.namespace for s in steps], [s.sequence_id for s in steps], now, serial)
+        found, _ = self.table.touch_batch([s.namespace for s in steps], [s.sequence_id for s in steps], now, serial)
         batch = [a for i, s in enumerate(steps) if (a := self._admit(i, s, outputs[i], found[i], now)) is not None]
         self.predraft.on_step()
         refused = False  # by the odds check: this batch keeps nothing for a pass
@@ -460,20 +459,20 @@ class Proposer:
         t0 = time.perf_counter()
         self._step_serial += 1
         now, serial = self.clock(), self._step_serial
-        seqs = self.table.touch_batch(b.namespaces, b.sequence_ids, now, serial)
-        if not all(seqs) or any(seq.predraft is not None for seq in seqs):  # (a Sequence is truthy, None is not)
-            return None  # a new sequence or one that pre-drafts: the per-sequence path
+        seqs, rows = self.table.touch_batch(b.namespaces, b.sequence_ids, now, serial)
+        if rows.shape[0] != len(seqs):
+            return None  # a new sequence: the per-sequence path
         B = len(seqs)
-        # The batch arithmetic below is numpy over views of the columns: some twenty ops on [B] arrays, each about a
+        # The sequences' state is read and written as columns by table row (sequence_rows.py), and the batch
+        # arithmetic below is numpy over views of the step's columns: some twenty ops on [B] arrays, each about a
         # microsecond where a torch op on a small CPU tensor costs several.
+        R = self.table.rows
+        if R.predrafting[rows].any() or len(set(rows.tolist())) != B:
+            return None  # a sequence that pre-drafts, or one named twice: the per-sequence path
         p, m = b.start_positions.numpy(), b.num_tokens.numpy()
         C = p + m  # [B] committed length after the step
-        # [B, 5]: what the step needs of each sequence's state, read in one pass
-        state = np.frombuffer(array.array("q", [x for seq in seqs for x in (
-            seq.committed_len, len(seq.block_table), seq.table_row, seq.last_drafts_base, len(seq.last_drafts))]),
-            dtype=np.int64).reshape(B, 5)
-        committed, have, rows = state[:, 0], state[:, 1], state[:, 2]
-        if (C >= self.max_model_len).any() or (p > committed).any() or (rows < 0).any():
+        committed, have = R.committed_len[rows], R.num_blocks[rows]
+        if (C >= self.max_model_len).any() or (p > committed).any():
             return None  # OUT_OF_RANGE or a gap: the per-sequence path names it
         k = np.maximum(np.minimum(b.num_drafts.numpy(), self.max_model_len - 1 - C), 0)  # [B] after the cut
         # ---- blocks: only the sequences whose table changes size go through the table (a few per step) ----
@@ -492,12 +491,11 @@ class Proposer:
         # the acceptance count needs nothing of the run: on CUDA it is done while the GPU drafts (_Drafts.meanwhile)
         found = []
         step_drafts = _Drafts(B, [0] * B)
-        step_drafts.meanwhile = lambda: found.append(
-            self._count_accepted_columns(seqs, b, C, state[:, 3], state[:, 4]))
+        step_drafts.meanwhile = lambda: found.append(self._count_accepted_columns(rows, b, C))
         try:
             md = build_step_metadata_columns(
                 b.start_positions, b.num_tokens, b.token_ids, b.hidden_states, b.next_tokens, k_t,
-                torch.from_numpy(self.table.block_tables.tensor.numpy()[rows, : int(blocks.max())]), b.temperatures,
+                torch.from_numpy(R.block_tables_np[rows, : int(blocks.max())]), b.temperatures,
                 b.seeds,
                 torch.zeros(B, dtype=torch.int64), self.block_size, self.device, self.metadata_buffers)
             greedy = not (b.temperatures.numpy() > 0).any()
@@ -510,7 +508,7 @@ class Proposer:
             with contextlib.suppress(Exception):  # (counted either way; never in the way of the rollback)
                 step_drafts.run_meanwhile()
             for seq, start in zip(seqs, p.tolist()):  # (p: numpy)
-                self._forget_failed_step(seq, start)
+                self._forget_failed_step(seq, start)  # (rare: one sequence at a time)
             self._step_failed(e)
             failed = BatchOutput.failed(B, INTERNAL, f"internal error in the draft step: {type(e).__name__}: {e}")
             self._record_columns(b, failed, time.perf_counter() - t0)
@@ -520,36 +518,33 @@ class Proposer:
         out = BatchOutput(codes=torch.zeros(B, dtype=torch.int32), messages=[""] * B, num_drafts=k_t,
                           accepted_drafts=torch.from_numpy(found[0]), committed_lengths=torch.from_numpy(C))
         out.drafts = drafts
-        # ---- the sequences' state after the step ----
-        ends, given = C.tolist(), drafts.tolist()
-        for seq, end, d, n in zip(seqs, ends, given, k.tolist()):  # (C, k: numpy)
-            seq.committed_len = seq.last_drafts_base = end
-            seq.last_drafts = d[:n]
+        # ---- the sequences' state after the step: their rows' columns ----
+        R.committed_len[rows] = C
+        R.drafts_base[rows] = C
+        R.fit_drafts(drafts.shape[1])
+        R.drafts[rows, : drafts.shape[1]] = drafts.numpy()
+        R.num_drafts[rows] = k
         self.metrics.record_step_totals(B, b.total_tokens, int(k.sum()), time.perf_counter() - t0,
                                         self.kv.pool.num_free, self.kv.pool.num_blocks)  # (every sequence drafted)
         self.metrics.live_sequences = len(self.table)
         return out
 
-    def _count_accepted_columns(self, seqs: list[Sequence], b: BatchInput, C: np.ndarray, base: np.ndarray,
-                                n: np.ndarray) -> np.ndarray:
+    def _count_accepted_columns(self, rows: np.ndarray, b: BatchInput, C: np.ndarray) -> np.ndarray:
         """[B] int64: _count_accepted for every sequence at once (the drafts given at its last step, n of them for
         positions base + 1, ..., against the committed tokens this step brings), recorded in the acceptance
-        metrics. C, base, n: [B] int64 (numpy)."""
-        B = len(seqs)
-        K = int(n.max())
+        metrics. rows: [B] the sequences' table rows; C: [B] p + m (numpy int64)."""
+        R = self.table.rows
+        n, base = R.num_drafts[rows], R.drafts_base[rows]
+        B, K = rows.shape[0], int(n.max())
         if K == 0:
             return np.zeros(B, dtype=np.int64)
-        if (n == K).all():  # (the common case: one k for all at the last step)
-            flat = array.array("q", [d for seq in seqs for d in seq.last_drafts])
-        else:
-            flat = array.array("q", [d for seq in seqs for d in seq.last_drafts + [-1] * (K - len(seq.last_drafts))])
-        given = np.frombuffer(flat, dtype=np.int64).reshape(B, K)
+        given = R.drafts[rows, :K]  # [B, K]: entries past a row's n are not its drafts (masked below)
         p, m = b.start_positions.numpy(), b.num_tokens.numpy()
         evaluated = (n > 0) & (p <= base + 1) & (base + 1 <= C)  # [B] (_count_accepted's condition)
         pos = base[:, None] + np.arange(1, K + 1)  # [B, K] position of each given draft
         qsl = np.cumsum(m) - m  # [B] first row of each sequence in token_ids
-        rows = np.minimum(np.maximum(qsl[:, None] + pos - p[:, None], 0), b.total_tokens - 1)
-        truth = np.where(pos < C[:, None], b.token_ids.numpy()[rows], b.next_tokens.numpy()[:, None])  # committed
+        rows_in = np.minimum(np.maximum(qsl[:, None] + pos - p[:, None], 0), b.total_tokens - 1)
+        truth = np.where(pos < C[:, None], b.token_ids.numpy()[rows_in], b.next_tokens.numpy()[:, None])  # committed
         match = (pos <= C[:, None]) & (truth == given) & (np.arange(K) < n[:, None])
         accepted = np.cumprod(match, axis=1).sum(1) * evaluated
         if evaluated.any():
@@ -628,7 +623,7 @@ class Proposer:
 
     def _run_sequential(self, batch: list[_Admitted]) -> _Drafts:
         # ---- step metadata (step_metadata.py): vectorized on the host, one host->device copy for the step ----
-        md = StepMetadata.build(batch, self.block_size, self.device, self.table.block_tables, self.metadata_buffers)
+        md = StepMetadata.build(batch, self.block_size, self.device, self.table.rows, self.metadata_buffers)
         sp = self._sampling(batch, md)
         out = _Drafts(len(batch), [a.step.top_k_probs for a in batch])
         return self._draft_sequential(md, sp, out, [a.seq.predraft is not None for a in batch])

@@ -16,11 +16,13 @@ Lifetime (docs/protocol.md, "Sequence lifetime: leases, eviction, quotas"); only
 Keys the table dropped on its own (evicted, expired, owner gone) are remembered, a bounded number of them, so that
 a later step can be told why its sequence is gone rather than just "unknown".
 """
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from drafter_service.engine.block_tables import BlockTables
+import numpy as np
+
+from drafter_service.engine.sequence_rows import SequenceRows
 from drafter_service.engine.kv_cache import BlockPool
 
 GONE_KEYS_KEPT = 16384  # how many dropped keys are remembered for the NOT_FOUND message (oldest forgotten first)
@@ -52,20 +54,124 @@ class SequenceCounters:
     pool_refusals: int = 0  # steps refused with RESOURCE_EXHAUSTED because the pool was full of busy sequences
 
 
-@dataclass
 class Sequence:
-    namespace: str
-    sequence_id: str
-    block_table: list[int] = field(default_factory=list)  # block ids, in position order
-    table_row: int = -1  # its row of SequenceTable.block_tables (the same ids as a tensor); -1: none yet
-    committed_len: int = 0  # draft-KV of positions [0, committed_len) was written from committed tokens
-    last_drafts: list[int] = field(default_factory=list)  # drafts given at the last step...
-    last_drafts_base: int = 0  # ...for positions last_drafts_base + 1, + 2, ...
-    shift_cache: object | None = None  # multi-layer EAGLE only: multi_layer_inputs.ShiftCache
-    owner: str | None = None  # "stream N" / "step channel N" that created it (freed with it); None: unary
-    last_used: float = 0.0  # clock time of the last step that named it (lease)
-    last_step: int = 0  # serial number of that step (an idle sequence is one the current step does not name)
-    predraft: object | None = None  # predraft.PredraftState while the sequence pre-drafts
+    """One sequence's drafter state. Its step state (committed_len, last_drafts, last_drafts_base, whether it
+    pre-drafts) lives in the table's columns (sequence_rows.py) while it holds a row, so that a step over a batch
+    reads and writes it with array ops; the properties below read and write the same values one sequence at a time.
+    Before it gets a row (a new sequence being admitted) and after it lost it (dropped) they live on the object."""
+
+    def __init__(self, namespace: str, sequence_id: str, owner: str | None = None, last_used: float = 0.0,
+                 last_step: int = 0):
+        self.namespace = namespace
+        self.sequence_id = sequence_id
+        self.block_table: list[int] = []  # block ids, in position order
+        self.table_row = -1  # its row of SequenceTable.rows; -1: none (not admitted yet, or dropped)
+        self.rows: SequenceRows | None = None  # the table's columns while table_row >= 0
+        self.shift_cache: object | None = None  # multi-layer EAGLE only: multi_layer_inputs.ShiftCache
+        self.owner = owner  # "stream N" / "step channel N" that created it (freed with it); None: unary
+        self._predraft: object | None = None  # predraft.PredraftState while the sequence pre-drafts
+        # the step state while the sequence holds no row
+        self._committed_len = 0
+        self._last_drafts: list[int] = []
+        self._last_drafts_base = 0
+        self._last_used = last_used
+        self._last_step = last_step
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.namespace!r}, {self.sequence_id!r}, row {self.table_row}, "
+                f"{len(self.block_table)} blocks, committed_len {self.committed_len})")
+
+    @property
+    def committed_len(self) -> int:
+        """Draft-KV of positions [0, committed_len) was written from committed tokens."""
+        return self._committed_len if self.rows is None else int(self.rows.committed_len[self.table_row])
+
+    @committed_len.setter
+    def committed_len(self, value: int) -> None:
+        if self.rows is None:
+            self._committed_len = value
+        else:
+            self.rows.committed_len[self.table_row] = value
+
+    @property
+    def last_drafts(self) -> list[int]:
+        """The drafts given at the last step (a new list: assign, never change it in place)..."""
+        if self.rows is None:
+            return list(self._last_drafts)
+        row = self.table_row
+        return self.rows.drafts[row, : self.rows.num_drafts[row]].tolist()
+
+    @last_drafts.setter
+    def last_drafts(self, drafts: list[int]) -> None:
+        if self.rows is None:
+            self._last_drafts = list(drafts)
+        else:
+            self.rows.set_drafts(self.table_row, drafts)
+
+    @property
+    def last_drafts_base(self) -> int:
+        """...for positions last_drafts_base + 1, + 2, ..."""
+        return self._last_drafts_base if self.rows is None else int(self.rows.drafts_base[self.table_row])
+
+    @last_drafts_base.setter
+    def last_drafts_base(self, value: int) -> None:
+        if self.rows is None:
+            self._last_drafts_base = value
+        else:
+            self.rows.drafts_base[self.table_row] = value
+
+    @property
+    def last_used(self) -> float:
+        """Clock time of the last step that named it (the lease)."""
+        return self._last_used if self.rows is None else float(self.rows.last_used[self.table_row])
+
+    @last_used.setter
+    def last_used(self, value: float) -> None:
+        if self.rows is None:
+            self._last_used = value
+        else:
+            self.rows.last_used[self.table_row] = value
+
+    @property
+    def last_step(self) -> int:
+        """Serial number of that step (an idle sequence is one the current step does not name)."""
+        return self._last_step if self.rows is None else int(self.rows.last_step[self.table_row])
+
+    @last_step.setter
+    def last_step(self, value: int) -> None:
+        if self.rows is None:
+            self._last_step = value
+        else:
+            self.rows.last_step[self.table_row] = value
+
+    @property
+    def predraft(self) -> object | None:
+        """predraft.PredraftState while the sequence pre-drafts (its row's predrafting flag says whether)."""
+        return self._predraft
+
+    @predraft.setter
+    def predraft(self, state: object | None) -> None:
+        self._predraft = state
+        if self.rows is not None:
+            self.rows.predrafting[self.table_row] = state is not None
+
+    def take_row(self, rows: SequenceRows, row: int) -> None:
+        """Move the step state into row `row` of `rows` (all zero), where it lives from now on."""
+        committed, drafts, base = self._committed_len, self._last_drafts, self._last_drafts_base
+        used, step = self._last_used, self._last_step
+        self.rows, self.table_row = rows, row
+        self.committed_len, self.last_drafts, self.last_drafts_base = committed, drafts, base
+        self.last_used, self.last_step = used, step
+        self.predraft = self._predraft
+
+    def give_row_back(self) -> int:
+        """Move the step state out of its row back onto the object; returns the row (for the table to free)."""
+        committed, drafts, base = self.committed_len, self.last_drafts, self.last_drafts_base
+        used, step = self.last_used, self.last_step
+        row, self.rows, self.table_row = self.table_row, None, -1
+        self._committed_len, self._last_drafts, self._last_drafts_base = committed, drafts, base
+        self._last_used, self._last_step = used, step
+        return row
 
 
 class SequenceTable:
@@ -75,9 +181,9 @@ class SequenceTable:
                  max_model_len: int | None = None):
         self.pool = pool
         self.block_size = block_size
-        # every sequence's block table as a tensor row, kept equal to its list (resize, _drop)
+        # every sequence's block table and step state as columns by row (sequence_rows.py; resize, _drop)
         max_blocks = -(-max_model_len // block_size) if max_model_len else pool.num_blocks
-        self.block_tables = BlockTables(min(max_blocks, pool.num_blocks))
+        self.rows = SequenceRows(min(max_blocks, pool.num_blocks))
         self.limits = limits or SequenceLimits()
         self.counters = SequenceCounters()
         self._seqs: OrderedDict[tuple[str, str], Sequence] = OrderedDict()  # least recently used first
@@ -97,21 +203,25 @@ class SequenceTable:
         return self._seqs.get((namespace, sequence_id))
 
     def touch_batch(self, namespaces: list[str], sequence_ids: list[str], now: float,
-                    step_serial: int) -> list[Sequence | None]:
+                    step_serial: int) -> tuple[list[Sequence | None], np.ndarray]:
         """Each (namespace, sequence_id) pair's sequence, in order (None for an unknown one), marked as used by step
-        `step_serial` at `now` and moved to the most recently used end, in the order given. One call for a whole step:
-        a call per sequence was a quarter of the columns path's admission."""
-        seqs, by_ns = self._seqs, self._by_ns
-        get, to_end = seqs.get, seqs.move_to_end
-        out = []
-        for key in zip(namespaces, sequence_ids):
-            seq = get(key)
-            if seq is not None:
-                to_end(key)
-                by_ns[key[0]].move_to_end(key[1])
-                seq.last_used, seq.last_step = now, step_serial
-            out.append(seq)
-        return out
+        `step_serial` at `now` and moved to the most recently used end, in the order given; and the known ones' table
+        rows, in order ([n] int64). One call for a whole step, its loops in C (map over the dicts' methods, the marks
+        written as columns): a Python loop per sequence was a quarter of the columns path's admission."""
+        keys = list(zip(namespaces, sequence_ids))
+        seqs = list(map(self._seqs.get, keys))
+        known = keys if None not in seqs else [key for key, seq in zip(keys, seqs) if seq is not None]
+        found = seqs if len(known) == len(keys) else [seq for seq in seqs if seq is not None]
+        deque(map(self._seqs.move_to_end, known), maxlen=0)  # (runs the moves without a Python loop)
+        if known is keys and keys and list(namespaces).count(namespaces[0]) == len(keys):  # one namespace, all
+            deque(map(self._by_ns[namespaces[0]].move_to_end, sequence_ids), maxlen=0)  # known: the common case
+        else:
+            for ns, sid in known:
+                self._by_ns[ns].move_to_end(sid)
+        rows = np.fromiter([seq.table_row for seq in found], dtype=np.int64, count=len(found))
+        self.rows.last_used[rows] = now
+        self.rows.last_step[rows] = step_serial
+        return seqs, rows
 
     def add(self, seq: Sequence) -> None:
         """Insert seq (its blocks were already counted by resize) as the most recently used."""
@@ -133,12 +243,12 @@ class SequenceTable:
                 return False
             seq.block_table.extend(blocks)
             if seq.table_row < 0:
-                seq.table_row = self.block_tables.assign()
-            self.block_tables.write(seq.table_row, have, blocks)
+                seq.take_row(self.rows, self.rows.assign())
+            self.rows.write(seq.table_row, have, blocks)
         elif want < have:
             self.pool.free(seq.block_table[want:])
             del seq.block_table[want:]
-            self.block_tables.clear(seq.table_row, want)
+            self.rows.clear(seq.table_row, want)
         if want != have:
             self._ns_blocks[seq.namespace] = self._ns_blocks.get(seq.namespace, 0) + want - have
         return True
@@ -245,8 +355,7 @@ class SequenceTable:
         self.pool.free(seq.block_table)
         seq.block_table = []
         if seq.table_row >= 0:
-            self.block_tables.release(seq.table_row)
-            seq.table_row = -1
+            self.rows.release(seq.give_row_back())
         if seq.owner is not None:
             owned = self._owned.get(seq.owner)
             if owned is not None:

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from drafter_service.engine.block_tables import BlockTables
+from drafter_service.engine.sequence_rows import SequenceRows
 from drafter_service.engine.host_staging import rows_to_device
 from drafter_service.models.attention_metadata import AttentionMetadata
 from drafter_service.engine.sampling import seed_to_int64
@@ -70,9 +70,10 @@ class MetadataBuffers:
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._in_flight = False
         self._fields: dict[tuple, tuple] = {}  # layout (T, B, n, w) -> the device views of the fields
+        self._packing: dict[tuple, tuple] = {}  # layout -> the host views the vectorized packing writes
 
-    def host_array(self, size: int) -> np.ndarray:
-        """A zeroed int32 host array of ``size`` elements to pack a step into (a view of ``host``)."""
+    def _writable(self, size: int) -> None:
+        """Wait for a copy from the host buffer still in flight, and grow both buffers to hold ``size`` elements."""
         if self._in_flight:  # (the buffer is rewritten or freed below; returns at once after the step's own sync)
             self._copied.synchronize()
             self._in_flight = False
@@ -82,9 +83,25 @@ class MetadataBuffers:
             self.host = torch.zeros(capacity, dtype=torch.int32, pin_memory=cuda)
             self.on_device = (torch.zeros(capacity, dtype=torch.int32, device=self.device) if cuda else self.host)
             self._fields.clear()
+            self._packing.clear()
+
+    def host_array(self, size: int) -> np.ndarray:
+        """A zeroed int32 host array of ``size`` elements to pack a step into (a view of ``host``)."""
+        self._writable(size)
         out = self.host[:size].numpy()
         out.fill(0)
         return out
+
+    def packing_views(self, layout: tuple[int, int, int, int]) -> tuple[np.ndarray, list, list]:
+        """_field_views of the host buffer for a step of ``layout`` (T, B, n, w), made once per layout. The packing
+        writes every field whole; the padding between fields is never read, so the buffer is not zeroed."""
+        self._writable(packed_size(layout))
+        views = self._packing.get(layout)
+        if views is None:
+            if len(self._packing) >= 256:  # (a bound, as for the device views)
+                self._packing.clear()
+            views = self._packing[layout] = _field_views(self.host[: packed_size(layout)].numpy(), layout)
+        return views
 
     def send(self, host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """host: a packed step (a view of host_array's, or a tensor of its own, which is copied in first) -> (its
@@ -135,7 +152,7 @@ class StepMetadata:
 
     @classmethod
     def build(cls, batch, block_size: int, device: torch.device,
-              tables: BlockTables | None = None, buffers: MetadataBuffers | None = None) -> "StepMetadata":
+              tables: SequenceRows | None = None, buffers: MetadataBuffers | None = None) -> "StepMetadata":
         """From the proposer's admitted batch (``a.step``: StepInput, ``a.seq``: Sequence, ``a.num_drafts``);
         tables: the sequence table's block tables, whose rows (``a.seq.table_row``) a large step gathers; buffers:
         the proposer's MetadataBuffers (None: buffers of this step's own)."""
@@ -176,7 +193,7 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
                         next_tokens: list[int], num_drafts: list[int], block_tables: list[list[int]],
                         temperatures: list[float], seeds: list[int], top_ks: list[int], block_size: int,
                         device: torch.device,
-                        table_rows: "tuple[BlockTables, list[int]] | None" = None,
+                        table_rows: "tuple[SequenceRows, list[int]] | None" = None,
                         buffers: MetadataBuffers | None = None) -> StepMetadata:
     """Packs the host buffer (two ways, same bytes: python lists for a small step, where ~50 small tensor ops would
     cost more than the lists; vectorized torch above SMALL_STEP_ROWS rows), copies it to the device once.
@@ -197,7 +214,7 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
             torch.tensor(start_positions, dtype=i64), torch.tensor(q_lens, dtype=i64), torch.cat(token_ids),
             torch.tensor(next_tokens, dtype=i64), torch.tensor(num_drafts, dtype=i64), tables,
             torch.tensor(temperatures, dtype=torch.float32), torch.tensor(seeds, dtype=i64),
-            torch.tensor(top_ks, dtype=i64), block_size, buffers.host_array if buffers is not None else None)
+            torch.tensor(top_ks, dtype=i64), block_size, buffers)
     return _to_device(host, active, seq_lens, list(num_drafts), max(q_lens), T, w, hidden_states, device, buffers)
 
 
@@ -211,8 +228,7 @@ def build_step_metadata_columns(start_positions: torch.Tensor, num_tokens: torch
     int64; hidden_states [T, W]; block_tables [B, w] int32, zero-padded), vectorized whatever the batch size: no
     per-sequence Python object is read."""
     host, active, seq_lens = _pack_vectorized(start_positions, num_tokens, token_ids, next_tokens, num_drafts,
-                                              block_tables, temperatures, seeds, top_ks, block_size,
-                                              buffers.host_array if buffers is not None else None)
+                                              block_tables, temperatures, seeds, top_ks, block_size, buffers)
     return _to_device(host, active, seq_lens, num_drafts.tolist(), int(num_tokens.max()),
                       token_ids.shape[0], block_tables.shape[1], [hidden_states], device, buffers)
 
@@ -225,6 +241,24 @@ def _layout(T: int, B: int, n: int, w: int) -> tuple[list[int], list[int], list[
     narrow_sizes = [B + 1, B, B * w, B, n, n]
     return (wide_sizes, narrow_sizes, [aligned_len(x, 8) for x in wide_sizes],
             [aligned_len(x, 4) for x in narrow_sizes])
+
+
+def packed_size(layout: tuple[int, int, int, int]) -> int:
+    """int32 elements of the packed buffer of a step of this layout (T, B, n, w)."""
+    _, _, wide_padded, narrow_padded = _layout(*layout)
+    return 2 * sum(wide_padded) + sum(narrow_padded)
+
+
+def _field_views(host: np.ndarray, layout: tuple[int, int, int, int]) -> tuple[np.ndarray, list, list]:
+    """(host, its 8 int64 fields, its 6 int32 fields) as numpy views of host (int32, packed_size(layout) elements),
+    in the order of the module docstring, for the vectorized packing to write in place."""
+    wide_sizes, narrow_sizes, wide_padded, narrow_padded = _layout(*layout)
+    num_wide = sum(wide_padded)
+    wide_all = host[: 2 * num_wide].view(np.int64)
+    wide = [wide_all[at : at + size] for at, size in zip(itertools.accumulate([0] + wide_padded), wide_sizes)]
+    narrow = [host[at : at + size]
+              for at, size in zip(itertools.accumulate([2 * num_wide] + narrow_padded), narrow_sizes)]
+    return host, wide, narrow
 
 
 def _split(dev: torch.Tensor, host: torch.Tensor, T: int, B: int, n: int, w: int) -> tuple:
@@ -312,52 +346,46 @@ def _tables_from_lists(block_tables: list[list[int]], w: int) -> torch.Tensor:
 def _pack_vectorized(p: torch.Tensor, q: torch.Tensor, committed: torch.Tensor, next_tokens: torch.Tensor,
                      k: torch.Tensor, block_tables_i32: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                      top_ks: torch.Tensor, block_size: int,
-                     alloc=None) -> tuple[torch.Tensor, list[int], list[int]]:
+                     buffers: "MetadataBuffers | None" = None) -> tuple[torch.Tensor, list[int], list[int]]:
     """The host buffer of a large step (prefill, or many sequences), vectorized over the batch: no per-sequence
     op. p, q, next_tokens, k, seeds, top_ks: [B] int64; committed: [T] token ids; temperature: [B] float32;
-    block_tables_i32: [B, w] int32, zero-padded (host tensors). alloc(size): the zeroed int32 array to pack into
-    (MetadataBuffers.host_array; None: a new one). The arithmetic runs in numpy on views of them, each
-    field written straight into its place in the buffer: small-array numpy ops cost about a microsecond where a torch
-    op costs several, and there are some twenty of them."""
+    block_tables_i32: [B, w] int32, zero-padded (host tensors). buffers: the proposer's MetadataBuffers, whose host
+    buffer it packs into through field views kept per layout (None: a new buffer). The arithmetic runs in numpy on
+    views of them, each field written straight into its place in the buffer: small-array numpy ops cost about a
+    microsecond where a torch op costs several, and there are some twenty of them."""
     p, q, k = p.numpy(), q.numpy(), k.numpy()
     B, T, w = p.shape[0], committed.shape[0], block_tables_i32.shape[1]
     qsl = np.zeros(B + 1, dtype=np.int64)
-    np.cumsum(q, out=qsl[1:])
+    np.add.accumulate(q, out=qsl[1:])
     seq_lens = p + q  # [B]
-    draft_index = np.flatnonzero(k > 0)  # [n] batch index of each drafting sequence
+    draft_index = (k > 0).nonzero()[0]  # [n] batch index of each drafting sequence
     n = draft_index.shape[0]
-
-    _, _, wide_padded, narrow_padded = _layout(T, B, n, w)
-    size = 2 * sum(wide_padded) + sum(narrow_padded)
-    host = alloc(size) if alloc is not None else np.zeros(size, dtype=np.int32)  # (zeroed)
-    wide_at = np.cumsum([0] + wide_padded)  # int64 element offsets of the int64 region's fields
-    narrow_at = 2 * sum(wide_padded) + np.cumsum([0] + narrow_padded)  # int32 element offsets
-    wide = host[: 2 * sum(wide_padded)].view(np.int64)
-    field64 = lambda i, size: wide[wide_at[i] : wide_at[i] + size]  # noqa: E731
-    field32 = lambda i, size: host[narrow_at[i] : narrow_at[i] + size]  # noqa: E731
+    layout = (T, B, n, w)
+    host, wide, narrow = (buffers.packing_views(layout) if buffers is not None
+                          else _field_views(np.zeros(packed_size(layout), dtype=np.int32), layout))
+    ids_f, positions, slots_f, seed_f, top_k_f, index_f, rows_f, dpos_f = wide
+    qsl_f, seq_lens_f, tables_f, temperature_f, dseq_f, dsteps_f = narrow
 
     # first-step rows
     row_seq = np.repeat(np.arange(B), q)  # [T] sequence of each row
-    positions = field64(1, T)
     np.add(p[row_seq] - qsl[row_seq], np.arange(T), out=positions)  # p_i + r for the r-th row of sequence i
     tables = block_tables_i32.numpy()
-    field64(2, T)[:] = (tables[row_seq, positions // block_size].astype(np.int64) * block_size
-                        + positions % block_size)  # slots
-    input_ids = field64(0, T)
-    input_ids[:-1] = committed.numpy()[1:]  # row t gets x[t+1] ...
-    input_ids[qsl[1:] - 1] = next_tokens.numpy()  # ... and each sequence's last row next_token
-    field64(3, B)[:] = seeds.numpy()
-    field64(4, B)[:] = top_ks.numpy()
+    slots_f[:] = (tables[row_seq, positions // block_size].astype(np.int64) * block_size
+                  + positions % block_size)
+    ids_f[:-1] = committed.numpy()[1:]  # row t gets x[t+1] ...
+    ids_f[qsl[1:] - 1] = next_tokens.numpy()  # ... and each sequence's last row next_token
+    seed_f[:] = seeds.numpy()
+    top_k_f[:] = top_ks.numpy()
     # drafting sequences
-    field64(5, n)[:] = draft_index
-    field64(6, n)[:] = qsl[draft_index + 1] - 1  # the row that gives draft 1
+    index_f[:] = draft_index
+    rows_f[:] = qsl[draft_index + 1] - 1  # the row that gives draft 1
     draft_seq_lens = seq_lens[draft_index]
-    field64(7, n)[:] = draft_seq_lens - 1  # its position
+    dpos_f[:] = draft_seq_lens - 1  # its position
 
-    field32(0, B + 1)[:] = qsl
-    field32(1, B)[:] = seq_lens
-    field32(2, B * w)[:] = tables.reshape(-1)
-    field32(3, B)[:] = temperature.numpy().view(np.int32)  # (float32 bits)
-    field32(4, n)[:] = draft_seq_lens
-    field32(5, n)[:] = k[draft_index] - 1  # decode steps it needs
+    qsl_f[:] = qsl
+    seq_lens_f[:] = seq_lens
+    tables_f[:] = tables.reshape(-1)
+    temperature_f[:] = temperature.numpy().view(np.int32)  # (float32 bits)
+    dseq_f[:] = draft_seq_lens
+    dsteps_f[:] = k[draft_index] - 1  # decode steps it needs
     return torch.from_numpy(host), draft_index.tolist(), seq_lens.tolist()

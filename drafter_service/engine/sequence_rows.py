@@ -1,0 +1,93 @@
+"""Every live sequence's step state as columns indexed by its table row, so that a step over many sequences reads
+and writes that state with array ops instead of attribute accesses per sequence (Proposer.step_batch; at batch 128
+the per-sequence reads and writes were a quarter of its host work on the dev CPU).
+
+  block_tables   [rows, max_blocks] int32 (torch)  the block ids, in position order, then zeros
+  num_blocks     [rows] int64     how many of them (len(Sequence.block_table))
+  committed_len  [rows] int64     Sequence.committed_len
+  drafts_base    [rows] int64     Sequence.last_drafts_base
+  num_drafts     [rows] int64     len(Sequence.last_drafts)
+  drafts         [rows, K] int64  Sequence.last_drafts in the first num_drafts entries (K grows to the largest k)
+  predrafting    [rows] bool      Sequence.predraft is not None
+  last_used      [rows] float64   Sequence.last_used: clock time of the last step that named it (the lease)
+  last_step      [rows] int64     Sequence.last_step: that step's serial number
+
+The list ``Sequence.block_table`` stays the allocator's source of truth: SequenceTable.resize / _drop mirror every
+change of it into block_tables and num_blocks (sequence.py). The other columns *are* the state while a sequence holds
+a row: Sequence's properties read and write them. A free row is all zero. Rows are handed out lowest first and every
+column doubles its rows when full; max_blocks is cdiv(max_model_len, block_size), the most blocks a sequence can hold.
+"""
+import numpy as np
+import torch
+
+STATE_COLUMNS = ("num_blocks", "committed_len", "drafts_base", "num_drafts", "drafts", "predrafting", "last_used",
+                 "last_step")
+
+
+class SequenceRows:
+    def __init__(self, max_blocks: int, rows: int = 64, max_drafts: int = 8):
+        self.max_blocks = max_blocks
+        self.block_tables = torch.zeros(rows, max_blocks, dtype=torch.int32)
+        self.block_tables_np = self.block_tables.numpy()  # (a view: numpy indexing is cheaper than torch's)
+        self.num_blocks = np.zeros(rows, dtype=np.int64)
+        self.committed_len = np.zeros(rows, dtype=np.int64)
+        self.drafts_base = np.zeros(rows, dtype=np.int64)
+        self.num_drafts = np.zeros(rows, dtype=np.int64)
+        self.drafts = np.zeros((rows, max_drafts), dtype=np.int64)
+        self.predrafting = np.zeros(rows, dtype=bool)
+        self.last_used = np.zeros(rows, dtype=np.float64)
+        self.last_step = np.zeros(rows, dtype=np.int64)
+        self._free = list(range(rows - 1, -1, -1))  # a stack: the lowest free row on top
+
+    def assign(self) -> int:
+        """A free row (all zero) for a new sequence."""
+        if not self._free:
+            old = self.block_tables.shape[0]
+            # a normal tensor even when grown inside a step's inference mode: Release and the leases update it
+            # outside one, which an inference tensor refuses
+            with torch.inference_mode(False):
+                grown = torch.zeros(2 * old, self.max_blocks, dtype=torch.int32)
+                grown[:old] = self.block_tables
+            self.block_tables, self.block_tables_np = grown, grown.numpy()
+            for name in STATE_COLUMNS:
+                column = getattr(self, name)
+                wider = np.zeros((2 * old, *column.shape[1:]), dtype=column.dtype)
+                wider[:old] = column
+                setattr(self, name, wider)
+            self._free = list(range(2 * old - 1, old - 1, -1))
+        return self._free.pop()
+
+    def release(self, row: int) -> None:
+        self.block_tables[row].zero_()
+        for name in STATE_COLUMNS:
+            getattr(self, name)[row] = 0
+        self._free.append(row)
+
+    def write(self, row: int, start: int, blocks: list[int]) -> None:
+        """Blocks start, start + 1, ... of the row's sequence are `blocks` (its last ones)."""
+        if len(blocks) + start > self.max_blocks:
+            raise ValueError(f"a sequence of {len(blocks) + start} blocks; at most {self.max_blocks}")
+        self.block_tables_np[row, start : start + len(blocks)] = blocks
+        self.num_blocks[row] = start + len(blocks)
+
+    def clear(self, row: int, start: int) -> None:
+        """The row's sequence gave back its blocks from `start` on."""
+        self.block_tables_np[row, start:] = 0
+        self.num_blocks[row] = start
+
+    def gather(self, rows: list[int], width: int) -> torch.Tensor:
+        """[len(rows), width] int32: the first `width` block ids of each row (a new tensor)."""
+        return torch.from_numpy(self.block_tables_np[rows, :width])
+
+    def set_drafts(self, row: int, drafts: list[int]) -> None:
+        self.fit_drafts(len(drafts))
+        self.drafts[row, : len(drafts)] = drafts
+        self.num_drafts[row] = len(drafts)
+
+    def fit_drafts(self, k: int) -> None:
+        """Make the drafts column hold at least k drafts per row."""
+        width = self.drafts.shape[1]
+        if k > width:
+            wider = np.zeros((self.drafts.shape[0], max(k, 2 * width)), dtype=np.int64)
+            wider[:, :width] = self.drafts
+            self.drafts = wider
