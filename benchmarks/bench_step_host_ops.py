@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
@@ -40,16 +41,17 @@ from drafter_service.runtime import build_runtime  # noqa: E402
 
 
 def make_step(B: int, m: int, width: int, table_width: int, device: torch.device, gen: torch.Generator):
-    """A decode step's columns (host tensors, states on the device as an engine in the process holds them)."""
+    """A decode step's columns (numpy, as BatchInput.arrays; states on the device as an engine in the process holds
+    them)."""
     T = B * m
     return dict(
-        start_positions=torch.full((B,), 1021, dtype=torch.int64), num_tokens=torch.full((B,), m, dtype=torch.int64),
-        token_ids=torch.randint(0, 32000, (T,), generator=gen),
+        start_positions=np.full(B, 1021, dtype=np.int64), num_tokens=np.full(B, m, dtype=np.int64),
+        token_ids=torch.randint(0, 32000, (T,), generator=gen).numpy(),
         hidden_states=torch.randn(T, width, generator=gen).to(device=device, dtype=torch.bfloat16),
-        next_tokens=torch.randint(0, 32000, (B,), generator=gen), num_drafts=torch.full((B,), 5, dtype=torch.int64),
-        block_tables=torch.randint(0, 5000, (B, table_width), generator=gen, dtype=torch.int32),
-        temperatures=torch.zeros(B), seeds=torch.zeros(B, dtype=torch.int64), top_ks=torch.zeros(B, dtype=torch.int64),
-        block_size=16, device=device)
+        next_tokens=torch.randint(0, 32000, (B,), generator=gen).numpy(), num_drafts=np.full(B, 5, dtype=np.int64),
+        block_tables=torch.randint(0, 5000, (B, table_width), generator=gen, dtype=torch.int32).numpy(),
+        temperatures=np.zeros(B, dtype=np.float32), seeds=np.zeros(B, dtype=np.int64),
+        top_ks=np.zeros(B, dtype=np.int64), block_size=16, device=device)
 
 
 def static_rows(B: int, M: int, width: int, table_width: int, device: torch.device) -> dict:

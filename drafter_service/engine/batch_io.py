@@ -29,9 +29,14 @@ them (BatchOutput.from_outputs), so every caller sees one type.
     accepted_drafts   [B] int64
     committed_lengths [B] int64
   or, from the per-sequence path, ``outputs``: list[StepOutput] (log-probabilities, top-N, pre-drafting).
+
+BatchInput.arrays: the host columns as numpy views (made once per batch: the columns path does its arithmetic in
+numpy, where a small-array op costs about a microsecond and each torch .numpy() call about as much).
 """
+import functools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from drafter_service.engine.sampling import int64_to_seed, seed_to_int64
@@ -57,6 +62,11 @@ class BatchInput:
 
     def __len__(self) -> int:
         return len(self.sequence_ids)
+
+    @functools.cached_property
+    def arrays(self) -> "BatchArrays":
+        """The host columns as numpy views of the same memory (the columns are not reassigned after construction)."""
+        return BatchArrays(*(getattr(self, name).numpy() for name in BatchArrays.__dataclass_fields__))
 
     @property
     def total_tokens(self) -> int:
@@ -116,6 +126,22 @@ class BatchInput:
                        self.next_tokens.tolist(), self.num_drafts.tolist(), self.temperatures.tolist(), seeds,
                        self.return_logprobs.tolist(), self.top_k_probs.tolist(), self.predraft_branches.tolist(),
                        per_step)]
+
+
+@dataclass
+class BatchArrays:
+    """BatchInput's host columns as numpy views (BatchInput.arrays)."""
+
+    start_positions: np.ndarray
+    num_tokens: np.ndarray
+    token_ids: np.ndarray
+    next_tokens: np.ndarray
+    num_drafts: np.ndarray
+    temperatures: np.ndarray
+    seeds: np.ndarray
+    return_logprobs: np.ndarray
+    top_k_probs: np.ndarray
+    predraft_branches: np.ndarray
 
 
 @dataclass

@@ -447,10 +447,10 @@ class Proposer:
 
     def _fast_path_applies(self, b: BatchInput) -> bool:
         """What the columns tell alone (no table lookup yet)."""
-        # (numpy views: a torch op on a small CPU tensor costs several microseconds, a numpy one about one)
+        a = b.arrays  # (numpy views: a torch op on a small CPU tensor costs several microseconds, a numpy one about one)
         return (self.fatal is None and self.model.drafting == "sequential" and len(b) > 0
-                and b.total_tokens > SMALL_STEP_ROWS and not b.return_logprobs.numpy().any()
-                and not b.top_k_probs.numpy().any() and not b.predraft_branches.numpy().any())
+                and b.total_tokens > SMALL_STEP_ROWS and not a.return_logprobs.any() and not a.top_k_probs.any()
+                and not a.predraft_branches.any())
 
     def _step_columns(self, b: BatchInput) -> BatchOutput | None:
         """step_batch's columnar path; None (having changed nothing a step would not) where it does not apply."""
@@ -469,12 +469,13 @@ class Proposer:
         R = self.table.rows
         if R.predrafting[rows].any() or len(set(rows.tolist())) != B:
             return None  # a sequence that pre-drafts, or one named twice: the per-sequence path
-        p, m = b.start_positions.numpy(), b.num_tokens.numpy()
+        a = b.arrays
+        p, m = a.start_positions, a.num_tokens
         C = p + m  # [B] committed length after the step
         committed, have = R.committed_len[rows], R.num_blocks[rows]
         if (C >= self.max_model_len).any() or (p > committed).any():
             return None  # OUT_OF_RANGE or a gap: the per-sequence path names it
-        k = np.maximum(np.minimum(b.num_drafts.numpy(), self.max_model_len - 1 - C), 0)  # [B] after the cut
+        k = np.maximum(np.minimum(a.num_drafts, self.max_model_len - 1 - C), 0)  # [B] after the cut
         # ---- blocks: only the sequences whose table changes size go through the table (a few per step) ----
         needed = C + np.maximum(k - 1, 0)  # positions the step writes KV for (scratch KV of all drafts but the last)
         bs = self.block_size
@@ -494,11 +495,10 @@ class Proposer:
         step_drafts.meanwhile = lambda: found.append(self._count_accepted_columns(rows, b, C))
         try:
             md = build_step_metadata_columns(
-                b.start_positions, b.num_tokens, b.token_ids, b.hidden_states, b.next_tokens, k_t,
-                torch.from_numpy(R.block_tables_np[rows, : int(blocks.max())]), b.temperatures,
-                b.seeds,
-                torch.zeros(B, dtype=torch.int64), self.block_size, self.device, self.metadata_buffers)
-            greedy = not (b.temperatures.numpy() > 0).any()
+                p, m, a.token_ids, b.hidden_states, a.next_tokens, k, R.block_tables_np[rows, : int(blocks.max())],
+                a.temperatures, a.seeds, np.zeros(B, dtype=np.int64), self.block_size, self.device,
+                self.metadata_buffers)
+            greedy = not (a.temperatures > 0).any()
             sp = SamplingSettings(temperature=md.temperature, seed=md.seed, top_k=md.top_k, want_logprobs=False,
                                   greedy_only=greedy)
             drafts = self._draft_sequential(md, sp, step_drafts, None).as_tensor()
@@ -515,7 +515,7 @@ class Proposer:
             return failed
         self._failed_in_a_row = 0
         self.columns_steps_run += 1
-        out = BatchOutput(codes=torch.zeros(B, dtype=torch.int32), messages=[""] * B, num_drafts=k_t,
+        out = BatchOutput(codes=torch.from_numpy(np.zeros(B, dtype=np.int32)), messages=[""] * B, num_drafts=k_t,
                           accepted_drafts=torch.from_numpy(found[0]), committed_lengths=torch.from_numpy(C))
         out.drafts = drafts
         # ---- the sequences' state after the step: their rows' columns ----
@@ -539,12 +539,13 @@ class Proposer:
         if K == 0:
             return np.zeros(B, dtype=np.int64)
         given = R.drafts[rows, :K]  # [B, K]: entries past a row's n are not its drafts (masked below)
-        p, m = b.start_positions.numpy(), b.num_tokens.numpy()
+        a = b.arrays
+        p, m = a.start_positions, a.num_tokens
         evaluated = (n > 0) & (p <= base + 1) & (base + 1 <= C)  # [B] (_count_accepted's condition)
         pos = base[:, None] + np.arange(1, K + 1)  # [B, K] position of each given draft
         qsl = np.cumsum(m) - m  # [B] first row of each sequence in token_ids
         rows_in = np.minimum(np.maximum(qsl[:, None] + pos - p[:, None], 0), b.total_tokens - 1)
-        truth = np.where(pos < C[:, None], b.token_ids.numpy()[rows_in], b.next_tokens.numpy()[:, None])  # committed
+        truth = np.where(pos < C[:, None], a.token_ids[rows_in], a.next_tokens[:, None])  # committed
         match = (pos <= C[:, None]) & (truth == given) & (np.arange(K) < n[:, None])
         accepted = np.cumprod(match, axis=1).sum(1) * evaluated
         if evaluated.any():

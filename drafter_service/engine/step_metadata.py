@@ -95,12 +95,15 @@ class MetadataBuffers:
     def packing_views(self, layout: tuple[int, int, int, int]) -> tuple[np.ndarray, list, list]:
         """_field_views of the host buffer for a step of ``layout`` (T, B, n, w), made once per layout. The packing
         writes every field whole; the padding between fields is never read, so the buffer is not zeroed."""
-        self._writable(packed_size(layout))
         views = self._packing.get(layout)
-        if views is None:
-            if len(self._packing) >= 256:  # (a bound, as for the device views)
-                self._packing.clear()
-            views = self._packing[layout] = _field_views(self.host[: packed_size(layout)].numpy(), layout)
+        if views is not None:  # (the buffers hold this layout already: growing them clears the views)
+            self._writable(0)
+            return views
+        size = packed_size(layout)
+        self._writable(size)
+        if len(self._packing) >= 256:  # (a bound, as for the device views)
+            self._packing.clear()
+        views = self._packing[layout] = _field_views(self.host[:size].numpy(), layout)
         return views
 
     def send(self, host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,24 +212,24 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
     else:
         tables = (table_rows[0].gather(table_rows[1], w) if table_rows is not None
                   else _tables_from_lists(block_tables, w))
-        i64 = torch.int64
+        i64 = np.int64
         host, active, seq_lens = _pack_vectorized(
-            torch.tensor(start_positions, dtype=i64), torch.tensor(q_lens, dtype=i64), torch.cat(token_ids),
-            torch.tensor(next_tokens, dtype=i64), torch.tensor(num_drafts, dtype=i64), tables,
-            torch.tensor(temperatures, dtype=torch.float32), torch.tensor(seeds, dtype=i64),
-            torch.tensor(top_ks, dtype=i64), block_size, buffers)
+            np.array(start_positions, dtype=i64), np.array(q_lens, dtype=i64), torch.cat(token_ids).numpy(),
+            np.array(next_tokens, dtype=i64), np.array(num_drafts, dtype=i64), tables.numpy(),
+            np.array(temperatures, dtype=np.float32), np.array(seeds, dtype=i64), np.array(top_ks, dtype=i64),
+            block_size, buffers)
     return _to_device(host, active, seq_lens, list(num_drafts), max(q_lens), T, w, hidden_states, device, buffers)
 
 
-def build_step_metadata_columns(start_positions: torch.Tensor, num_tokens: torch.Tensor, token_ids: torch.Tensor,
-                                hidden_states: torch.Tensor, next_tokens: torch.Tensor, num_drafts: torch.Tensor,
-                                block_tables: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
-                                top_ks: torch.Tensor, block_size: int, device: torch.device,
+def build_step_metadata_columns(start_positions: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray,
+                                hidden_states: torch.Tensor, next_tokens: np.ndarray, num_drafts: np.ndarray,
+                                block_tables: np.ndarray, temperatures: np.ndarray, seeds: np.ndarray,
+                                top_ks: np.ndarray, block_size: int, device: torch.device,
                                 buffers: MetadataBuffers | None = None) -> StepMetadata:
-    """The same metadata from a step's columns (batch_io.BatchInput: [B] int64 start positions, num_tokens,
-    next tokens, k after the max_model_len cut, float32 temperatures, int64 seed bits and top-N; token_ids [T]
-    int64; hidden_states [T, W]; block_tables [B, w] int32, zero-padded), vectorized whatever the batch size: no
-    per-sequence Python object is read."""
+    """The same metadata from a step's columns as numpy arrays (batch_io.BatchInput.arrays: [B] int64 start positions,
+    num_tokens, next tokens, k after the max_model_len cut, float32 temperatures, int64 seed bits and top-N; token_ids
+    [T] int64; block_tables [B, w] int32, zero-padded) and its hidden_states [T, W] (a tensor, host or device),
+    vectorized whatever the batch size: no per-sequence Python object is read."""
     host, active, seq_lens = _pack_vectorized(start_positions, num_tokens, token_ids, next_tokens, num_drafts,
                                               block_tables, temperatures, seeds, top_ks, block_size, buffers)
     return _to_device(host, active, seq_lens, num_drafts.tolist(), int(num_tokens.max()),
@@ -343,18 +346,17 @@ def _tables_from_lists(block_tables: list[list[int]], w: int) -> torch.Tensor:
     return tables
 
 
-def _pack_vectorized(p: torch.Tensor, q: torch.Tensor, committed: torch.Tensor, next_tokens: torch.Tensor,
-                     k: torch.Tensor, block_tables_i32: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                     top_ks: torch.Tensor, block_size: int,
+def _pack_vectorized(p: np.ndarray, q: np.ndarray, committed: np.ndarray, next_tokens: np.ndarray,
+                     k: np.ndarray, tables: np.ndarray, temperature: np.ndarray, seeds: np.ndarray,
+                     top_ks: np.ndarray, block_size: int,
                      buffers: "MetadataBuffers | None" = None) -> tuple[torch.Tensor, list[int], list[int]]:
     """The host buffer of a large step (prefill, or many sequences), vectorized over the batch: no per-sequence
     op. p, q, next_tokens, k, seeds, top_ks: [B] int64; committed: [T] token ids; temperature: [B] float32;
-    block_tables_i32: [B, w] int32, zero-padded (host tensors). buffers: the proposer's MetadataBuffers, whose host
-    buffer it packs into through field views kept per layout (None: a new buffer). The arithmetic runs in numpy on
-    views of them, each field written straight into its place in the buffer: small-array numpy ops cost about a
-    microsecond where a torch op costs several, and there are some twenty of them."""
-    p, q, k = p.numpy(), q.numpy(), k.numpy()
-    B, T, w = p.shape[0], committed.shape[0], block_tables_i32.shape[1]
+    tables: [B, w] int32, zero-padded (numpy). buffers: the proposer's MetadataBuffers, whose host buffer it packs
+    into through field views kept per layout (None: a new buffer). The arithmetic is numpy, each field written straight
+    into its place in the buffer: small-array numpy ops cost about a microsecond where a torch op costs several, and
+    there are some twenty of them."""
+    B, T, w = p.shape[0], committed.shape[0], tables.shape[1]
     qsl = np.zeros(B + 1, dtype=np.int64)
     np.add.accumulate(q, out=qsl[1:])
     seq_lens = p + q  # [B]
@@ -369,13 +371,12 @@ def _pack_vectorized(p: torch.Tensor, q: torch.Tensor, committed: torch.Tensor, 
     # first-step rows
     row_seq = np.repeat(np.arange(B), q)  # [T] sequence of each row
     np.add(p[row_seq] - qsl[row_seq], np.arange(T), out=positions)  # p_i + r for the r-th row of sequence i
-    tables = block_tables_i32.numpy()
     slots_f[:] = (tables[row_seq, positions // block_size].astype(np.int64) * block_size
                   + positions % block_size)
-    ids_f[:-1] = committed.numpy()[1:]  # row t gets x[t+1] ...
-    ids_f[qsl[1:] - 1] = next_tokens.numpy()  # ... and each sequence's last row next_token
-    seed_f[:] = seeds.numpy()
-    top_k_f[:] = top_ks.numpy()
+    ids_f[:-1] = committed[1:]  # row t gets x[t+1] ...
+    ids_f[qsl[1:] - 1] = next_tokens  # ... and each sequence's last row next_token
+    seed_f[:] = seeds
+    top_k_f[:] = top_ks
     # drafting sequences
     index_f[:] = draft_index
     rows_f[:] = qsl[draft_index + 1] - 1  # the row that gives draft 1
@@ -385,7 +386,7 @@ def _pack_vectorized(p: torch.Tensor, q: torch.Tensor, committed: torch.Tensor, 
     qsl_f[:] = qsl
     seq_lens_f[:] = seq_lens
     tables_f[:] = tables.reshape(-1)
-    temperature_f[:] = temperature.numpy().view(np.int32)  # (float32 bits)
+    temperature_f[:] = temperature.view(np.int32)  # (float32 bits)
     dseq_f[:] = draft_seq_lens
     dsteps_f[:] = k[draft_index] - 1  # decode steps it needs
     return torch.from_numpy(host), draft_index.tolist(), seq_lens.tolist()
