@@ -10,7 +10,13 @@ before the first-step graph of a batch-B decode step (m rows each) can start.
                             with the draft run replaced by a stub that returns fixed drafts: the columns path's own
                             host work around the run (table lookups, checks, acceptance count, metadata, the
                             sequences' state after the step, metrics), all of it host work the GPU waits for but the
-                            acceptance count
+                            acceptance count (a step of 64 rows or fewer takes the per-sequence path instead)
+  steps, run stubbed        the same step as StepInputs through Proposer.step (the per-sequence path: unary requests,
+                            small steps), its run stubbed the same way
+
+--only-steps times the two stubbed steps alone (they call only Proposer's public methods, so the same script times an
+older tree: run it from that tree's root). The runtime's objects are frozen out of the garbage collector's reach after
+it is built, as drafter-serve does (gc.freeze).
 
 Each variant is called --iters times in a row; the host time per call is measured without synchronizing inside the
 loop (launches only, as in a step), then the loop's total with a synchronize at its end. The variants alternate in
@@ -20,6 +26,7 @@ loop (launches only, as in a step), then the loop's total with a synchronize at 
 """
 import argparse
 import datetime
+import gc
 import os
 import pathlib
 import platform
@@ -67,14 +74,15 @@ def static_rows(B: int, M: int, width: int, table_width: int, device: torch.devi
                 out_fs_hidden=torch.zeros(bs * M, width, dtype=torch.bfloat16, **z))
 
 
-def stubbed_columns_step(rt, B: int, m: int, k: int, context: int):
-    """A function running Proposer.step_batch on a decode step of B known sequences, with the draft run stubbed."""
+def stubbed_step(rt, B: int, m: int, k: int, context: int, columns: bool):
+    """A function running a decode step of B known sequences with the draft run stubbed: Proposer.step_batch on the
+    step's columns (columns), else Proposer.step on its StepInputs."""
     p = rt.proposer
     prefill, decode = bench_step.make_steps(B, context, m, k, rt.limits.hidden_states_width, rt.limits.vocab_size,
                                             seed=B)
     for i in range(0, B, 8):
         assert all(o.code == 0 for o in p.step(bench_step.to_inputs(prefill[i : i + 8])))
-    batch = bench_step.to_batch_input(decode)
+    batch = bench_step.to_batch_input(decode) if columns else bench_step.to_inputs(decode)
     drafts = torch.randint(0, rt.limits.vocab_size, (B, k))
 
     def run_stub(md, sp, out, predrafting):  # (in place of Proposer._draft_sequential: nothing runs on the device)
@@ -84,10 +92,13 @@ def stubbed_columns_step(rt, B: int, m: int, k: int, context: int):
     def step():
         p._draft_sequential = run_stub
         try:
-            out = p.step_batch(batch)
+            out = p.step_batch(batch) if columns else p.step(batch)
         finally:
             del p._draft_sequential  # (the class's method again)
-        assert out.outputs is None  # (the columns path ran)
+        if columns:
+            assert (out.outputs is None) == (B * m > 64)  # (which path ran)
+        else:
+            assert out[0].code == 0, out[0].message
 
     return step
 
@@ -112,6 +123,7 @@ def main() -> int:
     ap.add_argument("--table-width", type=int, default=70, help="block-table columns (1088 tokens / 16)")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only-steps", action="store_true", help="time the two stubbed steps alone (an older tree too)")
     ap.add_argument("--out", default="bench_out/step_host_ops.json")
     a = ap.parse_args()
     device = torch.device(a.device)
@@ -125,22 +137,26 @@ def main() -> int:
         rt = build_runtime(ServerConfig(
             model=str(head), target_model=str(target), device=a.device, max_model_len=context + 64,
             kv_cache_tokens=(max(batches) + 8) * (context + 96), max_batch_seqs=4096, cuda_graphs=False))
+    gc.collect()
+    gc.freeze()
     for B in batches:
-        step = make_step(B, a.m, a.width, a.table_width, device, torch.Generator().manual_seed(B))
-        buffers = sm.MetadataBuffers(device)
-        md = sm.build_step_metadata_columns(**step, buffers=buffers)
-        out = static_rows(B, a.m, a.width, a.table_width, device)
-        fs = md.first_step
-        rows_args = (md.input_ids, md.hidden_states, fs.slot_mapping, fs.query_start_loc, md.draft_positions,
-                     md.draft_seq_lens, md.draft_block_tables, md.draft_steps, a.m)
-        variants = {
-            "metadata, step buffers": lambda: sm.build_step_metadata_columns(**step, buffers=buffers),
-            "metadata, new buffers": lambda: sm.build_step_metadata_columns(**step),
-        }
-        if device.type == "cuda":
-            variants["rows in, one kernel"] = lambda: load_first_step.load_first_step_rows_triton(*rows_args, **out)
-        variants["rows in, torch ops"] = lambda: load_first_step.load_first_step_rows_ref(*rows_args, **out)
-        variants["columns step, run stubbed"] = stubbed_columns_step(rt, B, a.m, 5, context)
+        variants = {}
+        if not a.only_steps:
+            step = make_step(B, a.m, a.width, a.table_width, device, torch.Generator().manual_seed(B))
+            buffers = sm.MetadataBuffers(device)
+            md = sm.build_step_metadata_columns(**step, buffers=buffers)
+            out = static_rows(B, a.m, a.width, a.table_width, device)
+            fs = md.first_step
+            rows_args = (md.input_ids, md.hidden_states, fs.slot_mapping, fs.query_start_loc, md.draft_positions,
+                         md.draft_seq_lens, md.draft_block_tables, md.draft_steps, a.m)
+            variants["metadata, step buffers"] = lambda: sm.build_step_metadata_columns(**step, buffers=buffers)
+            variants["metadata, new buffers"] = lambda: sm.build_step_metadata_columns(**step)
+            if device.type == "cuda":
+                variants["rows in, one kernel"] = lambda: load_first_step.load_first_step_rows_triton(*rows_args,
+                                                                                                     **out)
+            variants["rows in, torch ops"] = lambda: load_first_step.load_first_step_rows_ref(*rows_args, **out)
+        variants["columns step, run stubbed"] = stubbed_step(rt, B, a.m, 5, context, columns=True)
+        variants["steps, run stubbed"] = stubbed_step(rt, B, a.m, 5, context, columns=False)
         results = {name: [] for name in variants}
         for name, fn in variants.items():  # warm-up (compiles)
             for _ in range(5):

@@ -214,8 +214,11 @@ class Proposer:
 
     # ---- admission: per-sequence checks and block reservation; nothing is changed for a refused sequence ----
 
-    def _admit(self, index: int, s: StepInput, out: StepOutput, seq: Sequence | None, now: float) -> _Admitted | None:
-        """seq: the table's sequence for s (already touched by this step), None when the table has none."""
+    def _admit(self, index: int, s: StepInput, out: StepOutput, seq: Sequence | None, now: float,
+               state: tuple[int, int, list[int]] | None) -> _Admitted | None:
+        """seq: the table's sequence for s (already touched by this step), None when the table has none; state: its
+        (committed_len, last_drafts_base, last_drafts) as read for the whole step (SequenceRows.read_steps), or None
+        to read them from seq now."""
         p, m = s.start_position, s.num_tokens
         if p + m >= self.max_model_len:
             out.code, out.message = OUT_OF_RANGE, (
@@ -237,10 +240,13 @@ class Proposer:
                     f"start_position 0 (got {p})")
                 return None
             seq = Sequence(s.namespace, s.sequence_id, owner=s.owner, last_used=now, last_step=self._step_serial)
-        elif p > seq.committed_len:
+            state = (0, 0, [])
+        elif state is None:
+            state = (seq.committed_len, seq.last_drafts_base, seq.last_drafts)
+        if p > state[0]:
             out.code, out.message = FAILED_PRECONDITION, (
-                f"gap: start_position {p} is beyond the committed length {seq.committed_len} of sequence "
-                f"{s.sequence_id!r}; resend from a position <= {seq.committed_len}")
+                f"gap: start_position {p} is beyond the committed length {state[0]} of sequence "
+                f"{s.sequence_id!r}; resend from a position <= {state[0]}")
             return None
         k = max(0, min(s.num_drafts, self.max_model_len - 1 - (p + m)))
         if self._multi_layer:
@@ -262,8 +268,10 @@ class Proposer:
                 return None
         if is_new:
             self.table.add(seq)
-        out.accepted_drafts = self._count_accepted(seq, s)
-        seq.committed_len = min(seq.committed_len, p)  # rollback: free of cost, the next writes overwrite
+        committed, base, drafts = state
+        out.accepted_drafts = self._count_accepted(drafts, base, s)
+        if p < committed:
+            seq.committed_len = p  # rollback: free of cost, the next writes overwrite
         return _Admitted(index, seq, is_new, s, k)
 
     def _make_room(self, seq: Sequence, is_new: bool, missing: int) -> str | None:
@@ -336,9 +344,9 @@ class Proposer:
         self.metrics.live_sequences = len(self.table)
         self.metrics.kv_blocks_free = self.kv.pool.num_free
 
-    def _count_accepted(self, seq: Sequence, s: StepInput) -> int:
-        """Compare the drafts given last time with the committed tokens this step brings (acceptance metrics)."""
-        drafts, base = seq.last_drafts, seq.last_drafts_base
+    def _count_accepted(self, drafts: list[int], base: int, s: StepInput) -> int:
+        """Compare the drafts given last time (for positions base + 1, ...) with the committed tokens this step brings
+        (acceptance metrics)."""
         p, m = s.start_position, s.num_tokens
         if not drafts or not (p <= base + 1 <= p + m):
             return 0
@@ -387,8 +395,16 @@ class Proposer:
         # not idle (sequence.py: the touched ones form the tail of the LRU order).
         self._step_serial += 1
         now, serial = self.clock(), self._step_serial
-        found, _ = self.table.touch_batch([s.namespace for s in steps], [s.sequence_id for s in steps], now, serial)
-        batch = [a for i, s in enumerate(steps) if (a := self._admit(i, s, outputs[i], found[i], now)) is not None]
+        found, rows = self.table.touch_batch([s.namespace for s in steps], [s.sequence_id for s in steps], now, serial)
+        # The known sequences' state, read for the whole step at once; a step that names a sequence twice reads it
+        # sequence by sequence (each of its steps at its own admission, after the one before).
+        if len(set(rows.tolist())) == rows.shape[0]:
+            known = iter(self.table.rows.read_steps(rows))
+            states = [None if seq is None else next(known) for seq in found]
+        else:
+            states = [None] * len(steps)
+        batch = [a for i, s in enumerate(steps)
+                 if (a := self._admit(i, s, outputs[i], found[i], now, states[i])) is not None]
         self.predraft.on_step()
         refused = False  # by the odds check: this batch keeps nothing for a pass
         if self.fatal is None and any(a.seq.predraft is not None or a.step.predraft_branches for a in batch):
@@ -412,13 +428,18 @@ class Proposer:
                 self._step_failed(e)
             else:
                 self._failed_in_a_row = 0
+                ends = [a.step.start_position + a.step.num_tokens for a in batch]
+                rows_run = [a.seq.table_row for a in batch]
+                if len(set(rows_run)) == len(rows_run):
+                    self.table.rows.write_steps(rows_run, ends, drafts)  # the sequences' state, for the whole step
+                else:  # (a sequence named twice: in order, the later step's state last)
+                    for a, end, d in zip(batch, ends, drafts):
+                        a.seq.committed_len = a.seq.last_drafts_base = end
+                        a.seq.last_drafts = d
                 predrafting = []
-                for i, (a, d, lp, ti, tp) in enumerate(zip(batch, drafts, logprobs, top_ids, top_probs)):
-                    p, m = a.step.start_position, a.step.num_tokens
-                    a.seq.committed_len = p + m
-                    a.seq.last_drafts, a.seq.last_drafts_base = d, p + m
+                for i, (a, end, d, lp, ti, tp) in enumerate(zip(batch, ends, drafts, logprobs, top_ids, top_probs)):
                     out = outputs[a.index]
-                    out.drafts, out.committed_length = d, p + m
+                    out.drafts, out.committed_length = d, end
                     out.logprobs = lp if a.step.return_logprobs else []
                     out.top_k_ids, out.top_k_probs = ti, tp
                     if not refused and a.seq.predraft is not None:

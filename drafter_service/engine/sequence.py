@@ -84,22 +84,21 @@ class Sequence:
     @property
     def committed_len(self) -> int:
         """Draft-KV of positions [0, committed_len) was written from committed tokens."""
-        return self._committed_len if self.rows is None else int(self.rows.committed_len[self.table_row])
+        return self._committed_len if self.rows is None else self.rows.committed_mv[self.table_row]
 
     @committed_len.setter
     def committed_len(self, value: int) -> None:
         if self.rows is None:
             self._committed_len = value
         else:
-            self.rows.committed_len[self.table_row] = value
+            self.rows.committed_mv[self.table_row] = value
 
     @property
     def last_drafts(self) -> list[int]:
         """The drafts given at the last step (a new list: assign, never change it in place)..."""
         if self.rows is None:
             return list(self._last_drafts)
-        row = self.table_row
-        return self.rows.drafts[row, : self.rows.num_drafts[row]].tolist()
+        return self.rows.read_step(self.table_row)[2]
 
     @last_drafts.setter
     def last_drafts(self, drafts: list[int]) -> None:
@@ -111,38 +110,38 @@ class Sequence:
     @property
     def last_drafts_base(self) -> int:
         """...for positions last_drafts_base + 1, + 2, ..."""
-        return self._last_drafts_base if self.rows is None else int(self.rows.drafts_base[self.table_row])
+        return self._last_drafts_base if self.rows is None else self.rows.drafts_base_mv[self.table_row]
 
     @last_drafts_base.setter
     def last_drafts_base(self, value: int) -> None:
         if self.rows is None:
             self._last_drafts_base = value
         else:
-            self.rows.drafts_base[self.table_row] = value
+            self.rows.drafts_base_mv[self.table_row] = value
 
     @property
     def last_used(self) -> float:
         """Clock time of the last step that named it (the lease)."""
-        return self._last_used if self.rows is None else float(self.rows.last_used[self.table_row])
+        return self._last_used if self.rows is None else self.rows.last_used_mv[self.table_row]
 
     @last_used.setter
     def last_used(self, value: float) -> None:
         if self.rows is None:
             self._last_used = value
         else:
-            self.rows.last_used[self.table_row] = value
+            self.rows.last_used_mv[self.table_row] = value
 
     @property
     def last_step(self) -> int:
         """Serial number of that step (an idle sequence is one the current step does not name)."""
-        return self._last_step if self.rows is None else int(self.rows.last_step[self.table_row])
+        return self._last_step if self.rows is None else self.rows.last_step_mv[self.table_row]
 
     @last_step.setter
     def last_step(self, value: int) -> None:
         if self.rows is None:
             self._last_step = value
         else:
-            self.rows.last_step[self.table_row] = value
+            self.rows.last_step_mv[self.table_row] = value
 
     @property
     def predraft(self) -> object | None:
@@ -153,7 +152,7 @@ class Sequence:
     def predraft(self, state: object | None) -> None:
         self._predraft = state
         if self.rows is not None:
-            self.rows.predrafting[self.table_row] = state is not None
+            self.rows.predrafting_mv[self.table_row] = state is not None
 
     def take_row(self, rows: SequenceRows, row: int) -> None:
         """Move the step state into row `row` of `rows` (all zero), where it lives from now on."""
@@ -208,19 +207,34 @@ class SequenceTable:
         `step_serial` at `now` and moved to the most recently used end, in the order given; and the known ones' table
         rows, in order ([n] int64). One call for a whole step, its loops in C (map over the dicts' methods, the marks
         written as columns): a Python loop per sequence was a quarter of the columns path's admission."""
+        R = self.rows
+        if len(sequence_ids) <= 8:  # a few sequences: a plain loop costs less than setting up the C loops below
+            get, to_end, by_ns, used, step = self._seqs.get, self._seqs.move_to_end, self._by_ns, R.last_used_mv, \
+                R.last_step_mv
+            seqs, rows = [], []
+            for key in zip(namespaces, sequence_ids):
+                seq = get(key)
+                if seq is not None:
+                    to_end(key)
+                    by_ns[key[0]].move_to_end(key[1])
+                    row = seq.table_row
+                    used[row], step[row] = now, step_serial
+                    rows.append(row)
+                seqs.append(seq)
+            return seqs, np.array(rows, dtype=np.int64)
         keys = list(zip(namespaces, sequence_ids))
         seqs = list(map(self._seqs.get, keys))
         known = keys if None not in seqs else [key for key, seq in zip(keys, seqs) if seq is not None]
         found = seqs if len(known) == len(keys) else [seq for seq in seqs if seq is not None]
         deque(map(self._seqs.move_to_end, known), maxlen=0)  # (runs the moves without a Python loop)
-        if known is keys and keys and list(namespaces).count(namespaces[0]) == len(keys):  # one namespace, all
-            deque(map(self._by_ns[namespaces[0]].move_to_end, sequence_ids), maxlen=0)  # known: the common case
+        if known is keys and list(namespaces).count(namespaces[0]) == len(keys):  # one namespace, all known: the
+            deque(map(self._by_ns[namespaces[0]].move_to_end, sequence_ids), maxlen=0)  # common case
         else:
             for ns, sid in known:
                 self._by_ns[ns].move_to_end(sid)
         rows = np.fromiter([seq.table_row for seq in found], dtype=np.int64, count=len(found))
-        self.rows.last_used[rows] = now
-        self.rows.last_step[rows] = step_serial
+        R.last_used[rows] = now
+        R.last_step[rows] = step_serial
         return seqs, rows
 
     def add(self, seq: Sequence) -> None:
