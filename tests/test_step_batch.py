@@ -173,6 +173,25 @@ def test_what_the_columns_cannot_carry_goes_the_per_sequence_way(tiny_model, tmp
     assert b.proposer.columns_steps_run == before
 
 
+def test_a_step_of_eight_sequences_with_few_rows_runs_from_its_columns(tiny_model, tmp_path):
+    """COLUMNS_MIN_SEQUENCES sequences of 1-3 committed tokens each (far fewer rows than SMALL_STEP_ROWS) take the
+    columns path, with the per-sequence step's answers, over a few steps of mixed m and k."""
+    from drafter_service.engine.proposer import COLUMNS_MIN_SEQUENCES
+
+    a, b = runtimes(tiny_model, tmp_path)
+    t = Traffic(6, a.limits.hidden_states_width, a.limits.vocab_size, COLUMNS_MIN_SEQUENCES)
+    first = [t.step(sid, 3, 4) for sid in t.tokens]
+    same(a.proposer.step(first), b.proposer.step_batch(as_batch(first)))
+    before = b.proposer.columns_steps_run
+    for _ in range(4):
+        steps = [t.step(sid, t.rng.randint(1, 3), t.rng.randint(1, 5)) for sid in t.tokens]
+        assert sum(s.num_tokens for s in steps) <= 24
+        out_a, out_b = a.proposer.step(steps), b.proposer.step_batch(as_batch(steps))
+        same(out_a, out_b)
+        t.answered(steps, out_a)
+    assert b.proposer.columns_steps_run == before + 4
+
+
 def test_a_sequence_named_twice_in_one_batch_goes_the_per_sequence_way(tiny_model, tmp_path):
     """The server never merges two steps of one sequence into a batch (scheduler.py), but an engine calling step_batch
     in its own process may: the columns path, which writes the sequences' state as columns by row, hands such a batch
