@@ -96,10 +96,11 @@ def stubbed_step(rt, B: int, m: int, k: int, context: int, columns: bool):
         finally:
             del p._draft_sequential  # (the class's method again)
         if columns:
-            assert (out.outputs is None) == (B * m > 64)  # (which path ran)
+            step.path = "columns" if out.outputs is None else "per-sequence"  # (which path step_batch took)
         else:
             assert out[0].code == 0, out[0].message
 
+    step.path = "columns" if columns else "per-sequence"
     return step
 
 
@@ -168,11 +169,12 @@ def main() -> int:
         for name, runs in results.items():
             host = [r[0] for r in runs]
             total = [r[1] for r in runs]
-            rows.append(dict(batch=B, variant=name, host_us=statistics.median(host), host_us_min=min(host),
-                             host_us_max=max(host), with_device_us=statistics.median(total)))
-    print(f"{'batch':>5}  {'variant':<26} {'host us/call':>12} {'spread':>15} {'with device us':>15}")
+            path = getattr(variants[name], "path", "")
+            rows.append(dict(batch=B, variant=name + (f" ({path})" if path else ""), host_us=statistics.median(host),
+                             host_us_min=min(host), host_us_max=max(host), with_device_us=statistics.median(total)))
+    print(f"{'batch':>5}  {'variant':<41} {'host us/call':>12} {'spread':>15} {'with device us':>15}")
     for r in rows:
-        print(f"{r['batch']:>5}  {r['variant']:<26} {r['host_us']:>12.1f} "
+        print(f"{r['batch']:>5}  {r['variant']:<41} {r['host_us']:>12.1f} "
               f"{r['host_us_min']:>7.1f}-{r['host_us_max']:<7.1f} {r['with_device_us']:>15.1f}")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     write_json(a.out, dict(script="benchmarks/bench_step_host_ops.py", device=name, cpu_count=os.cpu_count(),

@@ -108,3 +108,16 @@ def test_plot_predraft_draws_runs_against_f0(tmp_path):
     assert rel[(1, 8)] == (110 / 95, 0.5) and rel[(4, 8)][0] == 290 / 300 and rel[(1, "spread")] == (90 / 95, 100 / 95)
     assert main([f"a={path}", str(path), "--out", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_bench_step_host_ops_times_every_piece_and_says_which_path_ran(tmp_path):
+    result = run(["benchmarks/bench_step_host_ops.py", "--device", "cpu", "--batches", "1,8,32", "--width", "64",
+                  "--rounds", "1", "--iters", "2"], tmp_path / "ho.json")
+    variants = {(r["batch"], r["variant"]) for r in result["rows"]}
+    for b in (1, 8, 32):
+        assert {(b, v) for v in ("metadata, step buffers", "metadata, new buffers", "rows in, torch ops",
+                                 "steps, run stubbed (per-sequence)")} <= variants
+    # step_batch: a step of fewer than COLUMNS_MIN_SEQUENCES sequences (and few rows) goes the per-sequence way
+    assert (1, "columns step, run stubbed (per-sequence)") in variants
+    assert {(8, "columns step, run stubbed (columns)"), (32, "columns step, run stubbed (columns)")} <= variants
+    assert all(r["host_us"] > 0 for r in result["rows"])

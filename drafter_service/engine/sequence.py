@@ -54,11 +54,43 @@ class SequenceCounters:
     pool_refusals: int = 0  # steps refused with RESOURCE_EXHAUSTED because the pool was full of busy sequences
 
 
+class _RowValue:
+    """A Sequence attribute that lives in its table row's column (a memoryview of SequenceRows named ``view``) while
+    the sequence holds a row, and on the object (``_<name>``) before and after."""
+
+    def __init__(self, view: str, doc: str):
+        self.view, self.__doc__ = view, doc
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.loose = "_" + name
+
+    def __get__(self, seq: "Sequence | None", owner=None):
+        if seq is None:
+            return self
+        rows = seq.rows
+        return getattr(seq, self.loose) if rows is None else getattr(rows, self.view)[seq.table_row]
+
+    def __set__(self, seq: "Sequence", value) -> None:
+        rows = seq.rows
+        if rows is None:
+            setattr(seq, self.loose, value)
+        else:
+            getattr(rows, self.view)[seq.table_row] = value
+
+
 class Sequence:
     """One sequence's drafter state. Its step state (committed_len, last_drafts, last_drafts_base, whether it
-    pre-drafts) lives in the table's columns (sequence_rows.py) while it holds a row, so that a step over a batch
-    reads and writes it with array ops; the properties below read and write the same values one sequence at a time.
-    Before it gets a row (a new sequence being admitted) and after it lost it (dropped) they live on the object."""
+    pre-drafts, last_used, last_step) lives in the table's columns (sequence_rows.py) while it holds a row, so that a
+    step over a batch reads and writes it with array ops; the attributes below read and write the same values one
+    sequence at a time. Before it gets a row (a new sequence being admitted) and after it lost it (dropped) they live
+    on the object."""
+
+    committed_len = _RowValue("committed_mv", "Draft-KV of positions [0, committed_len) was written from committed "
+                                              "tokens.")
+    last_drafts_base = _RowValue("drafts_base_mv", "The last drafts were for positions last_drafts_base + 1, + 2, ...")
+    last_used = _RowValue("last_used_mv", "Clock time of the last step that named it (the lease).")
+    last_step = _RowValue("last_step_mv", "Serial number of that step (an idle sequence is one the current step does "
+                                          "not name).")
 
     def __init__(self, namespace: str, sequence_id: str, owner: str | None = None, last_used: float = 0.0,
                  last_step: int = 0):
@@ -82,20 +114,8 @@ class Sequence:
                 f"{len(self.block_table)} blocks, committed_len {self.committed_len})")
 
     @property
-    def committed_len(self) -> int:
-        """Draft-KV of positions [0, committed_len) was written from committed tokens."""
-        return self._committed_len if self.rows is None else self.rows.committed_mv[self.table_row]
-
-    @committed_len.setter
-    def committed_len(self, value: int) -> None:
-        if self.rows is None:
-            self._committed_len = value
-        else:
-            self.rows.committed_mv[self.table_row] = value
-
-    @property
     def last_drafts(self) -> list[int]:
-        """The drafts given at the last step (a new list: assign, never change it in place)..."""
+        """The drafts given at the last step (a new list: assign, never change it in place)."""
         if self.rows is None:
             return list(self._last_drafts)
         return self.rows.read_step(self.table_row)[2]
@@ -106,42 +126,6 @@ class Sequence:
             self._last_drafts = list(drafts)
         else:
             self.rows.set_drafts(self.table_row, drafts)
-
-    @property
-    def last_drafts_base(self) -> int:
-        """...for positions last_drafts_base + 1, + 2, ..."""
-        return self._last_drafts_base if self.rows is None else self.rows.drafts_base_mv[self.table_row]
-
-    @last_drafts_base.setter
-    def last_drafts_base(self, value: int) -> None:
-        if self.rows is None:
-            self._last_drafts_base = value
-        else:
-            self.rows.drafts_base_mv[self.table_row] = value
-
-    @property
-    def last_used(self) -> float:
-        """Clock time of the last step that named it (the lease)."""
-        return self._last_used if self.rows is None else self.rows.last_used_mv[self.table_row]
-
-    @last_used.setter
-    def last_used(self, value: float) -> None:
-        if self.rows is None:
-            self._last_used = value
-        else:
-            self.rows.last_used_mv[self.table_row] = value
-
-    @property
-    def last_step(self) -> int:
-        """Serial number of that step (an idle sequence is one the current step does not name)."""
-        return self._last_step if self.rows is None else self.rows.last_step_mv[self.table_row]
-
-    @last_step.setter
-    def last_step(self, value: int) -> None:
-        if self.rows is None:
-            self._last_step = value
-        else:
-            self.rows.last_step_mv[self.table_row] = value
 
     @property
     def predraft(self) -> object | None:

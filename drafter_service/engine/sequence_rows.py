@@ -101,7 +101,9 @@ class SequenceRows:
         """(committed_len, drafts_base, last drafts) of each row ([n] int64), as Python values (the per-sequence step
         reads them so, for the whole step at once)."""
         if rows.shape[0] <= FEW_ROWS:
-            return [self.read_step(r) for r in rows.tolist()]
+            committed, base, num, drafts, width = (self.committed_mv, self.drafts_base_mv, self.num_drafts_mv,
+                                                   self.drafts_mv, self.drafts_width)
+            return [(committed[r], base[r], drafts[r * width : r * width + num[r]].tolist()) for r in rows.tolist()]
         n = self.num_drafts[rows].tolist()
         drafts = self.drafts[rows, : max(n, default=0)].tolist()
         return [(c, b, d[:k]) for c, b, d, k in zip(self.committed_len[rows].tolist(), self.drafts_base[rows].tolist(),
@@ -115,10 +117,16 @@ class SequenceRows:
     def write_steps(self, rows: list[int], ends: list[int], drafts: list[list[int]]) -> None:
         """After a step: row rows[i]'s sequence committed ends[i] positions and was given drafts[i] for the positions
         after it (rows distinct)."""
-        if len(rows) <= FEW_ROWS:
+        if len(rows) <= FEW_ROWS and max(map(len, drafts), default=0) <= self.drafts_width:
+            committed, base, num, mv, width = (self.committed_mv, self.drafts_base_mv, self.num_drafts_mv,
+                                               self.drafts_mv, self.drafts_width)
             for row, end, d in zip(rows, ends, drafts):
-                self.committed_mv[row] = self.drafts_base_mv[row] = end
-                self.set_drafts(row, d)
+                committed[row] = base[row] = end
+                num[row] = len(d)
+                at = row * width
+                for x in d:
+                    mv[at] = x
+                    at += 1
             return
         r = np.array(rows, dtype=np.int64)
         self.committed_len[r] = ends
@@ -136,8 +144,9 @@ class SequenceRows:
         if len(drafts) > self.drafts_width:
             self.fit_drafts(len(drafts))
         at, mv = row * self.drafts_width, self.drafts_mv
-        for j, d in enumerate(drafts):
-            mv[at + j] = d
+        for d in drafts:
+            mv[at] = d
+            at += 1
         self.num_drafts_mv[row] = len(drafts)
 
     def fit_drafts(self, k: int) -> None:
