@@ -117,7 +117,7 @@ def test_bench_step_host_ops_times_every_piece_and_says_which_path_ran(tmp_path)
     for b in (1, 8, 32):
         assert {(b, v) for v in ("metadata, step buffers", "metadata, new buffers", "rows in, torch ops",
                                  "steps, run stubbed (per-sequence)")} <= variants
-    # step_batch: a step of fewer than COLUMNS_MIN_SEQUENCES sequences (and few rows) goes the per-sequence way
+    # step_batch: a step of fewer than STEP_BATCH_MIN_SEQUENCES sequences (and few rows) goes the per-sequence way
     assert (1, "columns step, run stubbed (per-sequence)") in variants
     assert {(8, "columns step, run stubbed (columns)"), (32, "columns step, run stubbed (columns)")} <= variants
     assert all(r["host_us"] > 0 for r in result["rows"])

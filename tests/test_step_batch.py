@@ -174,12 +174,12 @@ def test_what_the_columns_cannot_carry_goes_the_per_sequence_way(tiny_model, tmp
 
 
 def test_a_step_of_eight_sequences_with_few_rows_runs_from_its_columns(tiny_model, tmp_path):
-    """COLUMNS_MIN_SEQUENCES sequences of 1-3 committed tokens each (far fewer rows than SMALL_STEP_ROWS) take the
+    """STEP_BATCH_MIN_SEQUENCES sequences of 1-3 committed tokens each (far fewer rows than SMALL_STEP_ROWS) take the
     columns path, with the per-sequence step's answers, over a few steps of mixed m and k."""
-    from drafter_service.engine.proposer import COLUMNS_MIN_SEQUENCES
+    from drafter_service.engine.proposer import STEP_BATCH_MIN_SEQUENCES
 
     a, b = runtimes(tiny_model, tmp_path)
-    t = Traffic(6, a.limits.hidden_states_width, a.limits.vocab_size, COLUMNS_MIN_SEQUENCES)
+    t = Traffic(6, a.limits.hidden_states_width, a.limits.vocab_size, STEP_BATCH_MIN_SEQUENCES)
     first = [t.step(sid, 3, 4) for sid in t.tokens]
     same(a.proposer.step(first), b.proposer.step_batch(as_batch(first)))
     before = b.proposer.columns_steps_run

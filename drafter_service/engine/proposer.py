@@ -173,7 +173,7 @@ MAX_FAILED_BATCHES_IN_A_ROW = 3  # after this many failed batches in a row the s
 # step_batch runs a step of at least this many sequences from its columns (fewer: the per-sequence step, whose fixed
 # cost is lower; dev CPU, run stubbed: 60 against 137 us at 1 sequence, even at 4, 160 against 135 at 8, 280 against
 # 150 at 16)
-COLUMNS_MIN_SEQUENCES = 8
+STEP_BATCH_MIN_SEQUENCES = 8
 
 
 def unrecoverable(e: BaseException) -> bool:
@@ -402,7 +402,8 @@ class Proposer:
         found, rows = self.table.touch_batch([s.namespace for s in steps], [s.sequence_id for s in steps], now, serial)
         # The known sequences' state, read for the whole step at once; a step that names a sequence twice reads it
         # sequence by sequence (each of its steps at its own admission, after the one before).
-        if len(set(rows.tolist())) == rows.shape[0]:
+        distinct = len(set(rows.tolist())) == rows.shape[0]  # (no known sequence named twice)
+        if distinct:
             known = iter(self.table.rows.read_steps(rows))
             states = [None if seq is None else next(known) for seq in found]
         else:
@@ -433,9 +434,8 @@ class Proposer:
             else:
                 self._failed_in_a_row = 0
                 ends = [a.step.start_position + a.step.num_tokens for a in batch]
-                rows_run = [a.seq.table_row for a in batch]
-                if len(set(rows_run)) == len(rows_run):
-                    self.table.rows.write_steps(rows_run, ends, drafts)  # the sequences' state, for the whole step
+                if distinct:  # the sequences' state, for the whole step
+                    self.table.rows.write_steps([a.seq.table_row for a in batch], ends, drafts)
                 else:  # (a sequence named twice: in order, the later step's state last)
                     for a, end, d in zip(batch, ends, drafts):
                         a.seq.committed_len = a.seq.last_drafts_base = end
@@ -462,7 +462,7 @@ class Proposer:
     @torch.inference_mode()
     def step_batch(self, b: BatchInput) -> BatchOutput:
         """One engine step given as columns. The common step (known sequences, a sequential head, no pre-drafting,
-        no log-probabilities or top-N, at least COLUMNS_MIN_SEQUENCES sequences or more than SMALL_STEP_ROWS committed
+        no log-probabilities or top-N, at least STEP_BATCH_MIN_SEQUENCES sequences or more than SMALL_STEP_ROWS committed
         rows) runs from the columns: the checks,
         the acceptance count, the step metadata and the reply are array ops over the batch, and the only work per
         sequence is the table lookup and a few attribute reads and writes in list comprehensions. Any other step
@@ -475,7 +475,7 @@ class Proposer:
         """What the columns tell alone (no table lookup yet)."""
         a = b.arrays  # (numpy views: a torch op on a small CPU tensor costs several microseconds, a numpy one about one)
         return (self.fatal is None and self.model.drafting == "sequential" and len(b) > 0
-                and (len(b) >= COLUMNS_MIN_SEQUENCES or b.total_tokens > SMALL_STEP_ROWS)
+                and (len(b) >= STEP_BATCH_MIN_SEQUENCES or b.total_tokens > SMALL_STEP_ROWS)
                 and not a.return_logprobs.any() and not a.top_k_probs.any()
                 and not a.predraft_branches.any())
 
@@ -546,11 +546,7 @@ class Proposer:
                           accepted_drafts=torch.from_numpy(found[0]), committed_lengths=torch.from_numpy(C))
         out.drafts = drafts
         # ---- the sequences' state after the step: their rows' columns ----
-        R.committed_len[rows] = C
-        R.drafts_base[rows] = C
-        R.fit_drafts(drafts.shape[1])
-        R.drafts[rows, : drafts.shape[1]] = drafts.numpy()
-        R.num_drafts[rows] = k
+        R.write_step_columns(rows, C, drafts.numpy(), k)
         self.metrics.record_step_totals(B, b.total_tokens, int(k.sum()), time.perf_counter() - t0,
                                         self.kv.pool.num_free, self.kv.pool.num_blocks)  # (every sequence drafted)
         self.metrics.live_sequences = len(self.table)

@@ -101,9 +101,7 @@ class SequenceRows:
         """(committed_len, drafts_base, last drafts) of each row ([n] int64), as Python values (the per-sequence step
         reads them so, for the whole step at once)."""
         if rows.shape[0] <= FEW_ROWS:
-            committed, base, num, drafts, width = (self.committed_mv, self.drafts_base_mv, self.num_drafts_mv,
-                                                   self.drafts_mv, self.drafts_width)
-            return [(committed[r], base[r], drafts[r * width : r * width + num[r]].tolist()) for r in rows.tolist()]
+            return [self.read_step(r) for r in rows.tolist()]
         n = self.num_drafts[rows].tolist()
         drafts = self.drafts[rows, : max(n, default=0)].tolist()
         return [(c, b, d[:k]) for c, b, d, k in zip(self.committed_len[rows].tolist(), self.drafts_base[rows].tolist(),
@@ -117,28 +115,27 @@ class SequenceRows:
     def write_steps(self, rows: list[int], ends: list[int], drafts: list[list[int]]) -> None:
         """After a step: row rows[i]'s sequence committed ends[i] positions and was given drafts[i] for the positions
         after it (rows distinct)."""
-        if len(rows) <= FEW_ROWS and max(map(len, drafts), default=0) <= self.drafts_width:
-            committed, base, num, mv, width = (self.committed_mv, self.drafts_base_mv, self.num_drafts_mv,
-                                               self.drafts_mv, self.drafts_width)
+        if len(rows) <= FEW_ROWS:
             for row, end, d in zip(rows, ends, drafts):
-                committed[row] = base[row] = end
-                num[row] = len(d)
-                at = row * width
-                for x in d:
-                    mv[at] = x
-                    at += 1
+                self.committed_mv[row] = self.drafts_base_mv[row] = end
+                self.set_drafts(row, d)
             return
-        r = np.array(rows, dtype=np.int64)
-        self.committed_len[r] = ends
-        self.drafts_base[r] = ends
         ks = [len(d) for d in drafts]
         K = max(ks, default=0)
-        self.fit_drafts(K)
         if ks.count(K) != len(ks):  # (mixed k: pad to K; the entries past a row's k are never read)
             drafts = [d + [0] * (K - len(d)) for d in drafts]
-        if K:
-            self.drafts[r, :K] = np.array(drafts, dtype=np.int64).reshape(len(rows), K)
-        self.num_drafts[r] = ks
+        self.write_step_columns(np.array(rows, dtype=np.int64), np.array(ends, dtype=np.int64),
+                                np.array(drafts, dtype=np.int64).reshape(len(rows), K), np.array(ks, dtype=np.int64))
+
+    def write_step_columns(self, rows: np.ndarray, ends: np.ndarray, drafts: np.ndarray, ks: np.ndarray) -> None:
+        """write_steps from arrays: rows, ends, ks [B] int64 (rows distinct); drafts [B, K] int64, row i's first ks[i]
+        entries its drafts."""
+        self.committed_len[rows] = ends
+        self.drafts_base[rows] = ends
+        K = drafts.shape[1]
+        self.fit_drafts(K)
+        self.drafts[rows, :K] = drafts
+        self.num_drafts[rows] = ks
 
     def set_drafts(self, row: int, drafts: list[int]) -> None:
         if len(drafts) > self.drafts_width:

@@ -1,4 +1,5 @@
-"""One engine step's metadata: built on the host with vectorized torch, moved to the device in one copy.
+"""One engine step's metadata: built on the host (python lists for a small step, vectorized numpy above), moved to
+the device in one copy.
 
 An engine step holds B sequences. Sequence i brings m_i committed rows at positions p_i .. p_i+m_i-1, its
 next_token, its block table, its sampling settings, and asks for k_i drafts. The first draft step is one forward
@@ -31,7 +32,8 @@ the copy goes to the same device buffer, and the ~15 views that split it into fi
 n, w) and reused. A new host buffer for every step cost an allocation, a pin_memory copy and the views, host work
 the device waits for.
 
-Every field starts at a 16-byte boundary of the buffer (zeros pad a field to a multiple of 16 bytes): Triton
+Every field starts at a 16-byte boundary of the buffer (each is padded to a multiple of 16 bytes; the padding is
+never read, and only the list packing writes it, as zeros): Triton
 specializes a kernel on each pointer argument's 16-byte alignment, so a field at an offset that depends on the batch
 would compile another variant of the attention kernel in the middle of a step (0.3-0.4 s on an H200).
 
@@ -199,7 +201,7 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
                         table_rows: "tuple[SequenceRows, list[int]] | None" = None,
                         buffers: MetadataBuffers | None = None) -> StepMetadata:
     """Packs the host buffer (two ways, same bytes: python lists for a small step, where ~50 small tensor ops would
-    cost more than the lists; vectorized torch above SMALL_STEP_ROWS rows), copies it to the device once.
+    cost more than the lists; vectorized numpy above SMALL_STEP_ROWS rows), copies it to the device once.
     table_rows: (the block tables tensor, each sequence's row of it) holding the same tables as block_tables: a
     large step gathers them from there instead of flattening the lists."""
     B = len(start_positions)
