@@ -4,8 +4,9 @@ before the first-step graph of a batch-B decode step (m rows each) can start.
   metadata, step buffers    build_step_metadata_columns with the proposer's MetadataBuffers (packing in place, the
                             views of a layout made once)
   metadata, new buffers     the same with a new host buffer, pin_memory copy, device buffer and views every step
-  rows in, one kernel       load_first_step_rows' Triton launch (kernels/load_first_step.py)
-  rows in, torch ops        its torch reference: the ~10 ops (copies, fills, an arange, an index_copy) it replaced
+  record + states in        what a step whose first step replays a graph does instead of both metadata variants:
+                            its columns into the graphs' record and the record's copy (first_step_record.py), and
+                            the states' copy into the graphs' fs_states (the rows are built inside the graph)
   columns step, run stubbed Proposer.step_batch of a decode step of known sequences (tiny random head, context 1024)
                             with the draft run replaced by a stub that returns fixed drafts: the columns path's own
                             host work around the run (table lookups, checks, acceptance count, metadata, the
@@ -40,10 +41,10 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from drafter_client.benchmarks.report import write_json  # noqa: E402
-from drafter_kernels import load_first_step  # noqa: E402
 from drafter_client.benchmarks import bench_step  # noqa: E402
 from drafter_service.config import ServerConfig  # noqa: E402
 from drafter_service.engine import step_metadata as sm  # noqa: E402
+from drafter_service.engine.first_step_record import FirstStepRecord  # noqa: E402
 from drafter_service.runtime import build_runtime  # noqa: E402
 
 
@@ -61,17 +62,18 @@ def make_step(B: int, m: int, width: int, table_width: int, device: torch.device
         top_ks=np.zeros(B, dtype=np.int64), block_size=16, device=device)
 
 
-def static_rows(B: int, M: int, width: int, table_width: int, device: torch.device) -> dict:
+def record_and_states(step: dict, table_width: int, device: torch.device):
+    """The graph path's host work before the replay: the step's columns into a record, the states into a buffer."""
+    B, T = step["num_tokens"].shape[0], step["token_ids"].shape[0]
     bs = -(-B // 16) * 16
-    z = dict(device=device)
-    return dict(out_positions=torch.zeros(bs, dtype=torch.int64, **z),
-                out_seq_lens=torch.zeros(bs, dtype=torch.int32, **z),
-                out_block_tables=torch.zeros(bs, table_width, dtype=torch.int32, **z),
-                out_steps_left=torch.zeros(bs, dtype=torch.int32, **z),
-                out_fs_positions=torch.zeros(bs * M, dtype=torch.int64, **z),
-                out_fs_input_ids=torch.zeros(bs * M, dtype=torch.int64, **z),
-                out_fs_slots=torch.zeros(bs * M, dtype=torch.int64, **z),
-                out_fs_hidden=torch.zeros(bs * M, width, dtype=torch.bfloat16, **z))
+    record = FirstStepRecord(bs, bs * int(step["num_tokens"].max()), table_width, device)
+    states = torch.zeros_like(step["hidden_states"])
+
+    def run():
+        record.write(step["start_positions"], step["num_tokens"], step["next_tokens"], step["num_drafts"],
+                     step["token_ids"], step["block_tables"])
+        states[:T].copy_(step["hidden_states"], non_blocking=True)
+    return run
 
 
 def stubbed_step(rt, B: int, m: int, k: int, context: int, columns: bool):
@@ -145,17 +147,9 @@ def main() -> int:
         if not a.only_steps:
             step = make_step(B, a.m, a.width, a.table_width, device, torch.Generator().manual_seed(B))
             buffers = sm.MetadataBuffers(device)
-            md = sm.build_step_metadata_columns(**step, buffers=buffers)
-            out = static_rows(B, a.m, a.width, a.table_width, device)
-            fs = md.first_step
-            rows_args = (md.input_ids, md.hidden_states, fs.slot_mapping, fs.query_start_loc, md.draft_positions,
-                         md.draft_seq_lens, md.draft_block_tables, md.draft_steps, a.m)
             variants["metadata, step buffers"] = lambda: sm.build_step_metadata_columns(**step, buffers=buffers)
             variants["metadata, new buffers"] = lambda: sm.build_step_metadata_columns(**step)
-            if device.type == "cuda":
-                variants["rows in, one kernel"] = lambda: load_first_step.load_first_step_rows_triton(*rows_args,
-                                                                                                     **out)
-            variants["rows in, torch ops"] = lambda: load_first_step.load_first_step_rows_ref(*rows_args, **out)
+            variants["record + states in"] = record_and_states(step, a.table_width, device)
         variants["columns step, run stubbed"] = stubbed_step(rt, B, a.m, 5, context, columns=True)
         variants["steps, run stubbed"] = stubbed_step(rt, B, a.m, 5, context, columns=False)
         results = {name: [] for name in variants}

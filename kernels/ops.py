@@ -15,7 +15,7 @@ from drafter_kernels._triton_shim import HAS_TRITON
 from drafter_kernels.copy_expand_inputs import copy_and_expand_inputs_ref, copy_and_expand_inputs_triton
 from drafter_kernels.draft_step import advance_draft_step_ref, advance_draft_step_triton
 from drafter_kernels.kv_write import PADDING_SLOT_ID, write_kv_ref, write_kv_triton
-from drafter_kernels.load_first_step import load_first_step_rows_ref, load_first_step_rows_triton
+from drafter_kernels.build_first_step import build_first_step_rows_ref, build_first_step_rows_triton
 from drafter_kernels.mask_finished_rows import mask_finished_rows_ref, mask_finished_rows_triton
 from drafter_kernels.paged_attention import paged_attention_batched, paged_attention_ref, paged_attention_triton
 from drafter_kernels.prepare_inputs_padded import prepare_inputs_padded_ref, prepare_inputs_padded_triton
@@ -61,7 +61,7 @@ copy_and_expand_inputs = _dispatch(copy_and_expand_inputs_ref, copy_and_expand_i
 prepare_inputs_padded = _dispatch(prepare_inputs_padded_ref, prepare_inputs_padded_triton)
 prepare_next_token_padded = _dispatch(prepare_next_token_padded_ref, prepare_next_token_padded_triton)
 advance_draft_step = _dispatch(advance_draft_step_ref, advance_draft_step_triton)
-load_first_step_rows = _dispatch(load_first_step_rows_ref, load_first_step_rows_triton)
+build_first_step_rows = _dispatch(build_first_step_rows_ref, build_first_step_rows_triton)
 mask_finished_rows = _dispatch(mask_finished_rows_ref, mask_finished_rows_triton)
 shift_and_cache = _dispatch(shift_and_cache_ref, shift_and_cache_triton)
 
@@ -69,7 +69,7 @@ __all__ = [
     "PADDING_SLOT_ID",
     "write_kv", "paged_attention", "rms_norm", "silu_and_mul", "apply_rope", "argmax", "gumbel_sample",
     "copy_and_expand_inputs", "prepare_inputs_padded", "prepare_next_token_padded", "advance_draft_step",
-    "load_first_step_rows", "mask_finished_rows",
+    "build_first_step_rows", "mask_finished_rows",
     "shift_and_cache", "shift_cache_store_window",
     "use_triton",
 ]

@@ -148,10 +148,11 @@ def print_phases(rt, step, inputs, batch: int, n: int = 30) -> None:
     """Without the profiler: the host phases of n steps of the graph path, from timestamps taken by thin wrappers
     (about a microsecond each) at the stage boundaries of a step, medians in ms:
       admit     step start -> step metadata (table lookups, checks, block resizes)
-      metadata  build_step_metadata_columns, or StepMetadata.build on the per-sequence path (a step of 64 rows or
-                fewer): the packing and the one metadata copy
-      copy-in   metadata -> the first graph launch: mostly the graph path's device copies of the rows into the
-                graphs' static buffers
+      metadata  the step's columns into the graphs' record and its copy (first_step_record.py; a tree from before
+                it: build_step_metadata_columns, or StepMetadata.build on the per-sequence path: the packing and
+                the one metadata copy)
+      copy-in   metadata -> the first graph launch: the states' copy into the graphs' fs_states (before the record:
+                mostly the rows' load kernel, load_first_step_rows)
       launch    the first-step and decode graph replays (launches only: the GPU runs behind)
       meanwhile the host work run while the GPU drafts (the acceptance count)
       wait      the step's one synchronization: the GPU still running
@@ -185,6 +186,8 @@ def print_phases(rt, step, inputs, batch: int, n: int = 30) -> None:
             wrap(graphs, "_replay_first", "launch"),
             wrap(proposer_mod._Drafts, "run_meanwhile", "meanwhile", "meanwhile_end"),
             wrap(proposer_mod._Drafts, "set_host_rows", "after")]
+    if hasattr(graphs, "record"):  # (the graph path builds no step metadata: its record is what the host packs)
+        undo.append(wrap(graphs.record, "write", "metadata", "metadata_end"))
     if hasattr(cuda_graphs.ops, "load_first_step_rows"):  # (the one launch that loads the rows: part of copy-in)
         undo.append(wrap(cuda_graphs.ops, "load_first_step_rows", "rows_in", "rows_in_end"))
     rows = []

@@ -115,7 +115,7 @@ def test_bench_step_host_ops_times_every_piece_and_says_which_path_ran(tmp_path)
                   "--rounds", "1", "--iters", "2"], tmp_path / "ho.json")
     variants = {(r["batch"], r["variant"]) for r in result["rows"]}
     for b in (1, 8, 32):
-        assert {(b, v) for v in ("metadata, step buffers", "metadata, new buffers", "rows in, torch ops",
+        assert {(b, v) for v in ("metadata, step buffers", "metadata, new buffers", "record + states in",
                                  "steps, run stubbed (per-sequence)")} <= variants
     # step_batch: a step of fewer than STEP_BATCH_MIN_SEQUENCES sequences (and few rows) goes the per-sequence way
     assert (1, "columns step, run stubbed (per-sequence)") in variants

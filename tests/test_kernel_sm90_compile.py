@@ -32,7 +32,7 @@ def cross_compile_all() -> int:
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    from drafter_kernels import (copy_expand_inputs, draft_step, kv_write, load_first_step, paged_attention,
+    from drafter_kernels import (copy_expand_inputs, draft_step, kv_write, build_first_step, paged_attention,
                                  prepare_inputs_padded, prepare_next_token_padded, rms_norm, rope, sampling,
                                  shift_and_cache, silu_and_mul, mask_finished_rows)
 
@@ -71,7 +71,7 @@ def cross_compile_all() -> int:
                 num_compiled += 1
             return launch
 
-    modules = (copy_expand_inputs, draft_step, kv_write, load_first_step, paged_attention, prepare_inputs_padded,
+    modules = (copy_expand_inputs, draft_step, kv_write, build_first_step, paged_attention, prepare_inputs_padded,
                prepare_next_token_padded, rms_norm, rope, sampling, shift_and_cache, silu_and_mul, mask_finished_rows)
     for module in modules:
         for name, value in list(vars(module).items()):
@@ -125,11 +125,11 @@ def cross_compile_all() -> int:
     draft_step.advance_draft_step_triton(zeros(5), zeros(5, 3, dtype=torch.int32), zeros(5, dtype=torch.int32), 16,
                                          100, zeros(5), zeros(8))
     for dtype in (torch.float32, torch.bfloat16):
-        load_first_step.load_first_step_rows_triton(
-            zeros(6), zeros(6, 100, dtype=dtype), zeros(6), zeros(3, dtype=torch.int32), zeros(2),
-            zeros(2, dtype=torch.int32), zeros(2, 3, dtype=torch.int32), zeros(2, dtype=torch.int32), 3, zeros(4),
-            zeros(4, dtype=torch.int32), zeros(4, 5, dtype=torch.int32), zeros(4, dtype=torch.int32), zeros(12),
-            zeros(12), zeros(12), zeros(12, 100, dtype=dtype))
+        i32 = [zeros(n, dtype=torch.int32) for n in (2, 4, 5, 4, 4, 12, 20)]
+        build_first_step.build_first_step_rows_triton(
+            *i32, zeros(12, 100, dtype=dtype), 16, 3, zeros(4), zeros(4, dtype=torch.int32),
+            zeros(4, 5, dtype=torch.int32), zeros(4, dtype=torch.int32), zeros(12), zeros(12), zeros(12),
+            zeros(12, 100, dtype=dtype))
     for dtype in (torch.int64, torch.int32):
         shift_and_cache.shift_and_cache_triton(zeros(20, dtype=dtype), zeros(20, dtype=dtype),
                                                zeros(3, 4, dtype=dtype), *[zeros(2)] * 6)

@@ -21,7 +21,7 @@ from drafter_kernels.testing import kernel_module  # noqa: E402
 attention = kernel_module("paged_attention")
 sampling = kernel_module("sampling")
 draft_step = kernel_module("draft_step")
-load_first_step = kernel_module("load_first_step")
+build_first_step = kernel_module("build_first_step")
 
 
 class CompileKeys:
@@ -107,25 +107,23 @@ def test_draft_step_compiles_a_few_variants_across_batch_sizes(recorded):
     assert len(main.keys) <= 10, sorted(main.keys)  # BLOCK: a power of two up to 1024 (36 keys before)
 
 
-def test_load_first_step_compiles_one_variant_across_batches_and_contexts(recorded):
-    """It runs eagerly before every first-step graph replay: no batch size, M, table width or state width may
-    compile another variant."""
-    main = recorded(load_first_step, "_load_first_step_rows_kernel")
-    for B in (1, 2, 3, 16, 17, 64, 128, 200, 256):
+def test_build_first_step_compiles_one_variant_across_batches_and_widths(recorded):
+    """It is captured in every first-step graph (one per padded batch and M) and replayed whatever the step's B and
+    table width (read from the record): no M, block size or state width may compile another variant."""
+    main = recorded(build_first_step, "_build_first_step_rows_kernel")
+    i32 = dict(dtype=torch.int32)
+    for bs in (1, 2, 16, 48, 256):
         for M in (1, 2, 3, 8):
-            for blocks in (1, 16, 17, 64, 65):
+            for block_size in (1, 16, 32):
                 for width in (64, 4096, 12288):
-                    bs = -(-B // 16) * 16
-                    T = B * M
-                    load_first_step.load_first_step_rows_triton(
-                        torch.zeros(T, dtype=torch.int64), torch.zeros(T, width, dtype=torch.bfloat16),
-                        torch.zeros(T, dtype=torch.int64), torch.arange(B + 1, dtype=torch.int32) * M,
-                        torch.zeros(B, dtype=torch.int64), torch.ones(B, dtype=torch.int32),
-                        torch.zeros(B, blocks, dtype=torch.int32), torch.zeros(B, dtype=torch.int32), M,
-                        torch.empty(bs, dtype=torch.int64), torch.empty(bs, dtype=torch.int32),
-                        torch.empty(bs, 65, dtype=torch.int32), torch.empty(bs, dtype=torch.int32),
-                        torch.empty(bs * M, dtype=torch.int64), torch.empty(bs * M, dtype=torch.int64),
-                        torch.empty(bs * M, dtype=torch.int64), torch.empty(bs * M, width, dtype=torch.bfloat16))
+                    R = bs * M
+                    build_first_step.build_first_step_rows_triton(
+                        torch.zeros(2, **i32), torch.zeros(bs, **i32), torch.zeros(bs + 1, **i32),
+                        torch.zeros(bs, **i32), torch.zeros(bs, **i32), torch.zeros(R, **i32),
+                        torch.zeros(bs * 65, **i32), torch.zeros(R, width, dtype=torch.bfloat16), block_size, M,
+                        torch.empty(bs, dtype=torch.int64), torch.empty(bs, **i32), torch.empty(bs, 65, **i32),
+                        torch.empty(bs, **i32), torch.empty(R, dtype=torch.int64), torch.empty(R, dtype=torch.int64),
+                        torch.empty(R, dtype=torch.int64), torch.empty(R, width, dtype=torch.bfloat16))
     assert len(main.keys) == 1, sorted(main.keys)
 
 

@@ -9,6 +9,7 @@ to the padded batch size; the others run it eagerly. Drafts must be identical, a
 """
 import asyncio
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +17,6 @@ from conftest import make_config
 from drafter_service.engine.cuda_graphs import DecodeGraphs
 from drafter_service.runtime import build_runtime
 from drafter_service.engine.step_io import StepInput
-from drafter_service.engine.step_metadata import StepMetadata
 from lockstep import ProposerDrafter, run_lockstep
 from naive_eagle import NaiveEagle1
 
@@ -53,25 +53,22 @@ def test_which_batches_take_the_static_first_step(tiny_model, tmp_path):
                            first_step_tokens=4)
     graphs = rt.proposer.decode_graphs
     assert graphs.first_sizes == [1, 2, 4, 8]
-    g = torch.Generator().manual_seed(0)
 
-    def md(ms: list[int], ks: list[int], start: int = 0) -> StepMetadata:
-        steps = [StepInput("ns", f"s{i}", start, torch.randint(0, 512, (m,), generator=g), torch.randn(m, 64), 1, k)
-                 for i, (m, k) in enumerate(zip(ms, ks))]
-        batch = [type("A", (), dict(step=s, seq=type("S", (), dict(block_table=[i]))(), num_drafts=s.num_drafts))()
-                 for i, s in enumerate(steps)]
-        return StepMetadata.build(batch, rt.kv.block_size, rt.device)
+    def fits(ms: list[int], ks: list[int], start: int = 0) -> bool:
+        m, k = np.array(ms), np.array(ks)
+        return graphs.first_step_fits(start + m, m, k)
 
-    assert graphs.can_run_first_step(md([3], [5]))
-    assert graphs.can_run_first_step(md([2, 2, 2], [1, 4, 2]))  # k may differ: steps_left masks the rows
-    assert graphs.can_run_first_step(md([4] * 8, [2] * 8))
-    assert graphs.can_run_first_step(md([2, 3], [2, 2], start=10))  # m differs: padded to 3 rows each
-    assert graphs.can_run_first_step(md([1, 4, 2, 1], [3, 1, 2, 5], start=3))  # contexts 4..7 >= M = 4
-    assert not graphs.can_run_first_step(md([1, 4, 2, 1], [3, 1, 2, 5], start=2))  # context 3 < M = 4
-    assert not graphs.can_run_first_step(md([2, 3], [2, 2]))  # context 2 < M = 3: no room for the padding rows
-    assert not graphs.can_run_first_step(md([5], [2]))  # m > first_step_tokens
-    assert not graphs.can_run_first_step(md([2, 2], [2, 0]))  # a prefill chunk (k = 0) in the batch
-    assert not graphs.can_run_first_step(md([1] * 9, [2] * 9))  # more sequences than the largest size
+    assert fits([3], [5])
+    assert fits([2, 2, 2], [1, 4, 2])  # k may differ: steps_left masks the rows
+    assert fits([4] * 8, [2] * 8)
+    assert fits([2, 3], [2, 2], start=10)  # m differs: padded to 3 rows each
+    assert fits([1, 4, 2, 1], [3, 1, 2, 5], start=3)  # contexts 4..7 >= M = 4
+    assert not fits([1, 4, 2, 1], [3, 1, 2, 5], start=2)  # context 3 < M = 4
+    assert not fits([2, 3], [2, 2])  # context 2 < M = 3: no room for the padding rows
+    assert not fits([5], [2])  # m > first_step_tokens
+    assert not fits([2, 2], [2, 0])  # a prefill chunk (k = 0) in the batch
+    assert not fits([1] * 9, [2] * 9)  # more sequences than the largest size
+    assert not fits([2], [17])  # more drafts than the decode buffers hold
 
 
 def test_first_step_graphs_skip_batches_mostly_padding(tiny_model, tmp_path):
@@ -82,19 +79,15 @@ def test_first_step_graphs_skip_batches_mostly_padding(tiny_model, tmp_path):
 
     rt = with_static_steps(build_runtime(make_config(*tiny_model, tmp_path)), max_batch_seqs=256)
     graphs = rt.proposer.decode_graphs
-    g = torch.Generator().manual_seed(1)
 
-    def md(ms: list[int]) -> StepMetadata:
-        steps = [StepInput("ns", f"s{i}", 20, torch.randint(0, 512, (m,), generator=g), torch.randn(m, 64), 1, 3)
-                 for i, m in enumerate(ms)]
-        batch = [type("A", (), dict(step=s, seq=type("S", (), dict(block_table=[i, i + 1]))(),
-                                    num_drafts=s.num_drafts))() for i, s in enumerate(steps)]
-        return StepMetadata.build(batch, rt.kv.block_size, rt.device)
+    def fits(ms: list[int]) -> bool:
+        m = np.array(ms)
+        return graphs.first_step_fits(20 + m, m, np.full(len(ms), 3))
 
-    assert graphs.can_run_first_step(md([1] * 31 + [8]))  # 32 x 8 = 256 rows: small enough
-    assert not graphs.can_run_first_step(md([1] * 63 + [8]))  # 64 x 8 = 512 rows for 71 real ones
-    assert graphs.can_run_first_step(md([4] * 63 + [8]))  # 512 rows for 260: at most twice
-    assert graphs.can_run_first_step(md([3] * 200))  # uniform
+    assert fits([1] * 31 + [8])  # 32 x 8 = 256 rows: small enough
+    assert not fits([1] * 63 + [8])  # 64 x 8 = 512 rows for 71 real ones
+    assert fits([4] * 63 + [8])  # 512 rows for 260: at most twice
+    assert fits([3] * 200)  # uniform
     with pytest.raises(ValueError, match="first_step_graph_tokens"):
         make_config(*tiny_model, tmp_path, first_step_graph_tokens=17)
     assert isinstance(make_config(*tiny_model, tmp_path, first_step_graph_tokens=16), ServerConfig)
@@ -200,3 +193,27 @@ def test_mixed_m_batches_on_cuda_match_cpu(tiny_model, tmp_path, num_seqs, max_m
         got = [o.drafts for o in gpu.proposer.step(batch)]
         assert got == want
     assert gpu.proposer.decode_graphs.first_steps_run == admitted
+
+
+@pytest.mark.parametrize("num_seqs", [9, 24])
+def test_a_columns_step_builds_its_first_step_rows_from_the_record(tiny_model, tmp_path, num_seqs):
+    """step_batch's columns path on the static steps: the record (first_step_record.py) and the first-step build
+    kernel stand in for the step metadata. Same drafts, statuses and KV as the plain per-sequence step, with mixed m,
+    mixed k, re-sent positions and a padded batch (9 -> 16, 24 -> 32)."""
+    from test_step_batch import Traffic, as_batch, same
+
+    plain = build_runtime(make_config(*tiny_model, tmp_path / "plain"))
+    static = with_static_steps(build_runtime(make_config(*tiny_model, tmp_path / "static")), max_batch_seqs=32)
+    graphs = static.proposer.decode_graphs
+    t = Traffic(num_seqs, plain.limits.hidden_states_width, plain.limits.vocab_size, num_seqs)
+    sids = sorted(t.tokens)
+    for round in range(10):
+        steps = [t.step(sid, m=t.rng.randint(1, 6), k=t.rng.randint(1, 6), back=t.rng.choice([0, 0, 1, 2]))
+                 for sid in sids]
+        before = (graphs.first_steps_run, static.proposer.columns_steps_run)
+        out = plain.proposer.step(steps)
+        same(out, static.proposer.step_batch(as_batch(steps)))
+        t.answered(steps, out)
+        if round > 0:  # (the first round creates the sequences: the per-sequence path, a 40-token prefill)
+            assert (graphs.first_steps_run, static.proposer.columns_steps_run) == (before[0] + 1, before[1] + 1)
+    torch.testing.assert_close(static.kv.kv, plain.kv.kv, atol=1e-5, rtol=1e-5)

@@ -26,7 +26,7 @@ advance_draft_step (admission cuts k to fit), masked rows may: the clamp keeps t
 cache and their slot at -1.
 
 The host copies the drafting rows' inputs into the static buffers with device->device copies (a step whose first
-step replays a graph too: with one kernel, load_first_step_rows, below), replays the graph max(k) - 1 times, and
+step replays a graph too: its first-step graph builds them, below), replays the graph max(k) - 1 times, and
 copies drafts_out to the host once (into a pinned buffer of its own): the step's only device->host synchronization.
 (K = --max-draft-tokens.)
 Only greedy steps use the graphs (every sequence at temperature 0, no logprobs, no top-k); the proposer runs the
@@ -40,22 +40,30 @@ pads to a captured size (up to MAX_FIRST_STEP_GRAPH_BATCH): each sequence gets M
 padding. The attention kernel places query row j of a sequence at seq_len - M + j, so the real rows sit at their
 own positions p_i .. p_i+m_i-1 and the padding rows at the positions just before p_i (already in the cache; they
 read it, write nothing, and their outputs are dropped). Row i*M + M - 1 gives draft 1 for every sequence, so the
-graph's query_start_loc (i * M) and its last rows are constants. One launch of kernels/load_first_step.py puts a
-step's rows there (and the decode rows' positions, seq_lens, block tables and steps), before the replay. A uniform
-batch (every m_i = M) is the case with no padding rows. The graph reads its own static rows and writes the decode
-buffers above, so the whole greedy step is graph replays between that one launch (and the step's metadata copy) in
-and one copy of the drafts out:
+graph's query_start_loc (i * M) and its last rows are constants. A uniform batch (every m_i = M) is the case with no
+padding rows.
 
-  static buffer      shape              before the first-step replay
+Such a step needs no step metadata from the host. The host writes the step's raw columns into a record at fixed
+addresses (pinned on CUDA) and copies it to the device in one copy, and the target hidden states into fs_states with
+one more; the first-step graph's first kernel (kernels/build_first_step.py) builds every row from them: positions,
+KV slots, shifted input ids, padded rows, the decode rows' positions, seq_lens, steps and block tables. So the whole
+greedy step is two copies in, graph replays, and one copy of the drafts out:
+
+  record (int32)    header [2] (B, w); start_positions, query_start_loc, next_tokens, draft_steps (k - 1) [<= bs];
+                    token_ids [T] (the committed tokens); block_tables [B * w] (sequence i's blocks at i * w)
+  fs_states         [R, W_in] the step's target hidden states, rows in batch order (model dtype)
+
+  static buffer      shape              after the first-step graph's first kernel
   fs_input_ids       [R] int64          real row j of sequence i (row i*M + M - m_i + j): x[t+1], its last row
-                                        next_token; padding rows keep whatever they held
-  fs_hidden          [R, W]             the target hidden states of the real rows (model dtype); padding rows as above
+                                        next_token; 0 on padding rows
+  fs_hidden          [R, W]             the target hidden states of the real rows; padding rows keep what they held
   fs_positions       [R] int64          seq_len_i - M + r for row r of sequence i (p_i + j on the real rows)
   fs_slots           [R] int64          the real rows' KV slots; PADDING_SLOT_ID for every padding row
   seq_lens           (decode buffer)    p_i + m_i; M for padding sequences (their rows are positions 0..M-1)
-  block_tables       (decode buffer)    as for decode
+  positions, steps_left, block_tables   the decode rows, as for decode (steps_left 0 for padding sequences)
   R = MAX_FIRST_STEP_GRAPH_BATCH * --first-step-graph-tokens.
-Padding sequences (B <= i < bs) read block 0 of the pool and write nothing; their outputs are discarded.
+Padding sequences (B <= i < bs) read block-table rows left by earlier steps and write nothing; their outputs are
+discarded.
 
 On the CPU (tests) the same static-buffer steps run eagerly, with no graphs.
 """
@@ -63,11 +71,15 @@ import gc
 import logging
 import time
 
+import numpy as np
 import torch
 
+from drafter_client.messages import one_block
 from drafter_kernels import ops
 
 from drafter_service.models.attention_metadata import AttentionMetadata
+from drafter_service.engine.first_step_record import FirstStepRecord
+from drafter_service.engine.host_staging import rows_to_device
 from drafter_service.engine.step_metadata import StepMetadata
 
 log = logging.getLogger(__name__)
@@ -140,9 +152,13 @@ class DecodeGraphs:
             self.fs_hidden = torch.zeros(R, model.hidden_states_width, dtype=dtype, **z)
             self.fs_positions = torch.zeros(R, dtype=torch.int64, **z)
             self.fs_slots = torch.full((R,), ops.PADDING_SLOT_ID, dtype=torch.int64, **z)
+            # a step's target hidden states, rows in batch order: the first-step graph lays them out in fs_hidden
+            self.fs_states = torch.zeros(R, model.hidden_states_width, dtype=dtype, **z)
             seq = torch.arange(max_fs + 1, **z)
             self.fs_query_start_loc = {m: (seq * m).to(torch.int32) for m in range(1, self.first_step_tokens + 1)}
             self.fs_last_rows = {m: seq[1:] * m - 1 for m in range(1, self.first_step_tokens + 1)}
+        # the raw columns of a step whose first step replays a graph (first_step_record.py)
+        self.record = FirstStepRecord(max_fs, R, W, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded batch size -> graph; empty: run eagerly
         self.first_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (padded batch size, M) -> graph
         self.capture_seconds = 0.0
@@ -177,9 +193,13 @@ class DecodeGraphs:
                                         hidden[:, None])
 
     def _first_step(self, bs: int, m: int) -> None:
-        """The first draft step of bs (padded) sequences with m rows each (real rows right-aligned), on the static
-        rows; writes draft 1 and the head output of each sequence's last row into the decode buffers."""
+        """The first draft step of bs (padded) sequences with m rows each (real rows right-aligned), built from the
+        record and fs_states; writes draft 1 and the head output of each sequence's last row into the decode
+        buffers."""
         T = bs * m
+        ops.build_first_step_rows(*self.record.fields, self.fs_states, self.block_size, m, self.positions[:bs],
+                                  self.seq_lens[:bs], self.block_tables[:bs], self.steps_left[:bs],
+                                  self.fs_positions[:T], self.fs_input_ids[:T], self.fs_slots[:T], self.fs_hidden[:T])
         meta = AttentionMetadata(positions=self.fs_positions[:T], slot_mapping=self.fs_slots[:T],
                                  query_start_loc=self.fs_query_start_loc[m][: bs + 1], seq_lens=self.seq_lens[:bs],
                                  block_tables=self.block_tables[:bs], max_query_len=m)
@@ -216,6 +236,7 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info(dev)[0]
         t0 = time.perf_counter()
         self.steps_left.zero_()  # every row is a padding row while capturing: the warm-up runs write no KV
+        self.record.clear()  # (and every sequence of a first step: B = 0)
         pool = None
         # No garbage collection while capturing: a collection on this thread that frees a pinned host tensor makes
         # the host allocator record a CUDA event on the capturing stream, which invalidates the capture (seen once
@@ -238,7 +259,6 @@ class DecodeGraphs:
             # first-step graphs: every row a padding row (slot PADDING_SLOT_ID: no KV write), seq_len m
             for bs in reversed(self.first_sizes):
                 for m in range(self.first_step_tokens, 0, -1):
-                    self.seq_lens[:bs].fill_(m)
                     self._first_step(bs, m)  # warm-up
                     torch.cuda.synchronize(dev)
                     graph = torch.cuda.CUDAGraph()
@@ -255,7 +275,8 @@ class DecodeGraphs:
         buffer_bytes = sum(t.numel() * t.element_size() for t in (
             self.input_ids, self.hidden, self.positions, self.seq_lens, self.slot_mapping, self.block_tables,
             self.steps_left, self.query_start_loc, self.draft_ids, self.fs_input_ids, self.fs_hidden,
-            self.fs_positions, self.fs_slots, self.drafts_out, self.hidden_steps))
+            self.fs_positions, self.fs_slots, self.fs_states, self.record.on_device, self.drafts_out,
+            self.hidden_steps))
         log.info("captured %d decode CUDA graphs (batch sizes %s) and %d first-step graphs (batches of up to "
                  "%d sequences with up to 1..%d tokens each) in %.2f s; they hold %.1f MiB of device memory "
                  "(graph pool, kernels, workspaces), plus %.1f MiB of static buffers", len(self.graphs),
@@ -264,16 +285,20 @@ class DecodeGraphs:
 
     # ---- one engine step ----
 
-    def can_run_first_step(self, md: StepMetadata) -> bool:
-        """Whether this (greedy) step's first draft step can replay a first-step graph: every sequence drafts, its
-        largest m (M) is <= first_step_tokens, every context holds at least M positions (the padding rows sit
-        before the real ones), the batch pads to a captured size, and the padded rows are at most twice the real
-        ones (or few): a large batch of mostly short steps runs fewer rows eagerly than the graph would."""
-        B, M, T = len(md.num_drafts), md.first_step.max_query_len, md.input_ids.shape[0]
+    def first_step_fits(self, seq_lens: np.ndarray, num_tokens: np.ndarray, num_drafts: np.ndarray) -> bool:
+        """Whether a greedy step of these columns ([B] p + m, m and k after the max_model_len cut) can replay a
+        first-step graph (draft_columns): every sequence drafts, its largest m (M) is <= first_step_tokens, every
+        context holds at least M positions (the padding rows sit before the real ones), the batch pads to a
+        captured size, and the padded rows are at most twice the real ones (or few): a large batch of mostly short
+        steps runs fewer rows eagerly than the graph would."""
+        B = num_tokens.shape[0]
         bs = padded_batch_size(B, self.first_sizes)
-        return (0 < M <= self.first_step_tokens and len(md.active) == B and bs is not None
-                and bs * M <= max(2 * T, FIRST_STEP_SMALL_ROWS) and max(md.num_drafts) <= self.max_drafts
-                and min(md.host_seq_lens) >= M)
+        if B == 0 or bs is None:
+            return False
+        M, T = int(num_tokens.max()), int(num_tokens.sum())
+        return (0 < M <= self.first_step_tokens and bs * M <= max(2 * T, FIRST_STEP_SMALL_ROWS)
+                and int(num_drafts.min()) > 0 and int(num_drafts.max()) <= self.max_drafts
+                and int(seq_lens.min()) >= M)
 
     def can_run(self, md: StepMetadata) -> bool:
         """Whether the decode steps of this (greedy) step can replay the decode graphs."""
@@ -297,25 +322,33 @@ class DecodeGraphs:
         self.hidden_steps[:n, 0].copy_(hidden)
         self.drafts_out[:n, 0].copy_(first_tokens)
         self.draft_column.zero_()
-        return self._decode_and_collect(md, out, n, bs)
+        return self._decode_and_collect(out, md.active, [md.num_drafts[i] for i in md.active], n, bs)
 
-    def draft_all(self, md: StepMetadata, out):
-        """Drafts 1..k of a batch that can_run_first_step: the first step replayed too."""
-        B, M = len(md.num_drafts), md.first_step.max_query_len
+    def draft_columns(self, start_positions: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray,
+                      next_tokens: np.ndarray, num_drafts: np.ndarray, block_tables: np.ndarray,
+                      hidden_states: list[torch.Tensor], out):
+        """Drafts 1..k of a greedy step that first_step_fits, the first step replayed too. Its columns ([B] p, m,
+        next tokens, k; token_ids [T]; block_tables [B, w] int32, numpy) go into the record, its hidden states
+        (tensors of [m_i or T, W_in] rows, in batch order) into fs_states: two copies in, then only replays."""
+        B, M = num_tokens.shape[0], int(num_tokens.max())
         bs = padded_batch_size(B, self.first_sizes)
-        R = bs * M
-        # the rows in the graphs' layout, in one launch (kernels/load_first_step.py): decode rows [0, bs) (block
-        # tables, seq_lens p + m, which serve the first step as well; padding sequences masked, seq_len M), and
-        # first-step row r of sequence i at seq_len_i - M + r, its m_i real rows last
-        fs = md.first_step
-        ops.load_first_step_rows(md.input_ids, md.hidden_states, fs.slot_mapping, fs.query_start_loc,
-                                 md.draft_positions, md.draft_seq_lens, md.draft_block_tables, md.draft_steps, M,
-                                 self.positions[:bs], self.seq_lens[:bs], self.block_tables[:B],
-                                 self.steps_left[:bs], self.fs_positions[:R], self.fs_input_ids[:R],
-                                 self.fs_slots[:R], self.fs_hidden[:R])
+        self.record.write(start_positions, num_tokens, next_tokens, num_drafts, token_ids, block_tables)
+        self._load_states(hidden_states, token_ids.shape[0])
         self._replay_first(bs, M)
         self.first_steps_run += 1
-        return self._decode_and_collect(md, out, B, bs)
+        return self._decode_and_collect(out, list(range(B)), num_drafts.tolist(), B, bs)
+
+    def _load_states(self, parts: list[torch.Tensor], T: int) -> None:
+        """fs_states[:T] = the concatenated parts, in one copy where they are one block (a step channel's mailbox,
+        an upload staged in pinned memory, the engine's own device tensor)."""
+        dst = self.fs_states[:T]
+        block = parts[0] if len(parts) == 1 else one_block(parts)
+        if block is not None and (block.device == dst.device or block.is_pinned()):
+            dst.copy_(block, non_blocking=True)  # (with the cast, where the wire dtype is not the model's)
+        elif all(t.device == dst.device and t.dtype == dst.dtype for t in parts):
+            torch.cat(parts, out=dst)
+        else:  # host rows from pageable memory: staged through pinned memory (host_staging.py)
+            dst.copy_(rows_to_device(parts, self.device), non_blocking=True)
 
     def kept_features(self, n: int, k: int) -> torch.Tensor:
         """After an engine step of uniform k: g_0..g_{k-1} of its n drafting rows, [n, k, H] (a copy: the next
@@ -387,10 +420,10 @@ class DecodeGraphs:
         if n < bs:
             self.steps_left[n:bs].zero_()
 
-    def _decode_and_collect(self, md: StepMetadata, out, n: int, bs: int):
-        """input_ids/hidden rows [0, n) hold draft 1 and its hidden input: replay the decode steps, copy all drafts
-        to the host once, give each sequence its first k of them."""
-        ks = [md.num_drafts[i] for i in md.active]
+    def _decode_and_collect(self, out, active: list[int], ks: list[int], n: int, bs: int):
+        """input_ids/hidden rows [0, n) hold draft 1 and its hidden input (row r: batch index active[r], which
+        asked for ks[r] drafts): replay the decode steps, copy all drafts to the host once, give each sequence its
+        first k of them."""
         num_steps = max(ks) - 1
         for _ in range(num_steps):
             self._replay(bs)  # each writes its draft into the next column of drafts_out
@@ -402,7 +435,7 @@ class DecodeGraphs:
             torch.cuda.current_stream(self.device).synchronize()  # the step's one device->host synchronization
             rows = self.drafts_host[:n, : num_steps + 1].clone()  # (the buffer is the next step's)
         self.steps_run += 1
-        out.set_host_rows(rows, md.active, ks)
+        out.set_host_rows(rows, active, ks)
         return out
 
 

@@ -521,14 +521,20 @@ class Proposer:
         step_drafts = _Drafts(B, [0] * B)
         step_drafts.meanwhile = lambda: found.append(self._count_accepted_columns(rows, b, C))
         try:
-            md = build_step_metadata_columns(
-                p, m, a.token_ids, b.hidden_states, a.next_tokens, k, R.block_tables_np[rows, : int(blocks.max())],
-                a.temperatures, a.seeds, np.zeros(B, dtype=np.int64), self.block_size, self.device,
-                self.metadata_buffers)
+            tables = R.block_tables_np[rows, : int(blocks.max())]
             greedy = not (a.temperatures > 0).any()
-            sp = SamplingSettings(temperature=md.temperature, seed=md.seed, top_k=md.top_k, want_logprobs=False,
-                                  greedy_only=greedy)
-            drafts = self._draft_sequential(md, sp, step_drafts, None).as_tensor()
+            graphs = self.decode_graphs
+            if greedy and graphs is not None and graphs.first_step_fits(C, m, k):
+                # the first step's rows are built on the device, inside its graph (cuda_graphs.py): no step metadata
+                graphs.draft_columns(p, m, a.token_ids, a.next_tokens, k, tables, [b.hidden_states], step_drafts)
+            else:
+                md = build_step_metadata_columns(
+                    p, m, a.token_ids, b.hidden_states, a.next_tokens, k, tables, a.temperatures, a.seeds,
+                    np.zeros(B, dtype=np.int64), self.block_size, self.device, self.metadata_buffers)
+                sp = SamplingSettings(temperature=md.temperature, seed=md.seed, top_k=md.top_k, want_logprobs=False,
+                                      greedy_only=greedy)
+                self._draft_sequential(md, sp, step_drafts, None)
+            drafts = step_drafts.as_tensor()
             step_drafts.run_meanwhile()  # (where no graph ran it)
         except Exception as e:  # never leave a sequence claiming KV it may not have
             log.exception("step failed")
@@ -646,11 +652,27 @@ class Proposer:
     # ---- sequential: first step over the committed rows, then one row per further draft ----
 
     def _run_sequential(self, batch: list[_Admitted]) -> _Drafts:
+        out = _Drafts(len(batch), [a.step.top_k_probs for a in batch])
+        predrafting = [a.seq.predraft is not None for a in batch]
+        # ---- CUDA fast path (cuda_graphs.py): a greedy batch of small m replays the first step from a graph too,
+        # which builds its rows from the step's columns: no step metadata ----
+        graphs = self.decode_graphs
+        if graphs is not None and all(a.step.temperature <= 0 and not a.step.return_logprobs
+                                      and not a.step.top_k_probs for a in batch):
+            p = np.array([a.step.start_position for a in batch], dtype=np.int64)
+            m = np.array([a.step.token_ids.shape[0] for a in batch], dtype=np.int64)
+            k = np.array([a.num_drafts for a in batch], dtype=np.int64)
+            if graphs.first_step_fits(p + m, m, k):
+                rows = [a.seq.table_row for a in batch]
+                tables = self.table.rows.block_tables_np[rows, : int(self.table.rows.num_blocks[rows].max())]
+                graphs.draft_columns(p, m, torch.cat([a.step.token_ids for a in batch]).numpy(),
+                                     np.array([a.step.next_token for a in batch], dtype=np.int64), k, tables,
+                                     [a.step.hidden_states for a in batch], out)
+                return self._keep_graph_features(predrafting, list(range(len(batch))), k.tolist(), out)
         # ---- step metadata (step_metadata.py): vectorized on the host, one host->device copy for the step ----
         md = StepMetadata.build(batch, self.block_size, self.device, self.table.rows, self.metadata_buffers)
         sp = self._sampling(batch, md)
-        out = _Drafts(len(batch), [a.step.top_k_probs for a in batch])
-        return self._draft_sequential(md, sp, out, [a.seq.predraft is not None for a in batch])
+        return self._draft_sequential(md, sp, out, predrafting)
 
     def _draft_sequential(self, md: StepMetadata, sp: SamplingSettings, out: _Drafts,
                           predrafting: list[bool] | None) -> _Drafts:
@@ -659,9 +681,6 @@ class Proposer:
         for the forced pass); None: none does."""
         dev = self.device
         meta, seq_lens, block_tables = md.first_step, md.host_seq_lens, md.host_block_tables
-        # ---- CUDA fast path (cuda_graphs.py): a greedy batch of small m replays the first step from a graph too ----
-        if sp.greedy_only and self.decode_graphs is not None and self.decode_graphs.can_run_first_step(md):
-            return self._keep_graph_features(predrafting, md, self.decode_graphs.draft_all(md, out))
         # CPU: the first step's gathered context is kept for the decode steps (the same sequences, one more position
         # each step), which then re-gather only their newest block
         context_cache = {} if dev.type == "cpu" else None
@@ -680,7 +699,8 @@ class Proposer:
         # ---- CUDA fast path (cuda_graphs.py): greedy decode steps replayed from CUDA graphs, one copy to host ----
         if sp.greedy_only and self.decode_graphs is not None and self.decode_graphs.can_run(md):
             return self._keep_graph_features(
-                predrafting, md, self.decode_graphs.draft(md, out, sample.tokens, self.model.next_hidden(head_last)))
+                predrafting, md.active, md.num_drafts,
+                self.decode_graphs.draft(md, out, sample.tokens, self.model.next_hidden(head_last)))
         # ---- end CUDA fast path ----
         out.add(active, sample)
         tok, hidden_prev = sample.tokens, self.model.next_hidden(head_last)
@@ -730,12 +750,14 @@ class Proposer:
         n = sum(predrafting[i] for i in active)
         return n > 0 and len({ks[i] for i in active}) == 1 and self.predraft.worth_preparing(n)
 
-    def _keep_graph_features(self, predrafting: list[bool] | None, md: StepMetadata, out: _Drafts) -> _Drafts:
-        """After the graphs drafted a step of uniform k: the pre-drafting sequences' features g_0..g_{k-1}, for their
-        forced pass (as the eager loop keeps them)."""
-        if self._keeps_features(predrafting, md.active, md.num_drafts):
-            kept = self.decode_graphs.kept_features(len(md.active), md.num_drafts[md.active[0]])
-            out.features = {i: kept[r] for r, i in enumerate(md.active) if predrafting[i]}
+    def _keep_graph_features(self, predrafting: list[bool] | None, active: list[int], ks: list[int],
+                             out: _Drafts) -> _Drafts:
+        """After the graphs drafted a step of uniform k (ks: k by batch index; active: the drafting batch indices, in
+        row order): the pre-drafting sequences' features g_0..g_{k-1}, for their forced pass (as the eager loop keeps
+        them)."""
+        if self._keeps_features(predrafting, active, ks):
+            kept = self.decode_graphs.kept_features(len(active), ks[active[0]])
+            out.features = {i: kept[r] for r, i in enumerate(active) if predrafting[i]}
         return out
 
     # ---- parallel (P-EAGLE): the committed rows and k-1 masked rows in one forward ----
