@@ -16,7 +16,8 @@ or shifted ids are computed on the host, and no kernel is launched from Python b
   block_tables      B * w            max_seqs * table_width (last: the copy covers only B * w of it)
 
 Every field starts at a 16-byte boundary (Triton specializes a kernel on its pointers' alignment). Values fit int32:
-positions are below max_model_len and token ids below the vocabulary size, both checked at admission.
+positions are below max_model_len (admission checks it), token ids below the vocabulary size (the request's checks,
+transport/validation.py), block ids below the pool's size.
 
 The host copy is rewritten only once the copy from it has completed (an event recorded after the copy; the step
 synchronizes before it returns, so this waits only after a step that failed in between).

@@ -23,6 +23,10 @@ Two entry points: step(list[StepInput]) works sequence by sequence (admission wi
 pre-drafting, log-probabilities, top-N, every head); step_batch(BatchInput) runs the common step of a sequential head
 from the step's columns (batch_io.py) with tensor ops over the batch, and hands anything else to step().
 
+On CUDA a greedy step of a sequential head replays CUDA graphs (cuda_graphs.py). Where its first step fits a
+first-step graph, both entry points hand the graph its raw columns (first_step_record.py) and the graph builds its
+own rows; otherwise the host builds the step's metadata (step_metadata.py) and the first step runs eagerly.
+
 Every draft is sampled per sequence (sampling.py): greedy at temperature 0, otherwise Gumbel-max seeded by the
 sequence's seed and the position of the drafted token minus one, so a replayed step gives the same drafts.
 

@@ -1,5 +1,6 @@
 """One engine step's metadata: built on the host (python lists for a small step, vectorized numpy above), moved to
-the device in one copy.
+the device in one copy. (A greedy step whose first step replays a CUDA graph needs none of it: the graph builds its
+rows from the step's raw columns, first_step_record.py. This module serves every other sequential step.)
 
 An engine step holds B sequences. Sequence i brings m_i committed rows at positions p_i .. p_i+m_i-1, its
 next_token, its block table, its sampling settings, and asks for k_i drafts. The first draft step is one forward
