@@ -155,6 +155,7 @@ async def test_propose_sends_a_large_step_as_columns_with_the_same_answer(server
         rows._step_columns = False  # a drafter without columns, as far as this client knows: messages
         if channel:
             assert await cols.open_step_channel() and await rows.open_step_channel()
+        early_before = server.server.runtime.metrics.channels.early_replies
         by = {"cols": cols, "rows": rows}
         if transport == "stream":
             by = {"cols": await stack.enter_async_context(cols.stream()),
@@ -204,6 +205,8 @@ async def test_propose_sends_a_large_step_as_columns_with_the_same_answer(server
         assert len(sent_as_columns) == before and all(x.ok for x in r.sequences)
         assert len(r.sequences) == n
         assert (cols.steps_through_channel > 0) == channel and cols._step_columns is True
+        # a step that ran from its columns: its reply's head was encoded while it ran (step_channels.py)
+        assert (server.server.runtime.metrics.channels.early_replies > early_before) == channel
         await cols.release(list(seqs))
         await rows.release(list(seqs))
 

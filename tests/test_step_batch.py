@@ -303,3 +303,47 @@ def test_merged_columnar_requests_run_as_one_batch_and_each_gets_its_share(tiny_
         assert b.proposer.columns_steps_run - before == (0 if mixed or round == 0 else 1)
         if extra:
             assert isinstance(results[2][0], list) and all(o.code == OK for o in results[2][0])
+
+
+def test_early_work_sees_the_answer_before_its_drafts_and_is_dropped_when_the_step_fails(tiny_model, tmp_path,
+                                                                                          monkeypatch):
+    """Proposer.step_batch's early callback, through the scheduler (PendingRequest.early): each merged request gets its
+    share of the answer with drafts None; the answer it is then delivered is that one with its drafts
+    (early_answered). A step that raises answers with another object: early_answered is False, so a step channel
+    encodes its reply anew (step_channels.py)."""
+    from drafter_service.engine.scheduler import PendingRequest, StepScheduler
+
+    a, b = runtimes(tiny_model, tmp_path)
+    t = Traffic(5, a.limits.hidden_states_width, a.limits.vocab_size, 20)
+    sched = StepScheduler(b.proposer, max_batch_tokens=1 << 20, max_batch_seqs=1024)
+    sids = sorted(t.tokens)
+
+    def run_two_requests(steps):
+        seen, delivered = {}, {}
+        halves = [steps[:12], steps[12:]]
+        pending = []
+        for i, half in enumerate(halves):
+            pending.append(PendingRequest(as_batch(half), lambda out, exc, i=i: delivered.__setitem__(i, (out, exc)),
+                                          early=lambda out, i=i: seen.__setitem__(i, (out.drafts, out.codes.clone(),
+                                                                                      out.accepted_drafts.clone()))))
+        sched._run_batch(pending)
+        return pending, seen, delivered
+
+    for _ in range(2):  # the first round creates the sequences (the per-sequence path: no early work)
+        steps = [t.step(sid, 3, 4) for sid in sids]
+        out = a.proposer.step(steps)
+        pending, seen, delivered = run_two_requests(steps)
+        t.answered(steps, out)
+    assert set(seen) == {0, 1} and all(drafts is None for drafts, _, _ in seen.values())
+    for i, p in enumerate(pending):
+        assert p.early_answered
+        answer = delivered[i][0]
+        assert torch.equal(answer.codes, seen[i][1]) and torch.equal(answer.accepted_drafts, seen[i][2])
+    same(out[:12], delivered[0][0])
+    same(out[12:], delivered[1][0])
+
+    steps = [t.step(sid, 2, 3) for sid in sids]
+    monkeypatch.setattr(b.proposer.model, "forward", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("injected")))
+    pending, seen, delivered = run_two_requests(steps)
+    assert not any(p.early_answered for p in pending)
+    assert {c for i in (0, 1) for c in delivered[i][0].codes.tolist()} == {INTERNAL}

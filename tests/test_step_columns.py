@@ -242,6 +242,31 @@ def test_a_column_reply_parses_as_the_per_sequence_reply():
         assert by_cols.messages == by_rows.messages and by_cols.request_id == by_rows.request_id == 9
 
 
+def test_a_reply_whose_head_was_encoded_before_the_drafts_is_the_whole_reply():
+    """batch_column_reply(head, out): the head serialized from the answer before its drafts were known (drafts None,
+    as Proposer.step_batch hands it to its early callback), then the drafts: the same message as
+    build_batch_column_response, with every draft count, failed sequences and no drafts at all."""
+    from drafter_service.engine.batch_io import BatchOutput
+    from drafter_service.transport.servicer import (batch_column_head, batch_column_reply,
+                                                    build_batch_column_response)
+
+    rng = random.Random(4)
+    for n, K in ((1, 5), (6, 3), (40, 8), (7, 0)):
+        codes = torch.tensor([0 if rng.random() < 0.8 else 5 for _ in range(n)], dtype=torch.int32)
+        early = BatchOutput(codes=codes, messages=["" if c == 0 else f"gone {i}" for i, c in enumerate(codes.tolist())],
+                            num_drafts=torch.tensor([rng.randint(0, K) for _ in range(n)]),
+                            accepted_drafts=torch.tensor([rng.randint(0, 3) for _ in range(n)]),
+                            committed_lengths=torch.tensor([rng.randint(1, 2000) for _ in range(n)]))
+        head = batch_column_head(early, 17).SerializeToString()
+        early.drafts = torch.randint(0, 50000, (n, K))
+        whole = build_batch_column_response(early, 17)
+        assert pb.ProposeResponse.FromString(batch_column_reply(head, early)) == whole
+        ids = [f"s{i}" for i in range(n)]
+        a = parse_batch_response(pb.ProposeResponse.FromString(batch_column_reply(head, early)), ids)
+        b = parse_batch_response(whole, ids)
+        assert torch.equal(a.draft_token_ids, b.draft_token_ids) and a.messages == b.messages
+
+
 def test_a_column_reply_for_another_batch_size_is_internal():
     outs = random_outputs(random.Random(0), 3)
     reply = pb.ProposeResponse.FromString(build_column_response(outs, 1).SerializeToString())

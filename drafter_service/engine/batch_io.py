@@ -172,7 +172,8 @@ class BatchOutput:
         """Sequences [lo, hi) (one request's share of a merged batch)."""
         if self.outputs is not None:
             return BatchOutput(outputs=self.outputs[lo:hi])
-        return BatchOutput(codes=self.codes[lo:hi], messages=self.messages[lo:hi], drafts=self.drafts[lo:hi],
+        return BatchOutput(codes=self.codes[lo:hi], messages=self.messages[lo:hi],
+                           drafts=self.drafts[lo:hi] if self.drafts is not None else None,
                            num_drafts=self.num_drafts[lo:hi], accepted_drafts=self.accepted_drafts[lo:hi],
                            committed_lengths=self.committed_lengths[lo:hi])
 

@@ -464,15 +464,19 @@ class Proposer:
     # ---- the step from columns (batch_io.py): the common step without a Python object per sequence ----
 
     @torch.inference_mode()
-    def step_batch(self, b: BatchInput) -> BatchOutput:
+    def step_batch(self, b: BatchInput, early: "Callable[[BatchOutput], None] | None" = None) -> BatchOutput:
         """One engine step given as columns. The common step (known sequences, a sequential head, no pre-drafting,
         no log-probabilities or top-N, at least STEP_BATCH_MIN_SEQUENCES sequences or more than SMALL_STEP_ROWS committed
         rows) runs from the columns: the checks,
         the acceptance count, the step metadata and the reply are array ops over the batch, and the only work per
         sequence is the table lookup and a few attribute reads and writes in list comprehensions. Any other step
         (or one where a check fails: then the per-sequence path works out each sequence's own status) runs as
-        Proposer.step of b.to_inputs(); the answers are the same either way (tests/test_step_batch.py)."""
-        outputs = self._step_columns(b)
+        Proposer.step of b.to_inputs(); the answers are the same either way (tests/test_step_batch.py).
+
+        early: on the columns path, called with the step's answer before its drafts are known (drafts None), while
+        the GPU drafts on CUDA: the object returned is that one, its drafts filled in, unless the step failed (a new
+        one then). A caller encodes there what of its reply needs no draft (scheduler.py, step_channels.py)."""
+        outputs = self._step_columns(b, early)
         return outputs if outputs is not None else BatchOutput.from_outputs(self.step(b.to_inputs()))
 
     def _fast_path_applies(self, b: BatchInput) -> bool:
@@ -483,7 +487,7 @@ class Proposer:
                 and not a.return_logprobs.any() and not a.top_k_probs.any()
                 and not a.predraft_branches.any())
 
-    def _step_columns(self, b: BatchInput) -> BatchOutput | None:
+    def _step_columns(self, b: BatchInput, early=None) -> BatchOutput | None:
         """step_batch's columnar path; None (having changed nothing a step would not) where it does not apply."""
         if not self._fast_path_applies(b):
             return None
@@ -520,10 +524,22 @@ class Proposer:
         # ---- run ----
         k_t = torch.from_numpy(k)
         self.predraft.on_step()
-        # the acceptance count needs nothing of the run: on CUDA it is done while the GPU drafts (_Drafts.meanwhile)
-        found = []
+        # the acceptance count, and with it the whole answer but the drafts, needs nothing of the run: on CUDA it is
+        # done while the GPU drafts (_Drafts.meanwhile), and so is the caller's early work
+        answer = []
         step_drafts = _Drafts(B, [0] * B)
-        step_drafts.meanwhile = lambda: found.append(self._count_accepted_columns(rows, b, C))
+
+        def meanwhile():
+            accepted = self._count_accepted_columns(rows, b, C)
+            answer.append(BatchOutput(codes=torch.from_numpy(np.zeros(B, dtype=np.int32)), messages=[""] * B,
+                                      num_drafts=k_t, accepted_drafts=torch.from_numpy(accepted),
+                                      committed_lengths=torch.from_numpy(C)))
+            if early is not None:
+                try:
+                    early(answer[0])
+                except Exception:  # (the caller's: never the step's failure; it then encodes after the step)
+                    log.exception("early reply work failed")
+        step_drafts.meanwhile = meanwhile
         try:
             tables = R.block_tables_np[rows, : int(blocks.max())]
             greedy = not (a.temperatures > 0).any()
@@ -552,8 +568,7 @@ class Proposer:
             return failed
         self._failed_in_a_row = 0
         self.columns_steps_run += 1
-        out = BatchOutput(codes=torch.from_numpy(np.zeros(B, dtype=np.int32)), messages=[""] * B, num_drafts=k_t,
-                          accepted_drafts=torch.from_numpy(found[0]), committed_lengths=torch.from_numpy(C))
+        out = answer[0]
         out.drafts = drafts
         # ---- the sequences' state after the step: their rows' columns ----
         R.write_step_columns(rows, C, drafts.numpy(), k)

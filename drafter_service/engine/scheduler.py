@@ -66,6 +66,12 @@ class PendingRequest:
     dry: bool = False  # answer without running the head (benchmarks' ingest-only mode)
     cancelled: Callable[[], bool] = lambda: False  # True: nobody waits for it (the RPC was cancelled): skip it
     enqueued_at: float = field(default_factory=time.perf_counter)  # made just before it is queued (queue wait)
+    # a columnar request's work on its answer before the drafts are known: called on the step thread, while the GPU
+    # drafts, with its share of the step's answer (drafts None; Proposer.step_batch's early). The scheduler then
+    # sets early_answered: whether the answer deliver gets is that one with its drafts (False: it never ran, or the
+    # step failed and the answer is another)
+    early: Callable[[BatchOutput], None] | None = None
+    early_answered: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +95,24 @@ class PendingRequest:
         if isinstance(self.steps, BatchInput):
             return bool(self.steps.predraft_branches.any())
         return any(s.predraft_branches for s in self.steps)
+
+
+def _early_hook(run: list[PendingRequest]):
+    """(the early callback for Proposer.step_batch of these requests merged, the list the whole answer it saw lands in):
+    each request that has work of its own (PendingRequest.early) gets its share; (None, []) when none has."""
+    if not any(p.early is not None for p in run):
+        return None, []
+    seen: list[BatchOutput] = []
+
+    def hook(out: BatchOutput) -> None:
+        seen.append(out)
+        r = 0
+        for p in run:
+            n = len(p.steps)
+            if p.early is not None:
+                p.early(out.slice(r, r + n))
+            r += n
+    return hook, seen
 
 
 @dataclass
@@ -307,7 +331,10 @@ class StepScheduler:
         t0 = time.perf_counter()
         try:
             if columnar:  # every request came as columns: one BatchInput for the whole batch
-                outputs = self.proposer.step_batch(BatchInput.cat([p.steps for p in run]))
+                hook, seen = _early_hook(run)
+                outputs = self.proposer.step_batch(BatchInput.cat([p.steps for p in run]), early=hook)
+                for p in run:
+                    p.early_answered = bool(seen) and seen[0] is outputs
             else:
                 steps = [s for p in run for s in (p.steps.to_inputs() if isinstance(p.steps, BatchInput) else p.steps)]
                 outputs = self.proposer.step(steps) if steps else []

@@ -71,6 +71,24 @@ def build_batch_column_response(out: BatchOutput, request_id: int) -> "pb.Propos
     tensor, the drafts as one masked select of the [B, K] drafts."""
     if out.outputs is not None:
         return build_column_response(out.outputs, request_id)
+    resp = batch_column_head(out, request_id)
+    _encode_batch_drafts(out, into=resp)
+    return resp
+
+
+def batch_column_reply(head: bytes, out: BatchOutput) -> bytes:
+    """The serialized reply of a step from columns whose head (batch_column_head, serialized) was encoded before its
+    drafts were known: the head's bytes, then a message holding only the drafts. Protobuf parses two serialized
+    messages one after the other as their merge, and the two set no field in common, so the bytes parse as
+    build_batch_column_response's message."""
+    tail = pb.ProposeResponse()
+    _encode_batch_drafts(out, into=tail)
+    return head + tail.SerializeToString()
+
+
+def batch_column_head(out: BatchOutput, request_id: int) -> "pb.ProposeResponse":
+    """build_batch_column_response without draft_token_ids: what a step from columns knows before its drafts (its
+    drafts may still be None)."""
     resp = pb.ProposeResponse(request_id=request_id)
     cols = resp.result_columns
     counts = out.num_drafts * (out.codes == 0)  # (a failed sequence has no drafts)
@@ -82,13 +100,19 @@ def build_batch_column_response(out: BatchOutput, request_id: int) -> "pb.Propos
     if bool(out.codes.any()):
         cols.problems.extend(pb.IndexedStatus(index=i, status=pb.Status(code=code, message=out.messages[i]))
                              for i, code in enumerate(out.codes.tolist()) if code)
+    return resp
+
+
+def _encode_batch_drafts(out: BatchOutput, into: "pb.ProposeResponse") -> None:
+    """draft_token_ids of a step from columns: each sequence's first num_drafts of its row of the [B, K] drafts (none
+    for a failed sequence), in batch order."""
+    counts = out.num_drafts * (out.codes == 0)
     K = out.drafts.shape[1]
     if K and bool((counts == K).all()):
         drafts = out.drafts.reshape(-1)
     else:
         drafts = out.drafts[torch.arange(K) < counts[:, None]]
-    encode_tensor(drafts.to(torch.int64), into=resp.draft_token_ids)
-    return resp
+    encode_tensor(drafts.to(torch.int64), into=into.draft_token_ids)
 
 
 def _encode_drafts(outputs: list[StepOutput], counts: list[int], resp: "pb.ProposeResponse") -> None:

@@ -39,7 +39,9 @@ from google.protobuf.message import DecodeError
 from drafter_client.protocol.mailbox import VERSION, Mailbox
 from drafter_client.protocol import pb
 from drafter_service.transport.received_request import MIN_SCAN_BYTES, read_request
+from drafter_service.engine.batch_io import BatchInput, BatchOutput
 from drafter_service.engine.scheduler import PendingRequest, set_owner
+from drafter_service.transport.servicer import batch_column_head, batch_column_reply
 from drafter_service.engine.step_io import StepInput, StepOutput
 from drafter_service import tracing
 from drafter_service.transport.auth import ANY, AuthError, restrict_socket
@@ -112,6 +114,7 @@ class ChannelSet:
     # channel it fails for copies them into read_buffer. None (the CPU): large requests are read in place
     pin: "Callable[[mmap.mmap], Callable[[], None]] | None" = None
     in_place_reads: int = 0  # requests read as a view of their mailbox (diagnostics, tests)
+    early_replies: int = 0  # replies whose all but the drafts was encoded while the step ran (diagnostics, tests)
     _open: list[Channel] = field(default_factory=list)  # step thread only
     _new: deque = field(default_factory=deque)  # acceptor -> step thread
     _listener: socket.socket | None = None
@@ -342,6 +345,10 @@ class ChannelSet:
         set_owner(steps, ch.owner)  # a sequence this request creates belongs to the channel
         t_parsed = time.perf_counter()
         trace = {} if self.trace_file is not None else None
+        head: list[bytes] = []  # a columnar request's reply but its drafts, serialized while the GPU drafted
+
+        def early(answer: BatchOutput) -> None:
+            head.append(batch_column_head(answer, request_id).SerializeToString())
 
         def deliver(outputs, exc):
             t_stepped = time.perf_counter()
@@ -349,7 +356,11 @@ class ChannelSet:
                 self._reply_error(ch, seq, request_id, RequestError(grpc.StatusCode.INTERNAL, f"step failed: {exc}"))
                 return
             try:
-                reply = self.encode(outputs, request).SerializeToString()
+                if head and pending.early_answered:
+                    reply = batch_column_reply(head[0], outputs)
+                    self.early_replies += 1
+                else:
+                    reply = self.encode(outputs, request).SerializeToString()
                 if len(reply) > ch.box.reply.capacity:
                     raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                        f"reply: {len(reply)} bytes; this channel's reply area holds "
@@ -370,7 +381,9 @@ class ChannelSet:
                                                          "replied": t_replied})
 
         # (a channel closed before its request ran: nobody reads the reply, and its sequences are freed already)
-        enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed))
+        pending = PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed,
+                                 early=early if isinstance(steps, BatchInput) and not dry else None)
+        enqueue(pending)
 
     def _reply_error(self, ch: Channel, seq: int, request_id: int, e: RequestError) -> None:
         self.metrics.record_rpc_error(e.code.name)
