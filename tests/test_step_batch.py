@@ -308,9 +308,9 @@ def test_merged_columnar_requests_run_as_one_batch_and_each_gets_its_share(tiny_
 def test_early_work_sees_the_answer_before_its_drafts_and_is_dropped_when_the_step_fails(tiny_model, tmp_path,
                                                                                           monkeypatch):
     """Proposer.step_batch's early callback, through the scheduler (PendingRequest.early): each merged request gets its
-    share of the answer with drafts None; the answer it is then delivered is that one with its drafts
-    (early_answered). A step that raises answers with another object: early_answered is False, so a step channel
-    encodes its reply anew (step_channels.py)."""
+    share of the answer with drafts None; the answer it is then delivered is that one with its drafts. A step that
+    raises answers with another object: early is called again with None before deliver, so a step channel encodes
+    its reply anew (step_channels.py)."""
     from drafter_service.engine.scheduler import PendingRequest, StepScheduler
 
     a, b = runtimes(tiny_model, tmp_path)
@@ -323,9 +323,10 @@ def test_early_work_sees_the_answer_before_its_drafts_and_is_dropped_when_the_st
         halves = [steps[:12], steps[12:]]
         pending = []
         for i, half in enumerate(halves):
-            pending.append(PendingRequest(as_batch(half), lambda out, exc, i=i: delivered.__setitem__(i, (out, exc)),
-                                          early=lambda out, i=i: seen.__setitem__(i, (out.drafts, out.codes.clone(),
-                                                                                      out.accepted_drafts.clone()))))
+            pending.append(PendingRequest(
+                as_batch(half), lambda out, exc, i=i: delivered.__setitem__(i, (out, exc)),
+                early=lambda out, i=i: seen.__setitem__(i, None if out is None else (
+                    out.drafts, out.codes.clone(), out.accepted_drafts.clone()))))
         sched._run_batch(pending)
         return pending, seen, delivered
 
@@ -335,8 +336,7 @@ def test_early_work_sees_the_answer_before_its_drafts_and_is_dropped_when_the_st
         pending, seen, delivered = run_two_requests(steps)
         t.answered(steps, out)
     assert set(seen) == {0, 1} and all(drafts is None for drafts, _, _ in seen.values())
-    for i, p in enumerate(pending):
-        assert p.early_answered
+    for i in range(2):
         answer = delivered[i][0]
         assert torch.equal(answer.codes, seen[i][1]) and torch.equal(answer.accepted_drafts, seen[i][2])
     same(out[:12], delivered[0][0])
@@ -345,5 +345,5 @@ def test_early_work_sees_the_answer_before_its_drafts_and_is_dropped_when_the_st
     steps = [t.step(sid, 2, 3) for sid in sids]
     monkeypatch.setattr(b.proposer.model, "forward", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("injected")))
     pending, seen, delivered = run_two_requests(steps)
-    assert not any(p.early_answered for p in pending)
+    assert seen == {0: None, 1: None}  # (given the answer while the GPU ran, then told to drop it)
     assert {c for i in (0, 1) for c in delivered[i][0].codes.tolist()} == {INTERNAL}

@@ -67,11 +67,9 @@ class PendingRequest:
     cancelled: Callable[[], bool] = lambda: False  # True: nobody waits for it (the RPC was cancelled): skip it
     enqueued_at: float = field(default_factory=time.perf_counter)  # made just before it is queued (queue wait)
     # a columnar request's work on its answer before the drafts are known: called on the step thread, while the GPU
-    # drafts, with its share of the step's answer (drafts None; Proposer.step_batch's early). The scheduler then
-    # sets early_answered: whether the answer deliver gets is that one with its drafts (False: it never ran, or the
-    # step failed and the answer is another)
-    early: Callable[[BatchOutput], None] | None = None
-    early_answered: bool = False
+    # drafts, with its share of the step's answer (drafts None; Proposer.step_batch's early); then, before deliver,
+    # with None when the answer deliver gets is not that one with its drafts (the step failed: drop what was made)
+    early: Callable[[BatchOutput | None], None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -333,8 +331,10 @@ class StepScheduler:
             if columnar:  # every request came as columns: one BatchInput for the whole batch
                 hook, seen = _early_hook(run)
                 outputs = self.proposer.step_batch(BatchInput.cat([p.steps for p in run]), early=hook)
-                for p in run:
-                    p.early_answered = bool(seen) and seen[0] is outputs
+                if seen and seen[0] is not outputs:  # (the step failed after the early work: another answer)
+                    for p in run:
+                        if p.early is not None:
+                            p.early(None)
             else:
                 steps = [s for p in run for s in (p.steps.to_inputs() if isinstance(p.steps, BatchInput) else p.steps)]
                 outputs = self.proposer.step(steps) if steps else []

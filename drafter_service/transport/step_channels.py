@@ -347,8 +347,8 @@ class ChannelSet:
         trace = {} if self.trace_file is not None else None
         head: list[bytes] = []  # a columnar request's reply but its drafts, serialized while the GPU drafted
 
-        def early(answer: BatchOutput) -> None:
-            head.append(batch_column_head(answer, request_id).SerializeToString())
+        def early(answer: BatchOutput | None) -> None:  # (PendingRequest.early: None drops it)
+            head[:] = [] if answer is None else [batch_column_head(answer, request_id).SerializeToString()]
 
         def deliver(outputs, exc):
             t_stepped = time.perf_counter()
@@ -356,7 +356,7 @@ class ChannelSet:
                 self._reply_error(ch, seq, request_id, RequestError(grpc.StatusCode.INTERNAL, f"step failed: {exc}"))
                 return
             try:
-                if head and pending.early_answered:
+                if head:
                     reply = batch_column_reply(head[0], outputs)
                     self.early_replies += 1
                 else:
@@ -381,9 +381,8 @@ class ChannelSet:
                                                          "replied": t_replied})
 
         # (a channel closed before its request ran: nobody reads the reply, and its sequences are freed already)
-        pending = PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed,
-                                 early=early if isinstance(steps, BatchInput) and not dry else None)
-        enqueue(pending)
+        enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed,
+                               early=early if isinstance(steps, BatchInput) and not dry else None))
 
     def _reply_error(self, ch: Channel, seq: int, request_id: int, e: RequestError) -> None:
         self.metrics.record_rpc_error(e.code.name)
