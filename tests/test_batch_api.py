@@ -278,3 +278,35 @@ async def test_a_failed_drafter_is_asked_again_whether_it_takes_columns(tmp_path
         monkeypatch.setattr(c, "_send_step", send_step)
         assert (await c.propose_batch(as_batch(steps))).fallback and len(asked) == 1
         assert c._step_columns is None  # forgotten with the fault: the batch after the breaker's probe asks again
+
+
+async def test_channel_steps_are_freed_without_the_cyclic_collector(server):
+    """A step channel's columnar requests (with their reply's head encoded while the step ran) leave nothing for the
+    cyclic garbage collector: each request, its columns and its views of the mailbox are freed by reference count as
+    soon as it is answered (a first version kept every request in a cycle through its PendingRequest)."""
+    import gc
+
+    n = 40
+    g = torch.Generator().manual_seed(5)
+    toks, hid = torch.randint(0, V, (n, 64), generator=g), torch.randn(n, 64, H, generator=g)
+    async with DrafterClient(server.uds, namespace="gc") as c:
+        assert await c.open_step_channel()
+        channels = server.server.runtime.metrics.channels
+        await c.propose([SequenceStep(f"s{i}", 0, toks[i, :20], hid[i, :20], int(toks[i, 20]), 3) for i in range(n)])
+        early_before = channels.early_replies
+        gc.collect()
+        gc.disable()
+        try:
+            for p in range(19, 27):
+                await c.propose([SequenceStep(f"s{i}", p, toks[i, p : p + 2], hid[i, p : p + 2], int(toks[i, p + 2]), 3)
+                                 for i in range(n)])
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            left = [type(o).__name__ for o in gc.garbage]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        assert channels.early_replies - early_before == 8
+        assert "PendingRequest" not in left and "BatchInput" not in left, sorted(set(left))
+        await c.release([f"s{i}" for i in range(n)])
