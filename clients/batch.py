@@ -254,21 +254,19 @@ def steps_as_batch(steps: list[SequenceStep]) -> StepBatch:
     (serialize_steps_as_columns). Needs columns_can_carry(steps)."""
     counts, token_ids = flat_token_ids(steps)
     first = steps[0]
-    sampled = any(s.temperature for s in steps)
-    seeded = any(s.seed for s in steps)
-    branches = any(s.predraft_branches for s in steps)
+    # one pass over the steps, then a column per field (zip transposes in C)
+    sids, starts, nexts, ks, temps, seeds, branches = zip(*[
+        (s.sequence_id, s.start_position, int(s.next_token), s.num_drafts, s.temperature, s.seed, s.predraft_branches)
+        for s in steps])
     return StepBatch(
-        sequence_ids=[s.sequence_id for s in steps],
-        start_positions=torch.tensor([s.start_position for s in steps], dtype=torch.int64),
+        sequence_ids=list(sids), start_positions=torch.tensor(starts, dtype=torch.int64),
         num_tokens=torch.tensor(counts, dtype=torch.int64), token_ids=token_ids, hidden_states=None,
-        next_tokens=torch.tensor([int(s.next_token) for s in steps], dtype=torch.int64),
-        num_drafts=torch.tensor([s.num_drafts for s in steps], dtype=torch.int64),
-        temperature=torch.tensor([s.temperature for s in steps], dtype=torch.float32) if sampled else 0.0,
+        next_tokens=torch.tensor(nexts, dtype=torch.int64), num_drafts=torch.tensor(ks, dtype=torch.int64),
+        temperature=torch.tensor(temps, dtype=torch.float32) if any(temps) else 0.0,
         # (uint64 seeds of 2**63 and up as the int64 of the same bits, as the seed column holds them)
-        seed=torch.tensor([s.seed - 2**64 if s.seed >= 2**63 else s.seed for s in steps], dtype=torch.int64)
-        if seeded else 0,
+        seed=torch.tensor([x - 2**64 if x >= 2**63 else x for x in seeds], dtype=torch.int64) if any(seeds) else 0,
         return_logprobs=first.return_logprobs, top_k_probs=first.top_k_probs,
-        predraft_branches=torch.tensor([s.predraft_branches for s in steps], dtype=torch.int64) if branches else 0)
+        predraft_branches=torch.tensor(branches, dtype=torch.int64) if any(branches) else 0)
 
 
 def serialize_steps_as_columns(namespace: str, steps: list[SequenceStep], batch: StepBatch,

@@ -182,14 +182,30 @@ def serialize_with_states(req: "pb.ProposeRequest", hidden_states: "torch.Tensor
     stack, in order) written by hand when they are large and alike (a DirectRequest: copied once, when the request
     is written where it goes), else through protobuf.
     States of chunk_min_bytes or more (when given) come back as a ChunkedRequest, for ProposeChunked."""
-    if (parts is None or len({(p.dtype, p.dim(), p.shape[-1] if p.dim() else 0) for p in parts}) != 1
-            or parts[0].dim() != 2 or parts[0].dtype not in WIRE_DTYPE
-            or sum(p.numel() for p in parts) * parts[0].element_size() < DIRECT_STATES_MIN_BYTES):
+    alike = _alike_rows(parts) if parts else None
+    nbytes = alike[0] * alike[1] * parts[0].element_size() if alike is not None else 0
+    if nbytes < DIRECT_STATES_MIN_BYTES:
         _set_states(req, hidden_states, parts)
         return req.SerializeToString()
-    if chunk_min_bytes is not None and sum(p.numel() for p in parts) * parts[0].element_size() >= chunk_min_bytes:
+    if chunk_min_bytes is not None and nbytes >= chunk_min_bytes:
         return ChunkedRequest(req, parts)
-    return DirectRequest(req, parts)
+    return DirectRequest(req, parts, alike)
+
+
+def _alike_rows(parts: list[torch.Tensor]) -> tuple[int, int] | None:
+    """(rows, W) when every part is a [rows_i, W] tensor of one wire dtype and one W; None otherwise. (One pass, a
+    shape and a dtype read per part: at batch 128 such checks cost more than the copy they decide on.)"""
+    first = parts[0]
+    dtype, shape = first.dtype, first.shape
+    if dtype not in WIRE_DTYPE or len(shape) != 2:
+        return None
+    width, rows = shape[1], 0
+    for p in parts:
+        shape = p.shape
+        if len(shape) != 2 or shape[1] != width or p.dtype != dtype:
+            return None
+        rows += shape[0]
+    return rows, width
 
 
 def one_block(tensors: list[torch.Tensor]) -> "torch.Tensor | None":
@@ -214,40 +230,41 @@ def one_block(tensors: list[torch.Tensor]) -> "torch.Tensor | None":
     return torch.as_strided(first, shape, torch.empty(shape, device="meta").stride())
 
 
-def _one_span(parts: list[torch.Tensor]) -> "torch.Tensor | None":
-    """The parts' bytes as one [n] uint8 view when they are one block (one_block); None otherwise."""
-    block = one_block(parts)
-    return None if block is None else block.reshape(-1).view(torch.uint8)
-
-
 def write_rows(parts: list[torch.Tensor], dest: memoryview) -> None:
     """The parts' bytes (tensors of one dtype, any device), one after another, into dest (a writable byte buffer of
-    exactly their size): the client's one copy of a step's states. States that are consecutive slices of one tensor
-    go in one copy; otherwise one memmove per part, on this thread. No torch op per part and none that runs on the
-    caller's intra-op pool: waking that pool cost an engine process with torch's default 16 threads, on a 16-vCPU
-    H200 VM shared with the drafter, 38 ms a step (torch.cat of EAGLE-3 states, batch 16-64; docs/performance.md).
-    Dev CPU, 128 parts of 3 x 4096 bf16 rows: 0.21-0.29 ms by memmove against 0.43-0.64 ms with a torch view per part
-    (16 torch threads). On the H200 host the copy itself dominates (states scattered over 128 tensors)."""
-    cpu = [p.detach().cpu() for p in parts]
-    span = _one_span(cpu)
-    if span is not None:  # (an engine's batch tensor sliced per sequence: one copy of the whole range)
-        with memoryview(span.numpy()) as src:
-            dest[:] = src
-        return
-    sizes = [p.numel() * p.element_size() for p in cpu]
-    if sum(sizes) != len(dest):
-        raise ValueError(f"the parts hold {sum(sizes)} bytes; the buffer {len(dest)}")
-    if not sizes or not len(dest):
+    exactly their size): the client's one copy of a step's states. Parts that lie one after another in memory (an
+    engine's batch tensor sliced per sequence) go in one copy; otherwise one memmove per part, on this thread. No
+    torch op per part and none that runs on the caller's intra-op pool: waking that pool cost an engine process with
+    torch's default 16 threads, on a 16-vCPU H200 VM shared with the drafter, 38 ms a step (torch.cat of EAGLE-3
+    states, batch 16-64; docs/performance.md). One pass over the parts reads each one's address and size (host
+    parts need no copy first, device parts are copied to the host): at batch 128 that pass, not the copy, was most
+    of the client's packing."""
+    keep = []  # (parts copied to the host or made contiguous: alive until their bytes are copied)
+    spans = []  # (address, bytes) of each part
+    for p in parts:
+        if not p.is_cpu:
+            p = p.detach().cpu()
+            keep.append(p)
+        elif not p.is_contiguous():
+            p = p.contiguous()
+            keep.append(p)
+        spans.append((p.data_ptr(), p.numel() * p.element_size()))
+    total = sum(n for _, n in spans)
+    if total != len(dest):
+        raise ValueError(f"the parts hold {total} bytes; the buffer {len(dest)}")
+    if not total:
         return
     target = torch.frombuffer(dest, dtype=torch.uint8)  # (only for its address: dest stays exported meanwhile)
     try:
         at = target.data_ptr()
-        for p, n in zip(cpu, sizes):
-            if n:
-                if not p.is_contiguous():
-                    p = p.contiguous()
-                ctypes.memmove(at, p.data_ptr(), n)
-            at += n
+        start, end = spans[0][0], spans[0][0]
+        for ptr, n in spans:  # (parts one after another in memory: copied as one range)
+            if ptr != end:
+                ctypes.memmove(at, start, end - start)
+                at += end - start
+                start = ptr
+            end = ptr + n
+        ctypes.memmove(at, start, end - start)
     finally:
         del target
 
@@ -258,9 +275,10 @@ class DirectRequest:
     bytes; the bytes are the other fields as protobuf serializes them, then the hidden_states field written by hand.
     The parts are read when it is written: the caller keeps them unchanged until then."""
 
-    def __init__(self, req: "pb.ProposeRequest", parts: list[torch.Tensor]):
+    def __init__(self, req: "pb.ProposeRequest", parts: list[torch.Tensor], rows_width: tuple[int, int] | None = None):
         self.parts = parts  # [rows, W] tensors alike in dtype and width, stacked in order as the states
-        self.rows, self.width, self.dtype = sum(p.shape[0] for p in parts), parts[0].shape[1], parts[0].dtype
+        self.rows, self.width = rows_width or _alike_rows(parts)  # (rows_width: _alike_rows(parts), known already)
+        self.dtype = parts[0].dtype
         self.raw_len = self.rows * self.width * parts[0].element_size()
         shape = _varint(self.rows) + _varint(self.width)
         tensor_head = (bytes([1 << 3]) + _varint(WIRE_DTYPE[self.dtype])  # dtype = 1 (varint)
@@ -379,10 +397,14 @@ def flat_token_ids(steps: list[SequenceStep]) -> tuple[list[int], torch.Tensor]:
     if all(isinstance(s.token_ids, list) for s in steps):  # plain lists: one tensor for the whole batch
         return [len(s.token_ids) for s in steps], torch.tensor([t for s in steps for t in s.token_ids],
                                                                 dtype=torch.int64)
-    if all(isinstance(s.token_ids, torch.Tensor) and s.token_ids.dim() == 1 and not s.token_ids.is_cuda
-           for s in steps):  # 1-D host tensors: one cat
-        return ([s.token_ids.shape[0] for s in steps],
-                torch.cat([s.token_ids for s in steps]).to(dtype=torch.int64))
+    ids = [s.token_ids for s in steps]
+    if all(type(t) is torch.Tensor for t in ids):  # tensors: one cat, whose result tells whether they were 1-D host
+        try:  # tensors (a cat of 2-D ones is 2-D; of 0-D ones, or of several devices, an error)
+            flat = torch.cat(ids)
+        except (RuntimeError, TypeError):
+            flat = None
+        if flat is not None and flat.dim() == 1 and flat.is_cpu:
+            return [t.shape[0] for t in ids], flat.to(dtype=torch.int64)
     ids = [torch.as_tensor(s.token_ids, dtype=torch.int64).reshape(-1).cpu() for s in steps]
     return [t.numel() for t in ids], torch.cat(ids)
 
