@@ -50,11 +50,11 @@ def test_bench_step_measures_every_path(tmp_path):
 
 def test_bench_request_codec_reads_requests_as_the_server_does(tmp_path):
     result = run(["benchmarks/bench_request_codec.py", "--batches", "1,32", "--rounds", "1", "--reps", "2",
-                  "--width", "64"], tmp_path / "codec.json")
-    assert result["malloc_tuned"] in (True, False)
+                  "--width", "64", "--scattered-states", "--context", "16"], tmp_path / "codec.json")
+    assert result["malloc_tuned"] in (True, False) and result["scattered_states"] is True
     assert {(r["batch"], r["form"]) for r in result["rows"]} == {
-        (b, f) for b in (1, 32) for f in ("message", "rows", "batch-rows", "batch-cols")}
-    assert all(r["server parse"] > 0 for r in result["rows"])
+        (b, f) for b in (1, 32) for f in ("message", "rows", "batch-rows", "batch-cols", "steps-cols")}
+    assert all(r["server parse"] > 0 and r["client pack"] > 0 for r in result["rows"])
 
 
 def test_host_phases_splits_the_step(tmp_path):
