@@ -191,22 +191,32 @@ def test_states_are_written_alike_with_any_torch_thread_count(threads):
         "ns", [SequenceStep(f"s{i}", 0, list(range(p.shape[0])), p, 1, 2) for i, p in enumerate(parts)])
 
 
-def test_states_sliced_from_one_tensor_are_written_in_one_copy():
-    """Steps whose states are consecutive slices of one tensor (an engine's batch) are copied as one span; any gap,
-    reordering or other tensor falls back to the copy per part: the bytes are the same every way."""
-    from drafter_client.messages import _one_span, write_rows
+def test_states_sliced_from_one_tensor_are_written_in_one_copy(monkeypatch):
+    """Steps whose states are consecutive slices of one tensor (an engine's batch) are copied as one span (one
+    memmove); a gap, a reordering or another tensor starts another span; a part that is not contiguous is made so
+    first: the bytes are the same every way."""
+    import ctypes
+
+    from drafter_client import messages
+    from drafter_client.messages import one_block, write_rows
+    copies = []
+    memmove = ctypes.memmove
+    monkeypatch.setattr(messages.ctypes, "memmove", lambda dst, src, n: copies.append(n) or memmove(dst, src, n))
     whole = torch.randn(30, 500).to(torch.bfloat16)
     cuts = [0, 4, 5, 17, 30]
     slices = [whole[a:b] for a, b in zip(cuts, cuts[1:])]
-    span = _one_span(slices)
-    assert span is not None and span.data_ptr() == whole.data_ptr() and span.numel() == whole.numel() * 2
+    block = one_block(slices)
+    assert block is not None and block.data_ptr() == whole.data_ptr() and block.shape == whole.shape
     buf = bytearray(whole.numel() * 2)
     write_rows(slices, memoryview(buf))
-    assert bytes(buf) == bytes(whole.view(-1).view(torch.uint8).numpy())
-    for parts in ([whole[0:4], whole[5:17]], [whole[4:5], whole[0:4]], [whole[0:4], torch.randn(3, 500).to(torch.bfloat16)],
-                  [whole[0:4, :250], whole[4:6, :250]]):
-        assert _one_span(parts) is None
+    assert bytes(buf) == bytes(whole.view(-1).view(torch.uint8).numpy()) and copies == [whole.numel() * 2]
+    other = torch.randn(3, 500).to(torch.bfloat16)
+    for parts, spans in (([whole[0:4], whole[5:17]], 2), ([whole[4:5], whole[0:4]], 2), ([whole[0:4], other], 2),
+                         ([whole[0:4, :250], whole[4:6, :250]], None), ([whole[0:4], whole[4:9], other], 2)):
+        assert one_block(parts) is None
         want = torch.cat([p.contiguous() for p in parts]).view(-1).view(torch.uint8)
         buf = bytearray(want.numel())
+        copies.clear()
         write_rows(parts, memoryview(buf))
         assert bytes(buf) == bytes(want.numpy())
+        assert spans is None or len(copies) == spans, (len(copies), spans)  # (None: contiguous copies, anywhere)
