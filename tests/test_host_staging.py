@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from drafter_service.engine.host_staging import one_block, rows_to_device
+from drafter_service.engine.host_staging import one_block, rows_into, rows_to_device
 
 
 def test_mixed_dtypes_are_promoted_as_cat_does():
@@ -80,3 +80,15 @@ def test_rows_on_the_cpu_are_one_cat_of_new_memory():
     parts = [whole[0:4], whole[4:10]]
     got = rows_to_device(parts, torch.device("cpu"))
     assert torch.equal(got, whole) and got.data_ptr() != whole.data_ptr()
+
+
+def test_rows_into_a_kept_buffer_are_the_cat_in_its_dtype():
+    """rows_into: one block, separate tensors, and rows of another dtype than the buffer's (cast by the copy) all
+    land as torch.cat of the rows; the rows past them are left as they were."""
+    whole = torch.randn(10, 8)
+    for parts in ([whole], [whole[0:4], whole[4:10]], [whole[0:3], torch.randn(2, 8)],
+                  [whole[0:4].to(torch.bfloat16), whole[4:10].to(torch.bfloat16)]):
+        out = torch.full((12, 8), 7.0)
+        rows = sum(p.shape[0] for p in parts)
+        rows_into(parts, out[:rows])
+        assert torch.equal(out[:rows], torch.cat(parts).to(out.dtype)) and bool((out[rows:] == 7.0).all())

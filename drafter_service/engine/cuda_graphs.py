@@ -74,12 +74,11 @@ import time
 import numpy as np
 import torch
 
-from drafter_client.messages import one_block
 from drafter_kernels import ops
 
 from drafter_service.models.attention_metadata import AttentionMetadata
 from drafter_service.engine.first_step_record import FirstStepRecord
-from drafter_service.engine.host_staging import rows_to_device
+from drafter_service.engine.host_staging import rows_into
 from drafter_service.engine.step_metadata import StepMetadata
 
 log = logging.getLogger(__name__)
@@ -333,22 +332,10 @@ class DecodeGraphs:
         B, M = num_tokens.shape[0], int(num_tokens.max())
         bs = padded_batch_size(B, self.first_sizes)
         self.record.write(start_positions, num_tokens, next_tokens, num_drafts, token_ids, block_tables)
-        self._load_states(hidden_states, token_ids.shape[0])
+        rows_into(hidden_states, self.fs_states[: token_ids.shape[0]])
         self._replay_first(bs, M)
         self.first_steps_run += 1
         return self._decode_and_collect(out, list(range(B)), num_drafts.tolist(), B, bs)
-
-    def _load_states(self, parts: list[torch.Tensor], T: int) -> None:
-        """fs_states[:T] = the concatenated parts, in one copy where they are one block (a step channel's mailbox,
-        an upload staged in pinned memory, the engine's own device tensor)."""
-        dst = self.fs_states[:T]
-        block = parts[0] if len(parts) == 1 else one_block(parts)
-        if block is not None and (block.device == dst.device or block.is_pinned()):
-            dst.copy_(block, non_blocking=True)  # (with the cast, where the wire dtype is not the model's)
-        elif all(t.device == dst.device and t.dtype == dst.dtype for t in parts):
-            torch.cat(parts, out=dst)
-        else:  # host rows from pageable memory: staged through pinned memory (host_staging.py)
-            dst.copy_(rows_to_device(parts, self.device), non_blocking=True)
 
     def kept_features(self, n: int, k: int) -> torch.Tensor:
         """After an engine step of uniform k: g_0..g_{k-1} of its n drafting rows, [n, k, H] (a copy: the next

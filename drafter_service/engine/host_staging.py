@@ -74,3 +74,18 @@ def rows_to_device(tensors: list[torch.Tensor], device: torch.device) -> torch.T
     host = torch.empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), dtype=dtype, pin_memory=True)
     torch.cat(tensors, out=host)
     return host.to(device, non_blocking=True)
+
+
+def rows_into(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+    """rows_to_device into a kept buffer: out (a tensor of the rows' concatenated shape, on the step's device, in
+    any float dtype: the copy casts) = torch.cat(tensors). One copy where the rows are one block already on out's
+    device or pinned (a step channel's mailbox, an upload staged in pinned memory, the engine's own device tensor);
+    one cat for several tensors on out's device in its dtype; otherwise rows_to_device first (host rows from
+    pageable memory go through pinned memory)."""
+    block = tensors[0] if len(tensors) == 1 else one_block(tensors)
+    if block is not None and (block.device == out.device or block.is_pinned()):
+        out.copy_(block, non_blocking=True)
+    elif all(t.device == out.device and t.dtype == out.dtype for t in tensors):
+        torch.cat(tensors, out=out)
+    else:
+        out.copy_(rows_to_device(tensors, out.device), non_blocking=True)
