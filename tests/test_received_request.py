@@ -7,6 +7,7 @@ random and corrupted bytes; then end to end: a step of more than MIN_SCAN_BYTES 
 ProposeStream and a step channel gives the in-process drafts.
 """
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ SETTINGS = settings(max_examples=300, deadline=None, derandomize=True,
 @pytest.fixture
 def scan_everything(monkeypatch):
     monkeypatch.setattr(received_request, "MIN_SCAN_BYTES", 0)
+    monkeypatch.setattr(received_request, "MIN_SCAN_FIELDS", 10**6)
 
 
 def as_protobuf_gives(message: bytes) -> "pb.ProposeRequest | type[DecodeError]":
@@ -114,6 +116,52 @@ def test_small_requests_go_to_protobuf_whole():
     steps = [SequenceStep("s", 0, [1, 2], torch.randn(2, 8), 1, 3)]
     got = read_request(bytes(serialize_request("ns", steps)))
     assert got.states is None and got.request.hidden_states.WhichOneof("data") == "raw"
+
+
+def test_which_requests_are_scanned():
+    """From MIN_SCAN_BYTES (64 KiB) a request is scanned, until its top-level fields pass max(MIN_SCAN_FIELDS,
+    size // SCAN_BYTES_PER_FIELD): a columnar step (five fields) always is; one SequenceStep per sequence with little
+    state per row goes to protobuf whole. Either way the message is what protobuf gives."""
+    from drafter_client.batch import serialize_batch, steps_as_batch
+    g = torch.Generator().manual_seed(3)
+
+    def steps(n: int, width: int) -> list[SequenceStep]:
+        return [SequenceStep(f"s{i}", 0, [1, 2, 3], torch.randn(3, width, generator=g), 1, 3) for i in range(n)]
+
+    def read(request) -> received_request.ReceivedRequest:
+        message = bytes(request)
+        return check_same(message)
+
+    assert len(bytes(serialize_request("ns", steps(1, 2048)))) < received_request.MIN_SCAN_BYTES
+    assert read(serialize_request("ns", steps(1, 2048))).states is None  # (24 KiB: too small to scan)
+    assert read(serialize_request("ns", steps(2, 4096))).states is not None  # (96 KiB, 6 fields)
+    # 48 sequences of 3 x 128 fp32 (72 KiB): 52 fields for a budget of 8: protobuf's
+    assert read(serialize_request("ns", steps(48, 128))).states is None
+    # the same rows as columns: 5 fields
+    ss = steps(48, 128)
+    batch = dataclasses.replace(steps_as_batch(ss), hidden_states=torch.cat([s.hidden_states for s in ss]))
+    assert read(serialize_batch("ns", batch, request_id=1, columns=True)).states is not None
+    # 8 sequences of 3 x 4096 fp32 (384 KiB): 12 fields within a budget of 24
+    assert read(serialize_request("ns", steps(8, 4096))).states is not None
+
+
+def test_shared_memory_is_copied_before_protobuf_parses_it(monkeypatch):
+    """A mailbox view that is not scanned (or whose scan gives up) is copied first: protobuf never parses memory
+    the client can still write; only the states of a scanned request stay a view."""
+    parsed = []
+    from_string = pb.ProposeRequest.FromString
+    monkeypatch.setattr(pb.ProposeRequest, "FromString",
+                        staticmethod(lambda data: parsed.append(type(data)) or from_string(data)))
+    small = memoryview(bytearray(bytes(serialize_request("ns", [SequenceStep("s", 0, [1], torch.randn(1, 8), 1, 3)]))))
+    assert read_request(small).request.namespace == "ns" and parsed == [bytes]
+    parsed.clear()
+    many = [SequenceStep(f"s{i}", 0, [1, 2, 3], torch.randn(3, 128), 1, 3) for i in range(48)]
+    got = read_request(memoryview(bytearray(bytes(serialize_request("ns", many)))))
+    assert got.states is None and len(got.request.steps) == 48 and parsed == [bytes]
+    parsed.clear()
+    large = [SequenceStep("s", 0, [1, 2, 3], torch.randn(3, 8192), 1, 3)]
+    got = read_request(memoryview(bytearray(bytes(serialize_request("ns", large)))))
+    assert isinstance(got.states, memoryview) and parsed == [bytes]
 
 
 def test_large_inline_states_through_every_path_give_the_in_process_drafts(tiny_model, tmp_path):

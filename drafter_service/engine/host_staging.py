@@ -12,7 +12,7 @@ The caching host allocator keeps the pinned block until every copy queued from i
 never overwrites rows still in flight.
 
 A step channel's mailbox is registered as pinned memory on CUDA when the channel opens (pin_mapping), and a request
-of 1 MiB or more is read in place, a view of the mailbox (where the registration failed: copied out of it into
+of 64 KiB or more is read in place, a view of the mailbox (where the registration failed: copied out of it into
 pinned memory, pinned_bytes); a ProposeChunked upload is staged in pinned memory there. The inline states are a view
 of it, sliced per sequence. Such rows (one_block) go to the device with one DMA, with no cat at all.
 """
