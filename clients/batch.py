@@ -11,6 +11,7 @@ chunk_min_bytes (2 MiB) or more go by ProposeChunked either way. ``propose(list[
 convenience over the same request.
 """
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 import numpy as np
@@ -185,22 +186,39 @@ def parse_batch_response(resp: "pb.ProposeResponse", sequence_ids: list[str]) ->
     if resp.HasField("result_columns"):
         return _parse_result_columns(resp, sequence_ids)
     results = resp.results
-    if len(results) != len(sequence_ids):
-        raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply answers {len(results)} sequences of "
-                                                     f"{len(sequence_ids)}")
-    cols = [(r.status.code, r.num_drafts, r.accepted_drafts, r.committed_length, r.predrafted) for r in results]
-    codes, counts, accepted, lengths, predrafted = (torch.tensor(c, dtype=torch.int64).reshape(-1)
-                                                    for c in zip(*cols)) \
-        if cols else (torch.empty(0, dtype=torch.int64),) * 5
-    flat = decode_tensor(resp.draft_token_ids, "draft_token_ids", (pb.INT64,), 1).clone()
-    if int(counts.sum()) != flat.numel():
+    n = len(sequence_ids)
+    if len(results) != n:
+        raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply answers {len(results)} sequences of {n}")
+    # [n, 5]: code, num_drafts, accepted_drafts, committed_length, predrafted (numpy: a torch op per column cost
+    # ~0.2 ms of fixed cost per reply on the H100 host)
+    cols = np.array([(r.status.code, r.num_drafts, r.accepted_drafts, r.committed_length, r.predrafted)
+                     for r in results], dtype=np.int64).reshape(n, 5)
+    try:
+        flat = decode_array(resp.draft_token_ids, "draft_token_ids", (pb.INT64,), 1).copy()
+    except ValueError as e:
+        raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply is malformed: {e}") from None
+    codes = cols[:, 0].astype(np.int32)
+    return _batch_drafts(resp, sequence_ids, codes, cols[:, 1].copy(), flat, cols[:, 2].copy(), cols[:, 3].copy(),
+                         cols[:, 4] != 0, lambda failed: {i: results[i].status.message for i in failed})
+
+
+def _batch_drafts(resp: "pb.ProposeResponse", sequence_ids: list[str], codes: np.ndarray, counts: np.ndarray,
+                  flat: np.ndarray, accepted: np.ndarray, lengths: np.ndarray, predrafted: np.ndarray,
+                  messages: Callable[[list[int]], dict[int, str]]) -> BatchDrafts:
+    """BatchDrafts over a reply's decoded columns (numpy arrays of their own: [n] int32 codes; [n] int64 counts,
+    accepted drafts and committed lengths; [n] bool predrafted; the flat draft ids): checks that the counts add up
+    to the draft ids. messages(failed indices) -> their status messages."""
+    if int(counts.sum()) != flat.shape[0]:
         raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply's num_drafts add up to {int(counts.sum())}, but "
-                                                     f"it holds {flat.numel()} draft ids")
-    out = BatchDrafts(sequence_ids=list(sequence_ids), codes=codes.to(torch.int32), num_drafts=counts,
-                      draft_token_ids=flat, accepted_drafts=accepted, committed_lengths=lengths,
-                      needs_resync=torch.isin(codes, torch.tensor(sorted(RESYNC_CODES))),
-                      messages={i: results[i].status.message for i in codes.nonzero().flatten().tolist()},
-                      request_id=resp.request_id, predrafted=predrafted.to(torch.bool))
+                                                     f"it holds {flat.shape[0]} draft ids")
+    failed = np.flatnonzero(codes).tolist()
+    out = BatchDrafts(sequence_ids=list(sequence_ids), codes=torch.from_numpy(codes),
+                      num_drafts=torch.from_numpy(counts), draft_token_ids=torch.from_numpy(flat),
+                      accepted_drafts=torch.from_numpy(accepted), committed_lengths=torch.from_numpy(lengths),
+                      needs_resync=torch.from_numpy(np.isin(codes, RESYNC_ARRAY) if failed
+                                                    else np.zeros(codes.shape[0], bool)),
+                      messages=messages(failed) if failed else {}, request_id=resp.request_id,
+                      predrafted=torch.from_numpy(predrafted))
     return _with_distributions(out, resp)
 
 
@@ -226,19 +244,14 @@ def _parse_result_columns(resp: "pb.ProposeResponse", sequence_ids: list[str]) -
     codes = column("status_codes", (pb.INT32,)).astype(np.int32)  # (astype: a writable copy, off the message)
     counts = column("num_drafts", (pb.INT32,)).astype(np.int64)
     flat = read(resp.draft_token_ids, "draft_token_ids", (pb.INT64,)).copy()
-    if int(counts.sum()) != flat.shape[0]:
-        raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply's num_drafts add up to {int(counts.sum())}, but "
-                                                     f"it holds {flat.shape[0]} draft ids")
-    failed = np.flatnonzero(codes).tolist()
-    messages = {p.index: p.status.message for p in cols.problems if p.index < n} if failed else {}
-    out = BatchDrafts(sequence_ids=list(sequence_ids), codes=torch.from_numpy(codes),
-                      num_drafts=torch.from_numpy(counts), draft_token_ids=torch.from_numpy(flat),
-                      accepted_drafts=torch.from_numpy(column("accepted_drafts", (pb.INT32,)).astype(np.int64)),
-                      committed_lengths=torch.from_numpy(column("committed_lengths", (pb.INT64,)).astype(np.int64)),
-                      needs_resync=torch.from_numpy(np.isin(codes, RESYNC_ARRAY) if failed else np.zeros(n, bool)),
-                      messages={i: messages.get(i, "") for i in failed},
-                      request_id=resp.request_id, predrafted=torch.from_numpy(column("predrafted", (pb.INT32,)) != 0))
-    return _with_distributions(out, resp)
+
+    def messages(failed: list[int]) -> dict[int, str]:
+        given = {p.index: p.status.message for p in cols.problems if p.index < n}
+        return {i: given.get(i, "") for i in failed}
+    return _batch_drafts(resp, sequence_ids, codes, counts, flat,
+                         column("accepted_drafts", (pb.INT32,)).astype(np.int64),
+                         column("committed_lengths", (pb.INT64,)).astype(np.int64),
+                         column("predrafted", (pb.INT32,)) != 0, messages)
 
 
 def columns_can_carry(steps: list[SequenceStep]) -> bool:

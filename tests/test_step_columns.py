@@ -294,3 +294,22 @@ def test_a_malformed_column_reply_is_internal_naming_the_field(field, damage):
     with pytest.raises(DrafterError) as e:
         parse_batch_response(reply, ["a", "b", "c"])
     assert e.value.code == grpc.StatusCode.INTERNAL and field in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["dtype", "bytes", "count"])
+def test_a_malformed_per_sequence_reply_is_internal(damage):
+    """The batch API's parse of a per-sequence reply (a batch under COLUMNS_MIN_SEQUENCES): draft ids it cannot read,
+    or num_drafts that do not add up to them, are the drafter's fault: INTERNAL."""
+    from drafter_client.messages import DrafterError
+    outs = [StepOutput(drafts=[1, 2, 3], committed_length=7), StepOutput(drafts=[4], committed_length=9)]
+    reply = pb.ProposeResponse.FromString(build_response(outs, ["a", "b"], 1).SerializeToString())
+    if damage == "dtype":
+        reply.draft_token_ids.dtype = pb.FLOAT32
+    elif damage == "bytes":
+        reply.draft_token_ids.raw = reply.draft_token_ids.raw + b"\x00"
+    else:
+        reply.results[1].num_drafts = 2
+    with pytest.raises(DrafterError) as e:
+        parse_batch_response(reply, ["a", "b"])
+    assert e.value.code == grpc.StatusCode.INTERNAL, str(e.value)
+    assert ("draft_token_ids" if damage != "count" else "add up") in str(e.value)
