@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -39,13 +41,21 @@ def test_predraft_mechanics_runs_the_engine_in_a_process_of_its_own(tmp_path):
 
 def test_bench_step_measures_every_path(tmp_path):
     result = run(["-m", "drafter_client.benchmarks.bench_step", "--preset", "tiny", "--device", "cpu",
-                  "--batches", "1,32", "--iters", "2", "--prefill-tokens", "0", "--threads", "1"],
+                  "--batches", "1,32", "--iters", "2", "--prefill-tokens", "0", "--threads", "1", "--rounds", "2"],
                  tmp_path / "bs.json")
-    assert result["benchmark"] == "bench_step" and result["cpu_threads"] == 1
+    assert result["benchmark"] == "bench_step" and result["cpu_threads"] == 1 and result["rounds"] == 2
     for r in result["rows"]:
         for key in ("in_process_ms", "sidecar_ms", "sidecar_stream_ms", "sidecar_channel_ms",
                     "sidecar_channel_batch_api_ms", "floor_ms", "sidecar_worker_ms"):
             assert r[key] > 0, (key, r)
+        # --rounds: each round's medians and ratios, in-process and through the channel alternated
+        rounds = r["rounds"]
+        for key in ("in_process_ms", "channel_ms", "channel_batch_api_ms", "channel_over_in_process",
+                    "channel_batch_api_over_in_process"):
+            assert len(rounds[key]) == 2 and all(x > 0 for x in rounds[key]), (key, rounds)
+        assert rounds["channel_over_in_process"][0] == pytest.approx(rounds["channel_ms"][0] / rounds["in_process_ms"][0])
+        assert min(rounds["channel_over_in_process"]) <= r["rounds_median"]["channel_over_in_process"] <= max(
+            rounds["channel_over_in_process"])
 
 
 def test_bench_request_codec_reads_requests_as_the_server_does(tmp_path):

@@ -5,6 +5,7 @@ proposer called in-process, with the floor (bytes a step must read over measured
     python -m drafter_client.benchmarks.bench_step --preset llama3-8b --device cuda     # the GPU table
     python -m drafter_client.benchmarks.bench_step --preset llama3-8b-eagle3 --device cuda   # EAGLE-3 head
     ... --device cuda --graphs-ab      # also the in-process proposer with --no-cuda-graphs, in the same run
+    ... --rounds 5                     # then the channel / in-process ratio over 5 alternating rounds
 
 The head has random weights of the preset's shape (written once to a temp dir as a Hugging Face checkpoint, which
 the server process loads). Each timed step is a decode step: every sequence sends m committed tokens at a context
@@ -285,6 +286,58 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
             t_channel_ipc, t_channel_batch)
 
 
+async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, rounds: int) -> dict[str, list[float]]:
+    """The step channel against the in-process step in alternating rounds (the in-process runtime rt alive beside
+    the drafter): each round times iters steps of each of the in-process proposer (one StepInput per sequence, host
+    states), propose() through a step channel and propose_batch() through it, one after the other, so that the
+    ratios of a round come from the same minute of the machine. Returns each one's median per round (seconds)."""
+    from drafter_client import DrafterClient
+    from drafter_client.batch import steps_as_batch
+    from drafter_client.messages import build_request
+
+    prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
+    for chunk in range(0, batch, 8):
+        out = rt.proposer.step(to_inputs(prefill[chunk : chunk + 8]))
+        assert all(o.code == 0 for o in out), out[0].message
+    inputs = to_inputs(decode)
+    as_batch = dataclasses.replace(steps_as_batch(decode), hidden_states=torch.cat([s.hidden_states for s in decode]))
+    result = {"in_process": [], "channel": [], "channel_batch_api": []}
+    async with DrafterClient(target, namespace="bench", step_timeout_s=None) as c:
+        for chunk in range(0, batch, 8):
+            r = await c.propose(prefill[chunk : chunk + 8])
+            assert all(s.ok for s in r.sequences), r.sequences[0].message
+        request_bytes = max(16 * 2**20, 2 * build_request("bench", decode, None).ByteSize())
+        assert await c.open_step_channel(request_bytes=request_bytes), "no step channel"
+        for _ in range(rounds):
+            times = []
+            for i in range(iters + 3):
+                t0 = time.perf_counter()
+                out = rt.proposer.step(inputs)
+                times.append(time.perf_counter() - t0)
+            assert all(o.code == 0 and len(o.drafts) == k for o in out), out[0].message
+            result["in_process"].append(statistics.median(times[3:]))
+            times = []
+            for i in range(iters + 3):
+                t0 = time.perf_counter()
+                r = await c.propose(decode)
+                times.append(time.perf_counter() - t0)
+            assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
+            result["channel"].append(statistics.median(times[3:]))
+            times = []
+            for i in range(iters + 3):
+                t0 = time.perf_counter()
+                r = await c.propose_batch(as_batch)
+                times.append(time.perf_counter() - t0)
+            assert not r.fallback and int(r.codes.abs().sum()) == 0 and bool((r.num_drafts == k).all())
+            result["channel_batch_api"].append(statistics.median(times[3:]))
+        assert c.steps_through_channel == 2 * rounds * (iters + 3), "every step should have gone through the channel"
+        c.close_step_channel()
+        await c.release([s.sequence_id for s in decode])
+    for s in decode:
+        rt.proposer.table.release("bench", s.sequence_id)
+    return result
+
+
 def prefill_step(tokens: int, width: int, vocab: int, sequence_id: str = "prefill"):
     """One sequence, one step holding a whole prompt of `tokens` committed tokens (k = 0)."""
     from drafter_client import SequenceStep
@@ -354,6 +407,10 @@ def main() -> int:
     ap.add_argument("--drafter-flag", action="append", default=[],
                     help="an extra drafter-serve flag for the sidecar runs, e.g. --drafter-flag=--step-channel-"
                          "checksums=on (repeatable)")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="after the table: this many alternating rounds of the in-process step, the step channel and "
+                         "the batch API through it, per batch size (the in-process runtime then stays alive beside "
+                         "the drafter); the ratios' median and spread go in the JSON (0: none)")
     ap.add_argument("--out", default="bench_out/bench_step.json")
     a = ap.parse_args()
     shape = PRESETS[a.preset]
@@ -408,16 +465,17 @@ def main() -> int:
             prefill = dict(tokens=a.prefill_tokens, hidden_bytes=hidden_bytes, in_process_ms=t * 1e3,
                            in_process_gbps=hidden_bytes / t / 1e9)
             print(f"in-process prefill {a.prefill_tokens}: {t * 1e3:.2f} ms", flush=True)
-        del rt
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        if not a.rounds:  # (with rounds it runs again beside the drafter)
+            del rt
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         if a.graphs_ab and device.type == "cuda":
-            rt = build_runtime(dataclasses.replace(cfg, cuda_graphs=False))
+            eager = build_runtime(dataclasses.replace(cfg, cuda_graphs=False))
             for row in rows:
-                t = bench_in_process(rt, row["batch"], context, a.m, a.k, a.iters, width, shape["vocab_size"])
+                t = bench_in_process(eager, row["batch"], context, a.m, a.k, a.iters, width, shape["vocab_size"])
                 row["in_process_eager_ms"] = t * 1e3
                 print(f"in-process, no CUDA graphs, batch {row['batch']}: {t * 1e3:.2f} ms", flush=True)
-            del rt
+            del eager
             torch.cuda.empty_cache()
         sock = tmp / "bench.sock"
         cmd = [sys.executable, "-m", "drafter_service.cli", "--model", str(head), "--target-model", str(target),
@@ -468,6 +526,19 @@ def main() -> int:
                 t = asyncio.run(bench_prefill_sidecar(f"unix:{sock}", a.prefill_tokens, a.iters, width,
                                                       shape["vocab_size"], channel=True))
                 prefill.update(channel_ms=t * 1e3, channel_gbps=prefill["hidden_bytes"] / t / 1e9)
+            for row in rows if a.rounds else []:
+                got = asyncio.run(bench_rounds(rt, f"unix:{sock}", row["batch"], context, a.m, a.k, a.iters, width,
+                                               shape["vocab_size"], a.rounds))
+                ratios = {name: [t / t_in for t, t_in in zip(got[name], got["in_process"])]
+                          for name in ("channel", "channel_batch_api")}
+                row["rounds"] = dict({f"{name}_ms": [t * 1e3 for t in ts] for name, ts in got.items()},
+                                     **{f"{name}_over_in_process": r for name, r in ratios.items()})
+                row["rounds_median"] = {f"{name}_over_in_process": statistics.median(r) for name, r in ratios.items()}
+                print(f"rounds, batch {row['batch']}: channel / in-process "
+                      f"{' '.join(f'{x:.2f}' for x in ratios['channel'])} (median "
+                      f"{row['rounds_median']['channel_over_in_process']:.2f}), batch API / in-process "
+                      f"{' '.join(f'{x:.2f}' for x in ratios['channel_batch_api'])} (median "
+                      f"{row['rounds_median']['channel_batch_api_over_in_process']:.2f})", flush=True)
         finally:
             server.terminate()
             server.wait(60)
@@ -478,7 +549,7 @@ def main() -> int:
                   shape=shape, dtype=dtype, context=context, m=a.m, k=a.k, iters=a.iters,
                   cuda_graphs=a.cuda_graphs and device.type == "cuda", bandwidth_gbps=bw / 1e9, rows=rows,
                   cpu_threads=torch.get_num_threads(),  # host threads of the in-process proposer
-                  prefill=prefill)
+                  prefill=prefill, rounds=a.rounds)
     out = write_json(a.out, result, say=False)
     print(f"\n{result['device']}, {a.preset}, {dtype}, context {context}, m={a.m}, k={a.k}, {result['date']}")
     ab = all("in_process_eager_ms" in r for r in rows)
@@ -510,6 +581,15 @@ def main() -> int:
               f"inline bytes): in-process {prefill['in_process_ms']:.1f} ms ({prefill['in_process_gbps']:.2f} GB/s), "
               f"sidecar {prefill['sidecar_ms']:.1f} ms ({prefill['sidecar_gbps']:.2f} GB/s), through a step channel "
               f"{prefill['channel_ms']:.1f} ms ({prefill['channel_gbps']:.2f} GB/s)")
+    if a.rounds:
+        print(f"{a.rounds} alternating rounds of {a.iters} steps each (per round: in-process, then the step channel, then "
+              "the batch API through it); ratio to the in-process step, median [min, max]:")
+        print(f"{'batch':>5} {'in-proc ms':>11} {'channel / in':>22} {'batch API / in':>22}")
+        for r in rows:
+            ch, ba = r["rounds"]["channel_over_in_process"], r["rounds"]["channel_batch_api_over_in_process"]
+            print(f"{r['batch']:>5} {statistics.median(r['rounds']['in_process_ms']):>11.2f} "
+                  f"{statistics.median(ch):>8.2f} [{min(ch):.2f}, {max(ch):.2f}]{'':>1} "
+                  f"{statistics.median(ba):>8.2f} [{min(ba):.2f}, {max(ba):.2f}]")
     print(f"wrote {out}")
     return 0
 
