@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (carry .whl and ab.diff): a host-side change measured against its base on one machine.
-#   git diff --no-renames BASE HEAD -- drafter_service kernels > ab.diff     (here, before the call; it is git-ignored:
+#   git diff --no-renames BASE HEAD -- drafter_service kernels clients > ab.diff   (here, before the call; git-ignored:
 #   carry [".whl", "ab.diff"])
 #   scripts/gpu_ab.sh [tests] [ab PRESET ROUNDS BATCHES] [channel PRESET ROUNDS BATCHES] ...
 # tests: pytest -m gpu. ab: profile_step --states-on-gpu --columns --phases --mixed-m on PRESET at BATCHES, ROUNDS

@@ -12,8 +12,9 @@ Which requests are scanned: those of MIN_SCAN_BYTES (64 KiB) or more, and the sc
 message whole) after max(MIN_SCAN_FIELDS, len // SCAN_BYTES_PER_FIELD) top-level fields. A field costs the scan about
 1 us (pure Python), as much as copying some 10-40 KB three times, so a request with many small fields (one
 SequenceStep per sequence, little state per row) is not worth it; a columnar request (StepColumns: five top-level
-fields) always is. Measured on the dev CPU (2026-11-26): a 770 KiB EAGLE-1 batch-32 step parsed 0.12-0.41 ms scanned
-against 0.64-0.69 ms copied; 24-72 KiB steps the same either way.
+fields) always is. Through a step channel on an H100 host (docs/performance.md, eighth session), the drafter's parse
+and step of a 770 KiB EAGLE-1 batch-32 step took 0.12-0.75 ms less than with the 1 MiB threshold before; 72-192 KiB
+steps the same within the noise.
 
 A message that is shared memory (a step channel's mailbox, read in place) is copied before protobuf parses any of it:
 only the states stay a view, so a client rewriting its mailbox during the parse changes only its own states.
