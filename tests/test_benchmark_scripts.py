@@ -67,6 +67,50 @@ def test_bench_request_codec_reads_requests_as_the_server_does(tmp_path):
     assert all(r["server parse"] > 0 and r["client pack"] > 0 for r in result["rows"])
 
 
+def test_bench_frame_prototype_times_the_frame_beside_protobuf(tmp_path):
+    result = run(["benchmarks/bench_frame_prototype.py", "--batches", "1,16", "--rounds", "1", "--reps", "2",
+                  "--width", "64"], tmp_path / "frame.json")
+    assert {(r["batch"], r["form"]) for r in result["rows"]} == {
+        (b, f) for b in (1, 16) for f in ("rows", "batch-rows", "batch-cols", "frame")}
+    assert all(r["server parse"] > 0 and r["client parse"] > 0 for r in result["rows"])
+
+
+def test_the_frame_prototype_reads_back_what_it_wrote_and_refuses_bad_columns():
+    """The prototype's frames round-trip (so that what it times is a working codec), and its checks refuse what
+    parse_propose refuses on columns."""
+    import numpy as np
+    import pytest
+    import torch
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_frame_prototype as fp
+    from drafter_service.transport.validation import Limits
+
+    limits = Limits(hidden_states_width=8, vocab_size=100, max_draft_tokens=5, max_request_tokens=1 << 20,
+                    max_request_seqs=64)
+    ids = "\0".join(["a", "bb", "c"]).encode()
+    columns = np.array([[0, 4, 9], [2, 1, 3], [7, 8, 9], [5, 0, 2]], dtype=np.int64)
+    tokens = np.arange(6, dtype=np.int64)
+    states = torch.randn(6, 8).to(torch.bfloat16)
+    buf = bytearray(fp.frame_size(3, 6, 8, ids, b"ns"))
+    size = fp.write_request(buf, b"ns", ids, 3, columns, tokens, states, 7)
+    got = fp.read_request(buf, size, limits)
+    assert got["namespace"] == "ns" and got["sequence_ids"] == ["a", "bb", "c"]
+    assert got["num_tokens"].tolist() == [2, 1, 3] and got["token_ids"].tolist() == list(range(6))
+    assert torch.equal(got["hidden_states"], states)
+    for row, col, bad in ((0, 1, -1), (1, 0, 0), (2, 2, 100), (3, 1, 6)):
+        broken = columns.copy()
+        broken[row, col] = bad
+        fp.write_request(buf, b"ns", ids, 3, broken, tokens, states, 7)
+        with pytest.raises(ValueError):
+            fp.read_request(buf, size, limits)
+    reply = bytearray(fp.REPLY_HEADER.itemsize + 8 * (12 + 7))
+    fp.write_reply(reply, np.array([[0, 5, 0], [5, 0, 2], [1, 0, 2], [9, 5, 12]]), np.arange(7), 7)
+    drafts = fp.read_reply(reply, ["a", "bb", "c"])
+    assert drafts.codes.tolist() == [0, 5, 0] and drafts.num_drafts.tolist() == [5, 0, 2]
+    assert drafts.draft_token_ids.tolist() == list(range(7)) and drafts.request_id == 7
+
+
 def test_host_phases_splits_the_step(tmp_path):
     result = run(["scripts/host_phases.py", "--preset", "tiny", "--device", "cpu", "--batches", "1,8", "--iters", "3"],
                  tmp_path / "phases.json")
