@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from drafter_client.messages import (RESYNC_CODES, UNAVAILABLE, ChunkedRequest, DirectRequest, DrafterError,
-                                     ProposeResult, SequenceDrafts, SequenceStep, _status_code, flat_token_ids,
-                                     hidden_parts, serialize_with_states)
-from drafter_client.protocol import pb
+                                     ProposeResult, SequenceDrafts, SequenceStep, _alike_rows, _status_code,
+                                     flat_token_ids, hidden_parts, serialize_with_states, write_rows)
+from drafter_client.protocol import pb, step_frame
 from drafter_client.protocol.wire import decode_array, decode_tensor, encode_tensor
 from drafter_client.shm_ring import SharedTensorRef
 
@@ -252,6 +252,79 @@ def _parse_result_columns(resp: "pb.ProposeResponse", sequence_ids: list[str]) -
                          column("accepted_drafts", (pb.INT32,)).astype(np.int64),
                          column("committed_lengths", (pb.INT64,)).astype(np.int64),
                          column("predrafted", (pb.INT32,)) != 0, messages)
+
+
+def _frame_column(value, n: int, dtype) -> np.ndarray:
+    """A per-sequence column as an [n] numpy array of dtype: a tensor's values, or one value repeated. ValueError for
+    a tensor of another length (the caller's mistake, as in build_column_request)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != n:
+            raise ValueError(f"a column has {value.numel()} values for {n} sequences")
+        return value.detach().reshape(-1).cpu().numpy().astype(dtype)
+    if dtype is np.int64 and value >= 2**63:  # (a uint64 seed: the int64 of the same bits)
+        value -= 2**64
+    return np.full(n, value, dtype=dtype)
+
+
+def frame_from_batch(namespace: str, batch: StepBatch, request_id: int) -> "step_frame.FrameRequest | None":
+    """The batch as a step channel's request frame (step_frame.py), or None where a frame cannot carry it: states
+    that are not one [rows, W] tensor of a frame dtype (a SharedTensorRef, ...), token ids of another row count,
+    log-probabilities or top-N asked for."""
+    states = batch.hidden_states
+    if (batch.return_logprobs or batch.top_k_probs or not isinstance(states, torch.Tensor) or states.dim() != 2
+            or states.dtype not in step_frame.DTYPE_NUMBERS or batch.token_ids.numel() != states.shape[0]):
+        return None
+    n = len(batch)
+    columns = np.stack([_frame_column(batch.start_positions, n, np.int64), _frame_column(batch.num_tokens, n, np.int64),
+                        _frame_column(batch.next_tokens, n, np.int64), _frame_column(batch.num_drafts, n, np.int64),
+                        _frame_column(batch.seed, n, np.int64), _frame_column(batch.predraft_branches, n, np.int64)])
+    return step_frame.FrameRequest(namespace, request_id, batch.sequence_ids, columns,
+                                   _frame_column(batch.temperature, n, np.float32),
+                                   _frame_column(batch.token_ids, states.shape[0], np.int64), states.shape[0],
+                                   states.shape[1], states.dtype, lambda dest: write_rows([states], dest))
+
+
+def frame_from_steps(namespace: str, steps: list[SequenceStep], hidden_states: "torch.Tensor | None",
+                     request_id: int) -> "step_frame.FrameRequest | None":
+    """propose()'s steps as a request frame (the states copied once, from the steps' own tensors), or None where a
+    frame cannot carry them (as frame_from_batch)."""
+    if not steps or isinstance(hidden_states, SharedTensorRef):
+        return None
+    parts = hidden_parts(steps, hidden_states)
+    alike = _alike_rows(parts)
+    if alike is None or parts[0].dtype not in step_frame.DTYPE_NUMBERS:
+        return None
+    # one pass over the steps, then a column per field (zip transposes in C)
+    sids, starts, nexts, ks, temps, seeds, branches, asks = zip(*[
+        (s.sequence_id, s.start_position, int(s.next_token), s.num_drafts, s.temperature, s.seed, s.predraft_branches,
+         s.return_logprobs or s.top_k_probs) for s in steps])
+    if any(asks):
+        return None
+    counts, token_ids = flat_token_ids(steps)
+    rows, width = alike
+    if token_ids.shape[0] != rows:
+        return None
+    columns = np.array([starts, counts, nexts, ks, [x - 2**64 if x >= 2**63 else x for x in seeds], branches],
+                       dtype=np.int64)
+    return step_frame.FrameRequest(namespace, request_id, list(sids), columns, np.array(temps, dtype=np.float32),
+                                   token_ids.numpy(), rows, width, parts[0].dtype, lambda dest: write_rows(parts, dest))
+
+
+def parse_frame_reply(reply, sequence_ids: list[str]) -> BatchDrafts:
+    """A reply frame (step_frame.py) as BatchDrafts; one that does not read is the drafter's fault (INTERNAL)."""
+    try:
+        f = step_frame.read_reply(reply, len(sequence_ids))
+    except step_frame.FrameError as e:
+        raise DrafterError(grpc.StatusCode.INTERNAL, f"a step channel reply frame that does not read: {e}") from None
+    failed = np.flatnonzero(f.codes).tolist()
+    return BatchDrafts(sequence_ids=list(sequence_ids), codes=torch.from_numpy(f.codes),
+                       num_drafts=torch.from_numpy(f.num_drafts), draft_token_ids=torch.from_numpy(f.draft_token_ids),
+                       accepted_drafts=torch.from_numpy(f.accepted_drafts),
+                       committed_lengths=torch.from_numpy(f.committed_lengths),
+                       needs_resync=torch.from_numpy(np.isin(f.codes, RESYNC_ARRAY) if failed
+                                                     else np.zeros(len(sequence_ids), bool)),
+                       predrafted=torch.from_numpy(f.predrafted), messages={i: f.messages.get(i, "") for i in failed},
+                       request_id=f.request_id)
 
 
 def columns_can_carry(steps: list[SequenceStep]) -> bool:

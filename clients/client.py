@@ -20,14 +20,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_client.auth import bearer_metadata
 from drafter_client.batch import (COLUMNS_MIN_SEQUENCES, BatchDrafts, StepBatch, batch_as_result, columns_can_carry,
-                                 fallback_batch, parse_batch_response, serialize_batch, serialize_steps_as_columns,
-                                 steps_as_batch)
+                                 fallback_batch, frame_from_batch, frame_from_steps, parse_batch_response,
+                                 parse_frame_reply, serialize_batch, serialize_steps_as_columns, steps_as_batch)
 from drafter_client.breaker import CircuitBreaker
 from drafter_client.messages import (CHUNK_BYTES, CHUNKED_MIN_BYTES, FAULT_CODES, UPLOAD_PARTS_MIN_BYTES,
                                      ChunkedRequest, DirectRequest,
                                      DrafterError, ProposeResult, ReleaseResult, SequenceDrafts, SequenceStep,
                                      build_request, fallback_result, hidden_parts, parse_response, serialize_request)
-from drafter_client.protocol import pb, pb_grpc
+from drafter_client.protocol import pb, pb_grpc, step_frame
 from drafter_client.session import ProposeSession
 from drafter_client.shm_ring import SharedTensorRef, SlotRing
 from drafter_client.step_channel import StepChannel, StepChannelClosed, StepChannelError
@@ -76,6 +76,9 @@ ANSWERED_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, g
 FALLBACK_CODES = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION,
                   grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED,
                   grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+_NOT_SENT = object()  # (_send_frame: the step did not go as a frame)
 
 
 def _channel_reply(reply: bytes, parse: bool = False) -> "pb.ProposeResponse | ProposeResult":
@@ -175,6 +178,7 @@ class DrafterClient:
         # step channel (open_step_channel)
         self._step_channel: StepChannel | None = None
         self.steps_through_channel = 0  # propose() calls answered through the step channel
+        self.steps_as_frames = 0  # of those, the ones sent as request frames (open_step_channel(frames=True))
         self.steps_through_grpc = 0  # ... and through a unary Propose
         # when the drafter is sick (docs/protocol.md, "When the drafter is sick")
         self.step_timeout_s = default_step_timeout_s() if step_timeout_s is _FROM_ENV else step_timeout_s
@@ -260,10 +264,13 @@ class DrafterClient:
         as the batch API's columns (the drafter decodes it without a message per sequence), when the steps share
         return_logprobs and top_k_probs; the answer is the same ProposeResult."""
         serialize, parse, timeout = await self._steps_codec(steps, timeout)
+        ids = [s.sequence_id for s in steps]
         return await self._step(
             lambda states, rid: serialize(states, rid, self._chunk_min_bytes()),
             lambda: self._stage(steps, hidden_states), hidden_states, parse,
-            lambda reason: fallback_result(steps, reason), timeout)
+            lambda reason: fallback_result(steps, reason), timeout,
+            frame=(lambda rid: frame_from_steps(self.namespace, steps, hidden_states, rid),
+                   lambda reply: batch_as_result(parse_frame_reply(reply, ids))))
 
     async def _steps_codec(self, steps: list[SequenceStep], timeout: float | None):
         """How a step of SequenceSteps is written and its reply read, for propose() and a ProposeSession alike:
@@ -295,7 +302,8 @@ class DrafterClient:
             lambda ref, rid: serialize_batch(self.namespace, batch, ref, rid, self._chunk_min_bytes(), columns),
             lambda: self._stage_states(states),
             states, lambda resp: parse_batch_response(resp, ids), lambda reason: fallback_batch(ids, reason),
-            timeout)
+            timeout, frame=(lambda rid: frame_from_batch(self.namespace, batch, rid),
+                            lambda reply: parse_frame_reply(reply, ids)))
 
     async def _columns_within(self, wanted: bool, timeout: float | None) -> tuple[bool, float | None]:
         """(whether a step that could go as columns (wanted) does, the step's timeout left): one deadline for the
@@ -320,21 +328,29 @@ class DrafterClient:
                 return False
         return self._step_columns
 
-    async def _step(self, serialize, stage, hidden_states, parse, fallback, timeout: float | None):
+    async def _step(self, serialize, stage, hidden_states, parse, fallback, timeout: float | None, frame=None):
         """propose() and propose_batch(): stage the states (ring slot), serialize(states or slot ref, request id),
         send through the step channel or gRPC under the deadline, parse(response). A sick drafter gives
-        fallback(reason) (raise_on_error: DrafterError); the caller's errors raise."""
+        fallback(reason) (raise_on_error: DrafterError); the caller's errors raise. frame: (build(request id) ->
+        step_frame.FrameRequest or None, parse_frame(reply frame bytes)) for a step a channel that takes frames can
+        carry that way (states not staged in a ring)."""
         if not self.breaker.allow():
             return self._without_drafter_do(fallback, *self._refusal_error())
         staged = None
         sent = answered = False
         try:
             staged = stage()
-            payload = serialize(staged.ref if staged else hidden_states, self._request_id())
-            sent = True
-            resp = await self._send_step(payload, self._step_timeout(timeout))
-            answered = True
-            result = parse(resp)
+            result = _NOT_SENT
+            if frame is not None and staged is None:
+                sent = True
+                result = await self._send_frame(*frame, parse, self._step_timeout(timeout))
+                sent = answered = result is not _NOT_SENT
+            if result is _NOT_SENT:
+                payload = serialize(staged.ref if staged else hidden_states, self._request_id())
+                sent = True
+                resp = await self._send_step(payload, self._step_timeout(timeout))
+                answered = True
+                result = parse(resp)
         except DrafterError as e:
             answered = answered or e.code in ANSWERED_CODES
             return self._without_drafter_do(fallback, self._drafter_failed(e), e)
@@ -356,6 +372,33 @@ class DrafterClient:
             return None
         ch = self._step_channel
         return self.chunk_min_bytes if ch is None else max(self.chunk_min_bytes, ch.request_capacity + 1)
+
+    async def _send_frame(self, build, parse_frame, parse, timeout: float | None):
+        """A step as a request frame through the open step channel, when it takes frames, is free, and the frame
+        (build(request id); None: the step cannot go as one) fits it: the answer, parse_frame(reply frame) or, for a
+        protobuf reply (a request-level error), parse(ProposeResponse). _NOT_SENT when the step did not go (then the
+        caller sends it as protobuf)."""
+        ch = self._step_channel
+        if ch is None or not ch.frames or not ch.try_claim():
+            return _NOT_SENT
+        try:
+            request = build(self._request_id())
+        except BaseException:
+            ch.unclaim()
+            raise
+        if request is None or len(request) > ch.request_capacity:
+            ch.unclaim()
+            return _NOT_SENT
+        reply = None
+        with self._channel_errors():  # (releases the claim, however the call ends)
+            reply = await ch.call(request, timeout)
+        if reply is None:  # the drafter closed the channel before taking the request: protobuf, over gRPC
+            return _NOT_SENT
+        self.steps_through_channel += 1
+        self.steps_as_frames += 1
+        if step_frame.starts_with(reply, step_frame.REPLY_MAGIC):
+            return parse_frame(reply)
+        return parse(_channel_reply(reply))
 
     async def _send_step(self, payload: "bytes | DirectRequest | ChunkedRequest",
                          timeout: float | None) -> "pb.ProposeResponse":
@@ -548,8 +591,11 @@ class DrafterClient:
         called = sent = answered = False
         try:
             staged = self._stage(steps, hidden_states)
-            payload = serialize_request(self.namespace, steps, staged.ref if staged else hidden_states,
-                                        self._request_id())
+            payload = (frame_from_steps(self.namespace, steps, hidden_states, self._request_id())
+                       if ch.frames and staged is None else None)  # (a request frame where the channel takes one)
+            if payload is None or len(payload) > ch.request_capacity:
+                payload = serialize_request(self.namespace, steps, staged.ref if staged else hidden_states,
+                                            self._request_id())
             if len(payload) > ch.request_capacity:
                 self.breaker.abandon()
                 return None
@@ -563,7 +609,11 @@ class DrafterClient:
                 return None
             answered = True
             self.steps_through_channel += 1
-            result = _channel_reply(reply, parse=True)
+            self.steps_as_frames += isinstance(payload, step_frame.FrameRequest)
+            if step_frame.starts_with(reply, step_frame.REPLY_MAGIC):
+                result = batch_as_result(parse_frame_reply(reply, [s.sequence_id for s in steps]))
+            else:
+                result = _channel_reply(reply, parse=True)
         except DrafterError as e:
             answered = answered or e.code in ANSWERED_CODES
             return self._without_drafter(steps, self._drafter_failed(e), e)
@@ -580,7 +630,7 @@ class DrafterClient:
 
     async def open_step_channel(self, request_bytes: int = 16 * 2**20, reply_bytes: int = 2**20,
                                 socket_path: str | None = None, spin_s: float = 0.05,
-                                poll_s: float = 0.0001) -> bool:
+                                poll_s: float = 0.0001, frames: bool = True) -> bool:
         """Send propose() steps through a shared-memory step channel (same node only; docs/step_channel.md):
         the request and reply bytes go through a mailbox the drafter polls instead of a gRPC message each.
 
@@ -588,12 +638,15 @@ class DrafterClient:
         (larger ones, and calls made while the channel is busy with another, go over gRPC). With
         enable_shared_memory the request holds descriptors only, so a few hundred KiB suffice.
         socket_path: default GetInfo.step_channel_socket. spin_s / poll_s: while waiting for a reply this client
-        busy-polls (yielding to the event loop) for spin_s, then every poll_s.
+        busy-polls (yielding to the event loop) for spin_s, then every poll_s. frames: ask the drafter for request
+        frames (docs/step_channel.md): a step of inline states without log-probabilities or top-N then goes as raw
+        arrays, not a ProposeRequest (the same answer, less host work on both sides); a drafter that does not know
+        them takes protobuf as before (``channel_frames`` says which).
         Returns False (and steps stay on gRPC) when the drafter has no channels or its socket cannot be reached
         (another node, a container without the socket's volume); raises DrafterError when the drafter refuses.
         A channel that a sick drafter broke is opened again, with these arguments, once the drafter answers."""
         settings = dict(request_bytes=request_bytes, reply_bytes=reply_bytes, socket_path=socket_path,
-                        spin_s=spin_s, poll_s=poll_s)
+                        spin_s=spin_s, poll_s=poll_s, frames=frames)
         if self._reopening is not None and self._reopening is not asyncio.current_task():
             self._reopening.cancel()
         self._drop_step_channel()
@@ -605,7 +658,7 @@ class DrafterClient:
         try:
             ch = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: StepChannel.open(socket_path, self.namespace, request_bytes, reply_bytes, spin_s,
-                                               poll_s, token=self._token))
+                                               poll_s, token=self._token, frames=frames))
         except StepChannelError as e:
             raise DrafterError(e.code, e.message) from None
         except OSError as e:
@@ -626,6 +679,12 @@ class DrafterClient:
         ch, self._step_channel = self._step_channel, None
         if ch is not None:
             ch.close()
+
+    @property
+    def channel_frames(self) -> bool:
+        """True while the open step channel takes request frames (open_step_channel(frames=True), a drafter that
+        knows them)."""
+        return self.step_channel_open and self._step_channel.frames
 
     @property
     def step_channel_open(self) -> bool:

@@ -18,6 +18,7 @@ import time
 
 import grpc
 
+from drafter_client.protocol import step_frame
 from drafter_client.protocol.mailbox import CLOSED, VERSION, Mailbox
 from drafter_client.protocol.timer_slack import get_timer_slack, set_timer_slack
 
@@ -40,9 +41,10 @@ class StepChannelError(Exception):
 class StepChannel:
     """The client's end of a same-node step channel: a shared-memory mailbox the drafter's step thread polls,
     plus the Unix-socket connection whose lifetime is the channel's (docs/step_channel.md)."""
-    def __init__(self, conn: socket.socket, mm: mmap.mmap, spin_s: float, poll_s: float):
+    def __init__(self, conn: socket.socket, mm: mmap.mmap, spin_s: float, poll_s: float, frames: bool = False):
         self.conn = conn
         self.mm = mm
+        self.frames = frames  # the drafter takes request frames (step_frame.py) on this channel
         self.box = Mailbox(mm)
         self.spin_s = spin_s
         self.poll_s = poll_s
@@ -76,9 +78,11 @@ class StepChannel:
 
     @classmethod
     def open(cls, socket_path: str, namespace: str, request_bytes: int, reply_bytes: int, spin_s: float = 0.05,
-             poll_s: float = 0.0001, timeout_s: float = 5.0, token: str | None = None) -> "StepChannel":
-        """Connect, say hello (with the bearer token when the drafter wants one), map the mailbox the drafter sends
-        back (blocking; a few hundred microseconds).
+             poll_s: float = 0.0001, timeout_s: float = 5.0, token: str | None = None,
+             frames: bool = True) -> "StepChannel":
+        """Connect, say hello (with the bearer token when the drafter wants one; frames: asking for request frames,
+        which a drafter that knows them grants), map the mailbox the drafter sends back (blocking; a few hundred
+        microseconds).
         Raises OSError when the socket cannot be reached (another node, a container without the socket's volume),
         StepChannelError when the drafter refuses."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -89,6 +93,8 @@ class StepChannel:
                      "reply_bytes": reply_bytes}
             if token:
                 hello["token"] = token
+            if frames:
+                hello["frames"] = step_frame.VERSION
             conn.sendall(json.dumps(hello).encode() + b"\n")
             data, fds, _, _ = socket.recv_fds(conn, 4096, 1)
             try:
@@ -104,7 +110,7 @@ class StepChannel:
                 for fd in fds:
                     os.close(fd)  # the mapping keeps the memory
             conn.settimeout(None)
-            return cls(conn, mm, spin_s, poll_s)
+            return cls(conn, mm, spin_s, poll_s, frames=frames and answer.get("frames") == step_frame.VERSION)
         except BaseException:
             conn.close()
             raise

@@ -96,7 +96,10 @@ def record_step(transport: str, request, phases: dict[str, float], code: str = "
 
 def _request_size(request) -> tuple[int, int, int]:
     """(sequences, committed tokens, drafts asked) of a request, per-sequence messages or columns (a column that
-    does not decode, in a refused request, counts 0)."""
+    does not decode, in a refused request, counts 0), or a step channel's request frame."""
+    from drafter_client.protocol.step_frame import RequestFrame
+    if isinstance(request, RequestFrame):
+        return len(request.sequence_ids), int(request.token_ids.shape[0]), int(request.columns["num_drafts"].sum())
     if not request.HasField("columns"):
         steps = request.steps
         return len(steps), sum(s.num_tokens for s in steps), sum(s.num_drafts for s in steps)

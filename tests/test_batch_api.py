@@ -93,8 +93,8 @@ async def test_batch_api_answers_as_the_per_sequence_api(server, channel, column
     async with DrafterClient(server.uds, namespace=f"cols-{channel}-{columns}") as cols, \
             DrafterClient(server.uds, namespace=f"rows-{channel}-{columns}") as rows:
         rows._step_columns = False  # (propose() sends columns too, to a drafter that takes them: not here)
-        if channel:
-            assert await cols.open_step_channel() and await rows.open_step_channel()
+        if channel:  # (protobuf through the channel: test_step_frames.py has the frames)
+            assert await cols.open_step_channel(frames=False) and await rows.open_step_channel(frames=False)
         seqs = {f"s{i}": dict(tokens=[rng.randrange(V) for _ in range(rng.randint(3, 12) + 1)], sent=0)
                 for i in range(5)}
         for s in seqs.values():
@@ -153,8 +153,8 @@ async def test_propose_sends_a_large_step_as_columns_with_the_same_answer(server
     async with DrafterClient(server.uds, namespace=f"pc-{transport}") as cols, \
             DrafterClient(server.uds, namespace=f"pr-{transport}") as rows, contextlib.AsyncExitStack() as stack:
         rows._step_columns = False  # a drafter without columns, as far as this client knows: messages
-        if channel:
-            assert await cols.open_step_channel() and await rows.open_step_channel()
+        if channel:  # (protobuf through the channel: test_step_frames.py has the frames)
+            assert await cols.open_step_channel(frames=False) and await rows.open_step_channel(frames=False)
         early_before = server.server.runtime.metrics.channels.early_replies
         by = {"cols": cols, "rows": rows}
         if transport == "stream":
@@ -280,20 +280,22 @@ async def test_a_failed_drafter_is_asked_again_whether_it_takes_columns(tmp_path
         assert c._step_columns is None  # forgotten with the fault: the batch after the breaker's probe asks again
 
 
-async def test_channel_steps_are_freed_without_the_cyclic_collector(server):
-    """A step channel's columnar requests (with their reply's head encoded while the step ran) leave nothing for the
-    cyclic garbage collector: each request, its columns and its views of the mailbox are freed by reference count as
-    soon as it is answered (a first version kept every request in a cycle through its PendingRequest)."""
+@pytest.mark.parametrize("frames", [False, True])
+async def test_channel_steps_are_freed_without_the_cyclic_collector(server, frames):
+    """A step channel's columnar requests (with their reply's head encoded while the step ran), and its request
+    frames, leave nothing for the cyclic garbage collector: each request, its columns and its views of the mailbox
+    are freed by reference count as soon as it is answered (a first version kept every request in a cycle through
+    its PendingRequest)."""
     import gc
 
     n = 40
     g = torch.Generator().manual_seed(5)
     toks, hid = torch.randint(0, V, (n, 64), generator=g), torch.randn(n, 64, H, generator=g)
-    async with DrafterClient(server.uds, namespace="gc") as c:
-        assert await c.open_step_channel()
+    async with DrafterClient(server.uds, namespace=f"gc-{frames}") as c:
+        assert await c.open_step_channel(frames=frames)
         channels = server.server.runtime.metrics.channels
         await c.propose([SequenceStep(f"s{i}", 0, toks[i, :20], hid[i, :20], int(toks[i, 20]), 3) for i in range(n)])
-        early_before = channels.early_replies
+        early_before, frames_before = channels.early_replies, channels.frames_taken
         gc.collect()
         gc.disable()
         try:
@@ -307,6 +309,7 @@ async def test_channel_steps_are_freed_without_the_cyclic_collector(server):
             gc.set_debug(0)
             gc.garbage.clear()
             gc.enable()
-        assert channels.early_replies - early_before == 8
+        assert channels.early_replies - early_before == (0 if frames else 8)
+        assert channels.frames_taken - frames_before == (8 if frames else 0)
         assert "PendingRequest" not in left and "BatchInput" not in left, sorted(set(left))
         await c.release([f"s{i}" for i in range(n)])

@@ -8,11 +8,12 @@ import os
 import time
 
 import grpc
+import numpy as np
 import torch
 
 from drafter_service import __version__
 from drafter_client.messages import upload_part_range
-from drafter_client.protocol import pb, pb_grpc
+from drafter_client.protocol import pb, pb_grpc, step_frame
 from drafter_service.runtime import Runtime
 from drafter_service.engine.scheduler import StepScheduler
 from drafter_service.transport.chunked import (StagingBudget, UploadRegistry, drain_refused,
@@ -25,7 +26,7 @@ from drafter_service.engine.step_io import StepInput, StepOutput
 from drafter_service import tracing
 from drafter_service.logs import request_context
 from drafter_service.transport.validation import (HIDDEN_DTYPES, TOKEN_DTYPES, RequestError, check_namespace, check_sequence_id,
-                         parse_propose)
+                         parse_frame, parse_propose)
 from drafter_client.protocol.wire import encode_float32s, encode_int32s, encode_int64s, encode_tensor
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,27 @@ def batch_column_head(out: BatchOutput, request_id: int) -> "pb.ProposeResponse"
         cols.problems.extend(pb.IndexedStatus(index=i, status=pb.Status(code=code, message=out.messages[i]))
                              for i, code in enumerate(out.codes.tolist()) if code)
     return resp
+
+
+def frame_reply(out: BatchOutput, request_id: int) -> bytes:
+    """The reply frame (drafter_client.protocol.step_frame) of a step that came as a request frame: its answer from
+    the columns path, or from the per-sequence path (out.outputs)."""
+    if out.outputs is not None:
+        outs = out.outputs
+        cols = np.array([(o.code, 0 if o.code else len(o.drafts), o.accepted_drafts, o.committed_length,
+                          int(o.predrafted)) for o in outs], dtype=np.int64).reshape(len(outs), 5).T
+        drafts = np.fromiter(itertools.chain.from_iterable(o.drafts for o in outs if not o.code), dtype=np.int64)
+        messages = {i: o.message for i, o in enumerate(outs) if o.code}
+    else:
+        ok = out.codes == 0
+        counts = out.num_drafts * ok
+        K = out.drafts.shape[1]
+        drafts = (out.drafts.reshape(-1) if K and bool((counts == K).all())
+                  else out.drafts[torch.arange(K) < counts[:, None]]).numpy()
+        cols = np.stack([out.codes.numpy().astype(np.int64), counts.numpy(), out.accepted_drafts.numpy(),
+                         out.committed_lengths.numpy(), np.zeros(len(out), dtype=np.int64)])
+        messages = {} if bool(ok.all()) else {i: out.messages[i] for i in np.flatnonzero(~ok.numpy()).tolist()}
+    return step_frame.write_reply(request_id, cols, drafts, messages)
 
 
 def _encode_batch_drafts(out: BatchOutput, into: "pb.ProposeResponse") -> None:
@@ -260,6 +282,17 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             # (one copy), so that both data planes end with the bytes in a tensor of their own there.
             (steps.hidden_states if isinstance(steps, BatchInput)
              else torch.cat([s.hidden_states for s in steps])).to(rt.device)
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize(rt.device)
+        return steps, self.ingest_only
+
+    def decode_frame(self, frame: "step_frame.RequestFrame") -> "tuple[BatchInput, bool]":
+        """decode_propose for a step channel's request frame: checked by validation.parse_frame (the same limits as a
+        columnar request; a frame carries no shared-memory references)."""
+        rt = self.runtime
+        steps = parse_frame(frame, rt.limits)
+        if self.ingest_only and len(steps):  # (as decode_propose: the states onto the device, one copy)
+            steps.hidden_states.to(rt.device)
             if rt.device.type == "cuda":
                 torch.cuda.synchronize(rt.device)
         return steps, self.ingest_only

@@ -13,7 +13,9 @@ Serving: the step thread (scheduler.py) polls every open mailbox. A new request 
 of MIN_SCAN_BYTES or more is read in place instead: a view of the mailbox, whose inline states go to the device
 from there; on CUDA the mapping is registered as pinned memory when the channel opens, so that this is one DMA),
 parsed and checked exactly as a Propose is (DrafterServicer.decode_propose: the same limits, the same shared-
-memory references), and queued with the gRPC requests; its reply is written back on the step thread. A request
+memory references), and queued with the gRPC requests; its reply is written back on the step thread. On a channel
+whose hello asked for frames, a request frame (drafter_client.protocol.step_frame) is read as arrays instead,
+checked by validation.parse_frame, and answered with a reply frame (_handle_frame). A request
 malformed as a whole gets a ProposeResponse with ``error`` set (the code a Propose would have failed with), and
 one whose namespace is not the channel's gets PERMISSION_DENIED.
 
@@ -37,11 +39,11 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from drafter_client.protocol.mailbox import VERSION, Mailbox
-from drafter_client.protocol import pb
+from drafter_client.protocol import pb, step_frame
 from drafter_service.transport.received_request import MIN_SCAN_BYTES, read_request
 from drafter_service.engine.batch_io import BatchInput, BatchOutput
 from drafter_service.engine.scheduler import PendingRequest, set_owner
-from drafter_service.transport.servicer import batch_column_head, batch_column_reply
+from drafter_service.transport.servicer import batch_column_head, batch_column_reply, frame_reply
 from drafter_service.engine.step_io import StepInput, StepOutput
 from drafter_service import tracing
 from drafter_service.transport.auth import ANY, AuthError, restrict_socket
@@ -73,6 +75,7 @@ class Channel:
     # could be registered as pinned memory (ChannelSet.pin), so that their states go to the device in one DMA
     in_place: bool = False
     unpin: Callable[[], None] | None = None  # undoes ChannelSet.pin (before the mapping is closed)
+    frames: bool = False  # the client asked for request frames (step_frame.py) in its hello, and got them
 
     @property
     def owner(self) -> str:
@@ -97,6 +100,8 @@ class ChannelSet:
     metrics: object  # metrics.Metrics
     checksums: bool  # mailboxes with CHECKSUMS (mailbox.py; the server: --step-channel-checksums)
     wake: Callable[[], None] = lambda: None  # set by the scheduler: wakes the step thread
+    # (request frame) -> (BatchInput, dry): DrafterServicer.decode_frame; None: no frames (hellos asking get none)
+    decode_frame: "Callable[[step_frame.RequestFrame], tuple[BatchInput, bool]] | None" = None
     # set by the scheduler: frees the sequences an owner (Channel.owner) created (step thread)
     release_owner: Callable[[str], int] = lambda owner: 0
     authorizer: object = None  # auth.Authorizer: with tokens, a hello must carry one that allows its namespace
@@ -115,6 +120,7 @@ class ChannelSet:
     pin: "Callable[[mmap.mmap], Callable[[], None]] | None" = None
     in_place_reads: int = 0  # requests read as a view of their mailbox (diagnostics, tests)
     early_replies: int = 0  # replies whose all but the drafts was encoded while the step ran (diagnostics, tests)
+    frames_taken: int = 0  # request frames checked and queued (diagnostics, tests)
     _open: list[Channel] = field(default_factory=list)  # step thread only
     _new: deque = field(default_factory=deque)  # acceptor -> step thread
     _listener: socket.socket | None = None
@@ -197,10 +203,13 @@ class ChannelSet:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             mm = mmap.mmap(fd, size)
             box = Mailbox.initialize(mm, req_bytes, rep_bytes, self.checksums)
-            ch = Channel(id=self._next_id, namespace=namespace, conn=conn, fd=fd, mm=mm, box=box)
+            frames = self.decode_frame is not None and hello.get("frames") == step_frame.VERSION
+            ch = Channel(id=self._next_id, namespace=namespace, conn=conn, fd=fd, mm=mm, box=box, frames=frames)
             self._next_id += 1
-            socket.send_fds(conn, [_line({"ok": True, "channel": ch.id, "request_capacity": req_bytes,
-                                          "reply_capacity": rep_bytes})], [fd])
+            answer = {"ok": True, "channel": ch.id, "request_capacity": req_bytes, "reply_capacity": rep_bytes}
+            if frames:  # (a client that did not ask, or asked for another version, gets protobuf only)
+                answer["frames"] = step_frame.VERSION
+            socket.send_fds(conn, [_line(answer)], [fd])
             conn.settimeout(None)
         except BaseException:
             with self._lock:
@@ -277,7 +286,9 @@ class ChannelSet:
             if seq != ch.taken:
                 t_seen = time.perf_counter()
                 large = box.words[box.request.length] >= MIN_SCAN_BYTES
-                if large and ch.in_place:  # (a view of the mailbox: the client writes again only after the reply)
+                # (a view of the mailbox: the client writes again only after the reply; a frame's states then go to
+                # the device from it, whatever its size)
+                if ch.in_place and (large or ch.frames):
                     payload = box.view(box.request, seq)
                     self.in_place_reads += payload is not None
                 else:
@@ -324,6 +335,9 @@ class ChannelSet:
         ch.box.take(seq)
 
     def _handle(self, ch: Channel, seq: int, payload: bytes, enqueue, t_seen: float) -> None:
+        if ch.frames and step_frame.starts_with(payload, step_frame.REQUEST_MAGIC):
+            self._handle_frame(ch, seq, payload, enqueue, t_seen)
+            return
         t_enter = time.perf_counter()
         request_id = 0
         try:
@@ -383,6 +397,55 @@ class ChannelSet:
         # (a channel closed before its request ran: nobody reads the reply, and its sequences are freed already)
         enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed,
                                early=early if isinstance(steps, BatchInput) and not dry else None))
+
+    def _handle_frame(self, ch: Channel, seq: int, payload, enqueue, t_seen: float) -> None:
+        """_handle for a request frame (step_frame.py): checked as a columnar request, answered with a reply frame
+        (a request-level error: the ProposeResponse with ``error`` set that _handle answers)."""
+        t_enter = time.perf_counter()
+        request_id = 0
+        try:
+            try:
+                frame = step_frame.read_request(payload)  # (all but the states copied out of the mailbox)
+            except step_frame.FrameError as e:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            request_id = frame.request_id
+            if frame.namespace != ch.namespace:
+                raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                                   f"namespace {frame.namespace!r}: this channel was opened by namespace "
+                                   f"{ch.namespace!r}")
+            steps, dry = self.decode_frame(frame)
+        except RequestError as e:
+            self._reply_error(ch, seq, request_id, e)
+            return
+        set_owner(steps, ch.owner)
+        t_parsed = time.perf_counter()
+        trace = {} if self.trace_file is not None else None
+
+        def deliver(outputs, exc):
+            t_stepped = time.perf_counter()
+            if exc is not None:
+                self._reply_error(ch, seq, request_id, RequestError(grpc.StatusCode.INTERNAL, f"step failed: {exc}"))
+                return
+            reply = frame_reply(outputs, request_id)
+            if len(reply) > ch.box.reply.capacity:
+                self._reply_error(ch, seq, request_id, RequestError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"reply: {len(reply)} bytes; this channel's reply area holds "
+                    f"{ch.box.reply.capacity}: open it with a larger reply_bytes"))
+                return
+            self._write(ch, seq, reply)
+            t_replied = time.perf_counter()
+            self.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, t_replied - t_stepped,
+                                           channel=True)
+            if trace is not None:
+                trace.update(request_id=request_id, seen=t_seen, enter=t_enter, parsed=t_parsed, resumed=t_stepped,
+                             replied=t_replied)
+                self.trace_file.write(json.dumps(trace) + "\n")
+            if tracing.enabled():
+                tracing.record_step("channel", frame, {"enter": t_enter, "parsed": t_parsed, "stepped": t_stepped,
+                                                       "replied": t_replied})
+
+        self.frames_taken += 1
+        enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed))
 
     def _reply_error(self, ch: Channel, seq: int, request_id: int, e: RequestError) -> None:
         self.metrics.record_rpc_error(e.code.name)

@@ -18,6 +18,7 @@ from drafter_client.protocol import pb
 from drafter_service.engine.batch_io import BatchInput
 from drafter_service.engine.sampling import int64_to_seed
 from drafter_service.engine.step_io import StepInput
+from drafter_client.protocol.step_frame import RequestFrame
 from drafter_client.protocol.wire import WireError, decode_array, decode_tensor
 
 HIDDEN_DTYPES = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
@@ -191,42 +192,59 @@ def _parse_columns(c: "pb.StepColumns", limits: Limits, tensors: dict | None = N
     loops, no tensor op per check: cheap at any batch size). Each error names the column and the first offending
     index."""
     sids = list(c.sequence_ids)
+    _check_ids(sids, limits, "columns.sequence_ids")
     n = len(sids)
-    _check_sequence_count(n, limits)
-    if n:
-        lens = list(map(len, sids))
-        if min(lens) == 0 or max(lens) > MAX_ID_LEN:
-            i = next(i for i, length in enumerate(lens) if not 0 < length <= MAX_ID_LEN)
-            check_sequence_id(sids[i], f"columns.sequence_ids[{i}]")
-        if len(set(sids)) != n:
-            seen: set[str] = set()
-            i = next(i for i, sid in enumerate(sids) if sid in seen or seen.add(sid))
-            raise invalid(f"columns.sequence_ids[{i}] {sids[i]!r} appears twice in one request")
-
-    def column(name: str, allowed: tuple[int, ...], optional: bool = False) -> list:
+    arrays = {}
+    for name, allowed, optional in (("start_positions", INT_DTYPES, False), ("num_tokens", INT_DTYPES, False),
+                                    ("next_tokens", INT_DTYPES, False), ("num_drafts", INT_DTYPES, False),
+                                    ("temperatures", (pb.FLOAT32,), True), ("seeds", (pb.INT64,), True),
+                                    ("predraft_branches", INT_DTYPES, True)):
         if optional and not c.HasField(name):
-            return [0] * n
+            continue
         try:  # (a numpy view: a torch one costs several microseconds more, per column)
             x = decode_array(getattr(c, name), f"columns.{name}", allowed, rank=1)
         except WireError as e:
             raise invalid(str(e)) from None
         if x.shape[0] != n:
             raise invalid(f"columns.{name} has {x.shape[0]} values for {n} sequence_ids")
-        if tensors is not None:  # (the decoded column, kept for a BatchInput)
-            tensors[name] = x
-        return x.tolist()
+        arrays[name] = x
+    if tensors is not None:  # (the decoded columns, kept for a BatchInput)
+        tensors.update(arrays)
+    p, m, nxt, k, t, seeds, f = _check_columns(arrays, n, limits, "columns")
+    if c.top_k_probs > limits.max_top_k_probs:
+        raise invalid(f"columns.top_k_probs is {c.top_k_probs}; at most {limits.max_top_k_probs} "
+                      "(GetInfo.max_top_k_probs)")
+    return sids, p, m, nxt, k, t, seeds, [c.return_logprobs] * n, [c.top_k_probs] * n, f
+
+
+def _check_ids(sids: list[str], limits: Limits, field: str) -> None:
+    """A columnar step's sequence ids: their count, each id's length, no id twice."""
+    n = len(sids)
+    _check_sequence_count(n, limits)
+    if n:
+        lens = list(map(len, sids))
+        if min(lens) == 0 or max(lens) > MAX_ID_LEN:
+            i = next(i for i, length in enumerate(lens) if not 0 < length <= MAX_ID_LEN)
+            check_sequence_id(sids[i], f"{field}[{i}]")
+        if len(set(sids)) != n:
+            seen: set[str] = set()
+            i = next(i for i, sid in enumerate(sids) if sid in seen or seen.add(sid))
+            raise invalid(f"{field}[{i}] {sids[i]!r} appears twice in one request")
+
+
+def _check_columns(arrays: dict[str, np.ndarray], n: int, limits: Limits, prefix: str) -> tuple[list, ...]:
+    """The per-sequence columns of a columnar step ([n] numpy arrays by name; the optional temperatures, seeds and
+    predraft_branches may be absent: zeros), checked, as the lists (p, m, next tokens, k, temperatures, seeds as
+    uint64 values, pre-drafting budgets). Each error names {prefix}.{column}[first offending index]."""
+    def values(name: str) -> list:
+        return arrays[name].tolist() if name in arrays else [0] * n
 
     def check(name: str, values: list, ok: Callable, why: str) -> None:
         i = next(i for i, v in enumerate(values) if not ok(v))
-        raise invalid(f"columns.{name}[{i}] is {values[i]}; {why}")
+        raise invalid(f"{prefix}.{name}[{i}] is {values[i]}; {why}")
 
-    p = column("start_positions", INT_DTYPES)
-    m = column("num_tokens", INT_DTYPES)
-    nxt = column("next_tokens", INT_DTYPES)
-    k = column("num_drafts", INT_DTYPES)
-    t = column("temperatures", (pb.FLOAT32,), optional=True)
-    seeds = column("seeds", (pb.INT64,), optional=True)
-    f = column("predraft_branches", INT_DTYPES, optional=True)
+    p, m, nxt, k = values("start_positions"), values("num_tokens"), values("next_tokens"), values("num_drafts")
+    t, seeds, f = values("temperatures"), values("seeds"), values("predraft_branches")
     vocab, max_k = limits.vocab_size, limits.max_draft_tokens
     max_f = limits.max_predraft_branches or 2**32  # (a server that cannot pre-draft ignores the column)
     if n:
@@ -246,12 +264,35 @@ def _parse_columns(c: "pb.StepColumns", limits: Limits, tensors: dict | None = N
                   f"at most {limits.max_predraft_branches} (GetInfo.max_predraft_branches)")
         if min(seeds) < 0:  # the wire's uint64 seeds travel as int64 bits: back to the uint64 value
             seeds = [int64_to_seed(s) for s in seeds]
-    if c.top_k_probs > limits.max_top_k_probs:
-        raise invalid(f"columns.top_k_probs is {c.top_k_probs}; at most {limits.max_top_k_probs} "
-                      "(GetInfo.max_top_k_probs)")
     if not limits.max_predraft_branches:
         f = [0] * n
-    return sids, p, m, nxt, k, t, seeds, [c.return_logprobs] * n, [c.top_k_probs] * n, f
+    return p, m, nxt, k, t, seeds, f
+
+
+def parse_frame(frame: RequestFrame, limits: Limits) -> BatchInput:
+    """A step channel's request frame (drafter_client.protocol.step_frame), checked as parse_propose checks a
+    columnar ProposeRequest (the same limits; errors name frame.<column>[index]), as one BatchInput."""
+    check_namespace(frame.namespace)
+    sids = frame.sequence_ids
+    _check_ids(sids, limits, "frame.sequence_ids")
+    n = len(sids)
+    arrays = dict(frame.columns, temperatures=frame.temperatures)
+    _, _, _, _, _, _, branches = _check_columns(arrays, n, limits, "frame")
+    total = int(frame.token_ids.shape[0])
+    if n and int(arrays["num_tokens"].sum()) != total:
+        raise invalid(f"frame.token_ids has {total} rows; the steps' num_tokens add up to "
+                      f"{int(arrays['num_tokens'].sum())}")
+    if total > limits.max_request_tokens:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"the steps carry {total} committed tokens; at most {limits.max_request_tokens} per "
+                           "request (send long prompts in chunks)")
+    hidden = frame.states
+    if hidden.shape[1] != limits.hidden_states_width:
+        raise invalid(f"frame.states has {hidden.shape[1]} columns; this model takes {limits.hidden_states_width} "
+                      "(GetInfo.hidden_states_width)")
+    token_ids = torch.from_numpy(frame.token_ids)
+    _check_vocabulary(token_ids, limits.vocab_size)
+    return _batch_input(frame.namespace, sids, arrays, token_ids, hidden, [False] * n, [0] * n, branches)
 
 
 SMALL_CHECK_TOKENS = 64  # up to this many token ids, the range check runs in python (cheaper than tensor ops)

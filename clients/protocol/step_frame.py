@@ -1,0 +1,234 @@
+"""Step frames: an engine step and its answer as raw little-endian arrays, for step channels (docs/step_channel.md).
+
+Through a step channel a request and its reply are normally a serialized ProposeRequest / ProposeResponse. Encoding
+and decoding those in Python, on both sides, is most of what a channel adds to the in-process step at batch 1-32 on
+the H100 hosts (docs/performance.md, eighth session). A frame carries the common step, greedy or sampled drafts of
+inline states without log-probabilities or top-N, as a fixed header followed by arrays. Each side reads and writes
+those arrays as numpy views, with no Python object per field or per sequence. A channel speaks frames when both
+ends say so in its hello; anything a frame cannot carry still goes as protobuf on the same channel. The two are told
+apart by the first byte: a frame starts with "D" (0x44), which as a protobuf key would be field 8 with the
+end-group wire type, which no message starts with.
+
+Request frame (REQUEST_MAGIC), every section starting at a multiple of 8 bytes:
+
+  header         magic, n sequences, t committed tokens, w state columns, the states' dtype (a drafter.v1.DType
+                 number), flags (0), request_id, the bytes of the sequence ids and of the namespace, 8 reserved bytes
+  columns        [6, n] int64: start_positions, num_tokens, next_tokens, num_drafts, seeds (the uint64 seed's bits),
+                 predraft_branches
+  temperatures   [n] float32
+  id_lengths     [n] int32: each sequence id's UTF-8 bytes
+  token_ids      [t] int64
+  ids            the sequence ids' UTF-8 bytes, one after another
+  namespace      UTF-8
+  states         [t, w] in the dtype: the committed tokens' target hidden states, in sequence order
+
+Reply frame (REPLY_MAGIC):
+
+  header         magic, n, d draft ids, the bytes of the problems, request_id, 8 reserved bytes
+  columns        [5, n] int64: status codes, num_drafts, accepted_drafts, committed_lengths, predrafted
+  drafts         [d] int64: each sequence's drafts, in order (none for a failed sequence)
+  problems       JSON {"index": "message"} of the sequences whose code is not 0 (absent when none failed)
+
+read_request and read_reply check the frame's structure (magic, sizes that add up to its length exactly, a known
+dtype) and copy everything but the states out of the buffer (a client may write its mailbox again at any time: the
+drafter checks and uses its own copies). Whether the values make sense (ids, positions, vocabulary, the state
+width) is the drafter's check (validation.parse_frame), the same as for a columnar ProposeRequest.
+"""
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from drafter_client.protocol import pb
+
+REQUEST_MAGIC = b"DFQ1"
+REPLY_MAGIC = b"DFR1"
+VERSION = 1  # the hello's "frames" value both ends must give
+REQUEST_HEADER = np.dtype([("magic", "S4"), ("n", "<u4"), ("t", "<u4"), ("w", "<u4"), ("dtype", "<u4"),
+                           ("flags", "<u4"), ("request_id", "<u8"), ("ids_bytes", "<u4"), ("namespace_bytes", "<u4"),
+                           ("reserved", "<u8")])
+REPLY_HEADER = np.dtype([("magic", "S4"), ("n", "<u4"), ("drafts", "<u4"), ("problems_bytes", "<u4"),
+                         ("request_id", "<u8"), ("reserved", "<u8")])
+REQUEST_COLUMNS = ("start_positions", "num_tokens", "next_tokens", "num_drafts", "seeds", "predraft_branches")
+STATE_DTYPES = {pb.FLOAT32: torch.float32, pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16}
+DTYPE_NUMBERS = {v: k for k, v in STATE_DTYPES.items()}
+MAX_COUNT = 1 << 28  # sequences or tokens a header may claim (far above any drafter's limits; keeps sizes small ints)
+
+
+class FrameError(ValueError):
+    """A frame whose structure is wrong; str(e) says what."""
+
+
+def _up8(x: int) -> int:
+    return (x + 7) & ~7
+
+
+def starts_with(buf, magic: bytes) -> bool:
+    """Whether buf (bytes, or a memoryview) holds a frame of this magic (a request or a reply frame)."""
+    return len(buf) >= 4 and bytes(buf[:4]) == magic
+
+
+def request_size(n: int, t: int, w: int, itemsize: int, ids_bytes: int, namespace_bytes: int) -> int:
+    return (REQUEST_HEADER.itemsize + 48 * n + _up8(4 * n) + _up8(4 * n) + 8 * t + _up8(ids_bytes)
+            + _up8(namespace_bytes) + t * w * itemsize)
+
+
+@dataclass
+class RequestFrame:
+    """A request frame as the drafter reads it: the arrays are its own copies, the states a view of the buffer."""
+
+    namespace: str
+    request_id: int
+    sequence_ids: list[str]
+    columns: dict[str, np.ndarray]  # REQUEST_COLUMNS -> [n] int64
+    temperatures: np.ndarray  # [n] float32
+    token_ids: np.ndarray  # [t] int64
+    states: torch.Tensor  # [t, w]
+
+
+class FrameRequest:
+    """A request frame to write (the client's side): len() is its size in bytes, write_into(dest) writes it into a
+    buffer of exactly that size (a step channel's mailbox: Mailbox.write), with the states written by
+    write_states(view of their section), so that they are copied once, straight from the engine's tensors."""
+
+    def __init__(self, namespace: str, request_id: int, sequence_ids: list[str], columns: np.ndarray,
+                 temperatures: np.ndarray, token_ids: np.ndarray, rows: int, width: int, dtype: torch.dtype,
+                 write_states: Callable[[memoryview], None]):
+        """columns: [6, n] int64 in REQUEST_COLUMNS order; temperatures: [n] float32; token_ids: [rows] int64."""
+        self.encoded_ids = [s.encode() for s in sequence_ids]
+        self.namespace = namespace.encode()
+        self.request_id, self.columns, self.temperatures, self.token_ids = request_id, columns, temperatures, token_ids
+        self.n, self.rows, self.width, self.dtype = len(sequence_ids), rows, width, dtype
+        self.write_states = write_states
+        self.ids = b"".join(self.encoded_ids)
+        self.size = request_size(self.n, rows, width, torch.empty(0, dtype=dtype).element_size(), len(self.ids),
+                                 len(self.namespace))
+
+    def __len__(self) -> int:
+        return self.size
+
+    def write_into(self, dest: memoryview) -> None:
+        n, t = self.n, self.rows
+        h = np.zeros((), REQUEST_HEADER)
+        h["magic"], h["n"], h["t"], h["w"], h["dtype"] = REQUEST_MAGIC, n, t, self.width, DTYPE_NUMBERS[self.dtype]
+        h["request_id"], h["ids_bytes"], h["namespace_bytes"] = self.request_id, len(self.ids), len(self.namespace)
+        at = REQUEST_HEADER.itemsize
+        dest[:at] = h.tobytes()
+        np.frombuffer(dest, np.int64, 6 * n, at).reshape(6, n)[:] = self.columns
+        at += 48 * n
+        np.frombuffer(dest, np.float32, n, at)[:] = self.temperatures
+        at += _up8(4 * n)
+        np.frombuffer(dest, np.int32, n, at)[:] = [len(s) for s in self.encoded_ids]
+        at += _up8(4 * n)
+        np.frombuffer(dest, np.int64, t, at)[:] = self.token_ids
+        at += 8 * t
+        dest[at : at + len(self.ids)] = self.ids
+        at += _up8(len(self.ids))
+        dest[at : at + len(self.namespace)] = self.namespace
+        at += _up8(len(self.namespace))
+        self.write_states(dest[at : self.size])
+
+    def __bytes__(self) -> bytes:
+        buf = bytearray(self.size)
+        self.write_into(memoryview(buf))
+        return bytes(buf)
+
+
+def read_request(buf) -> RequestFrame:
+    """The request frame in buf (bytes, or a memoryview of shared memory); raises FrameError when its structure is
+    wrong. Everything but the states is copied out of buf first."""
+    size = len(buf)
+    if size < REQUEST_HEADER.itemsize:
+        raise FrameError(f"frame: {size} bytes, shorter than its {REQUEST_HEADER.itemsize}-byte header")
+    h = np.frombuffer(bytes(buf[: REQUEST_HEADER.itemsize]), REQUEST_HEADER, 1)[0]
+    n, t, w, flags = int(h["n"]), int(h["t"]), int(h["w"]), int(h["flags"])
+    ids_bytes, namespace_bytes = int(h["ids_bytes"]), int(h["namespace_bytes"])
+    if h["magic"] != REQUEST_MAGIC:
+        raise FrameError("frame: not a request frame")
+    dtype = STATE_DTYPES.get(int(h["dtype"]))
+    if dtype is None:
+        raise FrameError(f"frame: states dtype {int(h['dtype'])}; FLOAT32, FLOAT16 or BFLOAT16")
+    if flags:
+        raise FrameError(f"frame: flags {flags}; this drafter knows none")
+    if max(n, t, w, ids_bytes, namespace_bytes) > MAX_COUNT:
+        raise FrameError("frame: a count in its header is out of range")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    want = request_size(n, t, w, itemsize, ids_bytes, namespace_bytes)
+    if want != size:
+        raise FrameError(f"frame: its header describes {want} bytes; it has {size}")
+    head = bytearray(buf[REQUEST_HEADER.itemsize : size - t * w * itemsize])  # (all but the states: a copy)
+    at = 0
+    cols = np.frombuffer(head, np.int64, 6 * n, at).reshape(6, n)
+    at += 48 * n
+    temperatures = np.frombuffer(head, np.float32, n, at)
+    at += _up8(4 * n)
+    lengths = np.frombuffer(head, np.int32, n, at)
+    at += _up8(4 * n)
+    token_ids = np.frombuffer(head, np.int64, t, at)
+    at += 8 * t
+    if n and (int(lengths.min()) < 0 or int(lengths.sum()) != ids_bytes):
+        raise FrameError(f"frame: the sequence ids' lengths do not add up to {ids_bytes} bytes")
+    try:
+        ids_blob = bytes(head[at : at + ids_bytes])
+        ends = np.cumsum(lengths).tolist()
+        sequence_ids = [ids_blob[a:b].decode() for a, b in zip([0, *ends], ends)]
+        at += _up8(ids_bytes)
+        namespace = bytes(head[at : at + namespace_bytes]).decode()
+    except UnicodeDecodeError:
+        raise FrameError("frame: a sequence id or the namespace is not UTF-8") from None
+    states = torch.frombuffer(buf, dtype=dtype, count=t * w, offset=size - t * w * itemsize) if t * w else \
+        torch.empty(0, dtype=dtype)
+    return RequestFrame(namespace=namespace, request_id=int(h["request_id"]), sequence_ids=sequence_ids,
+                        columns=dict(zip(REQUEST_COLUMNS, cols)), temperatures=temperatures,
+                        token_ids=token_ids, states=states.view(t, w))
+
+
+@dataclass
+class ReplyFrame:
+    request_id: int
+    codes: np.ndarray  # [n] int32
+    num_drafts: np.ndarray  # [n] int64
+    accepted_drafts: np.ndarray  # [n] int64
+    committed_lengths: np.ndarray  # [n] int64
+    predrafted: np.ndarray  # [n] bool
+    draft_token_ids: np.ndarray  # [sum num_drafts] int64
+    messages: dict[int, str]  # the failed sequences' messages, by index
+
+
+def write_reply(request_id: int, columns: np.ndarray, drafts: np.ndarray, messages: dict[int, str]) -> bytes:
+    """columns: [5, n] int64 (codes, num_drafts, accepted_drafts, committed_lengths, predrafted); drafts: [d] int64;
+    messages: index -> message of the sequences whose code is not 0."""
+    n, d = columns.shape[1], drafts.shape[0]
+    problems = json.dumps({str(i): m for i, m in messages.items()}).encode() if messages else b""
+    h = np.zeros((), REPLY_HEADER)
+    h["magic"], h["n"], h["drafts"], h["problems_bytes"], h["request_id"] = REPLY_MAGIC, n, d, len(problems), request_id
+    return b"".join((h.tobytes(), np.ascontiguousarray(columns, dtype="<i8").tobytes(),
+                     np.ascontiguousarray(drafts, dtype="<i8").tobytes(), problems))
+
+
+def read_reply(buf, n: int) -> ReplyFrame:
+    """The reply frame in buf, the answer to a step of n sequences; FrameError when it is not one."""
+    size = len(buf)
+    if size < REPLY_HEADER.itemsize:
+        raise FrameError(f"reply frame: {size} bytes, shorter than its header")
+    h = np.frombuffer(bytes(buf[: REPLY_HEADER.itemsize]), REPLY_HEADER, 1)[0]
+    d, problems_bytes = int(h["drafts"]), int(h["problems_bytes"])
+    if h["magic"] != REPLY_MAGIC or int(h["n"]) != n:
+        raise FrameError(f"reply frame: answers {int(h['n'])} sequences of {n}")
+    if REPLY_HEADER.itemsize + 8 * (5 * n + d) + problems_bytes != size:
+        raise FrameError("reply frame: its header does not describe its size")
+    body = np.frombuffer(bytes(buf[REPLY_HEADER.itemsize : REPLY_HEADER.itemsize + 8 * (5 * n + d)]), np.int64)
+    codes, counts, accepted, lengths, predrafted = body[: 5 * n].reshape(5, n)
+    if int(counts.sum()) != d:
+        raise FrameError(f"reply frame: num_drafts add up to {int(counts.sum())}, but it holds {d} draft ids")
+    messages = {}
+    if problems_bytes:
+        try:
+            messages = {int(i): str(m) for i, m in json.loads(bytes(buf[size - problems_bytes :])).items()}
+        except (ValueError, AttributeError):
+            raise FrameError("reply frame: its problems are not a JSON object of messages") from None
+    return ReplyFrame(request_id=int(h["request_id"]), codes=codes.astype(np.int32), num_drafts=counts.copy(),
+                      accepted_drafts=accepted.copy(), committed_lengths=lengths.copy(), predrafted=predrafted != 0,
+                      draft_token_ids=body[5 * n :].copy(), messages=messages)

@@ -1,0 +1,322 @@
+"""Step frames (drafter_client.protocol.step_frame): a step channel's requests and replies as raw arrays.
+
+The codec round-trips and refuses frames of a wrong structure with FrameError, whatever the bytes (hypothesis); the
+drafter checks a frame's values as it checks a columnar ProposeRequest (each error names frame.<column>[index]);
+end to end, steps sent as frames (propose and propose_batch; greedy and sampled, uint64 seeds, an unknown
+sequence, packed states) answer exactly what the same steps answer as protobuf; steps a frame cannot carry
+(log-probabilities, top-N) go as protobuf on the same channel; a malformed frame, or one of another namespace, gets
+an error reply and the channel stays usable; a drafter without frames leaves the client on protobuf.
+"""
+import dataclasses
+import random
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import ServerThread, make_config
+from drafter_client import DrafterClient, SequenceStep
+from drafter_client.batch import frame_from_batch, frame_from_steps, parse_frame_reply, steps_as_batch
+from drafter_client.messages import DrafterError
+from drafter_client.protocol import pb, step_frame
+from drafter_service.transport.validation import Limits, RequestError, parse_frame
+from test_batch_api import as_batch, commit_some
+
+H, V, K = 64, 512, 4
+LIMITS = Limits(hidden_states_width=H, vocab_size=V, max_draft_tokens=8, max_request_tokens=4096, max_request_seqs=64)
+SETTINGS = settings(max_examples=300, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def frame_bytes(steps: list[SequenceStep], namespace: str = "ns", request_id: int = 7) -> bytes:
+    return bytes(frame_from_steps(namespace, steps, None, request_id))
+
+
+def some_steps(n: int = 3, dtype=torch.float32, seed: int = 0) -> list[SequenceStep]:
+    g = torch.Generator().manual_seed(seed)
+    return [SequenceStep(f"séq-{i}", 10 * i, list(range(i + 1, 2 * i + 3)), torch.randn(i + 2, H, generator=g).to(dtype),
+                         100 + i, i % 5, temperature=0.5 * (i % 2), seed=2**64 - 1 - i if i % 2 else 0,
+                         predraft_branches=i % 3) for i in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_request_frame_reads_back_what_was_written(dtype):
+    steps = some_steps(dtype=dtype)
+    f = step_frame.read_request(frame_bytes(steps, "namespace-ü", 2**63 + 5))
+    assert f.namespace == "namespace-ü" and f.request_id == 2**63 + 5
+    assert f.sequence_ids == [s.sequence_id for s in steps]
+    assert f.columns["start_positions"].tolist() == [0, 10, 20]
+    assert f.columns["num_tokens"].tolist() == [2, 3, 4]
+    assert f.columns["next_tokens"].tolist() == [100, 101, 102]
+    assert f.columns["num_drafts"].tolist() == [0, 1, 2]
+    assert f.columns["seeds"].tolist() == [0, -2, 0]  # (uint64 2**64 - 2: its int64 bits)
+    assert f.columns["predraft_branches"].tolist() == [0, 1, 2]
+    assert f.temperatures.tolist() == [0.0, 0.5, 0.0]
+    assert f.token_ids.tolist() == [t for s in steps for t in s.token_ids]
+    assert f.states.dtype == dtype and torch.equal(f.states, torch.cat([s.hidden_states for s in steps]))
+    # the batch API writes the same frame
+    batch = dataclasses.replace(steps_as_batch(steps), hidden_states=torch.cat([s.hidden_states for s in steps]))
+    assert bytes(frame_from_batch("namespace-ü", batch, 2**63 + 5)) == frame_bytes(steps, "namespace-ü", 2**63 + 5)
+
+
+def test_steps_a_frame_cannot_carry_are_left_to_protobuf():
+    steps = some_steps()
+    assert frame_from_steps("ns", [dataclasses.replace(steps[0], return_logprobs=True), *steps[1:]], None, 1) is None
+    assert frame_from_steps("ns", [dataclasses.replace(steps[0], top_k_probs=2), *steps[1:]], None, 1) is None
+    assert frame_from_steps("ns", [dataclasses.replace(steps[0], hidden_states=torch.randn(2, H + 1)),
+                                   *steps[1:]], None, 1) is None  # (states of two widths)
+    assert frame_from_steps("ns", [dataclasses.replace(steps[0], hidden_states=torch.zeros(2, H, dtype=torch.int32)),
+                                   *steps[1:]], None, 1) is None
+    batch = dataclasses.replace(steps_as_batch(steps), hidden_states=torch.cat([s.hidden_states for s in steps]))
+    assert frame_from_batch("ns", dataclasses.replace(batch, return_logprobs=True), 1) is None
+    assert frame_from_batch("ns", dataclasses.replace(batch, hidden_states=batch.hidden_states[:-1]), 1) is None
+
+
+def test_a_frame_of_the_wrong_structure_is_refused():
+    good = frame_bytes(some_steps())
+    header = step_frame.REQUEST_HEADER
+    cases = {"shorter than its": good[:20], "not a request frame": b"DFX1" + good[4:],
+             "describes": good[:-1], "describes ": good + b"\0"}
+    h = np.frombuffer(good[: header.itemsize], header).copy()
+    h["dtype"] = pb.INT64
+    cases["states dtype"] = h.tobytes() + good[header.itemsize:]
+    h = np.frombuffer(good[: header.itemsize], header).copy()
+    h["flags"] = 1
+    cases["flags"] = h.tobytes() + good[header.itemsize:]
+    h = np.frombuffer(good[: header.itemsize], header).copy()
+    h["n"] = 2**31
+    cases["out of range"] = h.tobytes() + good[header.itemsize:]
+    for why, data in cases.items():
+        with pytest.raises(step_frame.FrameError, match=why.strip()):
+            step_frame.read_request(data)
+
+
+@SETTINGS
+@given(cut=st.integers(0, 2000), flips=st.lists(st.tuples(st.integers(0, 2000), st.integers(0, 255)), max_size=4))
+def test_corrupted_frames_raise_frame_error_or_request_error_only(cut, flips):
+    """Whatever the bytes, reading a frame raises FrameError or gives a frame, and checking that frame raises
+    RequestError or gives a BatchInput whose columns hold exactly its sequences and rows."""
+    data = bytearray(frame_bytes(some_steps(5)))
+    for where, value in flips:
+        data[where % len(data)] = value
+    data = bytes(data[: len(data) - cut % len(data)])
+    try:
+        frame = step_frame.read_request(data)
+    except step_frame.FrameError:
+        return
+    try:
+        b = parse_frame(frame, LIMITS)
+    except RequestError:
+        return
+    assert len(b) == len(frame.sequence_ids) and int(b.num_tokens.sum()) == b.token_ids.shape[0]
+    assert b.hidden_states.shape == (b.token_ids.shape[0], H)
+
+
+@SETTINGS
+@given(data=st.binary(max_size=600))
+def test_random_bytes_with_a_frame_magic_raise_frame_error_only(data):
+    try:
+        step_frame.read_request(step_frame.REQUEST_MAGIC + data)
+    except step_frame.FrameError:
+        pass
+
+
+def _broken(steps, **changes) -> "step_frame.RequestFrame":
+    f = step_frame.read_request(frame_bytes(steps))
+    for name, (i, value) in changes.items():
+        if name == "temperatures":
+            f.temperatures[i] = value
+        elif name == "token_ids":
+            f.token_ids[i] = value
+        elif name == "sequence_ids":
+            f.sequence_ids[i] = value
+        else:
+            f.columns[name][i] = value
+    return f
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(start_positions=(1, -1)), r"frame.start_positions\[1\] is -1"),
+    (dict(num_tokens=(0, 0)), r"frame.num_tokens\[0\] is 0"),
+    (dict(next_tokens=(2, V)), r"frame.next_tokens\[2\] is 512; outside the vocabulary"),
+    (dict(num_drafts=(1, 9)), r"frame.num_drafts\[1\] is 9; this server drafts 0 to 8"),
+    (dict(temperatures=(2, float("nan"))), r"frame.temperatures\[2\] is nan"),
+    (dict(temperatures=(0, -1.0)), r"frame.temperatures\[0\] is -1.0"),
+    (dict(token_ids=(3, V + 7)), r"token_ids\[3\] = 519 is outside the vocabulary"),
+    (dict(sequence_ids=(2, "séq-0")), r"frame.sequence_ids\[2\] 'séq-0' appears twice"),
+    (dict(sequence_ids=(1, "")), r"frame.sequence_ids\[1\] is empty"),
+    (dict(sequence_ids=(0, "x" * 300)), r"frame.sequence_ids\[0\] is 300 characters"),
+])
+def test_frame_values_are_checked_as_columns_are(change, message):
+    with pytest.raises(RequestError, match=message) as e:
+        parse_frame(_broken(some_steps(), **change), LIMITS)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_frame_limits():
+    steps = some_steps()
+    with pytest.raises(RequestError, match="frame.states has 64 columns; this model takes 32"):
+        parse_frame(step_frame.read_request(frame_bytes(steps)), dataclasses.replace(LIMITS, hidden_states_width=32))
+    with pytest.raises(RequestError, match="at most 8 per request") as e:
+        parse_frame(step_frame.read_request(frame_bytes(steps)), dataclasses.replace(LIMITS, max_request_tokens=8))
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(RequestError, match="at most 2 per request"):
+        parse_frame(step_frame.read_request(frame_bytes(steps)), dataclasses.replace(LIMITS, max_request_seqs=2))
+    with pytest.raises(RequestError, match="namespace is 129 characters"):
+        parse_frame(step_frame.read_request(frame_bytes(steps, "n" * 129)), LIMITS)
+    # a drafter that cannot pre-draft ignores the budgets (zeros); one that can refuses more than its limit
+    assert parse_frame(step_frame.read_request(frame_bytes(steps)), LIMITS).predraft_branches.tolist() == [0, 0, 0]
+    can = dataclasses.replace(LIMITS, max_predraft_branches=1)
+    with pytest.raises(RequestError, match=r"frame.predraft_branches\[2\] is 2; at most 1"):
+        parse_frame(step_frame.read_request(frame_bytes(steps)), can)
+
+
+def test_a_reply_frame_reads_back_and_a_bad_one_is_internal():
+    cols = np.array([[0, 5, 0], [3, 0, 2], [1, 0, 4], [12, 9, 30], [0, 0, 1]], dtype=np.int64)
+    data = step_frame.write_reply(11, cols, np.arange(5), {1: "unknown sequence 'b'"})
+    d = parse_frame_reply(data, ["a", "b", "c"])
+    assert d.codes.tolist() == [0, 5, 0] and d.codes.dtype == torch.int32
+    assert d.num_drafts.tolist() == [3, 0, 2] and d.draft_token_ids.tolist() == [0, 1, 2, 3, 4]
+    assert d.accepted_drafts.tolist() == [1, 0, 4] and d.committed_lengths.tolist() == [12, 9, 30]
+    assert d.predrafted.tolist() == [False, False, True] and d.needs_resync.tolist() == [False, True, False]
+    assert d.messages == {1: "unknown sequence 'b'"} and d.request_id == 11
+    for bad, ids in ((data[:-3], ["a", "b", "c"]), (data, ["a", "b"]),
+                     (step_frame.write_reply(11, cols, np.arange(4), {}), ["a", "b", "c"])):
+        with pytest.raises(DrafterError) as e:
+            parse_frame_reply(bad, ids)
+        assert e.value.code == grpc.StatusCode.INTERNAL
+
+
+@pytest.fixture(scope="module")
+def frames_server(tiny_model, tmp_path_factory):
+    head, target = tiny_model
+    with ServerThread(make_config(head, target, tmp_path_factory.mktemp("frames"))) as s:
+        yield s
+
+
+async def test_frames_answer_what_protobuf_answers(frames_server):
+    """The same steps from two engines, one through a channel that speaks frames, one through a channel that does
+    not: the same drafts, codes, messages, counts and lengths, for propose() and propose_batch(), over greedy and
+    sampled steps, uint64 seeds, an unknown sequence and packed states; a step asking for log-probabilities goes as
+    protobuf on the frames channel, answered alike."""
+    rng = random.Random(3)
+    g = torch.Generator().manual_seed(3)
+    n = 12
+    async with DrafterClient(frames_server.uds, namespace="fr") as fr, \
+            DrafterClient(frames_server.uds, namespace="pb") as pbc:
+        assert await fr.open_step_channel() and fr.channel_frames
+        assert await pbc.open_step_channel(frames=False) and not pbc.channel_frames
+        seqs = {f"s{i}": dict(tokens=[rng.randrange(V) for _ in range(rng.randint(2, 9) + 1)], sent=0)
+                for i in range(n)}
+        for s in seqs.values():
+            s["hidden"] = torch.randn(len(s["tokens"]) - 1, H, generator=g)
+        taken = frames_server.server.runtime.metrics.channels.frames_taken
+        for step in range(6):
+            lp = step == 3
+            steps = []
+            for sid, s in seqs.items():
+                end = len(s["tokens"]) - 1
+                sampled = step >= 2 and rng.random() < 0.5
+                steps.append(SequenceStep(sid, s["sent"], s["tokens"][s["sent"]:end], s["hidden"][s["sent"]:end],
+                                          s["tokens"][end], rng.randint(0, K),
+                                          temperature=rng.choice([0.6, 1.2]) if sampled else 0.0,
+                                          seed=rng.choice([3, 2**63 + 5, 2**64 - 1]) if sampled else 0,
+                                          return_logprobs=lp))
+            if step == 2:
+                steps.insert(5, SequenceStep("ghost", 4, [1], torch.randn(1, H, generator=g), 2, 3))
+            packed = torch.cat([st.hidden_states for st in steps]) if step == 4 else None
+            if packed is not None:
+                steps = [dataclasses.replace(st, hidden_states=None) for st in steps]
+            frames_before = fr.steps_as_frames
+            if step % 2 == 0 or lp:
+                by_fr = await fr.propose(steps, hidden_states=packed)
+            else:  # the batch API, answered as BatchDrafts
+                by_fr = await fr.propose_batch(as_batch(steps))
+            by_pb = await pbc.propose(steps, hidden_states=packed)
+            assert fr.steps_as_frames == frames_before + (0 if lp else 1) and pbc.steps_as_frames == 0
+            if step % 2 == 1 and not lp:
+                assert by_fr.codes.tolist() == [r.code for r in by_pb.sequences]
+                assert torch.equal(by_fr.draft_token_ids, by_pb.draft_token_ids)
+                assert by_fr.committed_lengths.tolist() == [r.committed_length for r in by_pb.sequences]
+                assert by_fr.accepted_drafts.tolist() == [r.accepted_drafts for r in by_pb.sequences]
+            else:
+                assert torch.equal(by_fr.draft_token_ids, by_pb.draft_token_ids)
+                for a, b in zip(by_fr.sequences, by_pb.sequences, strict=True):
+                    assert (a.sequence_id, a.code, a.accepted_drafts, a.committed_length, a.needs_resync) == \
+                        (b.sequence_id, b.code, b.accepted_drafts, b.committed_length, b.needs_resync)
+                    assert a.message == b.message.replace("'pb'", "'fr'")
+                    assert torch.equal(a.drafts, b.drafts)
+                    assert (a.logprobs is None) == (b.logprobs is None)
+                if step == 2:
+                    ghost = by_fr.sequences[5]
+                    assert ghost.code == grpc.StatusCode.NOT_FOUND.value[0] and ghost.needs_resync and ghost.message
+            commit_some(seqs, steps, by_pb.sequences, rng, g)
+        assert frames_server.server.runtime.metrics.channels.frames_taken - taken == 5
+        assert fr.steps_through_channel == 6
+        await fr.release(list(seqs))
+        await pbc.release(list(seqs))
+
+
+async def test_a_bad_frame_gets_an_error_reply_and_the_channel_goes_on(frames_server):
+    """Frames written by hand into the mailbox: a malformed one is INVALID_ARGUMENT naming the problem, one of
+    another namespace PERMISSION_DENIED, one with a bad column INVALID_ARGUMENT naming it; after each, a good step
+    through the same channel drafts."""
+    async with DrafterClient(frames_server.uds, namespace="hand") as c:
+        assert await c.open_step_channel() and c.channel_frames
+        ch = c._step_channel
+        good = some_steps(3)
+        cases = [(frame_bytes(good, "hand")[:-5], grpc.StatusCode.INVALID_ARGUMENT, "frame: its header describes"),
+                 (frame_bytes(good, "other"), grpc.StatusCode.PERMISSION_DENIED, "this channel was opened by"),
+                 (frame_bytes([dataclasses.replace(good[0], next_token=V)], "hand"), grpc.StatusCode.INVALID_ARGUMENT,
+                  r"frame.next_tokens\[0\] is 512")]
+        for data, code, message in cases:
+            assert ch.try_claim()
+            reply = pb.ProposeResponse.FromString(await ch.call(data, 5.0))
+            assert reply.error.code == code.value[0] and reply.request_id in (0, 7), reply
+            assert __import__("re").search(message, reply.error.message), reply.error.message
+            r = await c.propose([SequenceStep("g", 0, [1, 2, 3], torch.randn(3, H), 4, 3)])
+            assert r.sequences[0].ok and r.sequences[0].drafts.numel() == 3
+        assert c.steps_as_frames == 3
+        await c.release(["g"])
+
+
+async def test_a_drafter_without_frames_keeps_the_client_on_protobuf(tiny_model, tmp_path):
+    head, target = tiny_model
+    with ServerThread(make_config(head, target, tmp_path)) as s:
+        s.server.channels.decode_frame = None  # (as a drafter from before frames: it never grants them)
+        async with DrafterClient(s.uds, namespace="old") as c:
+            assert await c.open_step_channel() and not c.channel_frames
+            r = await c.propose([SequenceStep("a", 0, [1, 2, 3], torch.randn(3, H), 4, 3)])
+            assert r.sequences[0].ok and c.steps_through_channel == 1 and c.steps_as_frames == 0
+
+
+def test_the_sync_client_sends_frames_on_the_calling_thread(frames_server):
+    """SyncDrafterClient's channel path (on the calling thread) sends frames too: the same drafts as a gRPC-only
+    client over steps with random acceptance, never through its event loop."""
+    from drafter_client.sync import SyncDrafterClient
+
+    rng = random.Random(4)
+    g = torch.Generator().manual_seed(4)
+    with SyncDrafterClient(frames_server.uds, namespace="sync-fr") as fast, \
+            SyncDrafterClient(frames_server.uds, namespace="sync-pb") as slow:
+        assert fast.open_step_channel() and fast._client.channel_frames
+
+        async def not_on_the_loop(*args, **kwargs):
+            raise AssertionError("propose() went to the event loop although the channel was free")
+
+        fast._client.propose = not_on_the_loop
+        seqs = {f"s{i}": dict(tokens=[rng.randrange(V) for _ in range(6)], sent=0) for i in range(3)}
+        for s in seqs.values():
+            s["hidden"] = torch.randn(5, H, generator=g)
+        for _ in range(5):
+            steps = [SequenceStep(sid, s["sent"], s["tokens"][s["sent"]:-1], s["hidden"][s["sent"]:],
+                                  s["tokens"][-1], rng.randint(1, K)) for sid, s in seqs.items()]
+            a, b = fast.propose(steps), slow.propose(steps)
+            assert [x.drafts.tolist() for x in a.sequences] == [y.drafts.tolist() for y in b.sequences]
+            commit_some(seqs, steps, a.sequences, rng, g)
+        assert fast._client.steps_as_frames == 5 and fast._client.steps_through_channel == 5
+        fast.release(list(seqs))
+        slow.release(list(seqs))
