@@ -282,9 +282,10 @@ class DrafterClient:
         if not columns:
             return (lambda states, rid, chunk_min_bytes: serialize_request(self.namespace, steps, states, rid,
                                                                            chunk_min_bytes)), parse_response, timeout
-        batch, ids = steps_as_batch(steps), [s.sequence_id for s in steps]
-        return ((lambda states, rid, chunk_min_bytes: serialize_steps_as_columns(self.namespace, steps, batch, states,
-                                                                                  rid, chunk_min_bytes)),
+        ids = [s.sequence_id for s in steps]
+        # (the columns are built when the step is serialized: not at all when it goes as a request frame)
+        return ((lambda states, rid, chunk_min_bytes: serialize_steps_as_columns(
+                    self.namespace, steps, steps_as_batch(steps), states, rid, chunk_min_bytes)),
                 lambda resp: batch_as_result(parse_batch_response(resp, ids)), timeout)
 
     async def propose_batch(self, batch: StepBatch, timeout: float | None = None) -> BatchDrafts:

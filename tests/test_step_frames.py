@@ -80,15 +80,14 @@ def test_a_frame_of_the_wrong_structure_is_refused():
     header = step_frame.REQUEST_HEADER
     cases = {"shorter than its": good[:20], "not a request frame": b"DFX1" + good[4:],
              "describes": good[:-1], "describes ": good + b"\0"}
-    h = np.frombuffer(good[: header.itemsize], header).copy()
-    h["dtype"] = pb.INT64
-    cases["states dtype"] = h.tobytes() + good[header.itemsize:]
-    h = np.frombuffer(good[: header.itemsize], header).copy()
-    h["flags"] = 1
-    cases["flags"] = h.tobytes() + good[header.itemsize:]
-    h = np.frombuffer(good[: header.itemsize], header).copy()
-    h["n"] = 2**31
-    cases["out of range"] = h.tobytes() + good[header.itemsize:]
+
+    def with_field(i: int, value) -> bytes:  # (fields: magic, n, t, w, dtype, flags, request_id, ids, namespace)
+        fields = list(header.unpack_from(good))
+        fields[i] = value
+        return header.pack(*fields) + good[header.size:]
+    cases["states dtype"] = with_field(4, pb.INT64)
+    cases["flags"] = with_field(5, 1)
+    cases["out of range"] = with_field(1, 2**31)
     for why, data in cases.items():
         with pytest.raises(step_frame.FrameError, match=why.strip()):
             step_frame.read_request(data)
@@ -320,3 +319,30 @@ def test_the_sync_client_sends_frames_on_the_calling_thread(frames_server):
         assert fast._client.steps_as_frames == 5 and fast._client.steps_through_channel == 5
         fast.release(list(seqs))
         slow.release(list(seqs))
+
+
+def test_a_reply_frame_whose_head_was_encoded_before_the_drafts_is_the_whole_reply():
+    """frame_reply with the head frame_reply_head made from the answer before its drafts (drafts None, as the
+    step's early callback sees it) is the reply frame_reply makes from the finished answer: every draft count,
+    failed sequences, no drafts at all; and it reads back to those values."""
+    from drafter_service.engine.batch_io import BatchOutput
+    from drafter_service.transport.servicer import frame_reply, frame_reply_head
+
+    rng = random.Random(6)
+    for n, k in ((1, 5), (6, 3), (40, 8), (7, 0)):
+        codes = torch.tensor([0 if rng.random() < 0.8 else 5 for _ in range(n)], dtype=torch.int32)
+        out = BatchOutput(codes=codes, messages=["" if c == 0 else f"gone {i}" for i, c in enumerate(codes.tolist())],
+                          num_drafts=torch.tensor([rng.randint(0, k) for _ in range(n)]),
+                          accepted_drafts=torch.tensor([rng.randint(0, 3) for _ in range(n)]),
+                          committed_lengths=torch.tensor([rng.randint(1, 2000) for _ in range(n)]))
+        head = frame_reply_head(out, 9)
+        out.drafts = torch.randint(0, 50000, (n, k))
+        whole = frame_reply(out, 9)
+        assert frame_reply(out, 9, head) == whole
+        d = parse_frame_reply(whole, [f"s{i}" for i in range(n)])
+        counts = out.num_drafts * (codes == 0)
+        assert d.num_drafts.tolist() == counts.tolist() and d.codes.tolist() == codes.tolist()
+        assert d.draft_token_ids.tolist() == [t for i in range(n) for t in out.drafts[i, : counts[i]].tolist()]
+        assert d.messages == {i: f"gone {i}" for i, c in enumerate(codes.tolist()) if c}
+        assert d.accepted_drafts.tolist() == out.accepted_drafts.tolist()
+        assert d.committed_lengths.tolist() == out.committed_lengths.tolist()

@@ -29,12 +29,17 @@ Reply frame (REPLY_MAGIC):
   drafts         [d] int64: each sequence's drafts, in order (none for a failed sequence)
   problems       JSON {"index": "message"} of the sequences whose code is not 0 (absent when none failed)
 
+Everything but the drafts is known before the step's kernels finish: the drafter encodes it while the GPU drafts
+(reply_head) and appends the drafts after.
+
 read_request and read_reply check the frame's structure (magic, sizes that add up to its length exactly, a known
 dtype) and copy everything but the states out of the buffer (a client may write its mailbox again at any time: the
 drafter checks and uses its own copies). Whether the values make sense (ids, positions, vocabulary, the state
 width) is the drafter's check (validation.parse_frame), the same as for a columnar ProposeRequest.
 """
+import itertools
 import json
+import struct
 from dataclasses import dataclass
 from typing import Callable
 
@@ -46,14 +51,15 @@ from drafter_client.protocol import pb
 REQUEST_MAGIC = b"DFQ1"
 REPLY_MAGIC = b"DFR1"
 VERSION = 1  # the hello's "frames" value both ends must give
-REQUEST_HEADER = np.dtype([("magic", "S4"), ("n", "<u4"), ("t", "<u4"), ("w", "<u4"), ("dtype", "<u4"),
-                           ("flags", "<u4"), ("request_id", "<u8"), ("ids_bytes", "<u4"), ("namespace_bytes", "<u4"),
-                           ("reserved", "<u8")])
-REPLY_HEADER = np.dtype([("magic", "S4"), ("n", "<u4"), ("drafts", "<u4"), ("problems_bytes", "<u4"),
-                         ("request_id", "<u8"), ("reserved", "<u8")])
+# magic, n, t, w, dtype, flags, request_id, ids_bytes, namespace_bytes, reserved (struct: a numpy structured scalar's
+# field reads cost about a microsecond each)
+REQUEST_HEADER = struct.Struct("<4sIIIIIQIIQ")
+# magic, n, drafts, problems_bytes, request_id, reserved
+REPLY_HEADER = struct.Struct("<4sIIIQQ")
 REQUEST_COLUMNS = ("start_positions", "num_tokens", "next_tokens", "num_drafts", "seeds", "predraft_branches")
 STATE_DTYPES = {pb.FLOAT32: torch.float32, pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16}
 DTYPE_NUMBERS = {v: k for k, v in STATE_DTYPES.items()}
+ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 MAX_COUNT = 1 << 28  # sequences or tokens a header may claim (far above any drafter's limits; keeps sizes small ints)
 
 
@@ -71,7 +77,7 @@ def starts_with(buf, magic: bytes) -> bool:
 
 
 def request_size(n: int, t: int, w: int, itemsize: int, ids_bytes: int, namespace_bytes: int) -> int:
-    return (REQUEST_HEADER.itemsize + 48 * n + _up8(4 * n) + _up8(4 * n) + 8 * t + _up8(ids_bytes)
+    return (REQUEST_HEADER.size + 48 * n + _up8(4 * n) + _up8(4 * n) + 8 * t + _up8(ids_bytes)
             + _up8(namespace_bytes) + t * w * itemsize)
 
 
@@ -103,19 +109,16 @@ class FrameRequest:
         self.n, self.rows, self.width, self.dtype = len(sequence_ids), rows, width, dtype
         self.write_states = write_states
         self.ids = b"".join(self.encoded_ids)
-        self.size = request_size(self.n, rows, width, torch.empty(0, dtype=dtype).element_size(), len(self.ids),
-                                 len(self.namespace))
+        self.size = request_size(self.n, rows, width, ITEMSIZE[dtype], len(self.ids), len(self.namespace))
 
     def __len__(self) -> int:
         return self.size
 
     def write_into(self, dest: memoryview) -> None:
         n, t = self.n, self.rows
-        h = np.zeros((), REQUEST_HEADER)
-        h["magic"], h["n"], h["t"], h["w"], h["dtype"] = REQUEST_MAGIC, n, t, self.width, DTYPE_NUMBERS[self.dtype]
-        h["request_id"], h["ids_bytes"], h["namespace_bytes"] = self.request_id, len(self.ids), len(self.namespace)
-        at = REQUEST_HEADER.itemsize
-        dest[:at] = h.tobytes()
+        REQUEST_HEADER.pack_into(dest, 0, REQUEST_MAGIC, n, t, self.width, DTYPE_NUMBERS[self.dtype], 0,
+                                 self.request_id, len(self.ids), len(self.namespace), 0)
+        at = REQUEST_HEADER.size
         np.frombuffer(dest, np.int64, 6 * n, at).reshape(6, n)[:] = self.columns
         at += 48 * n
         np.frombuffer(dest, np.float32, n, at)[:] = self.temperatures
@@ -140,25 +143,23 @@ def read_request(buf) -> RequestFrame:
     """The request frame in buf (bytes, or a memoryview of shared memory); raises FrameError when its structure is
     wrong. Everything but the states is copied out of buf first."""
     size = len(buf)
-    if size < REQUEST_HEADER.itemsize:
-        raise FrameError(f"frame: {size} bytes, shorter than its {REQUEST_HEADER.itemsize}-byte header")
-    h = np.frombuffer(bytes(buf[: REQUEST_HEADER.itemsize]), REQUEST_HEADER, 1)[0]
-    n, t, w, flags = int(h["n"]), int(h["t"]), int(h["w"]), int(h["flags"])
-    ids_bytes, namespace_bytes = int(h["ids_bytes"]), int(h["namespace_bytes"])
-    if h["magic"] != REQUEST_MAGIC:
+    if size < REQUEST_HEADER.size:
+        raise FrameError(f"frame: {size} bytes, shorter than its {REQUEST_HEADER.size}-byte header")
+    magic, n, t, w, dtype_number, flags, request_id, ids_bytes, namespace_bytes, _ = REQUEST_HEADER.unpack_from(buf)
+    if magic != REQUEST_MAGIC:
         raise FrameError("frame: not a request frame")
-    dtype = STATE_DTYPES.get(int(h["dtype"]))
+    dtype = STATE_DTYPES.get(dtype_number)
     if dtype is None:
-        raise FrameError(f"frame: states dtype {int(h['dtype'])}; FLOAT32, FLOAT16 or BFLOAT16")
+        raise FrameError(f"frame: states dtype {dtype_number}; FLOAT32, FLOAT16 or BFLOAT16")
     if flags:
         raise FrameError(f"frame: flags {flags}; this drafter knows none")
     if max(n, t, w, ids_bytes, namespace_bytes) > MAX_COUNT:
         raise FrameError("frame: a count in its header is out of range")
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = ITEMSIZE[dtype]
     want = request_size(n, t, w, itemsize, ids_bytes, namespace_bytes)
     if want != size:
         raise FrameError(f"frame: its header describes {want} bytes; it has {size}")
-    head = bytearray(buf[REQUEST_HEADER.itemsize : size - t * w * itemsize])  # (all but the states: a copy)
+    head = bytearray(buf[REQUEST_HEADER.size : size - t * w * itemsize])  # (all but the states: a copy)
     at = 0
     cols = np.frombuffer(head, np.int64, 6 * n, at).reshape(6, n)
     at += 48 * n
@@ -172,7 +173,7 @@ def read_request(buf) -> RequestFrame:
         raise FrameError(f"frame: the sequence ids' lengths do not add up to {ids_bytes} bytes")
     try:
         ids_blob = bytes(head[at : at + ids_bytes])
-        ends = np.cumsum(lengths).tolist()
+        ends = list(itertools.accumulate(lengths.tolist()))
         sequence_ids = [ids_blob[a:b].decode() for a, b in zip([0, *ends], ends)]
         at += _up8(ids_bytes)
         namespace = bytes(head[at : at + namespace_bytes]).decode()
@@ -180,7 +181,7 @@ def read_request(buf) -> RequestFrame:
         raise FrameError("frame: a sequence id or the namespace is not UTF-8") from None
     states = torch.frombuffer(buf, dtype=dtype, count=t * w, offset=size - t * w * itemsize) if t * w else \
         torch.empty(0, dtype=dtype)
-    return RequestFrame(namespace=namespace, request_id=int(h["request_id"]), sequence_ids=sequence_ids,
+    return RequestFrame(namespace=namespace, request_id=request_id, sequence_ids=sequence_ids,
                         columns=dict(zip(REQUEST_COLUMNS, cols)), temperatures=temperatures,
                         token_ids=token_ids, states=states.view(t, w))
 
@@ -197,29 +198,33 @@ class ReplyFrame:
     messages: dict[int, str]  # the failed sequences' messages, by index
 
 
-def write_reply(request_id: int, columns: np.ndarray, drafts: np.ndarray, messages: dict[int, str]) -> bytes:
-    """columns: [5, n] int64 (codes, num_drafts, accepted_drafts, committed_lengths, predrafted); drafts: [d] int64;
-    messages: index -> message of the sequences whose code is not 0."""
-    n, d = columns.shape[1], drafts.shape[0]
+def reply_head(request_id: int, columns: np.ndarray, num_drafts: int, messages: dict[int, str]) -> tuple[bytes, bytes]:
+    """(the reply frame's bytes before its drafts, its bytes after them): everything a step knows before its drafts
+    (the drafter encodes it while the GPU drafts). columns: [5, n] int64 (codes, num_drafts, accepted_drafts,
+    committed_lengths, predrafted); num_drafts: the draft ids to come; messages: index -> message of the sequences
+    whose code is not 0."""
     problems = json.dumps({str(i): m for i, m in messages.items()}).encode() if messages else b""
-    h = np.zeros((), REPLY_HEADER)
-    h["magic"], h["n"], h["drafts"], h["problems_bytes"], h["request_id"] = REPLY_MAGIC, n, d, len(problems), request_id
-    return b"".join((h.tobytes(), np.ascontiguousarray(columns, dtype="<i8").tobytes(),
-                     np.ascontiguousarray(drafts, dtype="<i8").tobytes(), problems))
+    head = REPLY_HEADER.pack(REPLY_MAGIC, columns.shape[1], num_drafts, len(problems), request_id, 0)
+    return head + np.ascontiguousarray(columns, dtype="<i8").tobytes(), problems
+
+
+def write_reply(request_id: int, columns: np.ndarray, drafts: np.ndarray, messages: dict[int, str]) -> bytes:
+    """A whole reply frame (reply_head's two pieces around the [d] int64 drafts)."""
+    head, tail = reply_head(request_id, columns, drafts.shape[0], messages)
+    return head + np.ascontiguousarray(drafts, dtype="<i8").tobytes() + tail
 
 
 def read_reply(buf, n: int) -> ReplyFrame:
     """The reply frame in buf, the answer to a step of n sequences; FrameError when it is not one."""
     size = len(buf)
-    if size < REPLY_HEADER.itemsize:
+    if size < REPLY_HEADER.size:
         raise FrameError(f"reply frame: {size} bytes, shorter than its header")
-    h = np.frombuffer(bytes(buf[: REPLY_HEADER.itemsize]), REPLY_HEADER, 1)[0]
-    d, problems_bytes = int(h["drafts"]), int(h["problems_bytes"])
-    if h["magic"] != REPLY_MAGIC or int(h["n"]) != n:
-        raise FrameError(f"reply frame: answers {int(h['n'])} sequences of {n}")
-    if REPLY_HEADER.itemsize + 8 * (5 * n + d) + problems_bytes != size:
+    magic, got_n, d, problems_bytes, request_id, _ = REPLY_HEADER.unpack_from(buf)
+    if magic != REPLY_MAGIC or got_n != n:
+        raise FrameError(f"reply frame: answers {got_n} sequences of {n}")
+    if REPLY_HEADER.size + 8 * (5 * n + d) + problems_bytes != size:
         raise FrameError("reply frame: its header does not describe its size")
-    body = np.frombuffer(bytes(buf[REPLY_HEADER.itemsize : REPLY_HEADER.itemsize + 8 * (5 * n + d)]), np.int64)
+    body = np.frombuffer(bytearray(buf[REPLY_HEADER.size : REPLY_HEADER.size + 8 * (5 * n + d)]), np.int64)
     codes, counts, accepted, lengths, predrafted = body[: 5 * n].reshape(5, n)
     if int(counts.sum()) != d:
         raise FrameError(f"reply frame: num_drafts add up to {int(counts.sum())}, but it holds {d} draft ids")
@@ -229,6 +234,6 @@ def read_reply(buf, n: int) -> ReplyFrame:
             messages = {int(i): str(m) for i, m in json.loads(bytes(buf[size - problems_bytes :])).items()}
         except (ValueError, AttributeError):
             raise FrameError("reply frame: its problems are not a JSON object of messages") from None
-    return ReplyFrame(request_id=int(h["request_id"]), codes=codes.astype(np.int32), num_drafts=counts.copy(),
-                      accepted_drafts=accepted.copy(), committed_lengths=lengths.copy(), predrafted=predrafted != 0,
-                      draft_token_ids=body[5 * n :].copy(), messages=messages)
+    return ReplyFrame(request_id=request_id, codes=codes.astype(np.int32), num_drafts=counts,
+                      accepted_drafts=accepted, committed_lengths=lengths, predrafted=predrafted != 0,
+                      draft_token_ids=body[5 * n :], messages=messages)

@@ -104,25 +104,35 @@ def batch_column_head(out: BatchOutput, request_id: int) -> "pb.ProposeResponse"
     return resp
 
 
-def frame_reply(out: BatchOutput, request_id: int) -> bytes:
+def frame_reply_head(out: BatchOutput, request_id: int) -> tuple[bytes, bytes]:
+    """A reply frame's bytes before and after its drafts (step_frame.reply_head) for a step from columns, from its
+    answer before the drafts are known (out.drafts may be None): encoded while the GPU drafts."""
+    codes = out.codes.numpy()
+    ok = codes == 0
+    counts = out.num_drafts.numpy() * ok  # (a failed sequence has no drafts)
+    columns = np.stack([codes.astype(np.int64), counts, out.accepted_drafts.numpy(), out.committed_lengths.numpy(),
+                        np.zeros(codes.shape[0], dtype=np.int64)])
+    messages = {} if ok.all() else {i: out.messages[i] for i in np.flatnonzero(~ok).tolist()}
+    return step_frame.reply_head(request_id, columns, int(counts.sum()), messages)
+
+
+def frame_reply(out: BatchOutput, request_id: int, head: "tuple[bytes, bytes] | None" = None) -> bytes:
     """The reply frame (drafter_client.protocol.step_frame) of a step that came as a request frame: its answer from
-    the columns path, or from the per-sequence path (out.outputs)."""
+    the columns path (head: frame_reply_head of it, when encoded already), or from the per-sequence path
+    (out.outputs). numpy throughout: a torch op on a small tensor costs several microseconds."""
     if out.outputs is not None:
         outs = out.outputs
-        cols = np.array([(o.code, 0 if o.code else len(o.drafts), o.accepted_drafts, o.committed_length,
-                          int(o.predrafted)) for o in outs], dtype=np.int64).reshape(len(outs), 5).T
+        columns = np.array([(o.code, 0 if o.code else len(o.drafts), o.accepted_drafts, o.committed_length,
+                             int(o.predrafted)) for o in outs], dtype=np.int64).reshape(len(outs), 5).T
         drafts = np.fromiter(itertools.chain.from_iterable(o.drafts for o in outs if not o.code), dtype=np.int64)
-        messages = {i: o.message for i, o in enumerate(outs) if o.code}
-    else:
-        ok = out.codes == 0
-        counts = out.num_drafts * ok
-        K = out.drafts.shape[1]
-        drafts = (out.drafts.reshape(-1) if K and bool((counts == K).all())
-                  else out.drafts[torch.arange(K) < counts[:, None]]).numpy()
-        cols = np.stack([out.codes.numpy().astype(np.int64), counts.numpy(), out.accepted_drafts.numpy(),
-                         out.committed_lengths.numpy(), np.zeros(len(out), dtype=np.int64)])
-        messages = {} if bool(ok.all()) else {i: out.messages[i] for i in np.flatnonzero(~ok.numpy()).tolist()}
-    return step_frame.write_reply(request_id, cols, drafts, messages)
+        return step_frame.write_reply(request_id, columns, drafts,
+                                      {i: o.message for i, o in enumerate(outs) if o.code})
+    before, after = head if head is not None else frame_reply_head(out, request_id)
+    d = out.drafts.numpy()  # [B, K]
+    counts = out.num_drafts.numpy() * (out.codes.numpy() == 0)
+    K = d.shape[1]
+    drafts = d if K and (counts == K).all() else d[np.arange(K) < counts[:, None]]
+    return before + np.ascontiguousarray(drafts, dtype="<i8").tobytes() + after
 
 
 def _encode_batch_drafts(out: BatchOutput, into: "pb.ProposeResponse") -> None:

@@ -43,7 +43,7 @@ from drafter_client.protocol import pb, step_frame
 from drafter_service.transport.received_request import MIN_SCAN_BYTES, read_request
 from drafter_service.engine.batch_io import BatchInput, BatchOutput
 from drafter_service.engine.scheduler import PendingRequest, set_owner
-from drafter_service.transport.servicer import batch_column_head, batch_column_reply, frame_reply
+from drafter_service.transport.servicer import batch_column_head, batch_column_reply, frame_reply, frame_reply_head
 from drafter_service.engine.step_io import StepInput, StepOutput
 from drafter_service import tracing
 from drafter_service.transport.auth import ANY, AuthError, restrict_socket
@@ -420,13 +420,19 @@ class ChannelSet:
         set_owner(steps, ch.owner)
         t_parsed = time.perf_counter()
         trace = {} if self.trace_file is not None else None
+        head: list = []  # the reply frame but its drafts, encoded while the GPU drafted (frame_reply_head)
+
+        def early(answer: BatchOutput | None) -> None:  # (PendingRequest.early: None drops it)
+            head[:] = [] if answer is None else [frame_reply_head(answer, request_id)]
 
         def deliver(outputs, exc):
             t_stepped = time.perf_counter()
             if exc is not None:
                 self._reply_error(ch, seq, request_id, RequestError(grpc.StatusCode.INTERNAL, f"step failed: {exc}"))
                 return
-            reply = frame_reply(outputs, request_id)
+            if head and outputs.outputs is None:
+                self.early_replies += 1
+            reply = frame_reply(outputs, request_id, head[0] if head and outputs.outputs is None else None)
             if len(reply) > ch.box.reply.capacity:
                 self._reply_error(ch, seq, request_id, RequestError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED, f"reply: {len(reply)} bytes; this channel's reply area holds "
@@ -445,7 +451,8 @@ class ChannelSet:
                                                        "replied": t_replied})
 
         self.frames_taken += 1
-        enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed))
+        enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed,
+                               early=None if dry else early))
 
     def _reply_error(self, ch: Channel, seq: int, request_id: int, e: RequestError) -> None:
         self.metrics.record_rpc_error(e.code.name)
