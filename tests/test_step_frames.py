@@ -155,6 +155,17 @@ def test_frame_values_are_checked_as_columns_are(change, message):
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_frame_without_sequences_carries_no_tokens():
+    f = step_frame.read_request(frame_bytes(some_steps()))
+    empty = step_frame.RequestFrame(namespace="ns", request_id=1, sequence_ids=[],
+                                    columns={k: v[:0] for k, v in f.columns.items()}, temperatures=f.temperatures[:0],
+                                    token_ids=f.token_ids, states=f.states)
+    with pytest.raises(RequestError, match="frame.token_ids has 9 rows; the steps' num_tokens add up to 0"):
+        parse_frame(empty, LIMITS)
+    empty.token_ids, empty.states = f.token_ids[:0], f.states[:0]
+    assert len(parse_frame(empty, LIMITS)) == 0
+
+
 def test_frame_limits():
     steps = some_steps()
     with pytest.raises(RequestError, match="frame.states has 64 columns; this model takes 32"):

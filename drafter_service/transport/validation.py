@@ -279,7 +279,7 @@ def parse_frame(frame: RequestFrame, limits: Limits) -> BatchInput:
     arrays = dict(frame.columns, temperatures=frame.temperatures)
     _, _, _, _, _, _, branches = _check_columns(arrays, n, limits, "frame")
     total = int(frame.token_ids.shape[0])
-    if n and int(arrays["num_tokens"].sum()) != total:
+    if int(arrays["num_tokens"].sum()) != total:  # (no sequence, no token)
         raise invalid(f"frame.token_ids has {total} rows; the steps' num_tokens add up to "
                       f"{int(arrays['num_tokens'].sum())}")
     if total > limits.max_request_tokens:
