@@ -357,3 +357,20 @@ def test_a_reply_frame_whose_head_was_encoded_before_the_drafts_is_the_whole_rep
         assert d.messages == {i: f"gone {i}" for i, c in enumerate(codes.tolist()) if c}
         assert d.accepted_drafts.tolist() == out.accepted_drafts.tolist()
         assert d.committed_lengths.tolist() == out.committed_lengths.tolist()
+
+
+@pytest.mark.parametrize("frames", [True, False])
+async def test_a_reply_larger_than_the_reply_area_is_resource_exhausted(frames_server, frames):
+    """A step whose answer does not fit the channel's reply area gets RESOURCE_EXHAUSTED naming reply_bytes, as a
+    frame and as protobuf, and the channel takes the next (smaller) step."""
+    g = torch.Generator().manual_seed(8)
+    n = 150  # (5 drafts each: 6 KB of draft ids alone, for a 4 KiB reply area)
+    async with DrafterClient(frames_server.uds, namespace=f"big-{frames}", raise_on_error=True) as c:
+        assert await c.open_step_channel(reply_bytes=4096, frames=frames) and c.channel_frames == frames
+        steps = [SequenceStep(f"s{i}", 0, [1, 2, 3], torch.randn(3, H, generator=g), 4, 5) for i in range(n)]
+        with pytest.raises(DrafterError) as e:
+            await c.propose(steps)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "reply_bytes" in e.value.message
+        r = await c.propose([SequenceStep("small", 0, [1, 2, 3], torch.randn(3, H, generator=g), 4, 3)])
+        assert r.sequences[0].ok and c.steps_through_channel == 2 and c.steps_as_frames == (2 if frames else 0)
+        await c.release([f"s{i}" for i in range(n)] + ["small"])
