@@ -308,28 +308,26 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
             assert all(s.ok for s in r.sequences), r.sequences[0].message
         request_bytes = max(16 * 2**20, 2 * build_request("bench", decode, None).ByteSize())
         assert await c.open_step_channel(request_bytes=request_bytes), "no step channel"
+        async def median_step(call) -> tuple[float, object]:  # (seconds per step after 3 warm-up steps, last answer)
+            times = []
+            for _ in range(iters + 3):
+                t0 = time.perf_counter()
+                answer = call()
+                if asyncio.iscoroutine(answer):
+                    answer = await answer
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times[3:]), answer
+
         for _ in range(rounds):
-            times = []
-            for i in range(iters + 3):
-                t0 = time.perf_counter()
-                out = rt.proposer.step(inputs)
-                times.append(time.perf_counter() - t0)
+            t, out = await median_step(lambda: rt.proposer.step(inputs))
             assert all(o.code == 0 and len(o.drafts) == k for o in out), out[0].message
-            result["in_process"].append(statistics.median(times[3:]))
-            times = []
-            for i in range(iters + 3):
-                t0 = time.perf_counter()
-                r = await c.propose(decode)
-                times.append(time.perf_counter() - t0)
+            result["in_process"].append(t)
+            t, r = await median_step(lambda: c.propose(decode))
             assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
-            result["channel"].append(statistics.median(times[3:]))
-            times = []
-            for i in range(iters + 3):
-                t0 = time.perf_counter()
-                r = await c.propose_batch(as_batch)
-                times.append(time.perf_counter() - t0)
+            result["channel"].append(t)
+            t, r = await median_step(lambda: c.propose_batch(as_batch))
             assert not r.fallback and int(r.codes.abs().sum()) == 0 and bool((r.num_drafts == k).all())
-            result["channel_batch_api"].append(statistics.median(times[3:]))
+            result["channel_batch_api"].append(t)
         assert c.steps_through_channel == 2 * rounds * (iters + 3), "every step should have gone through the channel"
         c.close_step_channel()
         await c.release([s.sequence_id for s in decode])
