@@ -1,6 +1,7 @@
 """Property-based fuzzing (hypothesis) of a running drafter: malformed Propose requests, over gRPC and through a
-step channel, get a documented status and never INTERNAL / UNKNOWN, never a crash or a hang; a victim sequence in
-another namespace, stepped between the fuzz cases, keeps getting drafts identical to the naive reference.
+step channel, and malformed request frames (step_frame.py), get a documented status and never INTERNAL / UNKNOWN,
+never a crash or a hang; a victim sequence in another namespace, stepped between the fuzz cases, keeps getting
+drafts identical to the naive reference.
 
 Each case starts from a well-formed request and breaks it in a few random ways at once (dtypes, shapes, byte
 lengths, ids, positions, k, sampling settings, shared-memory references, namespaces), so that every validation
@@ -306,6 +307,92 @@ def test_malformed_step_channel_requests_get_a_documented_status(fuzz_server, ti
     cache.victim.step()
 
 
+FRAME_OUTCOMES: dict[str, int] = {}  # the request frames' outcomes (step_frame.py)
+
+
+@st.composite
+def frame_mutations(draw):
+    """Edits to a well-formed request frame's bytes: header fields, column values, flipped bytes, a cut or an
+    extension (1 to 4 of them)."""
+    u32 = st.one_of(st.integers(0, 40), st.sampled_from([2**31, 2**32 - 1, 2**28, 2**28 + 1]))
+    edits = st.one_of(
+        st.tuples(st.just("header"), st.tuples(st.integers(1, 8), u32)),  # (n, t, w, dtype, flags, rid, ids, ns)
+        st.tuples(st.just("column"), st.tuples(st.integers(0, 5), st.one_of(ints, st.integers(-(2**63), 2**63 - 1)))),
+        st.tuples(st.just("temperature"), st.floats(allow_nan=True, allow_infinity=True, width=32)),
+        st.tuples(st.just("flip"), st.tuples(st.integers(0, 10**6), st.integers(0, 255))),
+        st.tuples(st.just("cut"), st.integers(1, 64)),
+        st.tuples(st.just("extend"), st.binary(min_size=1, max_size=16)),
+    )
+    return draw(st.lists(edits, min_size=1, max_size=4))
+
+
+def _frame(namespace: str, edits) -> bytes:
+    from drafter_client.batch import frame_from_steps
+    from drafter_client.protocol import step_frame
+
+    g = torch.Generator().manual_seed(4)
+    steps = [SequenceStep(f"f{i}", 0, torch.randint(0, V, (3,), generator=g).tolist(),
+                          torch.randn(3, H, generator=g), int(torch.randint(0, V, (1,), generator=g)), 3)
+             for i in range(2)]
+    data = bytearray(bytes(frame_from_steps(namespace, steps, None, 5)))
+    header = step_frame.REQUEST_HEADER
+    for kind, value in edits:
+        if kind == "header":
+            fields = list(header.unpack_from(data))
+            i, v = value
+            fields[i] = v
+            data[: header.size] = header.pack(*fields)
+        elif kind == "column":  # [6, 2] int64 right after the header
+            col, v = value
+            struct.pack_into("<q", data, header.size + 16 * col, v)
+        elif kind == "temperature":  # [2] float32 after the columns
+            struct.pack_into("<f", data, header.size + 96, value)
+        elif kind == "flip":
+            where, v = value
+            data[where % len(data)] = v
+        elif kind == "cut":
+            data = data[: max(0, len(data) - value)]
+        else:
+            data += value
+    return bytes(data)
+
+
+@FUZZ_SETTINGS
+@given(edits=frame_mutations())
+def test_malformed_request_frames_get_a_documented_status(fuzz_server, tiny_model, edits):
+    """Request frames (a channel that speaks them) broken in a few ways at once: a reply frame whose counts add up,
+    or an error reply with a documented code; the victim in another namespace keeps drafting as the reference."""
+    from drafter_client.protocol import step_frame
+
+    server, stub = fuzz_server
+    cache = test_malformed_request_frames_get_a_documented_status
+    if getattr(cache, "channel", None) is None or cache.channel.closed:
+        path = server.server.config.step_channel_path()
+        cache.channel = StepChannel.open(path, "fuzz-frames", 1 << 20, 1 << 20)
+        assert cache.channel.frames
+        cache.victim = Victim(stub, NaiveEagle1(*tiny_model), sequence_id="frames-victim")
+    payload = _frame("fuzz-frames", edits)
+    if not payload.startswith(step_frame.REQUEST_MAGIC):  # (a flipped magic: then it is a protobuf request)
+        return
+    assert cache.channel.try_claim()
+    try:
+        reply = cache.channel.call_blocking(payload, timeout=30)
+        if step_frame.starts_with(reply, step_frame.REPLY_MAGIC):
+            got = step_frame.read_reply(reply, 2)  # (the frame was answered: it held the two sequences)
+            assert all(c in SEQUENCE_CODES for c in got.codes.tolist()), got
+            outcome = "OK"
+        else:
+            err = pb.ProposeResponse.FromString(reply).error
+            code = grpc.StatusCode(_code(err.code))
+            assert code in REQUEST_CODES and err.message, (code, err.message, edits)
+            outcome = code.name
+    except StepChannelError as e:
+        assert e.code in REQUEST_CODES, (e.code, e.message, edits)
+        outcome = e.code.name
+    FRAME_OUTCOMES[outcome] = FRAME_OUTCOMES.get(outcome, 0) + 1
+    cache.victim.step()
+
+
 def _code(number: int):
     return next(c for c in grpc.StatusCode if c.value[0] == number).value
 
@@ -320,10 +407,12 @@ def test_the_fuzzed_server_still_serves(fuzz_server):
     assert r.status == health_pb2.HealthCheckResponse.SERVING
     victims = [getattr(f, "victim", None) for f in (test_malformed_propose_gets_a_documented_status,
                                                      test_malformed_columnar_propose_gets_a_documented_status,
-                                                     test_malformed_step_channel_requests_get_a_documented_status)]
+                                                     test_malformed_step_channel_requests_get_a_documented_status,
+                                                     test_malformed_request_frames_get_a_documented_status)]
     assert all(v is not None and v.checked >= 50 for v in victims), [v and v.checked for v in victims]
     # not vacuous: the cases reached the accepting path and several refusal paths
     assert OUTCOMES.get("OK", 0) >= 5 and OUTCOMES.get("INVALID_ARGUMENT", 0) >= 20, OUTCOMES
     assert len(OUTCOMES) >= 3, OUTCOMES
     assert COLUMN_OUTCOMES.get("OK", 0) >= 3 and COLUMN_OUTCOMES.get("INVALID_ARGUMENT", 0) >= 20, COLUMN_OUTCOMES
-    print("fuzz outcomes over gRPC:", OUTCOMES, "of them columnar:", COLUMN_OUTCOMES)
+    assert FRAME_OUTCOMES.get("OK", 0) >= 3 and FRAME_OUTCOMES.get("INVALID_ARGUMENT", 0) >= 20, FRAME_OUTCOMES
+    print("fuzz outcomes over gRPC:", OUTCOMES, "of them columnar:", COLUMN_OUTCOMES, "request frames:", FRAME_OUTCOMES)
