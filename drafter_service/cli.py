@@ -113,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     ap.add_argument("--step-channel-checksums", choices=("auto", "on", "off"), default="auto",
                     help="crc32 over every step-channel message (auto: only on CPUs that may reorder stores, i.e. "
                          "not x86-64; docs/step_channel.md)")
+    ap.add_argument("--no-step-channel-frames", action="store_true",
+                    help="step channels carry protobuf only: a client asking for request frames gets none "
+                         "(docs/step_channel.md, \"Request frames\")")
     ap.add_argument("--otel-endpoint", default=None,
                     help="send OpenTelemetry traces (a span per engine step with its phases) to this OTLP/gRPC "
                          "endpoint, e.g. http://otel-collector:4317 (default: off, unless OTEL_EXPORTER_OTLP_ENDPOINT "
@@ -153,6 +156,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         step_channels=not a.no_step_channels,
         step_channel_socket=a.step_channel_socket, step_channel_spin_s=a.step_channel_spin_s,
         step_channel_checksums={"auto": None, "on": True, "off": False}[a.step_channel_checksums],
+        step_channel_frames=not a.no_step_channel_frames,
         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca, auth_token_file=a.auth_token_file,
         namespace_from_client_cert=a.namespace_from_client_cert, socket_group=a.socket_group,
         reflection=a.reflection, log_format=a.log_format, otel_endpoint=a.otel_endpoint)

@@ -71,6 +71,7 @@ class ServerConfig:
     step_channel_spin_s: float = 0.05  # after a channel request the step thread busy-polls (one core) this long
     step_channel_idle_poll_s: float = 0.0002  # then it polls this often
     step_channel_checksums: bool | None = None  # crc32 over every message; None: only on weakly ordered CPUs
+    step_channel_frames: bool = True  # request frames on channels whose client asks (step_frame.py); False: protobuf
     step_channel_max: int = 64  # channels open at once
     step_channel_max_total_bytes: int = 2**30  # mailbox bytes of all open channels
     # Identity and isolation (transport/auth.py, docs/deployment.md "Security")

@@ -294,9 +294,15 @@ async def test_a_bad_frame_gets_an_error_reply_and_the_channel_goes_on(frames_se
 
 
 async def test_a_drafter_without_frames_keeps_the_client_on_protobuf(tiny_model, tmp_path):
+    """--no-step-channel-frames, or a drafter from before frames (it ignores the hello's key): protobuf only."""
+    from drafter_service.cli import parse_args
+
+    assert parse_args(["--no-step-channel-frames"]).step_channel_frames is False and parse_args([]).step_channel_frames
     head, target = tiny_model
-    with ServerThread(make_config(head, target, tmp_path)) as s:
-        s.server.channels.decode_frame = None  # (as a drafter from before frames: it never grants them)
+    cfg = make_config(head, target, tmp_path)
+    cfg.step_channel_frames = False
+    with ServerThread(cfg) as s:
+        assert s.server.channels.decode_frame is None
         async with DrafterClient(s.uds, namespace="old") as c:
             assert await c.open_step_channel() and not c.channel_frames
             r = await c.propose([SequenceStep("a", 0, [1, 2, 3], torch.randn(3, H), 4, 3)])
