@@ -100,6 +100,11 @@ def _column(value, n: int, dtype: torch.dtype) -> list:
     return [value] * n
 
 
+def _int64_bits(seed: int) -> int:
+    """A uint64 seed as the int64 of the same bits (the seed column's form: those of 2**63 and up are negative)."""
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
 def _column_tensor(value, n: int, dtype: torch.dtype, name: str) -> torch.Tensor:
     """A per-sequence column as a [n] CPU tensor of dtype: the tensor's values, or one value repeated."""
     if isinstance(value, torch.Tensor):
@@ -128,9 +133,7 @@ def build_column_request(namespace: str, batch: StepBatch, request_id: int = 0) 
     if isinstance(batch.temperature, torch.Tensor) or batch.temperature:
         encode_tensor(_column_tensor(batch.temperature, n, torch.float32, "temperature"), into=c.temperatures)
     if isinstance(batch.seed, torch.Tensor) or batch.seed:
-        seeds = batch.seed
-        if not isinstance(seeds, torch.Tensor) and seeds >= 2**63:  # a uint64 seed as the int64 of the same bits
-            seeds -= 2**64
+        seeds = batch.seed if isinstance(batch.seed, torch.Tensor) else _int64_bits(batch.seed)
         encode_tensor(_column_tensor(seeds, n, torch.int64, "seed"), into=c.seeds)
     if isinstance(batch.predraft_branches, torch.Tensor) or batch.predraft_branches:
         encode_tensor(_column_tensor(batch.predraft_branches, n, torch.int64, "predraft_branches"),
@@ -202,12 +205,13 @@ def parse_batch_response(resp: "pb.ProposeResponse", sequence_ids: list[str]) ->
                          cols[:, 4] != 0, lambda failed: {i: results[i].status.message for i in failed})
 
 
-def _batch_drafts(resp: "pb.ProposeResponse", sequence_ids: list[str], codes: np.ndarray, counts: np.ndarray,
+def _batch_drafts(resp: "pb.ProposeResponse | None", sequence_ids: list[str], codes: np.ndarray, counts: np.ndarray,
                   flat: np.ndarray, accepted: np.ndarray, lengths: np.ndarray, predrafted: np.ndarray,
-                  messages: Callable[[list[int]], dict[int, str]]) -> BatchDrafts:
+                  messages: Callable[[list[int]], dict[int, str]], request_id: int | None = None) -> BatchDrafts:
     """BatchDrafts over a reply's decoded columns (numpy arrays of their own: [n] int32 codes; [n] int64 counts,
     accepted drafts and committed lengths; [n] bool predrafted; the flat draft ids): checks that the counts add up
-    to the draft ids. messages(failed indices) -> their status messages."""
+    to the draft ids. messages(failed indices) -> their status messages. resp: the ProposeResponse, for its request
+    id and distributions; None for a reply frame (request_id given; a frame carries no distributions)."""
     if int(counts.sum()) != flat.shape[0]:
         raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply's num_drafts add up to {int(counts.sum())}, but "
                                                      f"it holds {flat.shape[0]} draft ids")
@@ -217,9 +221,10 @@ def _batch_drafts(resp: "pb.ProposeResponse", sequence_ids: list[str], codes: np
                       accepted_drafts=torch.from_numpy(accepted), committed_lengths=torch.from_numpy(lengths),
                       needs_resync=torch.from_numpy(np.isin(codes, RESYNC_ARRAY) if failed
                                                     else np.zeros(codes.shape[0], bool)),
-                      messages=messages(failed) if failed else {}, request_id=resp.request_id,
+                      messages=messages(failed) if failed else {},
+                      request_id=resp.request_id if resp is not None else request_id,
                       predrafted=torch.from_numpy(predrafted))
-    return _with_distributions(out, resp)
+    return _with_distributions(out, resp) if resp is not None else out
 
 
 def _parse_result_columns(resp: "pb.ProposeResponse", sequence_ids: list[str]) -> BatchDrafts:
@@ -254,18 +259,6 @@ def _parse_result_columns(resp: "pb.ProposeResponse", sequence_ids: list[str]) -
                          column("predrafted", (pb.INT32,)) != 0, messages)
 
 
-def _frame_column(value, n: int, dtype) -> np.ndarray:
-    """A per-sequence column as an [n] numpy array of dtype: a tensor's values, or one value repeated. ValueError for
-    a tensor of another length (the caller's mistake, as in build_column_request)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != n:
-            raise ValueError(f"a column has {value.numel()} values for {n} sequences")
-        return value.detach().reshape(-1).cpu().numpy().astype(dtype)
-    if dtype is np.int64 and value >= 2**63:  # (a uint64 seed: the int64 of the same bits)
-        value -= 2**64
-    return np.full(n, value, dtype=dtype)
-
-
 def frame_from_batch(namespace: str, batch: StepBatch, request_id: int) -> "step_frame.FrameRequest | None":
     """The batch as a step channel's request frame (step_frame.py), or None where a frame cannot carry it: states
     that are not one [rows, W] tensor of a frame dtype (a SharedTensorRef, ...), token ids of another row count,
@@ -274,13 +267,15 @@ def frame_from_batch(namespace: str, batch: StepBatch, request_id: int) -> "step
     if (batch.return_logprobs or batch.top_k_probs or not isinstance(states, torch.Tensor) or states.dim() != 2
             or states.dtype not in step_frame.DTYPE_NUMBERS or batch.token_ids.numel() != states.shape[0]):
         return None
-    n = len(batch)
-    columns = np.stack([_frame_column(batch.start_positions, n, np.int64), _frame_column(batch.num_tokens, n, np.int64),
-                        _frame_column(batch.next_tokens, n, np.int64), _frame_column(batch.num_drafts, n, np.int64),
-                        _frame_column(batch.seed, n, np.int64), _frame_column(batch.predraft_branches, n, np.int64)])
+    n, rows = len(batch), states.shape[0]
+    seeds = batch.seed if isinstance(batch.seed, torch.Tensor) else _int64_bits(batch.seed)
+    columns = np.stack([_column_tensor(value, n, torch.int64, name).numpy() for name, value in (
+        ("start_positions", batch.start_positions), ("num_tokens", batch.num_tokens),
+        ("next_tokens", batch.next_tokens), ("num_drafts", batch.num_drafts), ("seed", seeds),
+        ("predraft_branches", batch.predraft_branches))])
     return step_frame.FrameRequest(namespace, request_id, batch.sequence_ids, columns,
-                                   _frame_column(batch.temperature, n, np.float32),
-                                   _frame_column(batch.token_ids, states.shape[0], np.int64), states.shape[0],
+                                   _column_tensor(batch.temperature, n, torch.float32, "temperature").numpy(),
+                                   _column_tensor(batch.token_ids, rows, torch.int64, "token_ids").numpy(), rows,
                                    states.shape[1], states.dtype, lambda dest: write_rows([states], dest))
 
 
@@ -304,8 +299,7 @@ def frame_from_steps(namespace: str, steps: list[SequenceStep], hidden_states: "
     rows, width = alike
     if token_ids.shape[0] != rows:
         return None
-    columns = np.array([starts, counts, nexts, ks, [x - 2**64 if x >= 2**63 else x for x in seeds], branches],
-                       dtype=np.int64)
+    columns = np.array([starts, counts, nexts, ks, [_int64_bits(x) for x in seeds], branches], dtype=np.int64)
     return step_frame.FrameRequest(namespace, request_id, list(sids), columns, np.array(temps, dtype=np.float32),
                                    token_ids.numpy(), rows, width, parts[0].dtype, lambda dest: write_rows(parts, dest))
 
@@ -316,15 +310,9 @@ def parse_frame_reply(reply, sequence_ids: list[str]) -> BatchDrafts:
         f = step_frame.read_reply(reply, len(sequence_ids))
     except step_frame.FrameError as e:
         raise DrafterError(grpc.StatusCode.INTERNAL, f"a step channel reply frame that does not read: {e}") from None
-    failed = np.flatnonzero(f.codes).tolist()
-    return BatchDrafts(sequence_ids=list(sequence_ids), codes=torch.from_numpy(f.codes),
-                       num_drafts=torch.from_numpy(f.num_drafts), draft_token_ids=torch.from_numpy(f.draft_token_ids),
-                       accepted_drafts=torch.from_numpy(f.accepted_drafts),
-                       committed_lengths=torch.from_numpy(f.committed_lengths),
-                       needs_resync=torch.from_numpy(np.isin(f.codes, RESYNC_ARRAY) if failed
-                                                     else np.zeros(len(sequence_ids), bool)),
-                       predrafted=torch.from_numpy(f.predrafted), messages={i: f.messages.get(i, "") for i in failed},
-                       request_id=f.request_id)
+    return _batch_drafts(None, sequence_ids, f.codes, f.num_drafts, f.draft_token_ids, f.accepted_drafts,
+                         f.committed_lengths, f.predrafted, lambda failed: {i: f.messages.get(i, "") for i in failed},
+                         f.request_id)
 
 
 def columns_can_carry(steps: list[SequenceStep]) -> bool:
@@ -350,7 +338,7 @@ def steps_as_batch(steps: list[SequenceStep]) -> StepBatch:
         next_tokens=torch.tensor(nexts, dtype=torch.int64), num_drafts=torch.tensor(ks, dtype=torch.int64),
         temperature=torch.tensor(temps, dtype=torch.float32) if any(temps) else 0.0,
         # (uint64 seeds of 2**63 and up as the int64 of the same bits, as the seed column holds them)
-        seed=torch.tensor([x - 2**64 if x >= 2**63 else x for x in seeds], dtype=torch.int64) if any(seeds) else 0,
+        seed=torch.tensor([_int64_bits(x) for x in seeds], dtype=torch.int64) if any(seeds) else 0,
         return_logprobs=first.return_logprobs, top_k_probs=first.top_k_probs,
         predraft_branches=torch.tensor(branches, dtype=torch.int64) if any(branches) else 0)
 

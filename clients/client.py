@@ -264,13 +264,12 @@ class DrafterClient:
         as the batch API's columns (the drafter decodes it without a message per sequence), when the steps share
         return_logprobs and top_k_probs; the answer is the same ProposeResult."""
         serialize, parse, timeout = await self._steps_codec(steps, timeout)
-        ids = [s.sequence_id for s in steps]
         return await self._step(
             lambda states, rid: serialize(states, rid, self._chunk_min_bytes()),
             lambda: self._stage(steps, hidden_states), hidden_states, parse,
             lambda reason: fallback_result(steps, reason), timeout,
             frame=(lambda rid: frame_from_steps(self.namespace, steps, hidden_states, rid),
-                   lambda reply: batch_as_result(parse_frame_reply(reply, ids))))
+                   lambda reply: batch_as_result(parse_frame_reply(reply, [s.sequence_id for s in steps]))))
 
     async def _steps_codec(self, steps: list[SequenceStep], timeout: float | None):
         """How a step of SequenceSteps is written and its reply read, for propose() and a ProposeSession alike:
@@ -379,16 +378,11 @@ class DrafterClient:
         (build(request id); None: the step cannot go as one) fits it: the answer, parse_frame(reply frame) or, for a
         protobuf reply (a request-level error), parse(ProposeResponse). _NOT_SENT when the step did not go (then the
         caller sends it as protobuf)."""
-        ch = self._step_channel
-        if ch is None or not ch.frames or not ch.try_claim():
+        if self._step_channel is None or not self._step_channel.frames:
             return _NOT_SENT
-        try:
-            request = build(self._request_id())
-        except BaseException:
-            ch.unclaim()
-            raise
-        if request is None or len(request) > ch.request_capacity:
-            ch.unclaim()
+        request = build(self._request_id())
+        ch = self._claim_channel(request) if request is not None else None
+        if ch is None:
             return _NOT_SENT
         reply = None
         with self._channel_errors():  # (releases the claim, however the call ends)
@@ -552,7 +546,7 @@ class DrafterClient:
         else:
             self._reopen_after = time.monotonic() + REOPEN_RETRY_S
 
-    def _claim_channel(self, payload: "bytes | DirectRequest") -> "StepChannel | None":
+    def _claim_channel(self, payload: "bytes | DirectRequest | step_frame.FrameRequest") -> "StepChannel | None":
         """The claimed step channel when the serialized request can go through it now; else None."""
         ch = self._step_channel
         if ch is None or not ch.try_claim():
