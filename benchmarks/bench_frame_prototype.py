@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_request_codec import PHASES, make_step, one_round  # noqa: E402
+from bench_request_codec import PHASES, make_step, one_round, print_table, summary_row  # noqa: E402
 from drafter_client.batch import BatchDrafts  # noqa: E402
 from drafter_client.benchmarks.report import write_json  # noqa: E402
 from drafter_service.runtime import keep_large_blocks_in_heap  # noqa: E402
@@ -191,14 +191,7 @@ def main() -> int:
             for form in PROTOBUF_FORMS:
                 rounds[form].append(one_round(form, steps, cols, outputs, limits, a.reps))
             rounds["frame"].append(frame_round(cols, outputs, limits, a.reps))
-        for form, got in rounds.items():
-            row = dict(batch=batch, form=form)
-            for p in PHASES:
-                values = [r[p] * 1e3 for r in got]
-                row[p] = statistics.median(values)
-                row[p + " spread"] = [min(values), max(values)]
-            row["total"] = sum(row[p] for p in PHASES)
-            rows.append(row)
+        rows.extend(summary_row(batch, form, got) for form, got in rounds.items())
     result = dict(benchmark="bench_frame_prototype", date=datetime.datetime.now().isoformat(timespec="seconds"),
                   device=f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1 torch thread",
                   python=platform.python_version(), torch=torch.__version__, m=a.m, k=a.k, width=a.width,
@@ -206,11 +199,7 @@ def main() -> int:
     out = write_json(a.out, result, say=False)
     print(f"{result['device']}, {result['date']}; m={a.m}, k={a.k}, width {a.width}; ms per step, median of "
           f"{a.rounds} rounds (frame: the prototype; the others: protobuf, as bench_request_codec.py)")
-    print(f"{'batch':>5} {'form':>10} " + " ".join(f"{p:>13}" for p in PHASES) + f" {'total':>8} {'vs rows':>8}")
-    base = {r["batch"]: r["total"] for r in rows if r["form"] == "rows"}
-    for r in rows:
-        print(f"{r['batch']:>5} {r['form']:>10} " + " ".join(f"{r[p]:>13.3f}" for p in PHASES)
-              + f" {r['total']:>8.3f} {r['total'] / base[r['batch']]:>8.2f}")
+    print_table(rows)
     print(f"wrote {out}")
     return 0
 

@@ -119,6 +119,26 @@ def one_round(form: str, steps, cols, outputs, limits: Limits, reps: int) -> dic
     return {p: statistics.median(v) for p, v in times.items()}
 
 
+def summary_row(batch: int, form: str, rounds: list[dict[str, float]]) -> dict:
+    """One form's row of the table: each phase's median over the rounds (ms), its spread, and their total."""
+    row = dict(batch=batch, form=form)
+    for p in PHASES:
+        values = [r[p] * 1e3 for r in rounds]
+        row[p] = statistics.median(values)
+        row[p + " spread"] = [min(values), max(values)]
+    row["total"] = sum(row[p] for p in PHASES)
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    """The rows (summary_row) as a table, each total also against the "rows" form's of its batch."""
+    print(f"{'batch':>5} {'form':>10} " + " ".join(f"{p:>13}" for p in PHASES) + f" {'total':>8} {'vs rows':>8}")
+    base = {r["batch"]: r["total"] for r in rows if r["form"] == "rows"}
+    for r in rows:
+        print(f"{r['batch']:>5} {r['form']:>10} " + " ".join(f"{r[p]:>13.3f}" for p in PHASES)
+              + f" {r['total']:>8.3f} {r['total'] / base[r['batch']]:>8.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,32,128,256")
@@ -148,12 +168,7 @@ def main() -> int:
             for form in FORMS:
                 rounds[form].append(one_round(form, steps, cols, outputs, limits, a.reps))
         for form in FORMS:
-            row = dict(batch=batch, form=form)
-            for p in PHASES:
-                values = [r[p] * 1e3 for r in rounds[form]]
-                row[p] = statistics.median(values)
-                row[p + " spread"] = [min(values), max(values)]
-            row["total"] = sum(row[p] for p in PHASES)
+            row = summary_row(batch, form, rounds[form])
             rows.append(row)
             print(f"batch {batch:4d} {form:10s} " + "  ".join(f"{p} {row[p]:.3f}" for p in PHASES)
                   + f"  total {row['total']:.3f} ms", flush=True)
@@ -165,11 +180,7 @@ def main() -> int:
     out = write_json(a.out, result, say=False)
     print(f"\n{result['device']}, {result['date']}; m={a.m}, k={a.k}, width {a.width}; ms per step, median of "
           f"{a.rounds} rounds")
-    print(f"{'batch':>5} {'form':>10} " + " ".join(f"{p:>13}" for p in PHASES) + f" {'total':>8} {'vs rows':>8}")
-    base = {r["batch"]: r["total"] for r in rows if r["form"] == "rows"}
-    for r in rows:
-        print(f"{r['batch']:>5} {r['form']:>10} " + " ".join(f"{r[p]:>13.3f}" for p in PHASES)
-              + f" {r['total']:>8.3f} {r['total'] / base[r['batch']]:>8.2f}")
+    print_table(rows)
     print(f"wrote {out}")
     return 0
 
