@@ -29,6 +29,22 @@ def as_batch(steps: list[SequenceStep], temperature: float = 0.0, logprobs: bool
         temperature=temperature, seed=7 if temperature else 0, return_logprobs=logprobs)
 
 
+def next_steps(seqs: dict, rng: random.Random, step: int, return_logprobs: bool = False,
+               top_k_probs: int = 0) -> list[SequenceStep]:
+    """Each sequence's next step (its uncommitted tokens and states, a random k); from step 2 on, half of them sampled
+    with seeds that include uint64 values of 2**63 and up."""
+    steps = []
+    for sid, s in seqs.items():
+        end = len(s["tokens"]) - 1
+        sampled = step >= 2 and rng.random() < 0.5
+        steps.append(SequenceStep(sid, s["sent"], s["tokens"][s["sent"]:end], s["hidden"][s["sent"]:end],
+                                  s["tokens"][end], rng.randint(0, K),
+                                  temperature=rng.choice([0.6, 1.2]) if sampled else 0.0,
+                                  seed=rng.choice([3, 2**63 + 5, 2**64 - 1]) if sampled else 0,
+                                  return_logprobs=return_logprobs, top_k_probs=top_k_probs))
+    return steps
+
+
 def commit_some(seqs: dict, steps: list[SequenceStep], results, rng: random.Random, g: torch.Generator) -> None:
     """The engine's side after a step: each sequence (but "ghost") commits some of its drafts and a token of its own,
     with new hidden states."""
@@ -166,15 +182,7 @@ async def test_propose_sends_a_large_step_as_columns_with_the_same_answer(server
             s["hidden"] = torch.randn(len(s["tokens"]) - 1, H, generator=g)
         for step in range(5):
             lp, top = step in (1, 3), 3 if step == 3 else 0
-            steps = []
-            for sid, s in seqs.items():
-                end = len(s["tokens"]) - 1
-                sampled = step >= 2 and rng.random() < 0.5
-                steps.append(SequenceStep(sid, s["sent"], s["tokens"][s["sent"]:end], s["hidden"][s["sent"]:end],
-                                          s["tokens"][end], rng.randint(0, K),
-                                          temperature=rng.choice([0.6, 1.2]) if sampled else 0.0,
-                                          seed=rng.choice([3, 2**63 + 5, 2**64 - 1]) if sampled else 0,
-                                          return_logprobs=lp, top_k_probs=top))
+            steps = next_steps(seqs, rng, step, lp, top)
             if step == 2:  # a sequence the drafter does not know: its own NOT_FOUND, the rest drafted
                 steps.insert(5, SequenceStep("ghost", 4, [1], torch.randn(1, H, generator=g), 2, 3))
             packed = torch.cat([st.hidden_states for st in steps]) if step == 4 else None

@@ -242,21 +242,28 @@ def test_a_column_reply_parses_as_the_per_sequence_reply():
         assert by_cols.messages == by_rows.messages and by_cols.request_id == by_rows.request_id == 9
 
 
+def early_answer(rng: random.Random, n: int, k: int) -> "BatchOutput":
+    """A step from columns' answer as its early callback sees it (drafts None): about one sequence in five failed
+    (code 5, with a message), random draft counts up to k, accepted drafts and committed lengths."""
+    from drafter_service.engine.batch_io import BatchOutput
+
+    codes = torch.tensor([0 if rng.random() < 0.8 else 5 for _ in range(n)], dtype=torch.int32)
+    return BatchOutput(codes=codes, messages=["" if c == 0 else f"gone {i}" for i, c in enumerate(codes.tolist())],
+                       num_drafts=torch.tensor([rng.randint(0, k) for _ in range(n)]),
+                       accepted_drafts=torch.tensor([rng.randint(0, 3) for _ in range(n)]),
+                       committed_lengths=torch.tensor([rng.randint(1, 2000) for _ in range(n)]))
+
+
 def test_a_reply_whose_head_was_encoded_before_the_drafts_is_the_whole_reply():
     """batch_column_reply(head, out): the head serialized from the answer before its drafts were known (drafts None,
     as Proposer.step_batch hands it to its early callback), then the drafts: the same message as
     build_batch_column_response, with every draft count, failed sequences and no drafts at all."""
-    from drafter_service.engine.batch_io import BatchOutput
     from drafter_service.transport.servicer import (batch_column_head, batch_column_reply,
                                                     build_batch_column_response)
 
     rng = random.Random(4)
     for n, K in ((1, 5), (6, 3), (40, 8), (7, 0)):
-        codes = torch.tensor([0 if rng.random() < 0.8 else 5 for _ in range(n)], dtype=torch.int32)
-        early = BatchOutput(codes=codes, messages=["" if c == 0 else f"gone {i}" for i, c in enumerate(codes.tolist())],
-                            num_drafts=torch.tensor([rng.randint(0, K) for _ in range(n)]),
-                            accepted_drafts=torch.tensor([rng.randint(0, 3) for _ in range(n)]),
-                            committed_lengths=torch.tensor([rng.randint(1, 2000) for _ in range(n)]))
+        early = early_answer(rng, n, K)
         head = batch_column_head(early, 17).SerializeToString()
         early.drafts = torch.randint(0, 50000, (n, K))
         whole = build_batch_column_response(early, 17)

@@ -23,7 +23,7 @@ from drafter_client.batch import frame_from_batch, frame_from_steps, parse_frame
 from drafter_client.messages import DrafterError
 from drafter_client.protocol import pb, step_frame
 from drafter_service.transport.validation import Limits, RequestError, parse_frame
-from test_batch_api import as_batch, commit_some
+from test_batch_api import as_batch, commit_some, next_steps
 
 H, V, K = 64, 512, 4
 LIMITS = Limits(hidden_states_width=H, vocab_size=V, max_draft_tokens=8, max_request_tokens=4096, max_request_seqs=64)
@@ -226,15 +226,7 @@ async def test_frames_answer_what_protobuf_answers(frames_server):
         taken = frames_server.server.runtime.metrics.channels.frames_taken
         for step in range(6):
             lp = step == 3
-            steps = []
-            for sid, s in seqs.items():
-                end = len(s["tokens"]) - 1
-                sampled = step >= 2 and rng.random() < 0.5
-                steps.append(SequenceStep(sid, s["sent"], s["tokens"][s["sent"]:end], s["hidden"][s["sent"]:end],
-                                          s["tokens"][end], rng.randint(0, K),
-                                          temperature=rng.choice([0.6, 1.2]) if sampled else 0.0,
-                                          seed=rng.choice([3, 2**63 + 5, 2**64 - 1]) if sampled else 0,
-                                          return_logprobs=lp))
+            steps = next_steps(seqs, rng, step, lp)
             if step == 2:
                 steps.insert(5, SequenceStep("ghost", 4, [1], torch.randn(1, H, generator=g), 2, 3))
             packed = torch.cat([st.hidden_states for st in steps]) if step == 4 else None
@@ -342,16 +334,13 @@ def test_a_reply_frame_whose_head_was_encoded_before_the_drafts_is_the_whole_rep
     """frame_reply with the head frame_reply_head made from the answer before its drafts (drafts None, as the
     step's early callback sees it) is the reply frame_reply makes from the finished answer: every draft count,
     failed sequences, no drafts at all; and it reads back to those values."""
-    from drafter_service.engine.batch_io import BatchOutput
     from drafter_service.transport.servicer import frame_reply, frame_reply_head
+    from test_step_columns import early_answer
 
     rng = random.Random(6)
     for n, k in ((1, 5), (6, 3), (40, 8), (7, 0)):
-        codes = torch.tensor([0 if rng.random() < 0.8 else 5 for _ in range(n)], dtype=torch.int32)
-        out = BatchOutput(codes=codes, messages=["" if c == 0 else f"gone {i}" for i, c in enumerate(codes.tolist())],
-                          num_drafts=torch.tensor([rng.randint(0, k) for _ in range(n)]),
-                          accepted_drafts=torch.tensor([rng.randint(0, 3) for _ in range(n)]),
-                          committed_lengths=torch.tensor([rng.randint(1, 2000) for _ in range(n)]))
+        out = early_answer(rng, n, k)
+        codes = out.codes
         head = frame_reply_head(out, 9)
         out.drafts = torch.randint(0, 50000, (n, k))
         whole = frame_reply(out, 9)
