@@ -215,7 +215,7 @@ def _batch_drafts(resp: "pb.ProposeResponse | None", sequence_ids: list[str], co
     if int(counts.sum()) != flat.shape[0]:
         raise DrafterError(grpc.StatusCode.INTERNAL, f"the reply's num_drafts add up to {int(counts.sum())}, but "
                                                      f"it holds {flat.shape[0]} draft ids")
-    failed = np.flatnonzero(codes).tolist()
+    failed = np.flatnonzero(codes).tolist() if codes.any() else []
     out = BatchDrafts(sequence_ids=list(sequence_ids), codes=torch.from_numpy(codes),
                       num_drafts=torch.from_numpy(counts), draft_token_ids=torch.from_numpy(flat),
                       accepted_drafts=torch.from_numpy(accepted), committed_lengths=torch.from_numpy(lengths),

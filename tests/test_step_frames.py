@@ -108,10 +108,39 @@ def test_corrupted_frames_raise_frame_error_or_request_error_only(cut, flips):
         return
     try:
         b = parse_frame(frame, LIMITS)
-    except RequestError:
+    except RequestError as e:  # (the per-sequence form refuses the same frame, with the same words)
+        with pytest.raises(RequestError) as again:
+            parse_frame(frame, LIMITS, columnar=False)
+        assert again.value.message == e.message
         return
     assert len(b) == len(frame.sequence_ids) and int(b.num_tokens.sum()) == b.token_ids.shape[0]
     assert b.hidden_states.shape == (b.token_ids.shape[0], H)
+    assert_same_inputs(parse_frame(frame, LIMITS, columnar=False), b.to_inputs())
+
+
+def assert_same_inputs(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert dataclasses.asdict(g).keys() == dataclasses.asdict(w).keys()
+        for name in ("namespace", "sequence_id", "start_position", "next_token", "num_drafts", "temperature", "seed",
+                     "return_logprobs", "top_k_probs", "owner", "predraft_branches"):
+            assert getattr(g, name) == getattr(w, name), name
+            assert type(getattr(g, name)) is type(getattr(w, name)), name
+        assert torch.equal(g.token_ids, w.token_ids) and g.token_ids.dtype == torch.int64
+        assert torch.equal(g.hidden_states, w.hidden_states) and g.hidden_states.dtype == w.hidden_states.dtype
+
+
+@pytest.mark.parametrize("max_predraft_branches", [0, 4])
+def test_a_small_frame_parses_straight_into_the_per_sequence_inputs(max_predraft_branches):
+    """A step too small for the proposer's columns path is parsed into one StepInput per sequence (columnar=False):
+    the same inputs as the BatchInput taken apart (uint64 seeds, float32 temperatures, pre-drafting budgets)."""
+    limits = dataclasses.replace(LIMITS, max_predraft_branches=max_predraft_branches)
+    for n in (1, 3, 7):
+        frame = step_frame.read_request(frame_bytes(some_steps(n, dtype=torch.bfloat16, seed=n)))
+        got = parse_frame(frame, limits, columnar=False)
+        assert_same_inputs(got, parse_frame(frame, limits).to_inputs())
+        assert [s.seed for s in got][:2] == [0, 2**64 - 2][:n] and all(isinstance(s.seed, int) for s in got)
+        assert [s.predraft_branches for s in got] == [i % 3 if max_predraft_branches else 0 for i in range(n)]
 
 
 @SETTINGS

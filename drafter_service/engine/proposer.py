@@ -180,6 +180,12 @@ MAX_FAILED_BATCHES_IN_A_ROW = 3  # after this many failed batches in a row the s
 STEP_BATCH_MIN_SEQUENCES = 8
 
 
+def large_enough_for_columns(num_sequences: int, num_tokens: int) -> bool:
+    """Whether step_batch would run a step of this size from its columns (when nothing else sends it per sequence);
+    a step channel's small request frame is parsed straight into StepInputs otherwise."""
+    return num_sequences >= STEP_BATCH_MIN_SEQUENCES or num_tokens > SMALL_STEP_ROWS
+
+
 def unrecoverable(e: BaseException) -> bool:
     """Whether a step's exception leaves the device unusable (a sticky CUDA error)."""
     accelerator_error = getattr(torch, "AcceleratorError", None)  # (torch >= 2.8 raises it for CUDA errors)
@@ -483,7 +489,7 @@ class Proposer:
         """What the columns tell alone (no table lookup yet)."""
         a = b.arrays  # (numpy views: a torch op on a small CPU tensor costs several microseconds, a numpy one about one)
         return (self.fatal is None and self.model.drafting == "sequential" and len(b) > 0
-                and (len(b) >= STEP_BATCH_MIN_SEQUENCES or b.total_tokens > SMALL_STEP_ROWS)
+                and large_enough_for_columns(len(b), b.total_tokens)
                 and not a.return_logprobs.any() and not a.top_k_probs.any()
                 and not a.predraft_branches.any())
 

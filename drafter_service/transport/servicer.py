@@ -21,6 +21,7 @@ from drafter_service.transport.chunked import (StagingBudget, UploadRegistry, dr
 from drafter_service.transport.received_request import as_received
 from drafter_service.transport.shm_regions import RegionTable, ShmSettings
 from drafter_service.engine.batch_io import BatchInput, BatchOutput
+from drafter_service.engine.proposer import large_enough_for_columns
 from drafter_service.engine.scheduler import dry_outputs, set_owner
 from drafter_service.engine.step_io import StepInput, StepOutput
 from drafter_service import tracing
@@ -294,13 +295,15 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 torch.cuda.synchronize(rt.device)
         return steps, self.ingest_only
 
-    def decode_frame(self, frame: "step_frame.RequestFrame") -> "tuple[BatchInput, bool]":
+    def decode_frame(self, frame: "step_frame.RequestFrame") -> "tuple[BatchInput | list[StepInput], bool]":
         """decode_propose for a step channel's request frame: checked by validation.parse_frame (the same limits as a
-        columnar request; a frame carries no shared-memory references)."""
+        columnar request; a frame carries no shared-memory references). A step too small for the proposer's columns
+        path (batch 1 to 7, a few rows) comes back as one StepInput per sequence."""
         rt = self.runtime
-        steps = parse_frame(frame, rt.limits)
+        columnar = large_enough_for_columns(len(frame.sequence_ids), frame.token_ids.shape[0])
+        steps = parse_frame(frame, rt.limits, columnar)
         if self.ingest_only and len(steps):  # (as decode_propose: the states onto the device, one copy)
-            steps.hidden_states.to(rt.device)
+            frame.states.to(rt.device)
             if rt.device.type == "cuda":
                 torch.cuda.synchronize(rt.device)
         return steps, self.ingest_only

@@ -100,8 +100,9 @@ class ChannelSet:
     metrics: object  # metrics.Metrics
     checksums: bool  # mailboxes with CHECKSUMS (mailbox.py; the server: --step-channel-checksums)
     wake: Callable[[], None] = lambda: None  # set by the scheduler: wakes the step thread
-    # (request frame) -> (BatchInput, dry): DrafterServicer.decode_frame; None: no frames (hellos asking get none)
-    decode_frame: "Callable[[step_frame.RequestFrame], tuple[BatchInput, bool]] | None" = None
+    # (request frame) -> (BatchInput or, for a small step, list[StepInput]; dry): DrafterServicer.decode_frame; None:
+    # no frames (hellos asking get none)
+    decode_frame: "Callable[[step_frame.RequestFrame], tuple[BatchInput | list[StepInput], bool]] | None" = None
     # set by the scheduler: frees the sequences an owner (Channel.owner) created (step thread)
     release_owner: Callable[[str], int] = lambda owner: 0
     authorizer: object = None  # auth.Authorizer: with tokens, a hello must carry one that allows its namespace
@@ -412,6 +413,8 @@ class ChannelSet:
             if exc is not None:
                 self._reply_error(ch, seq, request_id, RequestError(grpc.StatusCode.INTERNAL, f"step failed: {exc}"))
                 return
+            if isinstance(outputs, list):  # (a small frame, parsed as one StepInput per sequence)
+                outputs = BatchOutput.from_outputs(outputs)
             early_head = head[0] if head and outputs.outputs is None else None
             self.early_replies += early_head is not None
             reply = frame_reply(outputs, request_id, early_head)
@@ -419,7 +422,7 @@ class ChannelSet:
 
         self.frames_taken += 1
         enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed,
-                               early=None if dry else early))
+                               early=early if isinstance(steps, BatchInput) and not dry else None))
 
     def _answer(self, ch: Channel, seq: int, request_id: int, reply: bytes, request, trace: dict | None,
                 t_seen: float, t_enter: float, t_parsed: float, t_stepped: float) -> None:

@@ -104,6 +104,14 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
     ns = req.namespace
     if tensors is not None:  # a columnar request as columns: its decoded (and checked) tensors, no list round trip
         return _batch_input(ns, sids, tensors, token_ids, hidden, lps, top_ns, branches)
+    return _step_inputs(ns, sids, ps, ms, nxts, ks, temps, seeds, lps, top_ns, branches, token_ids, hidden)
+
+
+def _step_inputs(ns: str, sids: list[str], ps: list[int], ms: list[int], nxts: list[int], ks: list[int],
+                 temps: list[float], seeds: list[int], lps: list[bool], top_ns: list[int], branches: list[int],
+                 token_ids: torch.Tensor, hidden: torch.Tensor) -> list[StepInput]:
+    """One StepInput per sequence from a checked request's columns (lists; seeds as uint64 values), its token ids and
+    its states split by num_tokens (views)."""
     if len(ms) == 1:  # (the common decode step at batch 1: no split)
         per_step = [(token_ids, hidden)]
     else:
@@ -269,19 +277,20 @@ def _check_columns(arrays: dict[str, np.ndarray], n: int, limits: Limits, prefix
     return p, m, nxt, k, t, seeds, f
 
 
-def parse_frame(frame: RequestFrame, limits: Limits) -> BatchInput:
+def parse_frame(frame: RequestFrame, limits: Limits, columnar: bool = True) -> "BatchInput | list[StepInput]":
     """A step channel's request frame (drafter_client.protocol.step_frame), checked as parse_propose checks a
-    columnar ProposeRequest (the same limits; errors name frame.<column>[index]), as one BatchInput."""
+    columnar ProposeRequest (the same limits; errors name frame.<column>[index]), as one BatchInput; columnar False:
+    as one StepInput per sequence instead (a step the proposer runs per sequence anyway: no BatchInput to build and
+    take apart again)."""
     check_namespace(frame.namespace)
     sids = frame.sequence_ids
     _check_ids(sids, limits, "frame.sequence_ids")
     n = len(sids)
     arrays = dict(frame.columns, temperatures=frame.temperatures)
-    _, _, _, _, _, _, branches = _check_columns(arrays, n, limits, "frame")
+    ps, ms, nxts, ks, temps, seeds, branches = _check_columns(arrays, n, limits, "frame")
     total = int(frame.token_ids.shape[0])
-    if int(arrays["num_tokens"].sum()) != total:  # (no sequence, no token)
-        raise invalid(f"frame.token_ids has {total} rows; the steps' num_tokens add up to "
-                      f"{int(arrays['num_tokens'].sum())}")
+    if sum(ms) != total:  # (no sequence, no token)
+        raise invalid(f"frame.token_ids has {total} rows; the steps' num_tokens add up to {sum(ms)}")
     if total > limits.max_request_tokens:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"the steps carry {total} committed tokens; at most {limits.max_request_tokens} per "
@@ -292,6 +301,9 @@ def parse_frame(frame: RequestFrame, limits: Limits) -> BatchInput:
                       "(GetInfo.hidden_states_width)")
     token_ids = torch.from_numpy(frame.token_ids)
     _check_vocabulary(token_ids, limits.vocab_size)
+    if not columnar:
+        return _step_inputs(frame.namespace, sids, ps, ms, nxts, ks, temps, seeds, [False] * n, [0] * n, branches,
+                            token_ids, hidden)
     return _batch_input(frame.namespace, sids, arrays, token_ids, hidden, [False] * n, [0] * n, branches)
 
 
