@@ -7,6 +7,7 @@ The drafter is an accelerator, never a dependency: every propose() has a deadlin
 breaker (breaker.py) stops calling it for a backoff after a failure (docs/protocol.md, "When the drafter is sick")."""
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -79,6 +80,11 @@ FALLBACK_CODES = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED, 
 
 
 _NOT_SENT = object()  # (_send_frame: the step did not go as a frame)
+
+
+def _frame_result(sequence_ids: list[str], reply) -> ProposeResult:
+    """propose()'s answer from a reply frame."""
+    return batch_as_result(parse_frame_reply(reply, sequence_ids))
 
 
 def _channel_reply(reply: bytes, parse: bool = False) -> "pb.ProposeResponse | ProposeResult":
@@ -269,7 +275,7 @@ class DrafterClient:
             lambda: self._stage(steps, hidden_states), hidden_states, parse,
             lambda reason: fallback_result(steps, reason), timeout,
             frame=(lambda rid: frame_from_steps(self.namespace, steps, hidden_states, rid),
-                   lambda reply: batch_as_result(parse_frame_reply(reply, [s.sequence_id for s in steps]))))
+                   functools.partial(_frame_result, [s.sequence_id for s in steps])))
 
     async def _steps_codec(self, steps: list[SequenceStep], timeout: float | None):
         """How a step of SequenceSteps is written and its reply read, for propose() and a ProposeSession alike:
@@ -392,7 +398,9 @@ class DrafterClient:
         self.steps_through_channel += 1
         self.steps_as_frames += 1
         if step_frame.starts_with(reply, step_frame.REPLY_MAGIC):
-            return parse_frame(reply)
+            result = parse_frame(reply)
+            ch.rehearse = functools.partial(parse_frame, reply)  # (the reply is a copy: StepChannel.rehearse)
+            return result
         return parse(_channel_reply(reply))
 
     async def _send_step(self, payload: "bytes | DirectRequest | ChunkedRequest",
@@ -606,7 +614,9 @@ class DrafterClient:
             self.steps_through_channel += 1
             self.steps_as_frames += isinstance(payload, step_frame.FrameRequest)
             if step_frame.starts_with(reply, step_frame.REPLY_MAGIC):
-                result = batch_as_result(parse_frame_reply(reply, [s.sequence_id for s in steps]))
+                parse_frame = functools.partial(_frame_result, [s.sequence_id for s in steps])
+                result = parse_frame(reply)
+                ch.rehearse = functools.partial(parse_frame, reply)  # (the reply is a copy: StepChannel.rehearse)
             else:
                 result = _channel_reply(reply, parse=True)
         except DrafterError as e:

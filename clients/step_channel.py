@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import time
+from typing import Callable
 
 import grpc
 
@@ -23,6 +24,7 @@ from drafter_client.protocol.mailbox import CLOSED, VERSION, Mailbox
 from drafter_client.protocol.timer_slack import get_timer_slack, set_timer_slack
 
 LIVENESS_PERIOD_S = 0.05  # while waiting: how often to check that the drafter still holds the channel's socket
+REHEARSE_EVERY_S = 0.0002  # while waiting: how often to re-run the last reply's parse (StepChannel.rehearse)
 
 
 class StepChannelClosed(Exception):
@@ -51,6 +53,10 @@ class StepChannel:
         self.closed = False
         self._claim = threading.Lock()  # held from try_claim() until the call's end
         self._seq = self.box.doorbell(self.box.request)
+        # The last reply's parse, on a copy of it (set by the caller, DrafterClient._send_frame): re-run while a call
+        # waits, every REHEARSE_EVERY_S, so that the reply finds that code and its data in the CPU's caches (run cold,
+        # after the wait, the same Python work took 2-8x as long: docs/performance.md, ninth session). None: none.
+        self.rehearse: "Callable[[], object] | None" = None
 
     @property
     def request_capacity(self) -> int:
@@ -173,12 +179,15 @@ class StepChannel:
         try:
             seq = self._send(payload)
             deadline = time.monotonic() + timeout if timeout is not None else float("inf")
-            started = last_check = time.monotonic()
+            started = last_check = rehearsed = time.monotonic()
             while (reply := self._reply(seq)) is None:
                 now = time.monotonic()
                 if now - last_check > LIVENESS_PERIOD_S:
                     last_check = now
                     self._check_waiting(started, deadline, now)
+                if self.rehearse is not None and now - rehearsed > REHEARSE_EVERY_S:
+                    self._rehearse()
+                    rehearsed = time.monotonic()
                 yield 0 if now - started < self.spin_s else self.poll_s  # spin, then poll
         except BaseException:  # the channel's state is unknown (or closed): nobody uses it again
             self.close()
@@ -186,6 +195,12 @@ class StepChannel:
         finally:
             self._claim.release()
         return reply
+
+    def _rehearse(self) -> None:
+        try:
+            self.rehearse()
+        except Exception:  # (it never should: it parsed that reply once already) not tried again
+            self.rehearse = None
 
     async def call(self, payload, timeout: float | None = None) -> bytes:
         """Send one serialized ProposeRequest (bytes, or a DirectRequest that writes itself into the mailbox), return
