@@ -346,6 +346,10 @@ async def test_both_ends_rehearse_the_last_frame_while_they_wait(frames_server, 
         fr._step_channel.rehearse = lambda: 1 / 0
         r = await fr.propose(next_steps(seqs, rng, 5, False))
         assert all(x.ok for x in r.sequences) and fr._step_channel.rehearse is not None
+        # a step of 8 sequences runs from its columns: the drafter does not rehearse it
+        big = [SequenceStep(f"big{i}", 0, [1, 2], torch.randn(2, H, generator=g), 3, 2) for i in range(8)]
+        assert all(x.ok for x in (await fr.propose(big)).sequences) and channels._rehearsal is None
+        await fr.release([s.sequence_id for s in big])
         await fr.release(list(seqs))
         await pbc.release(list(seqs))
 

@@ -407,8 +407,9 @@ class ChannelSet:
             self._reply_error(ch, seq, request_id, e)
             return
         set_owner(steps, ch.owner)
-        if not dry:
-            self._rehearsal = step_frame.without_states(payload, frame)
+        # (a small step's only: at batch 8 and up a rehearsal took long enough to delay the next request, and the
+        # columns path's parse gained less from it; docs/performance.md, ninth session)
+        self._rehearsal = step_frame.without_states(payload, frame) if isinstance(steps, list) and not dry else None
         t_parsed = time.perf_counter()
         trace = {} if self.trace_file is not None else None
         head: list = []  # the reply frame but its drafts, encoded while the GPU drafted (frame_reply_head)
@@ -433,11 +434,12 @@ class ChannelSet:
                                early=early if isinstance(steps, BatchInput) and not dry else None))
 
     def rehearse(self) -> None:
-        """Re-read and re-check the last request frame, on a copy of it cut before its states, keeping nothing. The
-        step thread calls this while it spins waiting for the next channel request, at most every REHEARSE_EVERY_S,
-        so that the next request finds this code and its data in the CPU's caches: run cold, after a GPU step or a
-        spin, the same Python work took 2-8x as long (docs/performance.md, ninth session). A rehearsal that fails (it
-        never should: the frame passed these checks) is not tried again."""
+        """Re-read and re-check the last request frame, on a copy of it cut before its states, keeping nothing, when
+        it was a small one (parsed into StepInputs). The step thread calls this while it spins waiting for the next
+        channel request, at most every REHEARSE_EVERY_S, so that the next request finds this code and its data in the
+        CPU's caches: run cold, after a GPU step or a spin, the same Python work took 2-8x as long
+        (docs/performance.md, ninth session). A rehearsal that fails (it never should: the frame passed these
+        checks) is not tried again."""
         r = self._rehearsal
         if r is None or time.perf_counter() - self._rehearsed_at < REHEARSE_EVERY_S:
             return
