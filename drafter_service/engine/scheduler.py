@@ -289,7 +289,6 @@ class StepScheduler:
                 continue
             if channels is not None and channels.open_count():
                 if time.monotonic() - last_channel_request < self.channel_spin_s:
-                    channels.rehearse()  # (the last request frame's host work, now and then: keeps it warm)
                     time.sleep(0)  # yield the GIL to the event loop, then poll again
                     continue
                 self._wake.wait(self.channel_idle_poll_s)

@@ -295,16 +295,14 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 torch.cuda.synchronize(rt.device)
         return steps, self.ingest_only
 
-    def decode_frame(self, frame: "step_frame.RequestFrame",
-                     rehearsal: bool = False) -> "tuple[BatchInput | list[StepInput], bool]":
+    def decode_frame(self, frame: "step_frame.RequestFrame") -> "tuple[BatchInput | list[StepInput], bool]":
         """decode_propose for a step channel's request frame: checked by validation.parse_frame (the same limits as a
         columnar request; a frame carries no shared-memory references). A step too small for the proposer's columns
-        path (batch 1 to 7, a few rows) comes back as one StepInput per sequence. rehearsal: only the parse (the
-        step thread re-reading its last frame to keep this code warm: step_channels.ChannelSet.rehearse)."""
+        path (batch 1 to 7, a few rows) comes back as one StepInput per sequence."""
         rt = self.runtime
         columnar = large_enough_for_columns(len(frame.sequence_ids), frame.token_ids.shape[0])
         steps = parse_frame(frame, rt.limits, columnar)
-        if self.ingest_only and len(steps) and not rehearsal:  # (as decode_propose: the states onto the device)
+        if self.ingest_only and len(steps):  # (as decode_propose: the states onto the device, one copy)
             frame.states.to(rt.device)
             if rt.device.type == "cuda":
                 torch.cuda.synchronize(rt.device)

@@ -56,9 +56,6 @@ HELLO_TIMEOUT_S = 2.0
 MIN_AREA_BYTES = 4096
 LIVENESS_PERIOD_S = 0.1  # how often the step thread checks that each channel's client is still connected
 STUCK_REQUEST_S = 1.0  # a doorbell whose bytes never check out is answered with an error after this
-# while the step thread spins waiting for the next channel request, it re-reads the last request frame this often
-# (ChannelSet.rehearse)
-REHEARSE_EVERY_S = 0.0002
 
 
 @dataclass
@@ -105,7 +102,7 @@ class ChannelSet:
     wake: Callable[[], None] = lambda: None  # set by the scheduler: wakes the step thread
     # (request frame) -> (BatchInput or, for a small step, list[StepInput]; dry): DrafterServicer.decode_frame; None:
     # no frames (hellos asking get none)
-    decode_frame: "Callable[..., tuple[BatchInput | list[StepInput], bool]] | None" = None
+    decode_frame: "Callable[[step_frame.RequestFrame], tuple[BatchInput | list[StepInput], bool]] | None" = None
     # set by the scheduler: frees the sequences an owner (Channel.owner) created (step thread)
     release_owner: Callable[[str], int] = lambda owner: 0
     authorizer: object = None  # auth.Authorizer: with tokens, a hello must carry one that allows its namespace
@@ -125,9 +122,6 @@ class ChannelSet:
     in_place_reads: int = 0  # requests read as a view of their mailbox (diagnostics, tests)
     early_replies: int = 0  # replies whose all but the drafts was encoded while the step ran (diagnostics, tests)
     frames_taken: int = 0  # request frames checked and queued (diagnostics, tests)
-    rehearsals: int = 0  # rehearse() runs (diagnostics, tests)
-    _rehearsal: bytes | None = None  # the last request frame cut before its states (step thread only; rehearse)
-    _rehearsed_at: float = 0.0
     _open: list[Channel] = field(default_factory=list)  # step thread only
     _new: deque = field(default_factory=deque)  # acceptor -> step thread
     _listener: socket.socket | None = None
@@ -407,9 +401,6 @@ class ChannelSet:
             self._reply_error(ch, seq, request_id, e)
             return
         set_owner(steps, ch.owner)
-        # (a small step's only: at batch 8 and up a rehearsal took long enough to delay the next request, and the
-        # columns path's parse gained less from it; docs/performance.md, ninth session)
-        self._rehearsal = step_frame.without_states(payload, frame) if isinstance(steps, list) and not dry else None
         t_parsed = time.perf_counter()
         trace = {} if self.trace_file is not None else None
         head: list = []  # the reply frame but its drafts, encoded while the GPU drafted (frame_reply_head)
@@ -432,24 +423,6 @@ class ChannelSet:
         self.frames_taken += 1
         enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed,
                                early=early if isinstance(steps, BatchInput) and not dry else None))
-
-    def rehearse(self) -> None:
-        """Re-read and re-check the last request frame, on a copy of it cut before its states, keeping nothing, when
-        it was a small one (parsed into StepInputs). The step thread calls this while it spins waiting for the next
-        channel request, at most every REHEARSE_EVERY_S, so that the next request finds this code and its data in the
-        CPU's caches: run cold, after a GPU step or a spin, the same Python work took 2-8x as long
-        (docs/performance.md, ninth session). A rehearsal that fails (it never should: the frame passed these
-        checks) is not tried again."""
-        r = self._rehearsal
-        if r is None or time.perf_counter() - self._rehearsed_at < REHEARSE_EVERY_S:
-            return
-        try:
-            self.decode_frame(step_frame.read_request(r, with_states=False), rehearsal=True)
-        except Exception:
-            log.debug("rehearsing the last request frame failed", exc_info=True)
-            self._rehearsal = None
-        self.rehearsals += 1
-        self._rehearsed_at = time.perf_counter()
 
     def _answer(self, ch: Channel, seq: int, request_id: int, reply: bytes, request, trace: dict | None,
                 t_seen: float, t_enter: float, t_parsed: float, t_stepped: float) -> None:
