@@ -1,7 +1,9 @@
 """The messages of one engine step as the client library shows them (SequenceStep in, ProposeResult out), and
 their packing into / out of the protocol's ProposeRequest / ProposeResponse. Shared by the unary client
 (client.py), the stream session (session.py) and the step channel path; imports only the protocol."""
+import concurrent.futures
 import ctypes
+import threading
 from dataclasses import dataclass, field
 
 import grpc
@@ -230,15 +232,53 @@ def one_block(tensors: list[torch.Tensor]) -> "torch.Tensor | None":
     return torch.as_strided(first, shape, torch.empty(shape, device="meta").stride())
 
 
+# From this many bytes, write_rows splits its copy in two: the first half on the calling thread, the second on a
+# helper thread at the same time (ctypes.memmove releases the GIL). One thread of the H100 hosts (16 vCPUs) copies
+# about 10 GB/s, two about 15-20: 2.36 MB took 0.21 -> 0.16 ms, 9.4 MB 0.84 -> 0.48, 18.9 MB 1.97 -> 1.06; at
+# 0.6 MB the hand-off made it slower, 0.028 -> 0.057 ms (docs/performance.md, ninth session).
+PARALLEL_COPY_MIN_BYTES = 2 << 20
+_copy_helper: "concurrent.futures.ThreadPoolExecutor | None" = None  # (created on the first large copy)
+_copy_helper_lock = threading.Lock()
+
+
+def _helper() -> "concurrent.futures.ThreadPoolExecutor":
+    global _copy_helper
+    with _copy_helper_lock:
+        if _copy_helper is None:
+            _copy_helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter-client-copy")
+        return _copy_helper
+
+
+def _copy_runs(runs: list[tuple[int, int, int]]) -> None:
+    for to, frm, n in runs:
+        ctypes.memmove(to, frm, n)
+
+
+def _halves(runs: list[tuple[int, int, int]], total: int) -> tuple[list, list]:
+    """runs ((to, from, bytes) copies) cut at half of their total bytes (a run that straddles it, in two)."""
+    first, second, done, half = [], [], 0, total // 2
+    for to, frm, n in runs:
+        if done >= half:
+            second.append((to, frm, n))
+        elif done + n <= half:
+            first.append((to, frm, n))
+        else:
+            k = half - done
+            first.append((to, frm, k))
+            second.append((to + k, frm + k, n - k))
+        done += n
+    return first, second
+
+
 def write_rows(parts: list[torch.Tensor], dest: memoryview) -> None:
     """The parts' bytes (tensors of one dtype, any device), one after another, into dest (a writable byte buffer of
     exactly their size): the client's one copy of a step's states. Parts that lie one after another in memory (an
-    engine's batch tensor sliced per sequence) go in one copy; otherwise one memmove per part, on this thread. No
-    torch op per part and none that runs on the caller's intra-op pool: waking that pool cost an engine process with
-    torch's default 16 threads, on a 16-vCPU H200 VM shared with the drafter, 38 ms a step (torch.cat of EAGLE-3
-    states, batch 16-64; docs/performance.md). One pass over the parts reads each one's address and size (host
-    parts need no copy first, device parts are copied to the host): at batch 128 that pass, not the copy, was most
-    of the client's packing."""
+    engine's batch tensor sliced per sequence) go in one copy; otherwise one memmove per part. From
+    PARALLEL_COPY_MIN_BYTES the copy is split between this thread and a helper thread. No torch op per part and none
+    that runs on the caller's intra-op pool: waking that pool cost an engine process with torch's default 16
+    threads, on a 16-vCPU H200 VM shared with the drafter, 38 ms a step (torch.cat of EAGLE-3 states, batch 16-64;
+    docs/performance.md). One pass over the parts reads each one's address and size (host parts need no copy first,
+    device parts are copied to the host): at batch 128 that pass, not the copy, was most of the client's packing."""
     keep = []  # (parts copied to the host or made contiguous: alive until their bytes are copied)
     spans = []  # (address, bytes) of each part
     for p in parts:
@@ -255,17 +295,26 @@ def write_rows(parts: list[torch.Tensor], dest: memoryview) -> None:
     if not total:
         return
     target = torch.frombuffer(dest, dtype=torch.uint8)  # (only for its address: dest stays exported meanwhile)
+    helping = None
     try:
+        runs = []  # (to, from, bytes): parts one after another in memory are one run
         at = target.data_ptr()
         start, end = spans[0][0], spans[0][0]
-        for ptr, n in spans:  # (parts one after another in memory: copied as one range)
+        for ptr, n in spans:
             if ptr != end:
-                ctypes.memmove(at, start, end - start)
+                runs.append((at, start, end - start))
                 at += end - start
                 start = ptr
             end = ptr + n
-        ctypes.memmove(at, start, end - start)
+        runs.append((at, start, end - start))
+        if total >= PARALLEL_COPY_MIN_BYTES:
+            first, second = _halves(runs, total)
+            helping = _helper().submit(_copy_runs, second)
+            runs = first
+        _copy_runs(runs)
     finally:
+        if helping is not None:
+            helping.result()  # (before the buffer and the parts may go)
         del target
 
 

@@ -218,7 +218,8 @@ def test_states_fields_of_the_wrong_wire_type_go_to_protobuf(scan_everything):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_states_are_written_alike_with_any_torch_thread_count(threads):
-    """write_rows copies on the calling thread (a memmove per part, whatever torch's thread count): the bytes of a cat."""
+    """write_rows copies with memmove (a memmove per part, on the calling thread and, for a large copy, a helper
+    thread; whatever torch's thread count): the bytes of a cat."""
     from drafter_client.messages import write_rows
     parts = [torch.randn(m, 3000).to(torch.bfloat16) for m in (1, 3, 7, 2)] + [torch.randn(4, 6000)[:, ::2]]
     want = torch.cat([p.to(torch.bfloat16) for p in parts]).contiguous().view(-1).view(torch.uint8)
@@ -237,6 +238,37 @@ def test_states_are_written_alike_with_any_torch_thread_count(threads):
     assert bytes(buf) == bytes(want.numpy())
     assert pb.ProposeRequest.FromString(as_bytes) == build_request(
         "ns", [SequenceStep(f"s{i}", 0, list(range(p.shape[0])), p, 1, 2) for i, p in enumerate(parts)])
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(cuts=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40), st.booleans()), min_size=1, max_size=7),
+       threshold=st.sampled_from([1, 700, 10**9]))
+def test_a_large_copy_split_with_a_helper_thread_writes_the_same_bytes(cuts, threshold):
+    """From PARALLEL_COPY_MIN_BYTES write_rows copies the second half of the bytes on a helper thread (the half cut
+    inside a span where it falls): the same bytes as a cat, for any mix of slices of one tensor (adjacent or not)
+    and tensors of their own."""
+    import threading
+
+    from drafter_client import messages
+    whole = torch.randn(80, 7)
+    parts = [whole[a : a + n] if own is False else torch.randn(n, 7) for a, n, own in cuts]
+    want = torch.cat(parts).view(-1).view(torch.uint8)
+    threads = set()
+    memmove = messages.ctypes.memmove
+
+    def counted(dst, src, n):
+        threads.add(threading.get_ident())
+        return memmove(dst, src, n)
+    before = messages.PARALLEL_COPY_MIN_BYTES
+    messages.PARALLEL_COPY_MIN_BYTES, messages.ctypes.memmove = threshold, counted
+    try:
+        buf = bytearray(want.numel())
+        messages.write_rows(parts, memoryview(buf))
+    finally:
+        messages.PARALLEL_COPY_MIN_BYTES, messages.ctypes.memmove = before, memmove
+    assert bytes(buf) == bytes(want.numpy())
+    split = want.numel() >= threshold and want.numel() > 1
+    assert (len(threads) == 2) == split and threading.get_ident() in threads
 
 
 def test_states_sliced_from_one_tensor_are_written_in_one_copy(monkeypatch):
