@@ -125,6 +125,14 @@ def test_bench_channel_write_writes_both_ways(tmp_path):
     assert result["rows"][0]["direct_ms"] > 0 and result["rows"][0]["via-buffer_ms"] > 0
 
 
+@pytest.mark.parametrize("scattered", [False, True])
+def test_bench_parallel_copy_times_both_ways(tmp_path, scattered):
+    result = run(["benchmarks/bench_parallel_copy.py", "--shapes", "256x8,4096x200", "--rounds", "1", "--reps", "2",
+                  *(["--scattered"] if scattered else [])], tmp_path / "pc.json")
+    assert [(r["width"], r["batch"], r["split"]) for r in result["rows"]] == [(256, 8, False), (4096, 200, True)]
+    assert all(r["one thread_ms"] > 0 and r["split_ms"] > 0 for r in result["rows"]) and result["scattered"] == scattered
+
+
 def test_bench_predraft_fallback_compares_both_sets(tmp_path):
     """The drafter's step with pre-drafting asked but refused by the odds check against plain, in-process."""
     result = run(["benchmarks/bench_predraft_fallback.py", "--device", "cpu", "--batches", "1,8", "--steps", "6"],
