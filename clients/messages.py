@@ -234,9 +234,11 @@ def one_block(tensors: list[torch.Tensor]) -> "torch.Tensor | None":
 
 # From this many bytes, write_rows splits its copy in two: the first half on the calling thread, the second on a
 # helper thread at the same time (ctypes.memmove releases the GIL). One thread of the H100 hosts (16 vCPUs) copies
-# about 10 GB/s, two about 15-20: 2.36 MB took 0.21 -> 0.16 ms, 9.4 MB 0.84 -> 0.48, 18.9 MB 1.97 -> 1.06; at
-# 0.6 MB the hand-off made it slower, 0.028 -> 0.057 ms (docs/performance.md, ninth session).
-PARALLEL_COPY_MIN_BYTES = 2 << 20
+# about 10 GB/s, two about 15-20 (2.36 MB: 0.21 -> 0.16 ms, 9.4 MB 0.84 -> 0.48, 18.9 MB 1.97 -> 1.06; at 0.6 MB the
+# hand-off made it slower, 0.028 -> 0.057). Through a step channel, EAGLE-3 states of batch 256 (18.9 MB) were
+# packed 0.6-1.0 ms faster, batch 128 (9.4 MB) within the noise, and at batch 32 (2.36 MB) the drafter's step ran
+# 0.13-0.22 ms longer after a split copy: hence 8 MiB (docs/performance.md, ninth session).
+PARALLEL_COPY_MIN_BYTES = 8 << 20
 _copy_helper: "concurrent.futures.ThreadPoolExecutor | None" = None  # (created on the first large copy)
 _copy_helper_lock = threading.Lock()
 

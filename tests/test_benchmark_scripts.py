@@ -127,9 +127,9 @@ def test_bench_channel_write_writes_both_ways(tmp_path):
 
 @pytest.mark.parametrize("scattered", [False, True])
 def test_bench_parallel_copy_times_both_ways(tmp_path, scattered):
-    result = run(["benchmarks/bench_parallel_copy.py", "--shapes", "256x8,4096x200", "--rounds", "1", "--reps", "2",
+    result = run(["benchmarks/bench_parallel_copy.py", "--shapes", "256x8,4096x400", "--rounds", "1", "--reps", "2",
                   *(["--scattered"] if scattered else [])], tmp_path / "pc.json")
-    assert [(r["width"], r["batch"], r["split"]) for r in result["rows"]] == [(256, 8, False), (4096, 200, True)]
+    assert [(r["width"], r["batch"], r["split"]) for r in result["rows"]] == [(256, 8, False), (4096, 400, True)]
     assert all(r["one thread_ms"] > 0 and r["split_ms"] > 0 for r in result["rows"]) and result["scattered"] == scattered
 
 
