@@ -24,7 +24,10 @@ from drafter_client.protocol.mailbox import CLOSED, VERSION, Mailbox
 from drafter_client.protocol.timer_slack import get_timer_slack, set_timer_slack
 
 LIVENESS_PERIOD_S = 0.05  # while waiting: how often to check that the drafter still holds the channel's socket
-REHEARSE_EVERY_S = 0.0002  # while waiting: how often to re-run the last reply's parse (StepChannel.rehearse)
+# while waiting: how often to re-run the last reply's parse (StepChannel.rehearse): every REHEARSE_EVERY_S, and at
+# most a fifth of the time (a rehearsal of a large reply lasts longer: a reply that comes during one waits for it)
+REHEARSE_EVERY_S = 0.0002
+REHEARSE_DUTY = 0.2
 
 
 class StepChannelClosed(Exception):
@@ -180,14 +183,16 @@ class StepChannel:
             seq = self._send(payload)
             deadline = time.monotonic() + timeout if timeout is not None else float("inf")
             started = last_check = rehearsed = time.monotonic()
+            pause = REHEARSE_EVERY_S  # (between two rehearsals)
             while (reply := self._reply(seq)) is None:
                 now = time.monotonic()
                 if now - last_check > LIVENESS_PERIOD_S:
                     last_check = now
                     self._check_waiting(started, deadline, now)
-                if self.rehearse is not None and now - rehearsed > REHEARSE_EVERY_S:
+                if self.rehearse is not None and now - rehearsed > pause:
                     self._rehearse()
                     rehearsed = time.monotonic()
+                    pause = max(REHEARSE_EVERY_S, (rehearsed - now) * (1 / REHEARSE_DUTY - 1))
                 yield 0 if now - started < self.spin_s else self.poll_s  # spin, then poll
         except BaseException:  # the channel's state is unknown (or closed): nobody uses it again
             self.close()

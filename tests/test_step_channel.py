@@ -389,3 +389,42 @@ def test_a_channel_closed_with_a_request_read_in_place_keeps_its_mapping_until_t
     assert bytes(view[-256:]) == payload[-256:]  # still mapped
     view.release()
     theirs.close()
+
+
+@pytest.mark.parametrize("rehearsal_ms, most", [(0.01, None), (1.0, 0.2)])
+def test_rehearsals_take_at_most_a_fifth_of_the_wait(monkeypatch, rehearsal_ms, most):
+    """While a call waits, the last reply's parse is re-run every REHEARSE_EVERY_S, and at most REHEARSE_DUTY of the
+    time: a rehearsal of 10 us runs every 0.2 ms, one of 1 ms at most a fifth of the wait (a clock of our own: polls
+    cost 10 us, a rehearsal what it says)."""
+    import threading
+
+    from drafter_client import step_channel
+    clock = [0.0]
+    monkeypatch.setattr(step_channel.time, "monotonic", lambda: clock[0])
+    ch = StepChannel.__new__(StepChannel)
+    ch.closed, ch.spin_s, ch.poll_s, ch._claim = False, 1.0, 0.0, threading.Lock()
+    ch._send = lambda payload: 1
+    ch._check_waiting = lambda *args: None
+
+    def reply(seq):
+        clock[0] += 10e-6
+        return b"answer" if clock[0] >= 0.1 else None
+    ch._reply = reply
+    rehearsals = []
+
+    def rehearse():
+        rehearsals.append(clock[0])
+        clock[0] += rehearsal_ms * 1e-3
+    ch.rehearse = rehearse
+    assert ch.try_claim()
+    waiting = ch._wait(b"request", None)
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(waiting)
+    assert done.value.value == b"answer" and not ch.busy
+    busy = len(rehearsals) * rehearsal_ms * 1e-3 / clock[0]
+    if most is None:  # (cheap: one every REHEARSE_EVERY_S and the polls between)
+        gaps = [b - a for a, b in zip(rehearsals, rehearsals[1:])]
+        assert len(rehearsals) > 300 and all(step_channel.REHEARSE_EVERY_S <= g < 0.00025 for g in gaps)
+    else:
+        assert 0.1 < busy <= most + 0.01, busy
