@@ -133,6 +133,14 @@ def test_bench_parallel_copy_times_both_ways(tmp_path, scattered):
     assert all(r["one thread_ms"] > 0 and r["split_ms"] > 0 for r in result["rows"]) and result["scattered"] == scattered
 
 
+def test_bench_cold_host_work_times_every_piece_in_every_condition(tmp_path):
+    result = run(["benchmarks/bench_cold_host_work.py", "--batches", "1,8", "--width", "64", "--calls", "2",
+                  "--rounds", "1"], tmp_path / "cold.json")
+    assert [(r["batch"], r["piece"]) for r in result["rows"]] == [
+        (b, p) for b in (1, 8) for p in ("client pack", "drafter parse", "drafter reply", "client parse")]
+    assert all(r[f"{c}_us"] > 0 for r in result["rows"] for c in ("warm", "spin", "32MB read", "rehearsed"))
+
+
 def test_bench_predraft_fallback_compares_both_sets(tmp_path):
     """The drafter's step with pre-drafting asked but refused by the odds check against plain, in-process."""
     result = run(["benchmarks/bench_predraft_fallback.py", "--device", "cpu", "--batches", "1,8", "--steps", "6"],
