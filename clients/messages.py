@@ -3,6 +3,7 @@ their packing into / out of the protocol's ProposeRequest / ProposeResponse. Sha
 (client.py), the stream session (session.py) and the step channel path; imports only the protocol."""
 import concurrent.futures
 import ctypes
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -239,16 +240,19 @@ def one_block(tensors: list[torch.Tensor]) -> "torch.Tensor | None":
 # packed 0.6-1.0 ms faster, batch 128 (9.4 MB) within the noise, and at batch 32 (2.36 MB) the drafter's step ran
 # 0.13-0.22 ms longer after a split copy: hence 8 MiB (docs/performance.md, ninth session).
 PARALLEL_COPY_MIN_BYTES = 8 << 20
-_copy_helper: "concurrent.futures.ThreadPoolExecutor | None" = None  # (created on the first large copy)
+# (the process that made it, the helper thread's pool): made on the first large copy, and again in a child process
+# after a fork (the parent's thread does not exist there)
+_copy_helper: "tuple[int, concurrent.futures.ThreadPoolExecutor] | None" = None
 _copy_helper_lock = threading.Lock()
 
 
 def _helper() -> "concurrent.futures.ThreadPoolExecutor":
     global _copy_helper
     with _copy_helper_lock:
-        if _copy_helper is None:
-            _copy_helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter-client-copy")
-        return _copy_helper
+        if _copy_helper is None or _copy_helper[0] != os.getpid():
+            _copy_helper = (os.getpid(), concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="drafter-client-copy"))
+        return _copy_helper[1]
 
 
 def _copy_runs(runs: list[tuple[int, int, int]]) -> None:
@@ -311,8 +315,11 @@ def write_rows(parts: list[torch.Tensor], dest: memoryview) -> None:
         runs.append((at, start, end - start))
         if total >= PARALLEL_COPY_MIN_BYTES:
             first, second = _halves(runs, total)
-            helping = _helper().submit(_copy_runs, second)
-            runs = first
+            try:
+                helping = _helper().submit(_copy_runs, second)
+                runs = first
+            except RuntimeError:  # (the interpreter is shutting down: no new work for threads) all on this one
+                pass
         _copy_runs(runs)
     finally:
         if helping is not None:

@@ -58,7 +58,7 @@ class StepChannel:
         self._seq = self.box.doorbell(self.box.request)
         # The last reply's parse, on a copy of it (set by the caller, DrafterClient._send_frame): re-run while a call
         # waits, every REHEARSE_EVERY_S, so that the reply finds that code and its data in the CPU's caches (run cold,
-        # after the wait, the same Python work took 2-8x as long: docs/performance.md, ninth session). None: none.
+        # after the wait, the same Python work took 1.5-10x as long: docs/performance.md, ninth session). None: none.
         self.rehearse: "Callable[[], object] | None" = None
 
     @property

@@ -300,3 +300,32 @@ def test_states_sliced_from_one_tensor_are_written_in_one_copy(monkeypatch):
         write_rows(parts, memoryview(buf))
         assert bytes(buf) == bytes(want.numpy())
         assert spans is None or len(copies) == spans, (len(copies), spans)  # (None: contiguous copies, anywhere)
+
+
+def test_a_large_copy_in_a_child_forked_after_one_does_not_hang(monkeypatch):
+    """An engine that forks its workers after a large copy: the child makes a helper thread of its own (the parent's
+    does not exist there) and copies the same bytes."""
+    import os
+    import time
+
+    from drafter_client import messages
+    monkeypatch.setattr(messages, "PARALLEL_COPY_MIN_BYTES", 1)
+    parts = [torch.randn(100, 10), torch.randn(3, 10)]
+    buf = bytearray(4120)
+    messages.write_rows(parts, memoryview(buf))  # (the parent's helper thread now exists)
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 when its copy is right
+        try:
+            again = bytearray(4120)
+            messages.write_rows(parts, memoryview(again))
+            os._exit(0 if again == buf else 1)
+        except BaseException:
+            os._exit(2)
+    deadline = time.monotonic() + 30
+    while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's copy hung")
+        time.sleep(0.02)
+    assert os.waitstatus_to_exitcode(done[1]) == 0
