@@ -269,12 +269,18 @@ def frame_from_batch(namespace: str, batch: StepBatch, request_id: int) -> "step
         return None
     n, rows = len(batch), states.shape[0]
     seeds = batch.seed if isinstance(batch.seed, torch.Tensor) else _int64_bits(batch.seed)
-    columns = np.stack([_column_tensor(value, n, torch.int64, name).numpy() for name, value in (
-        ("start_positions", batch.start_positions), ("num_tokens", batch.num_tokens),
-        ("next_tokens", batch.next_tokens), ("num_drafts", batch.num_drafts), ("seed", seeds),
-        ("predraft_branches", batch.predraft_branches))])
-    return step_frame.FrameRequest(namespace, request_id, batch.sequence_ids, columns,
-                                   _column_tensor(batch.temperature, n, torch.float32, "temperature").numpy(),
+    # (one value for every sequence is written into its row by numpy: a torch.full per column cost more)
+    columns = np.empty((len(step_frame.REQUEST_COLUMNS), n), dtype=np.int64)
+    for row, (name, value) in enumerate((
+            ("start_positions", batch.start_positions), ("num_tokens", batch.num_tokens),
+            ("next_tokens", batch.next_tokens), ("num_drafts", batch.num_drafts), ("seed", seeds),
+            ("predraft_branches", batch.predraft_branches))):
+        columns[row] = _column_tensor(value, n, torch.int64, name).numpy() if isinstance(value, torch.Tensor) \
+            else value
+    temperature = batch.temperature
+    temperatures = (_column_tensor(temperature, n, torch.float32, "temperature").numpy()
+                    if isinstance(temperature, torch.Tensor) else np.full(n, temperature, dtype=np.float32))
+    return step_frame.FrameRequest(namespace, request_id, batch.sequence_ids, columns, temperatures,
                                    _column_tensor(batch.token_ids, rows, torch.int64, "token_ids").numpy(), rows,
                                    states.shape[1], states.dtype, lambda dest: write_rows([states], dest))
 
