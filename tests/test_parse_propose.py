@@ -1,5 +1,5 @@
-"""parse_propose on random requests: both ways of checking token ids (python lists up to SMALL_CHECK_TOKENS, tensor
-ops above) name the same first bad id, and good requests decode to exactly what the client packed; the list
+"""parse_propose on random requests: both ways of checking token ids (python lists up to SMALL_CHECK_TOKENS, numpy
+above) name the same first bad id, and good requests decode to exactly what the client packed; the list
 encoders of small replies."""
 import random
 

@@ -94,6 +94,19 @@ class BatchInput:
                    predraft_branches=torch.tensor(predraft_branches, dtype=i64))
 
     @classmethod
+    def from_arrays(cls, namespace: str, sequence_ids: list[str], arrays: "BatchArrays", token_ids: torch.Tensor,
+                    hidden_states: torch.Tensor) -> "BatchInput":
+        """The columns given as numpy arrays of their own (arrays.token_ids: token_ids' memory): tensors over the
+        same memory, and ``arrays`` kept as BatchInput.arrays (no conversion back)."""
+        n = len(sequence_ids)
+        t = {name: torch.from_numpy(getattr(arrays, name)) for name in BatchArrays.__dataclass_fields__
+             if name != "token_ids"}
+        b = cls(sequence_ids=sequence_ids, namespaces=[namespace] * n, owners=[None] * n, token_ids=token_ids,
+                hidden_states=hidden_states, **t)
+        b.__dict__["arrays"] = arrays  # (functools.cached_property's slot: the arrays are these tensors' memory)
+        return b
+
+    @classmethod
     def cat(cls, parts: "list[BatchInput]") -> "BatchInput":
         """One batch of several requests' sequences, in order (the scheduler merges requests so)."""
         if len(parts) == 1:
