@@ -255,6 +255,14 @@ def _helper() -> "concurrent.futures.ThreadPoolExecutor":
         return _copy_helper[1]
 
 
+def _cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container or an engine may pin it to fewer than the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        return os.cpu_count() or 1
+
+
 def _copy_runs(runs: list[tuple[int, int, int]]) -> None:
     for to, frm, n in runs:
         ctypes.memmove(to, frm, n)
@@ -280,7 +288,8 @@ def write_rows(parts: list[torch.Tensor], dest: memoryview) -> None:
     """The parts' bytes (tensors of one dtype, any device), one after another, into dest (a writable byte buffer of
     exactly their size): the client's one copy of a step's states. Parts that lie one after another in memory (an
     engine's batch tensor sliced per sequence) go in one copy; otherwise one memmove per part. From
-    PARALLEL_COPY_MIN_BYTES the copy is split between this thread and a helper thread. No torch op per part and none
+    PARALLEL_COPY_MIN_BYTES, in a process that may run on more than one CPU, the copy is split between this thread
+    and a helper thread (an engine that wants every copy on its calling thread sets PARALLEL_COPY_MIN_BYTES higher). No torch op per part and none
     that runs on the caller's intra-op pool: waking that pool cost an engine process with torch's default 16
     threads, on a 16-vCPU H200 VM shared with the drafter, 38 ms a step (torch.cat of EAGLE-3 states, batch 16-64;
     docs/performance.md). One pass over the parts reads each one's address and size (host parts need no copy first,
@@ -313,7 +322,7 @@ def write_rows(parts: list[torch.Tensor], dest: memoryview) -> None:
                 start = ptr
             end = ptr + n
         runs.append((at, start, end - start))
-        if total >= PARALLEL_COPY_MIN_BYTES:
+        if total >= PARALLEL_COPY_MIN_BYTES and _cpus() > 1:  # (on one CPU the two halves would take turns)
             first, second = _halves(runs, total)
             try:
                 helping = _helper().submit(_copy_runs, second)

@@ -259,16 +259,34 @@ def test_a_large_copy_split_with_a_helper_thread_writes_the_same_bytes(cuts, thr
     def counted(dst, src, n):
         threads.add(threading.get_ident())
         return memmove(dst, src, n)
-    before = messages.PARALLEL_COPY_MIN_BYTES
-    messages.PARALLEL_COPY_MIN_BYTES, messages.ctypes.memmove = threshold, counted
+    before, cpus = messages.PARALLEL_COPY_MIN_BYTES, messages._cpus
+    messages.PARALLEL_COPY_MIN_BYTES, messages.ctypes.memmove, messages._cpus = threshold, counted, lambda: 2
     try:
         buf = bytearray(want.numel())
         messages.write_rows(parts, memoryview(buf))
     finally:
-        messages.PARALLEL_COPY_MIN_BYTES, messages.ctypes.memmove = before, memmove
+        messages.PARALLEL_COPY_MIN_BYTES, messages.ctypes.memmove, messages._cpus = before, memmove, cpus
     assert bytes(buf) == bytes(want.numpy())
     split = want.numel() >= threshold and want.numel() > 1
     assert (len(threads) == 2) == split and threading.get_ident() in threads
+
+
+def test_a_process_on_one_cpu_copies_on_its_calling_thread(monkeypatch):
+    """Pinned to one CPU (its affinity), a process gains nothing from a second thread: every copy stays on the
+    calling thread, whatever its size."""
+    import threading
+
+    from drafter_client import messages
+    monkeypatch.setattr(messages, "PARALLEL_COPY_MIN_BYTES", 1)
+    monkeypatch.setattr(messages.os, "sched_getaffinity", lambda pid: {0})
+    threads = set()
+    memmove = messages.ctypes.memmove
+    monkeypatch.setattr(messages.ctypes, "memmove", lambda *a: (threads.add(threading.get_ident()), memmove(*a))[1])
+    parts = [torch.randn(50, 10), torch.randn(7, 10)]
+    buf = bytearray(57 * 40)
+    messages.write_rows(parts, memoryview(buf))
+    assert bytes(buf) == bytes(torch.cat(parts).view(-1).view(torch.uint8).numpy())
+    assert threads == {threading.get_ident()}
 
 
 def test_states_sliced_from_one_tensor_are_written_in_one_copy(monkeypatch):
