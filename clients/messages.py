@@ -289,11 +289,12 @@ def write_rows(parts: list[torch.Tensor], dest: memoryview) -> None:
     exactly their size): the client's one copy of a step's states. Parts that lie one after another in memory (an
     engine's batch tensor sliced per sequence) go in one copy; otherwise one memmove per part. From
     PARALLEL_COPY_MIN_BYTES, in a process that may run on more than one CPU, the copy is split between this thread
-    and a helper thread (an engine that wants every copy on its calling thread sets PARALLEL_COPY_MIN_BYTES higher). No torch op per part and none
-    that runs on the caller's intra-op pool: waking that pool cost an engine process with torch's default 16
-    threads, on a 16-vCPU H200 VM shared with the drafter, 38 ms a step (torch.cat of EAGLE-3 states, batch 16-64;
-    docs/performance.md). One pass over the parts reads each one's address and size (host parts need no copy first,
-    device parts are copied to the host): at batch 128 that pass, not the copy, was most of the client's packing."""
+    and a helper thread (an engine that wants every copy on its calling thread sets PARALLEL_COPY_MIN_BYTES higher).
+    No torch op per part and none that runs on the caller's intra-op pool: waking that pool cost an engine process
+    with torch's default 16 threads, on a 16-vCPU H200 VM shared with the drafter, 38 ms a step (torch.cat of EAGLE-3
+    states, batch 16-64; docs/performance.md). One pass over the parts reads each one's address and size (host
+    parts need no copy first, device parts are copied to the host): at batch 128 that pass, not the copy, was most
+    of the client's packing."""
     keep = []  # (parts copied to the host or made contiguous: alive until their bytes are copied)
     spans = []  # (address, bytes) of each part
     for p in parts:
