@@ -435,3 +435,18 @@ async def test_a_reply_larger_than_the_reply_area_is_resource_exhausted(frames_s
         r = await c.propose([SequenceStep("small", 0, [1, 2, 3], torch.randn(3, H, generator=g), 4, 3)])
         assert r.sequences[0].ok and c.steps_through_channel == 2 and c.steps_as_frames == (2 if frames else 0)
         await c.release([f"s{i}" for i in range(n)] + ["small"])
+
+
+async def test_an_ingest_only_drafter_answers_small_and_large_frames_without_drafting(tiny_model, tmp_path):
+    """Benchmarks' ingest-only mode (DrafterServicer.ingest_only): a small frame (parsed per sequence) and one of 8
+    sequences (columns) are checked, their states moved to the device, and answered with no drafts, code 0."""
+    head, target = tiny_model
+    with ServerThread(make_config(head, target, tmp_path)) as s:
+        s.server.servicer.ingest_only = True
+        async with DrafterClient(s.uds, namespace="dry") as c:
+            assert await c.open_step_channel() and c.channel_frames
+            for n in (1, 8):
+                steps = [SequenceStep(f"d{i}", 0, [1, 2], torch.randn(2, H), 3, 2) for i in range(n)]
+                r = await c.propose(steps)
+                assert [x.code for x in r.sequences] == [0] * n and r.draft_token_ids.numel() == 0
+            assert c.steps_as_frames == 2
