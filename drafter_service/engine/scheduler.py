@@ -355,8 +355,8 @@ class StepScheduler:
             if p.trace is not None:
                 p.trace["worker_start"], p.trace["worker_end"] = span
             n = len(p.steps)
-            if columnar:
-                answer = outputs.slice(r, r + n)
+            if columnar:  # (a request alone in its batch gets the whole answer: no slicing)
+                answer = outputs if n == len(outputs) else outputs.slice(r, r + n)
             elif isinstance(p.steps, BatchInput):
                 answer = BatchOutput.from_outputs(outputs[r : r + n])
             else:
