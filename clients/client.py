@@ -275,7 +275,7 @@ class DrafterClient:
             lambda: self._stage(steps, hidden_states), hidden_states, parse,
             lambda reason: fallback_result(steps, reason), timeout,
             frame=(lambda rid: frame_from_steps(self.namespace, steps, hidden_states, rid),
-                   functools.partial(_frame_result, [s.sequence_id for s in steps])))
+                   lambda reply: _frame_result([s.sequence_id for s in steps], reply)))
 
     async def _steps_codec(self, steps: list[SequenceStep], timeout: float | None):
         """How a step of SequenceSteps is written and its reply read, for propose() and a ProposeSession alike:
