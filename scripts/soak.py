@@ -27,7 +27,9 @@ reference of its branch (the served drafts and the bonus token with the head's o
   - flood: a process opens sequences until the pool is full, then exits without releasing any.
 At the end every engine releases its sequences and exits; the harness waits one lease and reads the drafter's KV
 pool: blocks still held are leaked. Prints a table and writes JSON (device, date, command, figures).
-Exit status 1 when a mismatch, a late step or a leak was seen.
+Exit status 1 when a mismatch, a late step or a leak was seen. A late step is one past its deadline + --slack-s
+without the time the engine's thread waited for a CPU (its run-queue wait, /proc/thread-self/schedstat); a step
+late only by the wall clock is reported as starved.
 """
 import argparse
 import asyncio
@@ -87,8 +89,9 @@ class Engine:
         self.next_id = 0
         self.stats = dict(steps=0, steps_with_drafts=0, fallback_steps=0, resyncs=0, checked=0, mismatches=0,
                           near_ties=0,
-                          late_steps=0, predrafted=0, fallback_reasons={}, fallback_examples={}, latencies_ms=[],
-                          fallback_latencies_ms=[])
+                          late_steps=0, starved_steps=0, late_samples=[], predrafted=0, fallback_reasons={},
+                          fallback_examples={}, latencies_ms=[], fallback_latencies_ms=[])
+        self.started = time.monotonic()
 
     def new_sequence(self) -> dict:
         self.next_id += 1
@@ -139,7 +142,7 @@ class Engine:
         try:
             while time.monotonic() < stop_at:
                 steps = [self.step_of(s) for s in seqs]
-                t0 = time.perf_counter()
+                t0, queued0 = time.perf_counter(), run_queue_wait_s()
                 if self.args["mode"] == "batch":
                     reply = as_result(await client.propose_batch(as_batch(steps)))
                 elif self.args["mode"] == "unary":
@@ -148,12 +151,19 @@ class Engine:
                     reply = await client.propose(steps)
                 else:
                     reply = await (session.propose(steps) if session is not None else client.propose(steps))
-                took = time.perf_counter() - t0
+                took, queued = time.perf_counter() - t0, run_queue_wait_s() - queued0
                 self.stats["steps"] += 1
                 # answered steps and fallbacks apart: a fallback while the breaker is open takes microseconds
                 self.stats["fallback_latencies_ms" if reply.fallback else "latencies_ms"].append(took * 1e3)
                 if took > deadline + self.args["slack_s"]:
-                    self.stats["late_steps"] += 1
+                    # past the deadline by the wall clock. Late by the client's own doing only when it is so
+                    # without the time this thread waited for a CPU (a starved machine delays any process)
+                    starved = took - queued <= deadline + self.args["slack_s"]
+                    self.stats["starved_steps" if starved else "late_steps"] += 1
+                    self.stats["late_samples"].append(dict(
+                        mode=self.args["mode"], at_s=round(time.monotonic() - self.started, 3),
+                        took_ms=round(took * 1e3, 1), run_queue_ms=round(queued * 1e3, 1), starved=starved,
+                        fallback=reason_of(reply)))
                 if reply.fallback:
                     self.stats["fallback_steps"] += 1
                     why = reply.fallback_reason.split(":")[0][:40]
@@ -225,6 +235,20 @@ class Engine:
         lat, fb = self.stats.pop("latencies_ms"), self.stats.pop("fallback_latencies_ms")
         results.put(dict(self.stats, index=self.index, mode=self.args["mode"], latencies_ms=lat,
                          fallback_latencies_ms=fb))
+
+
+def run_queue_wait_s() -> float:
+    """How long this thread has waited on a run queue for a CPU, in all (Linux /proc/thread-self/schedstat, second
+    field, in ns); 0.0 where the kernel does not tell."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def reason_of(reply) -> str:
+    return reply.fallback_reason[:200] if reply.fallback else ""
 
 
 def as_batch(steps):
@@ -483,13 +507,15 @@ def main(argv: list[str] | None = None) -> int:
     fb = [x for r in reports for x in r["fallback_latencies_ms"]]
     total = {k: sum(r[k] for r in reports) for k in ("steps", "steps_with_drafts", "fallback_steps", "resyncs",
                                                        "checked", "predrafted", "mismatches", "near_ties",
-                                                       "late_steps", "spread_steps")}
+                                                       "late_steps", "starved_steps", "spread_steps")}
+    late_samples = sorted((x for r in reports for x in r["late_samples"]), key=lambda x: -x["took_ms"])
     result = dict(benchmark="soak", date=datetime.datetime.now().isoformat(timespec="seconds"),
                   device=f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                   command=" ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]), args=vars(a),
                   engines_reporting=len(reports), engines_crashed=len(crashed), faults=faults,
                   columnar_engines=sum(r["columnar"] for r in reports),
                   connections_cut=connections_cut, **total, leaked_kv_tokens=held,
+                  late_samples=late_samples[:10],
                   drafter_errors=len(drafter_errors), drafter_error_samples=drafter_errors[:3],
                   step_ms_p50=percentile(lat, 0.5), step_ms_p99=percentile(lat, 0.99),
                   fallback_step_ms_p50=percentile(fb, 0.5), fallback_step_ms_p99=percentile(fb, 0.99),
@@ -498,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsoak {a.duration_s:.0f} s, {a.engines} engines x {a.sequences} sequences, {result['date']}")
     for key in ("engines_reporting", "engines_crashed", "columnar_engines", "faults", "connections_cut", "steps",
                 "steps_with_drafts", "fallback_steps", "resyncs", "checked", "predrafted", "spread_steps", "mismatches",
-                "near_ties", "drafter_errors", "late_steps", "leaked_kv_tokens", "step_ms_p50", "step_ms_p99",
+                "near_ties", "drafter_errors", "late_steps", "starved_steps", "leaked_kv_tokens", "step_ms_p50",
+                "step_ms_p99",
                 "fallback_step_ms_p50", "fallback_step_ms_p99", "drafter_rss_mib_start", "drafter_rss_mib_end"):
         v = result[key]
         print(f"  {key:22s} {v:.2f}" if isinstance(v, float) else f"  {key:22s} {v}")
@@ -510,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
         for why, example in r["fallback_examples"].items():
             if not why.startswith(("UNAVAILABLE", "circuit breaker", "DEADLINE_EXCEEDED")):
                 print(f"    {why}: {example}")
+    for x in late_samples[:5]:
+        print(f"  {'starved' if x['starved'] else 'LATE'} step: {x}")
     print(f"wrote {out}")
     for sample in drafter_errors[:1]:
         print(f"the drafter logged {len(drafter_errors)} errors; the first:\n{sample}")
