@@ -80,8 +80,9 @@ def paged_attention_batched(
     instead.
     context_cache: a dict the caller keeps for the forwards of one engine step (the first draft step and its decode
     steps, where the same sequences' contexts only grow): the gathered copy is kept there per layer (GatheredContext,
-    keyed by the layer's cache) and a later call re-gathers only the blocks written since, instead of the whole
-    context (batch 128 x 256 positions: most of the step's time). Valid only while nothing but these calls' own new
+    keyed by the layer's cache) and a later call copies in only the positions written since (one per sequence in
+    a decode step), instead of gathering the whole context again (batch 128 x 256 positions: most of the step's
+    time). Valid only while nothing but these calls' own new
     rows is written to the sequences' blocks."""
     B = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
@@ -106,21 +107,16 @@ def paged_attention_batched(
     owned = torch.arange(n_blocks)[None, :] < (-(-ctx // block_size))[:, None]  # [B, n_blocks]
     blocks = torch.where(owned, block_tables[:, :n_blocks].long(), 0)
     L = n_blocks * block_size
-    in_ctx = torch.arange(L)[None, :] < ctx[:, None]  # [B, L]
-    # One gathered copy each of K and V, [B, L, Hkv, D]. The positions outside a sequence's context (the rest of its
-    # last block, block 0 read in place of blocks it does not own) may hold anything, NaN included: they are zeroed,
-    # then masked by a -inf bias.
+    # One gathered copy each of K and V, head-major. The cache's positions outside a sequence's context (the rest of
+    # its last block, block 0 read in place of blocks it does not own) may hold anything, NaN included: the copy has
+    # zeros there (GatheredContext), and the mask below hides them.
     key = k_cache.data_ptr()
     kept = context_cache.get(key) if context_cache is not None else None
     if kept is None or not kept.refresh(k_cache, v_cache, blocks, ctx, block_size):
         kept = GatheredContext.gather(k_cache, v_cache, blocks, ctx, block_size)
         if context_cache is not None:
             context_cache[key] = kept
-    k, v = kept.k[:, :, :L], kept.v[:, :, :L]  # [B, Hkv, L, D]
-    outside = (~in_ctx).nonzero(as_tuple=True)  # (batch index, position) of each position outside the context
-    if outside[0].numel():
-        k.transpose(1, 2)[outside] = 0.0
-        v.transpose(1, 2)[outside] = 0.0
+    k, v = kept.k[:, :, :L], kept.v[:, :, :L]  # [B, Hkv, L, D]; zero at every position outside the context
     # query rows, padded per sequence: row j of sequence b is q[starts[b] + j] for j < q_lens[b]
     j = torch.arange(max_q)
     row_valid = j[None, :] < q_lens[:, None]  # [B, Q]
@@ -129,33 +125,37 @@ def paged_attention_batched(
     qp = q[rows].float().reshape(B, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).reshape(
         B, num_kv_heads, group * max_q, head_dim)  # [B, Hkv, G*Q, D]
     q_pos = ctx[:, None] - q_lens[:, None] + j[None, :]  # [B, Q] position of each query row
-    masked = torch.arange(L)[None, None, :] > q_pos[:, :, None]  # [B, Q, L] future positions, and past the context
-    bias = torch.zeros(B, 1, max_q, L, device=q.device).masked_fill_(masked[:, None], float("-inf"))
-    # [B, Hkv, G*Q, L]: the same bias for every KV head
-    bias = bias.expand(B, num_kv_heads * group, max_q, L).reshape(B, num_kv_heads, group * max_q, L)
+    masked = torch.arange(L)[None, None, :] > q_pos[:, :, None]  # [B, Q, L]: future positions, and past the context
+    # [B, 1, G*Q, L]: row g * Q + j sees what query row j sees, the same for every KV head (broadcast by the attention)
+    bias = torch.zeros(B, 1, max_q, L).masked_fill_(masked[:, None], float("-inf"))
+    if group > 1 and max_q > 1:
+        bias = bias.repeat(1, 1, group, 1)
     # every (sequence, KV head) is one attention of G*Q query rows over L positions: the kept layout is head-major, so
     # k and v are [B, Hkv, L, D] views with plain row strides. torch's fused CPU attention (scaled_dot_product_attention
     # with the bias as its mask) does scores, softmax and the weighted sum without materializing the probabilities:
     # 0.93 -> 0.65 ms against baddbmm + softmax + bmm at batch 128 of the tiny head (m = 3, context 256). (No row is
     # wholly masked: a padding row sits past its sequence's context and sees all of it; NaN would be zeroed anyway.)
     o = torch.nn.functional.scaled_dot_product_attention(qp, k, v, attn_mask=bias, scale=scale).nan_to_num_(0.0)
-    o = o.view(B, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4).reshape(B, max_q, num_q_heads,
-                                                                                        head_dim)
-    out[rows[row_valid]] = o[row_valid].to(out.dtype)
+    o = o.view(B, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)  # [B, Q, Hkv, G, D]
+    if (int(q_lens.min()) == max_q and q.shape[0] == B * max_q and int(starts[-1]) == B * max_q
+            and out.is_contiguous()):
+        out.view(B, max_q, num_kv_heads, group, head_dim).copy_(o)  # every sequence max_q rows, in order: all rows
+    else:
+        out[rows[row_valid]] = o.reshape(B, max_q, num_q_heads, head_dim)[row_valid].to(out.dtype)
     return out
 
 
-def _head_major(rows: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:
-    """[B, n, block_size * Hkv * D] gathered blocks -> [B, Hkv, n, block_size * D] (a copy)."""
-    B, n = rows.shape[:2]
-    return rows.view(B, n, block_size, num_kv_heads, -1).permute(0, 3, 1, 2, 4).reshape(B, num_kv_heads, n, -1)
-
-
-def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, block_size, Hkv, D], blocks [B, n] int64 -> [B, n, block_size * Hkv * D] float32 copy.
-    (index_select on [num_blocks, block_size * Hkv * D] rows: ~5x faster on the CPU than cache[blocks])"""
-    rows = torch.index_select(cache.reshape(cache.shape[0], -1), 0, blocks.reshape(-1))
-    return rows.float().view(*blocks.shape, -1)
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, Hkv, D], blocks [B, n] int64, zero [B, n * block_size] bool (the gathered
+    positions outside the context) -> [B, Hkv, n * block_size, D] float32: a head-major copy of the blocks, 0.0 where
+    zero is set. (index_select on [num_blocks, block_size * Hkv * D] rows, ~5x faster on the CPU than
+    cache[blocks], then one transposing copy.)"""
+    B, n = blocks.shape
+    block_size, num_kv_heads, head_dim = cache.shape[1:]
+    rows = torch.index_select(cache.reshape(cache.shape[0], -1), 0, blocks.reshape(-1)).float()
+    rows = rows.view(B, n * block_size, num_kv_heads * head_dim)
+    rows[zero.nonzero(as_tuple=True)] = 0.0  # (an index_put of the few positions: 10x faster than a masked_fill)
+    return rows.view(B, n * block_size, num_kv_heads, head_dim).permute(0, 2, 1, 3).contiguous()
 
 
 @dataclass
@@ -163,26 +163,27 @@ class GatheredContext:
     """One layer's K/V context of a batch, gathered by paged_attention_batched and kept in its context_cache for
     the next forward of the same engine step. Head-major (one [positions, D] matrix per sequence and KV head, what
     the fused attention reads without a copy; the gather transposes once). Room for one block more than gathered, so
-    that the decode steps' new positions fit without a new buffer."""
+    that the decode steps' new positions fit without a new buffer. Invariant: positions [0, fresh_len[b]) of row b
+    equal the paged cache, every later position is 0.0 (never the cache's garbage, which may be NaN)."""
     blocks: torch.Tensor  # [B, n] int64: the block ids gathered (0 for table entries a sequence did not own)
-    k: torch.Tensor  # [B, Hkv, (n + 1) * block_size, D] float32: positions [0, fresh_len) equal the paged cache
+    k: torch.Tensor  # [B, Hkv, (n + 1) * block_size, D] float32
     v: torch.Tensor
     fresh_len: torch.Tensor  # [B] int64: the context length at the last call
 
     @classmethod
     def gather(cls, k_cache, v_cache, blocks: torch.Tensor, ctx: torch.Tensor, block_size: int) -> "GatheredContext":
-        B, n = blocks.shape
-        # the spare column gathers block 0 too (its content is masked until it is re-gathered for positions of its own)
+        B = blocks.shape[0]
+        # the spare column gathers block 0 too (zeros: past every context, until positions of its own are copied in)
         with_spare = torch.cat([blocks, blocks.new_zeros(B, 1)], 1)
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k, v = (_head_major(_gather_blocks(c, with_spare), block_size, num_kv_heads) for c in (k_cache, v_cache))
-        shape = (B, num_kv_heads, (n + 1) * block_size, head_dim)
-        return cls(blocks=blocks, k=k.reshape(shape), v=v.reshape(shape), fresh_len=ctx.clone())
+        outside = torch.arange(with_spare.shape[1] * block_size)[None, :] >= ctx[:, None]
+        k, v = (_gather_blocks(c, with_spare, outside) for c in (k_cache, v_cache))
+        return cls(blocks=blocks, k=k, v=v, fresh_len=ctx.clone())
 
     def refresh(self, k_cache, v_cache, blocks: torch.Tensor, ctx: torch.Tensor, block_size: int) -> bool:
-        """Bring the copy up to the contexts ctx [B] of blocks [B, n] (this call's tables), re-gathering only the
-        blocks that hold positions [fresh_len, ctx). False (nothing changed) when it cannot: another batch, a
-        shorter context, more blocks than the buffer holds, or a block of the known positions that moved."""
+        """Bring the copy up to the contexts ctx [B] of blocks [B, n] (this call's tables), copying only positions
+        [fresh_len, ctx) from the cache (a decode step: one position per sequence). False (nothing changed) when it
+        cannot: another batch, a shorter context, more blocks than the buffer holds, or a block of the known
+        positions that moved."""
         B, n = blocks.shape
         n_kept = self.blocks.shape[1]
         capacity = self.k.shape[2] // block_size
@@ -194,17 +195,17 @@ class GatheredContext:
         if not torch.equal(torch.where(known, blocks[:, : cols.numel()], 0),
                            torch.where(known, self.blocks[:, : cols.numel()], 0)):
             return False
-        first = self.fresh_len // block_size  # [B] first block with a position not known yet (or not written)
-        count = int((-(-ctx // block_size) - first).max())  # blocks to re-gather per sequence
-        if count > 0:
-            cols = (first[:, None] + torch.arange(count)[None, :]).clamp(max=n - 1)  # [B, count] (repeats: same data)
-            ids = blocks.gather(1, cols)
-            num_kv_heads, row = self.k.shape[1], block_size * self.k.shape[3]
-            index = cols[:, None, :, None].expand(B, num_kv_heads, count, row)
+        new = int((ctx - self.fresh_len).max())  # positions to copy per sequence (decode steps: 1)
+        if new > 0:
+            # positions [fresh_len, ctx) of each sequence, the last one repeated where it has fewer (same data)
+            pos = torch.minimum(self.fresh_len[:, None] + torch.arange(new)[None, :], ctx[:, None] - 1)  # [B, new]
+            slots = (blocks.gather(1, pos // block_size) * block_size + pos % block_size).reshape(-1)
+            who = torch.arange(B)[:, None].expand(B, new)
+            num_kv_heads, head_dim = self.k.shape[1], self.k.shape[3]
             for kept, cache in ((self.k, k_cache), (self.v, v_cache)):
-                kept.view(B, num_kv_heads, capacity, row).scatter_(
-                    2, index, _head_major(_gather_blocks(cache, ids), block_size, num_kv_heads))
-        # columns below `first` were checked equal, the rest re-gathered from this call's blocks
+                rows = torch.index_select(cache.reshape(-1, num_kv_heads * head_dim), 0, slots).float()
+                kept.transpose(1, 2)[who, pos] = rows.view(B, new, num_kv_heads, head_dim)
+        # the known positions' blocks were checked equal; positions past ctx stay 0.0 (never copied)
         self.blocks = blocks
         self.fresh_len = ctx.clone()
         return True

@@ -4,7 +4,7 @@ one torch thread. Run it from two checkouts in turn to compare commits (separate
 one does not bias the other); `python -m cProfile -s tottime scripts/cpu_step_scale.py` shows where the host time
 goes.
 
-    python scripts/cpu_step_scale.py --batches 1,128 --context 256
+    python scripts/cpu_step_scale.py --batches 1,128 --context 256 [--columns]
 """
 import argparse
 import pathlib
@@ -27,6 +27,8 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=3)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--columns", action="store_true",
+                    help="the step as columns (Proposer.step_batch), as bench_step's 'as columns' figure")
     a = ap.parse_args()
     torch.set_num_threads(1)
     shape, batches = bs.PRESETS[a.preset], [int(b) for b in a.batches.split(",")]
@@ -37,7 +39,7 @@ def main() -> int:
                                         max_model_len=a.context + 64, max_batch_seqs=4096))
         for b in batches:
             t = bs.bench_in_process(rt, b, a.context, a.m, a.k, a.iters, rt.limits.hidden_states_width,
-                                    shape["vocab_size"])
+                                    shape["vocab_size"], columns=a.columns)
             print(f"batch {b}: median {t * 1e3:.2f} ms", flush=True)
     return 0
 

@@ -283,6 +283,36 @@ def test_batched_cpu_path_reuses_the_gathered_context_across_decode_steps(seed):
         kept = entry
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_batched_cpu_path_copies_uneven_growth_into_the_gathered_context(seed):
+    """Calls sharing a context_cache where the sequences grow by different amounts between calls (none, one, several
+    positions, across block boundaries; a pre-drafting loop's or a prefill chunk's pattern): the copy takes in just
+    the new positions and still equals the reference, with NaN in every cache position not written yet."""
+    B, rounds, most = 7 + seed, 6, 5
+    k_cache, v_cache, tables, ctx, gen = _growing_batch(50 + seed, B, rounds * most)
+    cache: dict = {}
+    kept, refreshed = None, 0
+    for step in range(rounds):
+        grow = torch.randint(0, most + 1, (B,), generator=gen) if step else torch.zeros(B, dtype=torch.int64)
+        for _ in range(int(grow.max()) if step else 0):  # write positions ctx .. ctx + grow - 1 of each sequence
+            b = (grow > 0).nonzero().flatten()
+            blocks, offsets = tables[b, ctx[b] // 16].long(), ctx[b] % 16
+            k_cache[blocks, offsets] = torch.randn(len(b), *k_cache.shape[2:], generator=gen)
+            v_cache[blocks, offsets] = torch.randn(len(b), *v_cache.shape[2:], generator=gen)
+            ctx[b] += 1
+            grow[b] -= 1
+        q_lens = torch.randint(1, 4, (B,), generator=gen).minimum(ctx)  # the newest rows attend
+        qsl = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).int()
+        q = torch.randn(int(qsl[-1]), 4, 16, generator=gen)
+        args = (q, k_cache, v_cache, tables, ctx.int(), qsl, 0.25)
+        assert_matches(attention.paged_attention_batched(*args, context_cache=cache), attention.paged_attention_ref(*args),
+                       atol=1e-5, rtol=1e-5)
+        (entry,) = cache.values()
+        refreshed += entry is kept
+        kept = entry
+    assert refreshed >= 2  # (most calls update the copy in place; one past its spare block gathers again)
+
+
 def test_batched_cpu_path_gathers_again_when_the_batch_changes():
     """A cached context is not reused for another batch: fewer sequences (the decode loop dropping finished ones), or
     a known position's block replaced (its data copied to another block)."""
