@@ -76,8 +76,8 @@ def paged_attention_batched(
     the gather (an earlier version read strided [B, L, D] views of a token-major copy instead: torch's CPU bmm then
     looped over the matrices one by one);
     with a context_cache the gather happens once per engine step. When padding would more than double the work of
-    the per-sequence loop (a long prefill beside short decodes), and for one sequence (fewer ops), the loop runs
-    instead.
+    the per-sequence loop (a long prefill beside short decodes), the loop runs instead; one sequence takes a
+    shorter path (_one_sequence: no padding, no kept copy, no mask for a decode row).
     context_cache: a dict the caller keeps for the forwards of one engine step (the first draft step and its decode
     steps, where the same sequences' contexts only grow): the gathered copy is kept there per layer (GatheredContext,
     keyed by the layer's cache) and a later call copies in only the positions written since (one per sequence in
@@ -92,7 +92,7 @@ def paged_attention_batched(
     if B == 0 or q.shape[0] == 0:
         return out
     if B == 1:
-        return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=out)
+        return _one_sequence(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
     starts = query_start_loc.to(torch.int64)
     q_lens = starts[1:] - starts[:-1]  # [B]
     ctx = seq_lens.to(torch.int64)
@@ -142,6 +142,30 @@ def paged_attention_batched(
         out.view(B, max_q, num_kv_heads, group, head_dim).copy_(o)  # every sequence max_q rows, in order: all rows
     else:
         out[rows[row_valid]] = o.reshape(B, max_q, num_q_heads, head_dim)[row_valid].to(out.dtype)
+    return out
+
+
+def _one_sequence(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out) -> torch.Tensor:
+    """paged_attention_batched for one sequence: its context gathered head-major, one fused attention over its
+    Hkv heads (each KV head's G query heads and rows as one matrix), a causal bias only for several query rows."""
+    q_start, q_end = (int(x) for x in query_start_loc[:2])
+    ctx, q_len = int(seq_lens[0]), q_end - q_start
+    if q_len == 0:
+        return out
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group = q.shape[1] // num_kv_heads
+    blocks = block_tables[0, : -(-ctx // block_size)].long()
+    k, v = (torch.index_select(c.reshape(c.shape[0], -1), 0, blocks).float().view(-1, num_kv_heads, head_dim)[:ctx]
+            .transpose(0, 1) for c in (k_cache, v_cache))  # [Hkv, ctx, D] views
+    qp = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(
+        num_kv_heads, group * q_len, head_dim)  # [Hkv, G*Q, D]: row g * Q + j is query row j of head kv * G + g
+    bias = None
+    if q_len > 1:  # row j sits at position ctx - q_len + j and sees positions up to it
+        bias = torch.zeros(q_len, ctx).masked_fill_(
+            torch.arange(ctx)[None, :] > torch.arange(ctx - q_len, ctx)[:, None], float("-inf")).repeat(group, 1)
+    o = torch.nn.functional.scaled_dot_product_attention(qp, k, v, attn_mask=bias, scale=scale)
+    out[q_start:q_end] = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
+        q_len, num_kv_heads * group, head_dim).to(out.dtype)
     return out
 
 

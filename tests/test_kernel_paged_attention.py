@@ -221,6 +221,21 @@ def test_batched_cpu_path_matches_reference_on_random_batches(seed):
     assert torch.equal(is_poison(actual), is_poison(expected))
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_batched_cpu_path_matches_reference_for_one_sequence(seed):
+    """One sequence (its own fused-attention path): decode rows and prefill chunks, GQA groups 1-3, NaN in every cache
+    position outside its context, in the rest of the last block included."""
+    g = torch.Generator().manual_seed(300 + seed)
+    q_len = 1 if seed % 2 == 0 else int(torch.randint(2, 12, (1,), generator=g))
+    ctx_len = q_len + int(torch.randint(0, 80, (1,), generator=g))
+    num_kv_heads, group = int(torch.randint(1, 3, (1,), generator=g)), 1 + seed % 3
+    args = make_batch([q_len], [ctx_len], num_kv_heads * group, num_kv_heads, 16, 16, "cpu", torch.float32, seed=seed)
+    expected = attention.paged_attention_ref(*args, 0.25, out=poisoned(args[0].shape, torch.float32, "cpu"))
+    actual = attention.paged_attention_batched(*args, 0.25, out=poisoned(args[0].shape, torch.float32, "cpu"))
+    assert_matches(actual, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(is_poison(actual), is_poison(expected))  # (the two padding rows untouched)
+
+
 def test_batched_cpu_path_falls_back_to_the_loop_when_padding_dominates():
     # one long prefill beside short decodes: padding every sequence to it would be many times the work
     q_lens, ctx_lens = [1] * 16 + [200], [20] * 16 + [200]
