@@ -117,8 +117,9 @@ def test_rows_grown_inside_a_step_can_be_released_outside_one():
 
 def test_touch_batch_moves_each_known_sequence_to_the_end_in_order():
     """SequenceTable.touch_batch (every step's admission): the sequences returned in order (None for unknown ones), each
-    known one moved to the most recently used end in the order given, overall and in its namespace's order, with
-    last_used / last_step set; the others keep their place and their marks. Checked against a plain list model."""
+    known one made the most recently used in the order given, overall and in its namespace's order (lru_order), with
+    last_used / last_step set; the others keep their place and their marks. Checked against a plain list model, with
+    steps of a few sequences (the loop), of one namespace, of both, naming a sequence twice, and additions."""
     rng = random.Random(1)
     table = SequenceTable(BlockPool(256), block_size=8)
     keys = [(ns, f"s{i}") for ns in ("x", "y") for i in range(10)]
@@ -131,6 +132,8 @@ def test_touch_batch_moves_each_known_sequence_to_the_end_in_order():
         asked = rng.sample(keys + [("x", "gone"), ("z", "s1")], rng.randint(1, 12))
         if serial % 3 == 0:  # one namespace, every sequence known (touch_batch's path without a Python loop)
             asked = rng.sample(keys[:10], rng.randint(2, 10))
+        if serial % 5 == 0:  # a sequence named twice: its last place counts
+            asked = asked + asked[:1]
         got, rows = table.touch_batch([k[0] for k in asked], [k[1] for k in asked], float(serial), serial)
         assert [None if s is None else (s.namespace, s.sequence_id) for s in got] == \
             [k if k in marks else None for k in asked]
@@ -140,10 +143,19 @@ def test_touch_batch_moves_each_known_sequence_to_the_end_in_order():
                 order.remove(key)
                 order.append(key)
                 marks[key] = (float(serial), serial)
-        assert list(table._seqs) == order
-        assert {ns: list(d) for ns, d in table._by_ns.items()} == \
+        if serial % 7 == 0:  # a new sequence is the most recently used
+            key = ("y", f"new{serial}")
+            s = Sequence(*key, last_used=float(serial), last_step=serial)
+            assert table.resize(s, 9)
+            table.add(s)
+            keys.append(key)
+            order.append(key)
+            marks[key] = (float(serial), serial)
+        lru = [(s.namespace, s.sequence_id) for s in table.lru_order()]
+        assert lru == order
+        assert {ns: [s.sequence_id for s in table.lru_order(ns)] for ns in ("x", "y")} == \
             {ns: [sid for n, sid in order if n == ns] for ns in ("x", "y")}
-        assert [(s.last_used, s.last_step) for s in table._seqs.values()] == [marks[k] for k in order]
+        assert [(s.last_used, s.last_step) for s in table.lru_order()] == [marks[k] for k in order]
 
 
 def test_step_state_lives_in_the_rows_and_survives_growth_and_drop():

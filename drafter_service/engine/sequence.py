@@ -2,12 +2,15 @@
 
 Lifetime (docs/protocol.md, "Sequence lifetime: leases, eviction, quotas"); only the step thread touches any of it:
 
-* LRU order: the table is an OrderedDict in least-recently-used order (a per-namespace one keeps the same order).
-  Every step that names a sequence moves it to the end (touch) and stamps it with the step's serial number, so
-  at admission the sequences of the step being admitted are exactly the tail of the order, and the idle ones the
-  head: evict_idle() takes from the head and stops at the first sequence of the current step.
-* lease: a sequence no step touched for ``lease_s`` is freed (expire(); the order is also last-use order, so only
-  the head needs looking at).
+* LRU order: every step that names a sequence stamps its row with the step's serial number, the clock time and the
+  table's next touch count (SequenceRows.touch_order; a new sequence gets the next count when it is added), so the
+  least recently used sequence is the one with the smallest count, and at admission the sequences of the step being
+  admitted are exactly the last ones in that order: evict_idle() takes the idle ones from the head and stops at the
+  first sequence of the current step. The order lives in a column rather than in an OrderedDict that every step
+  re-links: touch_batch is then a lookup per sequence and three column writes (at batch 256 the OrderedDict moves
+  were most of the admission's host time, cold as a serving step runs it).
+* lease: a sequence no step touched for ``lease_s`` is freed (expire(), when expiry_due() says one may be due: a
+  scan of the last_used column).
 * owner: a sequence first created through a ProposeStream or a step channel belongs to it; release_owner() frees
   them when the stream ends or the channel's client goes away.
 * quotas: sequences in all, sequences per namespace, and a namespace's share of the KV blocks (the proposer
@@ -16,7 +19,7 @@ Lifetime (docs/protocol.md, "Sequence lifetime: leases, eviction, quotas"); only
 Keys the table dropped on its own (evicted, expired, owner gone) are remembered, a bounded number of them, so that
 a later step can be told why its sequence is gone rather than just "unknown".
 """
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Callable
 from dataclasses import dataclass
 
@@ -169,8 +172,9 @@ class SequenceTable:
         self.rows = SequenceRows(min(max_blocks, pool.num_blocks))
         self.limits = limits or SequenceLimits()
         self.counters = SequenceCounters()
-        self._seqs: OrderedDict[tuple[str, str], Sequence] = OrderedDict()  # least recently used first
-        self._by_ns: dict[str, OrderedDict[str, Sequence]] = {}  # per namespace, in the same order
+        self._seqs: dict[tuple[str, str], Sequence] = {}  # (the LRU order is the rows' touch_order column)
+        self._by_ns: dict[str, dict[str, Sequence]] = {}  # per namespace: sequence id -> Sequence
+        self._touches = 0  # touches and additions so far: the last one's touch_order
         self._ns_blocks: dict[str, int] = {}  # blocks held per namespace
         self._owned: dict[str, set[tuple[str, str]]] = {}  # owner -> keys of the sequences it created
         self._gone: OrderedDict[tuple[str, str], str] = OrderedDict()  # key -> why the table dropped it
@@ -188,44 +192,60 @@ class SequenceTable:
     def touch_batch(self, namespaces: list[str], sequence_ids: list[str], now: float,
                     step_serial: int) -> tuple[list[Sequence | None], np.ndarray]:
         """Each (namespace, sequence_id) pair's sequence, in order (None for an unknown one), marked as used by step
-        `step_serial` at `now` and moved to the most recently used end, in the order given; and the known ones' table
-        rows, in order ([n] int64). One call for a whole step, its loops in C (map over the dicts' methods, the marks
-        written as columns): a Python loop per sequence was a quarter of the columns path's admission."""
+        `step_serial` at `now` and as the most recently used, in the order given; and the known ones' table rows, in
+        order ([n] int64). One call for a whole step: a lookup per sequence (by id alone when the step has one
+        namespace), then the marks written as columns."""
         R = self.rows
-        if len(sequence_ids) <= 8:  # a few sequences: a plain loop costs less than setting up the C loops below
-            get, to_end, by_ns, used, step = self._seqs.get, self._seqs.move_to_end, self._by_ns, R.last_used_mv, \
-                R.last_step_mv
+        n = len(sequence_ids)
+        if n <= 8:  # a few sequences: a plain loop costs less than setting up the C loops below
+            get, used, step, order = self._seqs.get, R.last_used_mv, R.last_step_mv, R.touch_order_mv
+            touches = self._touches
             seqs, rows = [], []
             for key in zip(namespaces, sequence_ids):
                 seq = get(key)
                 if seq is not None:
-                    to_end(key)
-                    by_ns[key[0]].move_to_end(key[1])
                     row = seq.table_row
-                    used[row], step[row] = now, step_serial
+                    touches += 1
+                    used[row], step[row], order[row] = now, step_serial, touches
                     rows.append(row)
                 seqs.append(seq)
+            self._touches = touches
             return seqs, np.array(rows, dtype=np.int64)
-        keys = list(zip(namespaces, sequence_ids))
-        seqs = list(map(self._seqs.get, keys))
-        known = keys if None not in seqs else [key for key, seq in zip(keys, seqs) if seq is not None]
-        found = seqs if len(known) == len(keys) else [seq for seq in seqs if seq is not None]
-        deque(map(self._seqs.move_to_end, known), maxlen=0)  # (runs the moves without a Python loop)
-        if known is keys and list(namespaces).count(namespaces[0]) == len(keys):  # one namespace, all known: the
-            deque(map(self._by_ns[namespaces[0]].move_to_end, sequence_ids), maxlen=0)  # common case
+        one_namespace = self._by_ns.get(namespaces[0])
+        if one_namespace is not None and list(namespaces).count(namespaces[0]) == n:  # the common case
+            seqs = list(map(one_namespace.get, sequence_ids))
         else:
-            for ns, sid in known:
-                self._by_ns[ns].move_to_end(sid)
+            seqs = list(map(self._seqs.get, zip(namespaces, sequence_ids)))
+        found = seqs if None not in seqs else [seq for seq in seqs if seq is not None]
         rows = np.fromiter([seq.table_row for seq in found], dtype=np.int64, count=len(found))
         R.last_used[rows] = now
         R.last_step[rows] = step_serial
+        # (a sequence named twice keeps its last count, as the last touch)
+        R.touch_order[rows] = np.arange(self._touches + 1, self._touches + 1 + len(found))
+        self._touches += len(found)
         return seqs, rows
+
+    def lru_order(self, namespace: str | None = None) -> list[Sequence]:
+        """The sequences (of `namespace`; None: all of them), least recently used first."""
+        seqs = list((self._seqs if namespace is None else self._by_ns.get(namespace, {})).values())
+        if len(seqs) < 2:
+            return seqs
+        order = np.argsort(self.rows.touch_order[self._rows_of(seqs)])
+        return [seqs[i] for i in order.tolist()]
+
+    @staticmethod
+    def _rows_of(seqs: list[Sequence]) -> np.ndarray:
+        return np.fromiter([seq.table_row for seq in seqs], dtype=np.int64, count=len(seqs))
 
     def add(self, seq: Sequence) -> None:
         """Insert seq (its blocks were already counted by resize) as the most recently used."""
+        if seq.table_row < 0:
+            raise ValueError(f"{seq!r} holds no row: resize it before adding it")
         key = (seq.namespace, seq.sequence_id)
         self._seqs[key] = seq
-        self._by_ns.setdefault(seq.namespace, OrderedDict())[seq.sequence_id] = seq
+        self._by_ns.setdefault(seq.namespace, {})[seq.sequence_id] = seq
+        self._touches += 1
+        self.rows.touch_order_mv[seq.table_row] = self._touches
         if seq.owner is not None:
             self._owned.setdefault(seq.owner, set()).add(key)
         self._gone.pop(key, None)
@@ -283,12 +303,11 @@ class SequenceTable:
         """Evict idle sequences (not named by step `step_serial`), least recently used first, of `namespace` (None:
         of any), until they gave back at least `blocks` blocks and `sequences` sequences. False, evicting nothing,
         when all the idle ones together would not be enough."""
-        order = self._seqs if namespace is None else self._by_ns.get(namespace, {})
         victims, got_blocks = [], 0
-        for seq in order.values():
+        for seq in self.lru_order(namespace):
             if got_blocks >= blocks and len(victims) >= sequences:
                 break
-            # touch_batch moved the step's sequences to the end: no idle one after the first of them
+                # touch_batch made the step's sequences the most recent: no idle one after the first of them
             if seq.last_step == step_serial:
                 break
             victims.append(seq)
@@ -306,15 +325,13 @@ class SequenceTable:
         if lease <= 0:
             return 0
         why = f"expired (no step for {lease:g} s: --sequence-lease-s)"
-        n = 0
-        while self._seqs:
-            seq = next(iter(self._seqs.values()))  # the least recently used: the order is last-use order
-            if now - seq.last_used < lease:
-                break
-            self._drop(seq, why)
-            n += 1
-        self.counters.expired += n
-        return n
+        seqs = list(self._seqs.values())
+        rows = self._rows_of(seqs)
+        due = np.flatnonzero(now - self.rows.last_used[rows] >= lease)
+        for i in due[np.argsort(self.rows.touch_order[rows[due]])].tolist():  # (least recently used first)
+            self._drop(seqs[i], why)
+        self.counters.expired += len(due)
+        return len(due)
 
     def expiry_due(self, now: float) -> float:
         """The earliest time a sequence can expire (with no lease: never)."""
@@ -322,7 +339,8 @@ class SequenceTable:
             return float("inf")
         if not self._seqs:
             return now + self.limits.lease_s  # anything added from now on is stamped at >= now
-        return next(iter(self._seqs.values())).last_used + self.limits.lease_s
+        # (a later touch or addition only stamps a later time: the answer stays early enough until expire() runs)
+        return float(self.rows.last_used[self._rows_of(list(self._seqs.values()))].min()) + self.limits.lease_s
 
     def release_owner(self, owner: str) -> int:
         """Free every sequence `owner` created (its stream ended / its channel's client went away)."""
@@ -341,9 +359,9 @@ class SequenceTable:
         self.on_drop(seq)
         key = (seq.namespace, seq.sequence_id)
         del self._seqs[key]
-        ns_order = self._by_ns[seq.namespace]
-        del ns_order[seq.sequence_id]
-        if not ns_order:
+        ns_seqs = self._by_ns[seq.namespace]
+        del ns_seqs[seq.sequence_id]
+        if not ns_seqs:
             del self._by_ns[seq.namespace]
         held = self._ns_blocks.get(seq.namespace, 0) - len(seq.block_table)
         if held:

@@ -11,6 +11,8 @@ the per-sequence reads and writes were a quarter of its host work on the dev CPU
   predrafting    [rows] bool      Sequence.predraft is not None
   last_used      [rows] float64   Sequence.last_used: clock time of the last step that named it (the lease)
   last_step      [rows] int64     Sequence.last_step: that step's serial number
+  touch_order    [rows] int64     the table's count of touches when the sequence was last touched or added: the
+                                  least recently used sequence has the smallest (SequenceTable's LRU order)
 
 The list ``Sequence.block_table`` stays the allocator's source of truth: SequenceTable.resize / _drop mirror every
 change of it into block_tables and num_blocks (sequence.py). The other columns *are* the state while a sequence holds
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 
 STATE_COLUMNS = ("num_blocks", "committed_len", "drafts_base", "num_drafts", "drafts", "predrafting", "last_used",
-                 "last_step")
+                 "last_step", "touch_order")
 FEW_ROWS = 8  # read_steps / write_steps go row by row (memoryviews) for up to this many rows, else numpy ops
 
 
@@ -42,6 +44,7 @@ class SequenceRows:
         self.predrafting = np.zeros(rows, dtype=bool)
         self.last_used = np.zeros(rows, dtype=np.float64)
         self.last_step = np.zeros(rows, dtype=np.int64)
+        self.touch_order = np.zeros(rows, dtype=np.int64)
         self._free = list(range(rows - 1, -1, -1))  # a stack: the lowest free row on top
         self._make_views()
 
@@ -55,6 +58,7 @@ class SequenceRows:
         self.predrafting_mv = memoryview(self.predrafting)
         self.last_used_mv = memoryview(self.last_used)
         self.last_step_mv = memoryview(self.last_step)
+        self.touch_order_mv = memoryview(self.touch_order)
 
     def assign(self) -> int:
         """A free row (all zero) for a new sequence."""
