@@ -206,3 +206,83 @@ def test_step_state_lives_in_the_rows_and_survives_growth_and_drop():
             for name in STATE_COLUMNS:
                 assert not getattr(R, name)[free].any(), f"a free row's {name} is not zero"
     assert table.rows.num_blocks.shape[0] >= 128 and table.rows.drafts.shape[1] >= 20  # both grew
+
+
+def test_eviction_and_expiry_follow_the_lru_order_under_random_operations():
+    """evict_idle (its candidate queue kept across steps) and expire against a plain list model of the LRU order:
+    random steps of touches (one namespace or both, sequences named twice), new sequences, releases, evictions of
+    blocks or sequences, of one namespace or any, some refused (not enough idle), and lease expiries. The queue is
+    kept short (EVICTION_QUEUE_MIN 4) so that it runs out, is built again, and outlives steps often."""
+    import pytest
+
+    from drafter_service.engine import sequence as sequence_module
+
+    rng = random.Random(7)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(sequence_module, "EVICTION_QUEUE_MIN", 4)
+    try:
+        table = SequenceTable(BlockPool(4000), block_size=4, max_model_len=64,
+                              limits=sequence_module.SequenceLimits(lease_s=30.0))
+        order: list[tuple[str, str]] = []  # the model: least recently used first
+        used: dict[tuple[str, str], tuple[float, int]] = {}  # key -> (last_used, last_step)
+        next_id = 0
+
+        def add(key, now, serial):
+            s = Sequence(*key, last_used=now, last_step=serial)
+            assert table.resize(s, rng.randint(1, 20))
+            table.add(s)
+            order.append(key)
+            used[key] = (now, serial)
+
+        for serial in range(1, 400):
+            now = float(serial)
+            if order and rng.random() < 0.8:  # the step's sequences: touched first
+                asked = rng.sample(order, min(len(order), rng.randint(1, 12)))
+                if rng.random() < 0.5:  # of one namespace
+                    asked = [k for k in asked if k[0] == asked[0][0]]
+                if rng.random() < 0.1:
+                    asked = asked + asked[:1]
+                table.touch_batch([k[0] for k in asked], [k[1] for k in asked], now, serial)
+                for key in asked:
+                    order.remove(key)
+                    order.append(key)
+                    used[key] = (now, serial)
+            for _ in range(rng.randint(0, 3)):  # new sequences of the step
+                next_id += 1
+                add((rng.choice("xy"), f"s{next_id}"), now, serial)
+            op = rng.random()
+            if op < 0.4 and order:  # an eviction
+                ns = rng.choice([None, "x", "y"])
+                blocks, seqs = (rng.randint(1, 30), 0) if rng.random() < 0.5 else (0, rng.randint(1, 6))
+                idle = [k for k in order if used[k][1] != serial and (ns is None or k[0] == ns)]
+                victims, got = [], 0
+                for key in idle:
+                    if got >= blocks and len(victims) >= seqs:
+                        break
+                    victims.append(key)
+                    got += len(table.get(*key).block_table)
+                enough = got >= blocks and len(victims) >= seqs
+                assert table.evict_idle(serial, blocks=blocks, sequences=seqs, namespace=ns) == enough
+                if enough:
+                    for key in victims:
+                        order.remove(key)
+                        del used[key]
+                assert [(s.namespace, s.sequence_id) for s in table.lru_order()] == order
+            elif op < 0.5 and order:  # a release
+                key = rng.choice(order)
+                assert table.release(*key)
+                order.remove(key)
+                del used[key]
+            elif op < 0.55:  # the lease
+                later = now + rng.choice([0.0, 10.0, 29.0, 31.0])
+                gone = [k for k in order if later - used[k][0] >= 30.0]
+                assert table.expire(later) == len(gone)
+                for key in gone:
+                    order.remove(key)
+                    del used[key]
+                due = min((used[k][0] for k in order), default=None)
+                assert table.expiry_due(later) == (later + 30.0 if due is None else due + 30.0)
+            assert len(table) == len(order)
+        assert table.counters.evicted > 50 and table.counters.expired > 0
+    finally:
+        mp.undo()

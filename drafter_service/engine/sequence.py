@@ -5,10 +5,11 @@ Lifetime (docs/protocol.md, "Sequence lifetime: leases, eviction, quotas"); only
 * LRU order: every step that names a sequence stamps its row with the step's serial number, the clock time and the
   table's next touch count (SequenceRows.touch_order; a new sequence gets the next count when it is added), so the
   least recently used sequence is the one with the smallest count, and at admission the sequences of the step being
-  admitted are exactly the last ones in that order: evict_idle() takes the idle ones from the head and stops at the
-  first sequence of the current step. The order lives in a column rather than in an OrderedDict that every step
-  re-links: touch_batch is then a lookup per sequence and three column writes (at batch 256 the OrderedDict moves
-  were most of the admission's host time, cold as a serving step runs it).
+  admitted are exactly the last ones in that order. evict_idle() takes idle sequences in that order from a queue of
+  the least recently used few (argpartition of the column), built when needed and kept across steps. The order lives
+  in a column rather than in an OrderedDict that every step re-links: touch_batch is then a lookup per sequence and
+  three column writes (at batch 256 the OrderedDict moves were most of the admission's host time, cold as a serving
+  step runs it).
 * lease: a sequence no step touched for ``lease_s`` is freed (expire(), when expiry_due() says one may be due: a
   scan of the last_used column).
 * owner: a sequence first created through a ProposeStream or a step channel belongs to it; release_owner() frees
@@ -28,6 +29,7 @@ import numpy as np
 from drafter_service.engine.sequence_rows import SequenceRows
 from drafter_service.engine.kv_cache import BlockPool
 
+EVICTION_QUEUE_MIN = 256  # an eviction queue is built with at least this many candidates (or all the idle ones)
 GONE_KEYS_KEPT = 16384  # how many dropped keys are remembered for the NOT_FOUND message (oldest forgotten first)
 
 EVICTED_LRU = "evicted (it was idle, least recently used, and the KV pool or the sequence limit needed room)"
@@ -160,6 +162,17 @@ class Sequence:
         return row
 
 
+@dataclass
+class _EvictionQueue:
+    """Eviction candidates (SequenceTable.evict_idle): idle sequences' rows, least recently used first."""
+
+    serial: int  # the step it was built in
+    rows: np.ndarray  # [n] int64: the idle rows of least touch_order (all of them when exhaustive), in that order
+    orders: np.ndarray  # [n] int64: their touch_order then (a row whose order changed since was dropped or touched)
+    exhaustive: bool  # rows held every idle row of the namespace in step `serial`
+    next: int = 0  # rows before this one were taken
+
+
 class SequenceTable:
     """All live sequences and the blocks they hold. Only the step worker thread touches it."""
 
@@ -175,6 +188,8 @@ class SequenceTable:
         self._seqs: dict[tuple[str, str], Sequence] = {}  # (the LRU order is the rows' touch_order column)
         self._by_ns: dict[str, dict[str, Sequence]] = {}  # per namespace: sequence id -> Sequence
         self._touches = 0  # touches and additions so far: the last one's touch_order
+        self._row_seq: list[Sequence | None] = []  # the sequence holding each row (None: none, or not added yet)
+        self._queues: dict[str | None, _EvictionQueue] = {}  # evict_idle's candidates, by namespace (None: all)
         self._ns_blocks: dict[str, int] = {}  # blocks held per namespace
         self._owned: dict[str, set[tuple[str, str]]] = {}  # owner -> keys of the sequences it created
         self._gone: OrderedDict[tuple[str, str], str] = OrderedDict()  # key -> why the table dropped it
@@ -227,15 +242,17 @@ class SequenceTable:
 
     def lru_order(self, namespace: str | None = None) -> list[Sequence]:
         """The sequences (of `namespace`; None: all of them), least recently used first."""
-        seqs = list((self._seqs if namespace is None else self._by_ns.get(namespace, {})).values())
-        if len(seqs) < 2:
-            return seqs
-        order = np.argsort(self.rows.touch_order[self._rows_of(seqs)])
-        return [seqs[i] for i in order.tolist()]
+        rows = self._member_rows(namespace)
+        return [self._row_seq[r] for r in rows[np.argsort(self.rows.touch_order[rows])].tolist()]
 
-    @staticmethod
-    def _rows_of(seqs: list[Sequence]) -> np.ndarray:
-        return np.fromiter([seq.table_row for seq in seqs], dtype=np.int64, count=len(seqs))
+    def _member_rows(self, namespace: str | None = None) -> np.ndarray:
+        """[n] int64: the rows of the table's sequences (of `namespace`; None: all), in no order. A member's row has
+        a touch_order of 1 or more (add() sets it); any other row has 0 (free, or assigned by resize() to a
+        sequence not added yet)."""
+        if namespace is None:
+            return np.flatnonzero(self.rows.touch_order)
+        seqs = self._by_ns.get(namespace, {})
+        return np.fromiter([seq.table_row for seq in seqs.values()], dtype=np.int64, count=len(seqs))
 
     def add(self, seq: Sequence) -> None:
         """Insert seq (its blocks were already counted by resize) as the most recently used."""
@@ -244,8 +261,12 @@ class SequenceTable:
         key = (seq.namespace, seq.sequence_id)
         self._seqs[key] = seq
         self._by_ns.setdefault(seq.namespace, {})[seq.sequence_id] = seq
+        row = seq.table_row
+        if row >= len(self._row_seq):
+            self._row_seq.extend([None] * (row + 1 - len(self._row_seq)))
+        self._row_seq[row] = seq
         self._touches += 1
-        self.rows.touch_order_mv[seq.table_row] = self._touches
+        self.rows.touch_order_mv[row] = self._touches
         if seq.owner is not None:
             self._owned.setdefault(seq.owner, set()).add(key)
         self._gone.pop(key, None)
@@ -302,45 +323,75 @@ class SequenceTable:
                    reason: str = EVICTED_LRU) -> bool:
         """Evict idle sequences (not named by step `step_serial`), least recently used first, of `namespace` (None:
         of any), until they gave back at least `blocks` blocks and `sequences` sequences. False, evicting nothing,
-        when all the idle ones together would not be enough."""
-        victims, got_blocks = [], 0
-        for seq in self.lru_order(namespace):
-            if got_blocks >= blocks and len(victims) >= sequences:
+        when all the idle ones together would not be enough. The candidates come from an _EvictionQueue, built
+        from the columns and taken from until it runs out, across steps (a full pool evicts for every new
+        sequence)."""
+        R = self.rows
+        want = max(blocks, sequences, 1)
+        while True:
+            q = self._eviction_queue(step_serial, namespace, want)
+            victims, got, i = [], 0, q.next
+            while (got < blocks or len(victims) < sequences) and i < q.rows.shape[0]:
+                row = int(q.rows[i])
+                i += 1
+                if R.touch_order[row] != q.orders[i - 1]:  # dropped, or touched, since the queue was built
+                    continue
+                victims.append(self._row_seq[row])
+                got += int(R.num_blocks[row])
+            if got >= blocks and len(victims) >= sequences:
                 break
-                # touch_batch made the step's sequences the most recent: no idle one after the first of them
-            if seq.last_step == step_serial:
-                break
-            victims.append(seq)
-            got_blocks += len(seq.block_table)
-        if got_blocks < blocks or len(victims) < sequences:
-            return False
+            if q.exhaustive and q.serial == step_serial:
+                return False
+            want = 2 * q.rows.shape[0]  # (the queue held only the least recently used few: build a longer one)
+            self._queues.pop(namespace)
+        q.next = i
         for seq in victims:
             self._drop(seq, reason)
         self.counters.evicted += len(victims)
         return True
 
+    def _eviction_queue(self, step_serial: int, namespace: str | None, want: int) -> "_EvictionQueue":
+        """Eviction candidates of `namespace`, least recently used first, with at least `want` entries not taken
+        yet (or all the idle ones): the queue built before, or a new one. An old queue stays right across steps:
+        touch orders only grow, so every row outside it is more recent than each of its rows whose order has not
+        changed (those were touched by no step since, so they are idle); the others are skipped."""
+        q = self._queues.get(namespace)
+        if q is not None and (q.rows.shape[0] - q.next >= want or (q.exhaustive and q.serial == step_serial)):
+            return q
+        R = self.rows
+        rows = self._member_rows(namespace)
+        idle = rows[R.last_step[rows] != step_serial]  # (touch_batch stamped the step's own sequences)
+        want = max(want, EVICTION_QUEUE_MIN)  # (room for the step's next evictions)
+        exhaustive = want >= idle.shape[0]
+        if not exhaustive:  # only the `want` least recently used are sorted
+            idle = idle[np.argpartition(R.touch_order[idle], want - 1)[:want]]
+        idle = idle[np.argsort(R.touch_order[idle])]
+        q = _EvictionQueue(step_serial, idle, R.touch_order[idle].copy(), exhaustive)
+        self._queues[namespace] = q
+        return q
+
     def expire(self, now: float) -> int:
-        """Free every sequence no step touched for the lease; returns how many."""
+        """Free every sequence no step touched for the lease, least recently used first; returns how many."""
         lease = self.limits.lease_s
         if lease <= 0:
             return 0
         why = f"expired (no step for {lease:g} s: --sequence-lease-s)"
-        seqs = list(self._seqs.values())
-        rows = self._rows_of(seqs)
-        due = np.flatnonzero(now - self.rows.last_used[rows] >= lease)
-        for i in due[np.argsort(self.rows.touch_order[rows[due]])].tolist():  # (least recently used first)
-            self._drop(seqs[i], why)
-        self.counters.expired += len(due)
-        return len(due)
+        rows = self._member_rows()
+        due = rows[now - self.rows.last_used[rows] >= lease]
+        for r in due[np.argsort(self.rows.touch_order[due])].tolist():
+            self._drop(self._row_seq[r], why)
+        self.counters.expired += due.shape[0]
+        return due.shape[0]
 
     def expiry_due(self, now: float) -> float:
         """The earliest time a sequence can expire (with no lease: never)."""
         if self.limits.lease_s <= 0:
             return float("inf")
-        if not self._seqs:
+        rows = self._member_rows()
+        if not rows.shape[0]:
             return now + self.limits.lease_s  # anything added from now on is stamped at >= now
         # (a later touch or addition only stamps a later time: the answer stays early enough until expire() runs)
-        return float(self.rows.last_used[self._rows_of(list(self._seqs.values()))].min()) + self.limits.lease_s
+        return float(self.rows.last_used[rows].min()) + self.limits.lease_s
 
     def release_owner(self, owner: str) -> int:
         """Free every sequence `owner` created (its stream ended / its channel's client went away)."""
@@ -371,6 +422,7 @@ class SequenceTable:
         self.pool.free(seq.block_table)
         seq.block_table = []
         if seq.table_row >= 0:
+            self._row_seq[seq.table_row] = None
             self.rows.release(seq.give_row_back())
         if seq.owner is not None:
             owned = self._owned.get(seq.owner)
