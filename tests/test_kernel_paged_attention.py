@@ -320,8 +320,8 @@ def test_batched_cpu_path_copies_uneven_growth_into_the_gathered_context(seed):
         qsl = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).int()
         q = torch.randn(int(qsl[-1]), 4, 16, generator=gen)
         args = (q, k_cache, v_cache, tables, ctx.int(), qsl, 0.25)
-        assert_matches(attention.paged_attention_batched(*args, context_cache=cache), attention.paged_attention_ref(*args),
-                       atol=1e-5, rtol=1e-5)
+        expected = attention.paged_attention_ref(*args)
+        assert_matches(attention.paged_attention_batched(*args, context_cache=cache), expected, atol=1e-5, rtol=1e-5)
         (entry,) = cache.values()
         refreshed += entry is kept
         kept = entry
