@@ -147,8 +147,9 @@ def main() -> int:
         if not a.only_steps:
             step = make_step(B, a.m, a.width, a.table_width, device, torch.Generator().manual_seed(B))
             buffers = sm.MetadataBuffers(device)
-            variants["metadata, step buffers"] = lambda: sm.build_step_metadata_columns(**step, buffers=buffers)
-            variants["metadata, new buffers"] = lambda: sm.build_step_metadata_columns(**step)
+            columns = dict(step, hidden_states=[step["hidden_states"]])  # (the states as BatchInput.states() gives them)
+            variants["metadata, step buffers"] = lambda: sm.build_step_metadata_columns(**columns, buffers=buffers)
+            variants["metadata, new buffers"] = lambda: sm.build_step_metadata_columns(**columns)
             variants["record + states in"] = record_and_states(step, a.table_width, device)
         variants["columns step, run stubbed"] = stubbed_step(rt, B, a.m, 5, context, columns=True)
         variants["steps, run stubbed"] = stubbed_step(rt, B, a.m, 5, context, columns=False)

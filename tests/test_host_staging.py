@@ -92,3 +92,65 @@ def test_rows_into_a_kept_buffer_are_the_cat_in_its_dtype():
         rows = sum(p.shape[0] for p in parts)
         rows_into(parts, out[:rows])
         assert torch.equal(out[:rows], torch.cat(parts).to(out.dtype)) and bool((out[rows:] == 7.0).all())
+
+
+@pytest.mark.gpu
+def test_a_merged_batchs_pinned_parts_go_to_cuda_one_dma_each():
+    """A merged batch's states (BatchInput.cat keeps each request's tensor: in serving, each a view of its channel's
+    pinned mailbox) go to the device with a copy each, no host cat: rows_to_device and rows_into equal torch.cat of
+    them, in the buffer's dtype too, and a part already on the device joins them; more parts than MAX_DMA_PARTS, or a
+    pageable one among them, take the pinned-staging path and land the same."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from drafter_service.engine import host_staging
+
+    g = torch.Generator().manual_seed(3)
+    dev = torch.device("cuda")
+    parts = [torch.randn(n, 512, generator=g).to(torch.bfloat16).pin_memory() for n in (96, 3, 40, 96)]
+    assert all(p.is_pinned() for p in parts) and host_staging._pinned_parts(parts, dev)
+    want = torch.cat(parts)
+    for _ in range(2):
+        assert torch.equal(rows_to_device(parts, dev).cpu(), want)
+        out = torch.full((want.shape[0] + 5, 512), 7.0, device=dev)  # float32: the copies cast
+        rows_into(parts, out[: want.shape[0]])
+        assert torch.equal(out[: want.shape[0]].cpu(), want.float()) and bool((out[want.shape[0]:] == 7.0).all())
+    with_device = parts[:2] + [parts[2].to(dev)] + parts[3:]
+    assert torch.equal(rows_to_device(with_device, dev).cpu(), want)
+    out = torch.zeros_like(want, device=dev)
+    rows_into(with_device, out)
+    assert torch.equal(out.cpu(), want)
+    pageable = parts[:1] + [parts[1].clone()] + parts[2:]  # (not pinned)
+    assert not host_staging._pinned_parts(pageable, dev)
+    assert torch.equal(rows_to_device(pageable, dev).cpu(), want)
+    many = [p for p in parts for _ in range(5)]  # 20 parts: past MAX_DMA_PARTS
+    assert not host_staging._pinned_parts(many, dev) and torch.equal(rows_to_device(many, dev).cpu(), torch.cat(many))
+
+
+def test_merged_batch_states_stay_apart_and_split_per_sequence():
+    """BatchInput.cat keeps each request's states as its own tensor (states(): no host cat), and to_inputs() gives
+    each sequence its rows as views of its request's tensor; merging merged batches flattens the parts."""
+    from drafter_service.engine.batch_io import BatchInput, _rows_split
+
+    def batch(ns, counts, width=6):
+        T = sum(counts)
+        return BatchInput.from_lists(ns, [f"{ns}{i}" for i in range(len(counts))], [0] * len(counts), counts,
+                                     torch.arange(T), torch.randn(T, width), [1] * len(counts), [2] * len(counts),
+                                     [0.0] * len(counts), [0] * len(counts), [False] * len(counts),
+                                     [0] * len(counts), [0] * len(counts))
+
+    a, b, c = batch("a", [3, 1, 2]), batch("b", [2]), batch("c", [1, 4])
+    ab = BatchInput.cat([a, b])
+    assert ab.hidden_states is None and [t.data_ptr() for t in ab.states()] == [a.hidden_states.data_ptr(),
+                                                                                 b.hidden_states.data_ptr()]
+    abc = BatchInput.cat([ab, c])
+    assert len(abc.states()) == 3 and len(abc) == 6
+    want = torch.cat([a.hidden_states, b.hidden_states, c.hidden_states]).split([3, 1, 2, 2, 1, 4])
+    got = abc.to_inputs()
+    assert [s.sequence_id for s in got] == ["a0", "a1", "a2", "b0", "c0", "c1"]
+    for s, w in zip(got, want):
+        assert torch.equal(s.hidden_states, w)
+    assert got[4].hidden_states.data_ptr() == c.hidden_states.data_ptr()  # (a view, not a copy)
+    # pieces that would span two parts (never from whole requests) come from their concatenation
+    parts = [torch.randn(3, 2), torch.randn(3, 2)]
+    assert [p.tolist() for p in _rows_split(parts, [2, 2, 2])] == \
+        [p.tolist() for p in torch.cat(parts).split([2, 2, 2])]

@@ -71,21 +71,46 @@ def rows_to_device(tensors: list[torch.Tensor], device: torch.device) -> torch.T
         # synchronizes before it returns, and its request, which holds the block, is dropped only then)
         return block.to(device, non_blocking=True)
     dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
-    host = torch.empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), dtype=dtype, pin_memory=True)
+    shape = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
+    if _pinned_parts(tensors, device):  # (a merged batch of step-channel requests: a DMA from each mailbox)
+        out = torch.empty(shape, dtype=dtype, device=device)
+        _copy_parts(tensors, out)
+        return out
+    host = torch.empty(shape, dtype=dtype, pin_memory=True)
     torch.cat(tensors, out=host)
     return host.to(device, non_blocking=True)
+
+
+MAX_DMA_PARTS = 16  # at most this many tensors go to the device one DMA each (a merged batch: one per request)
+
+
+def _pinned_parts(tensors: list[torch.Tensor], device: torch.device) -> bool:
+    """Whether each of a few tensors is in pinned host memory or on `device` already: each then goes to the
+    device with one DMA of its own (no host copy); else they are concatenated into pinned memory first."""
+    return len(tensors) <= MAX_DMA_PARTS and all(t.device == device or t.is_pinned() for t in tensors)
+
+
+def _copy_parts(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+    """out = torch.cat(tensors), a non_blocking copy per tensor into its rows of out (the copy casts)."""
+    at = 0
+    for t in tensors:
+        out[at : at + t.shape[0]].copy_(t, non_blocking=True)
+        at += t.shape[0]
 
 
 def rows_into(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
     """rows_to_device into a kept buffer: out (a tensor of the rows' concatenated shape, on the step's device, in
     any float dtype: the copy casts) = torch.cat(tensors). One copy where the rows are one block already on out's
     device or pinned (a step channel's mailbox, an upload staged in pinned memory, the engine's own device tensor);
-    one cat for several tensors on out's device in its dtype; otherwise rows_to_device first (host rows from
-    pageable memory go through pinned memory)."""
+    one cat for several tensors on out's device in its dtype; a copy each for a few tensors each pinned or on out's
+    device (a merged batch's requests); otherwise rows_to_device first (host rows from pageable memory go through
+    pinned memory)."""
     block = tensors[0] if len(tensors) == 1 else one_block(tensors)
     if block is not None and (block.device == out.device or block.is_pinned()):
         out.copy_(block, non_blocking=True)
     elif all(t.device == out.device and t.dtype == out.dtype for t in tensors):
         torch.cat(tensors, out=out)
+    elif out.device.type == "cuda" and _pinned_parts(tensors, out.device):
+        _copy_parts(tensors, out)  # (a merged batch of step-channel requests: a DMA from each mailbox)
     else:
         out.copy_(rows_to_device(tensors, out.device), non_blocking=True)

@@ -552,10 +552,10 @@ class Proposer:
             graphs = self.decode_graphs
             if greedy and graphs is not None and graphs.first_step_fits(C, m, k):
                 # the first step's rows are built on the device, inside its graph (cuda_graphs.py): no step metadata
-                graphs.draft_columns(p, m, a.token_ids, a.next_tokens, k, tables, [b.hidden_states], step_drafts)
+                graphs.draft_columns(p, m, a.token_ids, a.next_tokens, k, tables, b.states(), step_drafts)
             else:
                 md = build_step_metadata_columns(
-                    p, m, a.token_ids, b.hidden_states, a.next_tokens, k, tables, a.temperatures, a.seeds,
+                    p, m, a.token_ids, b.states(), a.next_tokens, k, tables, a.temperatures, a.seeds,
                     np.zeros(B, dtype=np.int64), self.block_size, self.device, self.metadata_buffers)
                 sp = SamplingSettings(temperature=md.temperature, seed=md.seed, top_k=md.top_k, want_logprobs=False,
                                       greedy_only=greedy)

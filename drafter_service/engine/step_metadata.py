@@ -225,18 +225,19 @@ def build_step_metadata(start_positions: list[int], token_ids: list[torch.Tensor
 
 
 def build_step_metadata_columns(start_positions: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray,
-                                hidden_states: torch.Tensor, next_tokens: np.ndarray, num_drafts: np.ndarray,
+                                hidden_states: list[torch.Tensor], next_tokens: np.ndarray, num_drafts: np.ndarray,
                                 block_tables: np.ndarray, temperatures: np.ndarray, seeds: np.ndarray,
                                 top_ks: np.ndarray, block_size: int, device: torch.device,
                                 buffers: MetadataBuffers | None = None) -> StepMetadata:
     """The same metadata from a step's columns as numpy arrays (batch_io.BatchInput.arrays: [B] int64 start positions,
     num_tokens, next tokens, k after the max_model_len cut, float32 temperatures, int64 seed bits and top-N; token_ids
-    [T] int64; block_tables [B, w] int32, zero-padded) and its hidden_states [T, W] (a tensor, host or device),
-    vectorized whatever the batch size: no per-sequence Python object is read."""
+    [T] int64; block_tables [B, w] int32, zero-padded) and its hidden_states (tensors, host or device, whose rows in
+    order are the [T, W] states: BatchInput.states()), vectorized whatever the batch size: no per-sequence Python
+    object is read."""
     host, active, seq_lens = _pack_vectorized(start_positions, num_tokens, token_ids, next_tokens, num_drafts,
                                               block_tables, temperatures, seeds, top_ks, block_size, buffers)
     return _to_device(host, active, seq_lens, num_drafts.tolist(), int(num_tokens.max()),
-                      token_ids.shape[0], block_tables.shape[1], [hidden_states], device, buffers)
+                      token_ids.shape[0], block_tables.shape[1], hidden_states, device, buffers)
 
 
 def _layout(T: int, B: int, n: int, w: int) -> tuple[list[int], list[int], list[int], list[int]]:
