@@ -190,3 +190,15 @@ def test_bench_step_host_ops_times_every_piece_and_says_which_path_ran(tmp_path)
     assert (1, "columns step, run stubbed (per-sequence)") in variants
     assert {(8, "columns step, run stubbed (columns)"), (32, "columns step, run stubbed (columns)")} <= variants
     assert all(r["host_us"] > 0 for r in result["rows"])
+
+
+def test_bench_merged_engines_runs_every_engine_count(tmp_path):
+    result = run(["benchmarks/bench_merged_engines.py", "--preset", "tiny", "--device", "cpu", "--batch", "8",
+                  "--engines", "1,2", "--iters", "3"], tmp_path / "merged.json")
+    assert result["benchmark"] == "merged_engines" and result["date"] and result["in_process_ms"] > 0
+    assert [(r["engines"], r["sequences_per_engine"]) for r in result["rows"]] == [(1, 8), (2, 4)]
+    for r in result["rows"]:
+        assert r["engine_ms"] > 0 and r["worker_ms"] > 0
+        # the drafter's batches over the timed steps held one engine's sequences at least, all of them at most
+        assert r["sequences_per_engine"] <= r["seqs_per_batch"] <= 8
+    assert result["rows"][0]["seqs_per_batch"] == 8  # one engine: every batch is its whole step

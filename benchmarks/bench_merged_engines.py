@@ -1,0 +1,198 @@
+"""Several engines through step channels at once, their steps merged by the drafter (a script, not a test).
+
+A drafter serves several engines; when their steps wait for the step thread together, it runs them as one batch
+(scheduler.py; a merged batch keeps each request's states apart, batch_io.BatchInput.cat). This script starts a
+drafter-serve subprocess on bench_step's random head, then, for each engine count N, N engine processes of B / N
+sequences each (namespaces of their own, a step channel each, the batch API: propose_batch). Every step, the
+engines wait at a barrier and send their decode step at once (m committed tokens, k drafts, fixed context). It
+reports per N:
+
+  engine ms      the median over steps of the slowest engine's propose_batch (the engines' step time)
+  seqs/batch     the drafter's mean sequences per batch over the timed steps (/metrics: B when every step merged)
+  worker ms      the drafter's mean step-thread time per batch (/metrics drafter_step_seconds)
+
+N = 1 is one engine with all B sequences (the same work in one request). The proposer's own step at batch B in this
+process, as columns, comes first for reference. Prints a table and writes JSON (device, date, command).
+
+    python benchmarks/bench_merged_engines.py --preset tiny --device cpu --batch 32 --engines 1,2,4
+    python benchmarks/bench_merged_engines.py --preset llama3-8b-eagle3 --device cuda --batch 128 --engines 1,2,4
+"""
+import argparse
+import asyncio
+import datetime
+import multiprocessing as mp
+import os
+import pathlib
+import platform
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from drafter_client.benchmarks import bench_step as bs  # noqa: E402
+from drafter_client.benchmarks.report import write_json  # noqa: E402
+
+
+def engine_main(index: int, sock: str, batch: int, context: int, m: int, k: int, width: int, vocab: int,
+                iters: int, barriers, results) -> None:
+    """One engine: its sequences' prefill and 3 warm-up steps, then (the parent reads the drafter's metrics between
+    the two start barriers) the timed decode steps, each after the step barrier."""
+    try:
+        results.put((index, asyncio.run(_engine(index, sock, batch, context, m, k, width, vocab, iters, barriers))))
+    except BaseException as e:  # (the parent reports it; broken barriers free the others)
+        for b in barriers:
+            b.abort()
+        results.put((index, f"{type(e).__name__}: {e}"))
+
+
+async def _engine(index, sock, batch, context, m, k, width, vocab, iters, barriers) -> list[float]:
+    import dataclasses
+
+    from drafter_client import DrafterClient
+    from drafter_client.batch import steps_as_batch
+
+    prefill, decode = bs.make_steps(batch, context, m, k, width, vocab, seed=1000 + index)
+    async with DrafterClient(f"unix:{sock}", namespace=f"engine-{index}", step_timeout_s=None) as c:
+        await c.wait_ready(600)
+        for chunk in range(0, batch, 8):
+            r = await c.propose(prefill[chunk : chunk + 8])
+            assert all(s.ok for s in r.sequences), r.sequences[0].message
+        assert await c.open_step_channel(request_bytes=max(16 << 20, 4 * batch * m * width)), "no step channel"
+        step = dataclasses.replace(steps_as_batch(decode), hidden_states=torch.cat([s.hidden_states for s in decode]))
+        ready, go, each_step = barriers
+        wait = lambda b: asyncio.get_running_loop().run_in_executor(None, b.wait, 600)  # noqa: E731
+        times = []
+        for i in range(iters + 3):
+            if i == 3:  # (warmed up: the parent reads the metrics now)
+                await wait(ready)
+                await wait(go)
+            await wait(each_step)
+            t0 = time.perf_counter()
+            r = await c.propose_batch(step)
+            times.append(time.perf_counter() - t0)
+            assert not r.fallback and int(r.codes.abs().sum()) == 0, r.fallback_reason
+        assert c.steps_through_channel == iters + 3, "every step should have gone through the channel"
+        await c.release([s.sequence_id for s in decode])
+    return times[3:]
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    v = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {key: float(v[key]) for key in ("drafter_step_seconds_sum", "drafter_step_seconds_count",
+                                          "drafter_batch_sequences_sum", "drafter_batch_sequences_count")}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_engines(n: int, sock: str, port: int, a, width: int, vocab: int) -> dict:
+    """n engine processes of a.batch / n sequences each; their step times, and the drafter's batches (/metrics over
+    the timed steps)."""
+    ctx = mp.get_context("spawn")
+    barriers, results = (ctx.Barrier(n + 1), ctx.Barrier(n + 1), ctx.Barrier(n)), ctx.Queue()
+    per = a.batch // n
+    procs = [ctx.Process(target=engine_main, args=(i, sock, per, a.context, a.m, a.k, width, vocab, a.iters,
+                                                   barriers, results)) for i in range(n)]
+    for p in procs:
+        p.start()
+    barriers[0].wait(900)  # every engine warmed up
+    before = scrape(port)
+    barriers[1].wait(60)
+    got = {}
+    while len(got) < n:
+        index, value = results.get(timeout=900)
+        got[index] = value
+    for p in procs:
+        p.join(60)
+    failed = [v for v in got.values() if isinstance(v, str)]
+    if failed:
+        raise RuntimeError(f"an engine failed: {failed[0]}")
+    after = scrape(port)
+    steps = [max(got[i][j] for i in range(n)) for j in range(a.iters)]  # the slowest engine of each step
+    d = {key: after[key] - before[key] for key in after}
+    return dict(engines=n, sequences_per_engine=per, engine_ms=statistics.median(steps) * 1e3,
+                engine_ms_p90=sorted(steps)[int(0.9 * (len(steps) - 1))] * 1e3,
+                seqs_per_batch=d["drafter_batch_sequences_sum"] / d["drafter_batch_sequences_count"],
+                worker_ms=d["drafter_step_seconds_sum"] / d["drafter_step_seconds_count"] * 1e3)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(bs.PRESETS), default="tiny")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, default=32, help="sequences in all, split evenly over the engines")
+    ap.add_argument("--engines", default="1,2,4", help="engine counts to run (each divides --batch)")
+    ap.add_argument("--context", type=int, default=None)
+    ap.add_argument("--m", type=int, default=3)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default="bench_out/merged_engines.json")
+    a = ap.parse_args()
+    shape = bs.PRESETS[a.preset]
+    a.context = a.context or shape["context"]
+    counts = [int(x) for x in a.engines.split(",")]
+    if any(a.batch % n for n in counts):
+        ap.error(f"every engine count must divide --batch {a.batch}")
+    dtype = "bfloat16" if a.device == "cuda" else "float32"
+    torch.set_num_threads(1)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        head, target = bs.write_random_head(tmp, shape, a.context + 64)
+        from drafter_service.config import ServerConfig
+        from drafter_service.runtime import build_runtime
+
+        kv_tokens = (a.batch + 8) * (a.context + 96)
+        rt = build_runtime(ServerConfig(model=str(head), target_model=str(target), device=a.device, dtype=dtype,
+                                        kv_cache_tokens=kv_tokens, max_model_len=a.context + 64,
+                                        max_batch_seqs=4096))
+        width, vocab = rt.limits.hidden_states_width, shape["vocab_size"]
+        in_process = bs.bench_in_process(rt, a.batch, a.context, a.m, a.k, a.iters, width, vocab, columns=True)
+        print(f"in-process step, batch {a.batch}, as columns: {in_process * 1e3:.2f} ms", flush=True)
+        del rt
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
+        sock, port = str(tmp / "drafter.sock"), free_port()
+        cmd = [sys.executable, "-m", "drafter_service.cli", "--model", str(head), "--target-model", str(target),
+               "--listen", f"unix:{sock}", "--device", a.device, "--dtype", dtype, "--kv-cache-tokens",
+               str(kv_tokens), "--max-model-len", str(a.context + 64), "--max-batch-seqs", "4096", "--log-level",
+               "WARNING", "--metrics-port", str(port)]
+        server = subprocess.Popen(cmd)
+        try:
+            for n in counts:
+                print(f"{n} engine(s) of {a.batch // n} sequences ...", flush=True)
+                row = run_engines(n, sock, port, a, width, vocab)
+                row["over_in_process"] = row["engine_ms"] / (in_process * 1e3)
+                rows.append(row)
+                print(f"  engine {row['engine_ms']:.2f} ms (p90 {row['engine_ms_p90']:.2f}), "
+                      f"{row['seqs_per_batch']:.1f} sequences per batch, worker {row['worker_ms']:.2f} ms",
+                      flush=True)
+        finally:
+            server.terminate()
+            server.wait(60)
+    device = (f"cuda: {torch.cuda.get_device_name()}" if a.device == "cuda" else
+              f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    print(f"\n{a.preset}, batch {a.batch} in all, m = {a.m}, k = {a.k}, {device}")
+    print(f"{'engines':>8} {'engine ms':>10} {'p90':>8} {'seqs/batch':>11} {'worker ms':>10} {'/ in-process':>13}")
+    for r in rows:
+        print(f"{r['engines']:>8} {r['engine_ms']:>10.2f} {r['engine_ms_p90']:>8.2f} {r['seqs_per_batch']:>11.1f} "
+              f"{r['worker_ms']:>10.2f} {r['over_in_process']:>13.2f}")
+    out = write_json(a.out, dict(benchmark="merged_engines", date=datetime.datetime.now().isoformat(timespec="seconds"),
+                                 device=device, command=" ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]),
+                                 args=vars(a), in_process_ms=in_process * 1e3, rows=rows))
+    return 0 if out else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
