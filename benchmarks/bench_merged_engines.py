@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import torch
 
@@ -84,10 +83,9 @@ async def _engine(index, sock, batch, context, m, k, width, vocab, iters, barrie
 
 
 def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    v = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-    return {key: float(v[key]) for key in ("drafter_step_seconds_sum", "drafter_step_seconds_count",
-                                          "drafter_batch_sequences_sum", "drafter_batch_sequences_count")}
+    v = bs.metric_values(port)
+    return {key: v[key] for key in ("drafter_step_seconds_sum", "drafter_step_seconds_count",
+                                    "drafter_batch_sequences_sum", "drafter_batch_sequences_count")}
 
 
 def free_port() -> int:

@@ -192,12 +192,18 @@ def bench_in_process(rt, batch, context, m, k, iters, width, vocab, states_devic
     return statistics.median(times[3:])
 
 
-def scrape_server_seconds(metrics_port: int) -> dict[str, float]:
-    """Cumulative server-side seconds from the drafter's /metrics: the step worker, and the Propose handler by phase."""
+def metric_values(metrics_port: int) -> dict[str, float]:
+    """Every sample of the drafter's /metrics (on 127.0.0.1), by its name with its labels, as written there."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    v = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in text.splitlines()
+                                                   if line and not line.startswith("#"))}
+
+
+def scrape_server_seconds(metrics_port: int) -> dict[str, float]:
+    """Cumulative server-side seconds from the drafter's /metrics: the step worker, and the Propose handler by phase."""
+    v = metric_values(metrics_port)
     return {"worker": float(v["drafter_step_seconds_sum"]), "batches": float(v["drafter_step_seconds_count"]),
             "parse": float(v['drafter_rpc_propose_phase_seconds_total{phase="parse"}']),
             "wait": float(v['drafter_rpc_propose_phase_seconds_total{phase="wait"}']),
