@@ -10,12 +10,16 @@ reports per N:
   engine ms      the median over steps of the slowest engine's propose_batch (the engines' step time)
   seqs/batch     the drafter's mean sequences per batch over the timed steps (/metrics: B when every step merged)
   worker ms      the drafter's mean step-thread time per batch (/metrics drafter_step_seconds)
+  waits/step     merge-window waits per engine step (/metrics drafter_merge_window_waits_total), and the share of
+                 them that ended with every engine waited for queued (drafter_merge_window_complete_total)
 
 N = 1 is one engine with all B sequences (the same work in one request). The proposer's own step at batch B in this
-process, as columns, comes first for reference. Prints a table and writes JSON (device, date, command).
+process, as columns, comes first for reference. --merge-windows runs the whole set once per drafter --merge-window-us
+value (a drafter of its own each; 0: no waits). Prints a table and writes JSON (device, date, command).
 
     python benchmarks/bench_merged_engines.py --preset tiny --device cpu --batch 32 --engines 1,2,4
-    python benchmarks/bench_merged_engines.py --preset llama3-8b-eagle3 --device cuda --batch 128 --engines 1,2,4
+    python benchmarks/bench_merged_engines.py --preset llama3-8b-eagle3 --device cuda --batch 128 --engines 1,2,4 \
+        --merge-windows 0,300
 """
 import argparse
 import asyncio
@@ -85,7 +89,8 @@ async def _engine(index, sock, batch, context, m, k, width, vocab, iters, barrie
 def scrape(port: int) -> dict[str, float]:
     v = bs.metric_values(port)
     return {key: v[key] for key in ("drafter_step_seconds_sum", "drafter_step_seconds_count",
-                                    "drafter_batch_sequences_sum", "drafter_batch_sequences_count")}
+                                    "drafter_batch_sequences_sum", "drafter_batch_sequences_count",
+                                    "drafter_merge_window_waits_total", "drafter_merge_window_complete_total")}
 
 
 def free_port() -> int:
@@ -122,7 +127,10 @@ def run_engines(n: int, sock: str, port: int, a, width: int, vocab: int) -> dict
     return dict(engines=n, sequences_per_engine=per, engine_ms=statistics.median(steps) * 1e3,
                 engine_ms_p90=sorted(steps)[int(0.9 * (len(steps) - 1))] * 1e3,
                 seqs_per_batch=d["drafter_batch_sequences_sum"] / d["drafter_batch_sequences_count"],
-                worker_ms=d["drafter_step_seconds_sum"] / d["drafter_step_seconds_count"] * 1e3)
+                worker_ms=d["drafter_step_seconds_sum"] / d["drafter_step_seconds_count"] * 1e3,
+                waits_per_step=d["drafter_merge_window_waits_total"] / a.iters,
+                waits_complete=(d["drafter_merge_window_complete_total"] / d["drafter_merge_window_waits_total"]
+                                if d["drafter_merge_window_waits_total"] else None))
 
 
 def main() -> int:
@@ -135,11 +143,14 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=3)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--merge-windows", default="300",
+                    help="drafter --merge-window-us values, a drafter each (comma-separated; 0: no waits)")
     ap.add_argument("--out", default="bench_out/merged_engines.json")
     a = ap.parse_args()
     shape = bs.PRESETS[a.preset]
     a.context = a.context or shape["context"]
     counts = [int(x) for x in a.engines.split(",")]
+    windows = [int(x) for x in a.merge_windows.split(",")]
     if any(a.batch % n for n in counts):
         ap.error(f"every engine count must divide --batch {a.batch}")
     dtype = "bfloat16" if a.device == "cuda" else "float32"
@@ -161,31 +172,36 @@ def main() -> int:
         del rt
         if a.device == "cuda":
             torch.cuda.empty_cache()
-        sock, port = str(tmp / "drafter.sock"), free_port()
-        cmd = [sys.executable, "-m", "drafter_service.cli", "--model", str(head), "--target-model", str(target),
-               "--listen", f"unix:{sock}", "--device", a.device, "--dtype", dtype, "--kv-cache-tokens",
-               str(kv_tokens), "--max-model-len", str(a.context + 64), "--max-batch-seqs", "4096", "--log-level",
-               "WARNING", "--metrics-port", str(port)]
-        server = subprocess.Popen(cmd)
-        try:
-            for n in counts:
-                print(f"{n} engine(s) of {a.batch // n} sequences ...", flush=True)
-                row = run_engines(n, sock, port, a, width, vocab)
-                row["over_in_process"] = row["engine_ms"] / (in_process * 1e3)
-                rows.append(row)
-                print(f"  engine {row['engine_ms']:.2f} ms (p90 {row['engine_ms_p90']:.2f}), "
-                      f"{row['seqs_per_batch']:.1f} sequences per batch, worker {row['worker_ms']:.2f} ms",
-                      flush=True)
-        finally:
-            server.terminate()
-            server.wait(60)
+        for window in windows:
+            sock, port = str(tmp / f"drafter-{window}.sock"), free_port()
+            cmd = [sys.executable, "-m", "drafter_service.cli", "--model", str(head), "--target-model", str(target),
+                   "--listen", f"unix:{sock}", "--device", a.device, "--dtype", dtype, "--kv-cache-tokens",
+                   str(kv_tokens), "--max-model-len", str(a.context + 64), "--max-batch-seqs", "4096", "--log-level",
+                   "WARNING", "--metrics-port", str(port), "--merge-window-us", str(window)]
+            server = subprocess.Popen(cmd)
+            try:
+                for n in counts:
+                    print(f"merge window {window} us, {n} engine(s) of {a.batch // n} sequences ...", flush=True)
+                    row = run_engines(n, sock, port, a, width, vocab)
+                    row["merge_window_us"] = window
+                    row["over_in_process"] = row["engine_ms"] / (in_process * 1e3)
+                    rows.append(row)
+                    print(f"  engine {row['engine_ms']:.2f} ms (p90 {row['engine_ms_p90']:.2f}), "
+                          f"{row['seqs_per_batch']:.1f} sequences per batch, worker {row['worker_ms']:.2f} ms, "
+                          f"{row['waits_per_step']:.2f} merge-window waits per step", flush=True)
+            finally:
+                server.terminate()
+                server.wait(60)
     device = (f"cuda: {torch.cuda.get_device_name()}" if a.device == "cuda" else
               f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
     print(f"\n{a.preset}, batch {a.batch} in all, m = {a.m}, k = {a.k}, {device}")
-    print(f"{'engines':>8} {'engine ms':>10} {'p90':>8} {'seqs/batch':>11} {'worker ms':>10} {'/ in-process':>13}")
+    print(f"{'window us':>9} {'engines':>8} {'engine ms':>10} {'p90':>8} {'seqs/batch':>11} {'worker ms':>10} "
+          f"{'/ in-process':>13} {'waits/step':>11} {'complete':>9}")
     for r in rows:
-        print(f"{r['engines']:>8} {r['engine_ms']:>10.2f} {r['engine_ms_p90']:>8.2f} {r['seqs_per_batch']:>11.1f} "
-              f"{r['worker_ms']:>10.2f} {r['over_in_process']:>13.2f}")
+        complete = "-" if r["waits_complete"] is None else f"{r['waits_complete']:.2f}"
+        print(f"{r['merge_window_us']:>9} {r['engines']:>8} {r['engine_ms']:>10.2f} {r['engine_ms_p90']:>8.2f} "
+              f"{r['seqs_per_batch']:>11.1f} {r['worker_ms']:>10.2f} {r['over_in_process']:>13.2f} "
+              f"{r['waits_per_step']:>11.2f} {complete:>9}")
     out = write_json(a.out, dict(benchmark="merged_engines", date=datetime.datetime.now().isoformat(timespec="seconds"),
                                  device=device, command=" ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]),
                                  args=vars(a), in_process_ms=in_process * 1e3, rows=rows))

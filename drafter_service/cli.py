@@ -110,6 +110,11 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                     help="Unix socket where clients open step channels (default: the unix --listen path + .steps)")
     ap.add_argument("--step-channel-spin-s", type=float, default=d.step_channel_spin_s,
                     help="after a channel request, the step thread busy-polls the channels this long (one core)")
+    ap.add_argument("--merge-window-us", type=int, default=d.merge_window_us,
+                    help="before a batch starts, wait up to this many microseconds after the queue's first request "
+                         "for the engines (step channels, streams) that arrived together with the queued ones at "
+                         "their previous step, so that engines stepping in lockstep share one batch; 0: never wait "
+                         "(docs/deployment.md, Scaling)")
     ap.add_argument("--step-channel-checksums", choices=("auto", "on", "off"), default="auto",
                     help="crc32 over every step-channel message (auto: only on CPUs that may reorder stores, i.e. "
                          "not x86-64; docs/step_channel.md)")
@@ -155,6 +160,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         predraft_min_all_hit=a.predraft_min_all_hit,
         step_channels=not a.no_step_channels,
         step_channel_socket=a.step_channel_socket, step_channel_spin_s=a.step_channel_spin_s,
+        merge_window_us=a.merge_window_us,
         step_channel_checksums={"auto": None, "on": True, "off": False}[a.step_channel_checksums],
         step_channel_frames=not a.no_step_channel_frames,
         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca, auth_token_file=a.auth_token_file,

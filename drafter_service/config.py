@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 # --first-step-graph-tokens at most: one first-step CUDA graph per (padded batch size, m) is captured at start-up,
 # so the graphs and their memory pool stay bounded (engine/cuda_graphs.py)
 MAX_FIRST_STEP_GRAPH_TOKENS = 16
+MAX_MERGE_WINDOW_US = 10_000  # --merge-window-us: longer than a drafter step, a wait costs more than it saves
 
 
 @dataclass
@@ -70,6 +71,9 @@ class ServerConfig:
     step_channel_socket: str | None = None  # None: "<the first unix --listen path>.steps"; no unix listener: off
     step_channel_spin_s: float = 0.05  # after a channel request the step thread busy-polls (one core) this long
     step_channel_idle_poll_s: float = 0.0002  # then it polls this often
+    # Batching (engine/merge_window.py): before a batch starts, wait up to this long after the queue's first request
+    # for the engines that arrived together with the queued ones at their previous step; 0: never wait
+    merge_window_us: int = 300
     step_channel_checksums: bool | None = None  # crc32 over every message; None: only on weakly ordered CPUs
     step_channel_frames: bool = True  # request frames on channels whose client asks (step_frame.py); False: protobuf
     step_channel_max: int = 64  # channels open at once
@@ -117,6 +121,9 @@ class ServerConfig:
             raise ValueError("namespace_pool_share must be in (0, 1]")
         if self.step_channel_spin_s < 0 or self.step_channel_idle_poll_s <= 0:
             raise ValueError("step_channel_spin_s must be >= 0 and step_channel_idle_poll_s > 0")
+        if not 0 <= self.merge_window_us <= MAX_MERGE_WINDOW_US:
+            raise ValueError(f"merge_window_us must be in [0, {MAX_MERGE_WINDOW_US}] (got {self.merge_window_us}): "
+                             "a wait longer than a step costs more than the step it saves")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:

@@ -79,6 +79,7 @@ class Metrics:
         # the sequence table's lifetime counters (the proposer puts its table's here; step thread writes)
         self.sequence_counters = SequenceCounters()
         self.predraft_counters = None  # predraft.PredraftCounters (the proposer's; step thread writes)
+        self.merge_window_counters = None  # merge_window.MergeWindowCounters (the scheduler's; step thread writes)
 
         self.registry = r = CollectorRegistry()
         self.build_info = Gauge("drafter_build_info", "Always 1; the labels say what this drafter runs.",
@@ -276,6 +277,14 @@ class _StepCollector:
                       c.quota_refusals)
         yield counter("drafter_pool_full_refusals", "Sequence steps refused (RESOURCE_EXHAUSTED) because the KV "
                       "pool was full of sequences in use.", c.pool_refusals)
+        mw = m.merge_window_counters
+        if mw is not None:
+            yield counter("drafter_merge_window_waits", "Batch starts that waited for engines that arrived together "
+                          "with the queued ones at their previous step (--merge-window-us).", mw.waits)
+            yield counter("drafter_merge_window_complete", "Merge-window waits that ended with every engine waited "
+                          "for queued (the others ran out of time).", mw.complete)
+            yield counter("drafter_merge_window_wait_seconds", "Time the step thread spent in merge-window waits.",
+                          mw.waited_s)
         pc = m.predraft_counters
         if pc is not None:
             yield counter("drafter_predraft_hits", "Sequence steps answered from branches prepared while the engine "

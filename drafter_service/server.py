@@ -143,9 +143,11 @@ class DrafterServer:
         gc.freeze()
         rt = self.runtime
         self.scheduler = StepScheduler(rt.proposer, rt.limits.max_request_tokens, cfg.max_batch_seqs,
-                                       cfg.step_channel_spin_s, cfg.step_channel_idle_poll_s)
+                                       cfg.step_channel_spin_s, cfg.step_channel_idle_poll_s,
+                                       cfg.merge_window_us * 1e-6)
         self.servicer.attach(rt, self.scheduler)
         rt.metrics.queue_depth = self.scheduler.queue_depth
+        rt.metrics.merge_window_counters = self.scheduler.merge_window.counters
         self.servicer.on_drain = self.drain
         self.channels = self._step_channels(cfg)
         loop = asyncio.get_running_loop()

@@ -65,6 +65,7 @@ OPTIONS = [
     Option("maxSequences", "--max-sequences", server={"minimum": 0}),
     Option("maxSequencesPerNamespace", "--max-sequences-per-namespace", server={"minimum": 0}),
     Option("namespacePoolShare", "--namespace-pool-share", server={"exclusiveMinimum": 0, "maximum": 1}),
+    Option("mergeWindowMicroseconds", "--merge-window-us", server={"minimum": 0, "maximum": 10000}),
     # chart-only range: a TCP port (0 = metrics off, which the server takes too)
     Option("metricsPort", "--metrics-port", chart={"minimum": 0, "maximum": 65535}),
     # the server upper-cases the level, so the chart takes any case

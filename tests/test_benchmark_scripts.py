@@ -192,13 +192,16 @@ def test_bench_step_host_ops_times_every_piece_and_says_which_path_ran(tmp_path)
     assert all(r["host_us"] > 0 for r in result["rows"])
 
 
-def test_bench_merged_engines_runs_every_engine_count(tmp_path):
+def test_bench_merged_engines_runs_every_engine_count_and_window(tmp_path):
     result = run(["benchmarks/bench_merged_engines.py", "--preset", "tiny", "--device", "cpu", "--batch", "8",
-                  "--engines", "1,2", "--iters", "3"], tmp_path / "merged.json")
+                  "--engines", "1,2", "--iters", "3", "--merge-windows", "0,300"], tmp_path / "merged.json")
     assert result["benchmark"] == "merged_engines" and result["date"] and result["in_process_ms"] > 0
-    assert [(r["engines"], r["sequences_per_engine"]) for r in result["rows"]] == [(1, 8), (2, 4)]
+    assert [(r["merge_window_us"], r["engines"], r["sequences_per_engine"]) for r in result["rows"]] == [
+        (0, 1, 8), (0, 2, 4), (300, 1, 8), (300, 2, 4)]
     for r in result["rows"]:
         assert r["engine_ms"] > 0 and r["worker_ms"] > 0
         # the drafter's batches over the timed steps held one engine's sequences at least, all of them at most
         assert r["sequences_per_engine"] <= r["seqs_per_batch"] <= 8
-    assert result["rows"][0]["seqs_per_batch"] == 8  # one engine: every batch is its whole step
+        if r["engines"] == 1 or r["merge_window_us"] == 0:  # one engine has no partner; a window of 0 never waits
+            assert r["seqs_per_batch"] == 8 or r["engines"] > 1
+            assert r["waits_per_step"] == 0 and r["waits_complete"] is None

@@ -633,7 +633,8 @@ def test_rendered_flags_exist_in_drafter_serve(helm_env):
                              "server.logLevel": "info", "targetModel.source": "image",
                              "targetModel.imagePath": "/opt/t", "server.sequenceLeaseSeconds": 60,
                              "server.maxSequences": 100, "server.maxSequencesPerNamespace": 10,
-                             "server.namespacePoolShare": 0.5, "server.logFormat": "json",
+                             "server.namespacePoolShare": 0.5, "server.mergeWindowMicroseconds": 500,
+                             "server.logFormat": "json",
                              "server.otelEndpoint": "http://otel:4317"})
     used = set(flags(docs[-1]["spec"]["template"]["spec"]["containers"][0])) | {"--gpu-memory-fraction"}
     missing = sorted(f for f in used if f not in proc.stdout)

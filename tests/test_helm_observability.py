@@ -37,11 +37,13 @@ def exported_series() -> set[str]:
     """Every series name a drafter's /metrics can carry, from the metrics module itself."""
     from drafter_service.metrics import Metrics
 
+    from drafter_service.engine.merge_window import MergeWindowCounters
     from drafter_service.engine.predraft import PredraftCounters
 
     m = Metrics(kv_blocks_free=1, kv_blocks_total=2)
     m.queue_depth = lambda: 0
     m.predraft_counters = PredraftCounters()  # (set by every proposer: the pre-drafting series are always there)
+    m.merge_window_counters = MergeWindowCounters()  # (set by every server's scheduler)
     # the series that appear only with step channels / shared memory on
     m.channels = SimpleNamespace(open_count=lambda: 0)
     m.shm = SimpleNamespace(reads_total=0, read_bytes_total=0, read_seconds_total=0, expired_total=0, regions={})
@@ -112,7 +114,7 @@ def test_dashboard_loads_and_covers_the_drafter(dashboard):
                    "drafter_drafts_accepted_total", "drafter_draft_proposals_evaluated_total",
                    "drafter_batch_sequences_bucket", "drafter_kv_used_ratio", "drafter_rpc_errors_total",
                    "drafter_sequence_errors_total", "drafter_predraft_hits_total",
-                   "drafter_predraft_refused_by_odds_total"):
+                   "drafter_predraft_refused_by_odds_total", "drafter_merge_window_waits_total"):
         assert series in text, f"no panel on {series}"
     assert "histogram_quantile(0.99" in text and "histogram_quantile(0.5" in text
     assert "by (code)" in text and "by (position)" in text

@@ -11,6 +11,10 @@ run on the same thread between batches (run_exclusive), so they never race a ste
 (Proposer.expire_idle, checked at every turn of the loop) and the freeing of a closed stream's or channel's
 sequences (call_soon; ChannelSet.release_owner).
 
+Merging the steps of engines that step together (merge_window.py): before a batch starts, the thread waits up to
+merge_window_s after the queue's first request for the engines that arrived with the queued ones at their previous
+step, so that engines stepping in lockstep share one batch instead of running one after another.
+
 Pre-drafting (predraft.py): when nothing is queued and sequences wait for their next step's drafts to be prepared,
 the thread runs a preparation pass, which stops between two forwards as soon as a request or job is queued (it polls
 the channels itself).
@@ -35,6 +39,7 @@ from typing import Callable
 import torch
 
 from drafter_service.engine.batch_io import BatchInput, BatchOutput
+from drafter_service.engine.merge_window import MergeWindow
 from drafter_service.engine.proposer import Proposer
 from drafter_service.engine.step_io import StepInput, StepOutput
 from drafter_client.protocol.timer_slack import set_timer_slack
@@ -162,7 +167,7 @@ class _StallTrace:
 
 class StepScheduler:
     def __init__(self, proposer: Proposer, max_batch_tokens: int, max_batch_seqs: int,
-                 channel_spin_s: float = 0.05, channel_idle_poll_s: float = 0.0002):
+                 channel_spin_s: float = 0.05, channel_idle_poll_s: float = 0.0002, merge_window_s: float = 0.0):
         self.proposer = proposer
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
@@ -180,6 +185,7 @@ class StepScheduler:
         self._cycle_owner: str | None = None  # the owner of the last batch's requests when they had one, and when
         self._cycle_arrived = 0.0  # its first request arrived (pre-drafting's cycle check)
         self.requests_merged = 0  # requests that shared a batch with another
+        self.merge_window = MergeWindow(merge_window_s)
 
     def attach_channels(self, channels) -> None:
         self._channels = channels
@@ -272,6 +278,8 @@ class StepScheduler:
                 except Exception as e:
                     job.deliver(None, e)
             if self._queue:
+                if self.merge_window.enabled:
+                    self._wait_for_partners(channels)
                 with _StallTrace():
                     self._run_batch(self._take_batch())
                 continue
@@ -297,6 +305,31 @@ class StepScheduler:
             self._wake.clear()
         if self._channels is not None:
             self._channels.close_all("the drafter is shutting down")
+
+    def _wait_for_partners(self, channels) -> None:
+        """Before a batch: poll for the engines that arrived together with the queued ones last time (merge_window.py),
+        until each has a request queued or merge_window_s has passed since the queue's first request."""
+        queued = list(self._queue)  # (a snapshot: the event loop appends to the deque)
+        deadline = min(p.enqueued_at for p in queued) + self.merge_window.window_s
+        start = time.perf_counter()
+        if start >= deadline:
+            return
+        missing = self.merge_window.partners({p.owner() for p in queued})
+        if not missing:
+            return
+        seen = len(queued)
+        while True:
+            if channels is not None:
+                channels.poll(self._queue.append)
+            if len(self._queue) > seen:
+                queued = list(self._queue)
+                missing.difference_update(p.owner() for p in queued[seen:])
+                seen = len(queued)
+            now = time.perf_counter()
+            if not missing or now >= deadline or self._jobs or self._stopping:
+                break
+            time.sleep(0)  # (yield the GIL: a gRPC request is queued by the event loop)
+        self.merge_window.record_wait(now - start, complete=not missing)
 
     def _request_waiting(self, channels) -> bool:
         """Whether a request or a job waits for the step thread (polls the step channels: what they hold is queued)."""
@@ -324,6 +357,13 @@ class StepScheduler:
             self.proposer.predraft.observe_window(max(0.0, arrived - self._last_batch_end))
         if batch:
             self._observe_cycle(batch)
+            if self.merge_window.enabled:
+                arrivals: dict[str, float] = {}
+                for p in batch:
+                    owner = p.owner()
+                    if owner is not None and owner not in arrivals:
+                        arrivals[owner] = p.enqueued_at
+                self.merge_window.observe(arrivals)
         run = [p for p in batch if not p.dry and len(p.steps)]
         columnar = bool(run) and all(isinstance(p.steps, BatchInput) for p in run)
         t0 = time.perf_counter()

@@ -144,6 +144,7 @@ but .Capabilities, where it is there (drafter.sidecar.assertNativeSupported).
 {{- include "drafter.optFlag" (dict "flag" "--max-sequences" "v" $s.maxSequences "int" true) }}
 {{- include "drafter.optFlag" (dict "flag" "--max-sequences-per-namespace" "v" $s.maxSequencesPerNamespace "int" true) }}
 {{- include "drafter.optFlag" (dict "flag" "--namespace-pool-share" "v" $s.namespacePoolShare) }}
+{{- include "drafter.optFlag" (dict "flag" "--merge-window-us" "v" $s.mergeWindowMicroseconds "int" true) }}
 {{- include "drafter.optFlag" (dict "flag" "--metrics-port" "v" $s.metricsPort "int" true) }}
 {{- include "drafter.optFlag" (dict "flag" "--log-level" "v" $s.logLevel) }}
 {{- include "drafter.optFlag" (dict "flag" "--log-format" "v" $s.logFormat) }}

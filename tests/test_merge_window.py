@@ -1,0 +1,152 @@
+"""The merge window (engine/merge_window.py): which engines a batch start waits for, and the step thread's waits."""
+import asyncio
+import threading
+import types
+
+import pytest
+import torch
+
+from drafter_service.config import ServerConfig
+from drafter_service.cli import parse_args
+from drafter_service.engine.merge_window import FORGET_S, MergeWindow
+from drafter_service.engine.scheduler import StepScheduler
+from drafter_service.engine.step_io import StepInput, StepOutput
+
+
+def test_partners_are_the_engines_that_arrived_within_the_window_of_a_queued_one():
+    w = MergeWindow(0.001)
+    w.observe({"a": 10.0000, "b": 10.0004})  # b came 0.4 ms after a
+    w.observe({"c": 10.0030})  # 3 ms after a: another cadence
+    w.observe({"d": 10.0019})  # 1.5 ms after b, 1.1 ms before c: outside the window of all
+    assert w.partners({"a"}) == {"b"}
+    assert w.partners({"b"}) == {"a"}
+    assert w.partners({"c"}) == set()
+    assert w.partners({"d"}) == set()
+    assert w.partners({"a", "b"}) == set()  # (both queued: nobody to wait for)
+    assert w.partners({"unknown"}) == set()  # (an engine seen for the first time has no partner yet)
+    w.observe({"e": 10.0008})  # 0.4 ms after b: a partner of b, and of a (0.8 ms)
+    assert w.partners({"a"}) == {"b", "e"}
+    assert w.partners({"e"}) == {"a", "b"}
+
+
+def test_the_window_edges_are_inclusive_and_a_zero_window_never_waits():
+    w = MergeWindow(0.5)  # (values exact in binary: 0.5 s apart)
+    w.observe({"a": 100.0, "b": 100.5, "c": 101.0})
+    assert w.partners({"a"}) == {"b"}
+    assert w.partners({"b"}) == {"a", "c"}
+    off = MergeWindow(0.0)
+    off.observe({"a": 1.0, "b": 1.0})
+    assert not off.enabled and off.partners({"a"}) == set()
+    with pytest.raises(ValueError, match="merge window"):
+        MergeWindow(-1e-6)
+    with pytest.raises(ValueError, match="merge window"):
+        MergeWindow(float("nan"))
+
+
+def test_an_engine_not_seen_for_a_while_is_forgotten():
+    w = MergeWindow(0.001)
+    w.observe({"a": 1.0, "gone": 1.0002})
+    w.observe({"a": 1.0 + FORGET_S + 1})  # (the next clean-up runs at the first observation FORGET_S on)
+    assert "gone" not in w.last_arrival and w.partners({"a"}) == set()
+
+
+def test_the_window_is_a_server_flag_with_limits():
+    assert ServerConfig(model="m").merge_window_us == 300
+    assert parse_args(["--model", "m", "--merge-window-us", "0"]).merge_window_us == 0
+    assert parse_args(["--model", "m", "--merge-window-us", "10000"]).merge_window_us == 10_000
+    for bad in (-1, 10_001):
+        with pytest.raises(ValueError, match="merge_window_us"):
+            ServerConfig(model="m", merge_window_us=bad)
+
+
+class _RecordingProposer:
+    """Just what the step thread calls: each batch's owners are recorded, every step answers at once."""
+
+    def __init__(self):
+        self.batches: list[list[str | None]] = []
+        self.metrics = types.SimpleNamespace(observe_queue_wait=lambda s: None)
+        self.predraft = types.SimpleNamespace(has_work=lambda: False, observe_window=lambda s: None, cycle_check=False)
+        self.device = torch.device("cpu")
+
+    def expire_idle(self):
+        pass
+
+    def expiry_wait(self):
+        return None
+
+    def step(self, steps):
+        self.batches.append([s.owner for s in steps])
+        return [StepOutput() for _ in steps]
+
+
+def _step(owner, i):
+    return [StepInput("ns", f"{owner}-{i}", 0, torch.zeros(1, dtype=torch.int64), torch.zeros(1, 4), 1, 2,
+                      owner=owner)]
+
+
+async def _round(sched, i, owners, gap_s):
+    """The owners' steps, gap_s apart (the first at once), each through submit(); back when all are answered."""
+    tasks = []
+    for j, owner in enumerate(owners):
+        if j:
+            await asyncio.sleep(gap_s)
+        tasks.append(asyncio.create_task(sched.submit(_step(owner, i))))
+    await asyncio.gather(*tasks)
+
+
+async def test_engines_that_stepped_together_share_a_batch_and_a_missing_one_costs_one_wait():
+    proposer = _RecordingProposer()
+    sched = StepScheduler(proposer, max_batch_tokens=1024, max_batch_seqs=64, merge_window_s=0.05)
+    sched.start()
+    try:
+        for i in range(6):  # two engines, the second 3 ms after the first (the step thread runs the first at once)
+            await _round(sched, i, ["engine a", "engine b"], 0.003)
+        counters = sched.merge_window.counters
+        # the first round teaches the window that they arrive together; every later one merges them
+        assert all(sorted(b) == ["engine a", "engine b"] for b in proposer.batches[-5:]), proposer.batches
+        assert counters.waits >= 5 and counters.complete == counters.waits
+        waits = counters.waits
+        await asyncio.sleep(0.06)  # (from here a cycle longer than the window, as real engines' steps are)
+        await _round(sched, 6, ["engine a"], 0)  # b is gone: the wait for it runs out once ...
+        assert counters.waits == waits + 1 and counters.complete == waits
+        assert counters.waited_s >= 0.04
+        for i in range(7, 10):  # ... and never again: a's new arrival is not near b's last one
+            await asyncio.sleep(0.06)
+            await _round(sched, i, ["engine a"], 0)
+        assert counters.waits == waits + 1
+        assert proposer.batches[-4:] == [["engine a"]] * 4
+    finally:
+        await sched.stop()
+
+
+async def test_one_engine_and_unary_requests_never_wait():
+    proposer = _RecordingProposer()
+    sched = StepScheduler(proposer, max_batch_tokens=1024, max_batch_seqs=64, merge_window_s=0.05)
+    sched.start()
+    try:
+        for i in range(5):
+            await _round(sched, i, ["engine a"], 0)
+        for i in range(5):  # unary calls (no owner) now and then, as a health check's or a benchmark's would be
+            await _round(sched, 10 + i, [None, None], 0.002)
+        assert sched.merge_window.counters.waits == 0
+        assert None not in sched.merge_window.last_arrival
+    finally:
+        await sched.stop()
+
+
+async def test_a_job_ends_a_wait_early():
+    """Release and GetInfo run between batches: a merge-window wait gives way to them."""
+    proposer = _RecordingProposer()
+    sched = StepScheduler(proposer, max_batch_tokens=1024, max_batch_seqs=64, merge_window_s=5.0)
+    sched.start()
+    try:
+        for i in range(2):
+            await _round(sched, i, ["engine a", "engine b"], 0.003)
+        ran = threading.Event()
+        task = asyncio.create_task(sched.submit(_step("engine a", 2)))  # b does not come: a 5 s wait would start
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(sched.run_exclusive(ran.set), 2.0)
+        await asyncio.wait_for(task, 2.0)
+        assert ran.is_set() and sched.merge_window.counters.waited_s < 2.0
+    finally:
+        await sched.stop()
