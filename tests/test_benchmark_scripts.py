@@ -45,13 +45,13 @@ def test_bench_step_measures_every_path(tmp_path):
                  tmp_path / "bs.json")
     assert result["benchmark"] == "bench_step" and result["cpu_threads"] == 1 and result["rounds"] == 2
     for r in result["rows"]:
-        for key in ("in_process_ms", "sidecar_ms", "sidecar_stream_ms", "sidecar_channel_ms",
+        for key in ("in_process_ms", "sidecar_ms", "sidecar_batch_api_ms", "sidecar_stream_ms", "sidecar_channel_ms",
                     "sidecar_channel_batch_api_ms", "floor_ms", "sidecar_worker_ms"):
             assert r[key] > 0, (key, r)
         # --rounds: each round's medians and ratios, in-process and through the channel alternated
         rounds = r["rounds"]
-        for key in ("in_process_ms", "channel_ms", "channel_batch_api_ms", "channel_over_in_process",
-                    "channel_batch_api_over_in_process"):
+        for key in ("in_process_ms", "channel_ms", "channel_batch_api_ms", "unary_batch_api_ms",
+                    "channel_over_in_process", "channel_batch_api_over_in_process", "unary_batch_api_over_in_process"):
             assert len(rounds[key]) == 2 and all(x > 0 for x in rounds[key]), (key, rounds)
         assert rounds["channel_over_in_process"][0] == pytest.approx(rounds["channel_ms"][0] / rounds["in_process_ms"][0])
         assert min(rounds["channel_over_in_process"]) <= r["rounds_median"]["channel_over_in_process"] <= max(

@@ -12,8 +12,10 @@ the server process loads). Each timed step is a decode step: every sequence send
 of --context tokens and asks for k drafts (the same positions are re-sent every iteration, which the protocol
 allows, so the context stays fixed). The in-process step gets the hidden states as host tensors, as the sidecar
 does (staged through pinned memory to the GPU); on a GPU it also runs with the states already there (column "in, GPU
-states": an engine in the drafter's process, or the sidecar's CUDA IPC plane). Prints a table and writes JSON
-(device, date, command) to --out.
+states": an engine in the drafter's process, or the sidecar's CUDA IPC plane). The sidecar paths: unary Propose with
+one SequenceStep per sequence (column "sidecar ms"), the batch API (propose_batch: columns in and out) by unary gRPC
+("ubatch ms": what an engine on another node pays), one ProposeStream, a step channel with each API, and (CUDA) the
+channel with the states by CUDA IPC reference. Prints a table and writes JSON (device, date, command) to --out.
 """
 import argparse
 import asyncio
@@ -216,8 +218,9 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
     server-side part of those, the median per step on one ProposeStream (client.stream()), the median per step
     through a shared-memory step channel (client.open_step_channel(); None where it cannot be opened), and (device
     a GPU) the median per step through the channel with the hidden states on that GPU, passed by CUDA IPC
-    reference (enable_shared_memory(kind="cuda"): the engine's copy into a slot, then a descriptor), and the median
-    per step through the channel with the batch API (propose_batch(StepBatch): columns in, columns out)."""
+    reference (enable_shared_memory(kind="cuda"): the engine's copy into a slot, then a descriptor), the median per
+    step through the channel with the batch API (propose_batch(StepBatch): columns in, columns out), and the median
+    per step of the batch API by unary gRPC (no channel: an engine on another node)."""
     from drafter_client import DrafterClient
     from drafter_client.batch import steps_as_batch
     from drafter_client.messages import build_request
@@ -239,6 +242,15 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
                 assert after["batches"] == before["batches"] + 1, "one request should be one batch"
                 parts.append({key: after[key] - before[key] for key in after})
         assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
+        # the same step as an engine that keeps its batch as tensors sends it (columns from 32 sequences)
+        as_batch = dataclasses.replace(steps_as_batch(decode),
+                                       hidden_states=torch.cat([s.hidden_states for s in decode]))
+        unary_batch_times = []
+        for i in range(iters + 3):
+            t0 = time.perf_counter()
+            r = await c.propose_batch(as_batch)
+            unary_batch_times.append(time.perf_counter() - t0)
+            assert not r.fallback and int(r.codes.abs().sum()) == 0 and bool((r.num_drafts == k).all())
         stream_times = []
         async with c.stream() as session:
             for i in range(iters + 3):
@@ -262,9 +274,6 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
                 after = scrape_server_seconds(metrics_port)
                 channel_parts = {key: (after[key] - before[key]) / iters for key in after}
             assert c.steps_through_channel == iters + 3, "every step should have gone through the channel"
-            # the same step as an engine that keeps its batch as tensors sends it (columns from 32 sequences)
-            as_batch = dataclasses.replace(steps_as_batch(decode),
-                                           hidden_states=torch.cat([s.hidden_states for s in decode]))
             for i in range(iters + 3):
                 t0 = time.perf_counter()
                 r = await c.propose_batch(as_batch)
@@ -289,14 +298,15 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
     t_channel_ipc = statistics.median(channel_ipc_times[3:]) if channel_ipc_times else None
     t_channel_batch = statistics.median(channel_batch_times[3:]) if channel_batch_times else None
     return (statistics.median(times[3:]), med, statistics.median(stream_times[3:]), t_channel, channel_parts,
-            t_channel_ipc, t_channel_batch)
+            t_channel_ipc, t_channel_batch, statistics.median(unary_batch_times[3:]))
 
 
 async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, rounds: int) -> dict[str, list[float]]:
     """The step channel against the in-process step in alternating rounds (the in-process runtime rt alive beside
     the drafter): each round times iters steps of each of the in-process proposer (one StepInput per sequence, host
-    states), propose() through a step channel and propose_batch() through it, one after the other, so that the
-    ratios of a round come from the same minute of the machine. Returns each one's median per round (seconds)."""
+    states), propose() through a step channel, propose_batch() through it and propose_batch() by unary gRPC (a second
+    client, no channel), one after the other, so that the ratios of a round come from the same minute of the
+    machine. Returns each one's median per round (seconds)."""
     from drafter_client import DrafterClient
     from drafter_client.batch import steps_as_batch
     from drafter_client.messages import build_request
@@ -307,8 +317,9 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
         assert all(o.code == 0 for o in out), out[0].message
     inputs = to_inputs(decode)
     as_batch = dataclasses.replace(steps_as_batch(decode), hidden_states=torch.cat([s.hidden_states for s in decode]))
-    result = {"in_process": [], "channel": [], "channel_batch_api": []}
-    async with DrafterClient(target, namespace="bench", step_timeout_s=None) as c:
+    result = {"in_process": [], "channel": [], "channel_batch_api": [], "unary_batch_api": []}
+    async with DrafterClient(target, namespace="bench", step_timeout_s=None) as c, \
+            DrafterClient(target, namespace="bench", step_timeout_s=None) as unary:
         for chunk in range(0, batch, 8):
             r = await c.propose(prefill[chunk : chunk + 8])
             assert all(s.ok for s in r.sequences), r.sequences[0].message
@@ -334,6 +345,10 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
             t, r = await median_step(lambda: c.propose_batch(as_batch))
             assert not r.fallback and int(r.codes.abs().sum()) == 0 and bool((r.num_drafts == k).all())
             result["channel_batch_api"].append(t)
+            t, r = await median_step(lambda: unary.propose_batch(as_batch))
+            assert not r.fallback and int(r.codes.abs().sum()) == 0 and bool((r.num_drafts == k).all())
+            result["unary_batch_api"].append(t)
+        assert unary.steps_through_channel == 0
         assert c.steps_through_channel == 2 * rounds * (iters + 3), "every step should have gone through the channel"
         c.close_step_channel()
         await c.release([s.sequence_id for s in decode])
@@ -491,7 +506,7 @@ def main() -> int:
         try:
             for row in rows:
                 b = row["batch"]
-                t, parts, t_stream, t_channel, ch_parts, t_ipc, t_batch = asyncio.run(bench_sidecar(
+                t, parts, t_stream, t_channel, ch_parts, t_ipc, t_batch, t_unary_batch = asyncio.run(bench_sidecar(
                     f"unix:{sock}", b, context, a.m, a.k, a.iters, width, shape["vocab_size"], a.metrics_port, device))
                 # server side: the proposer step alone (worker), and the Propose handler by phase; what the
                 # client sees beyond parse + wait + reply is gRPC transport plus the client's own packing/parsing
@@ -502,7 +517,9 @@ def main() -> int:
                 payload = b * a.m * width * 2 + b * a.m * 8
                 row.update(sidecar_ms=t * 1e3, sidecar_stream_ms=t_stream * 1e3, floor_ms=fb / bw * 1e3,
                            floor_bytes=fb, payload_bytes=payload, sidecar_over_in_process=t * 1e3 / row["in_process_ms"],
-                           in_process_over_floor=row["in_process_ms"] / (fb / bw * 1e3))
+                           in_process_over_floor=row["in_process_ms"] / (fb / bw * 1e3),
+                           sidecar_batch_api_ms=t_unary_batch * 1e3,
+                           batch_api_over_in_process=t_unary_batch * 1e3 / row["in_process_ms"])
                 if t_channel is not None:
                     row.update(sidecar_channel_ms=t_channel * 1e3,
                                channel_over_in_process=t_channel * 1e3 / row["in_process_ms"])
@@ -519,7 +536,8 @@ def main() -> int:
                     print(f"  channel, server side (mean): worker {ch_parts['worker'] * 1e3:.3f} ms, parse "
                           f"{ch_parts['parse'] * 1e3:.3f}, wait {ch_parts['wait'] * 1e3:.3f}, reply "
                           f"{ch_parts['reply'] * 1e3:.3f}", flush=True)
-                print(f"sidecar batch {b}: {t * 1e3:.2f} ms (on one stream: {t_stream * 1e3:.2f} ms, through a step "
+                print(f"sidecar batch {b}: {t * 1e3:.2f} ms (batch API by unary gRPC: {t_unary_batch * 1e3:.2f} ms, "
+                      f"on one stream: {t_stream * 1e3:.2f} ms, through a step "
                       f"channel: {t_channel * 1e3 if t_channel else float('nan'):.2f} ms, batch API through it: "
                       f"{t_batch * 1e3 if t_batch else float('nan'):.2f} ms, channel + CUDA IPC: "
                       f"{t_ipc * 1e3 if t_ipc else float('nan'):.2f} ms)", flush=True)
@@ -534,7 +552,7 @@ def main() -> int:
                 got = asyncio.run(bench_rounds(rt, f"unix:{sock}", row["batch"], context, a.m, a.k, a.iters, width,
                                                shape["vocab_size"], a.rounds))
                 ratios = {name: [t / t_in for t, t_in in zip(got[name], got["in_process"])]
-                          for name in ("channel", "channel_batch_api")}
+                          for name in ("channel", "channel_batch_api", "unary_batch_api")}
                 row["rounds"] = dict({f"{name}_ms": [t * 1e3 for t in ts] for name, ts in got.items()},
                                      **{f"{name}_over_in_process": r for name, r in ratios.items()})
                 row["rounds_median"] = {f"{name}_over_in_process": statistics.median(r) for name, r in ratios.items()}
@@ -542,7 +560,9 @@ def main() -> int:
                       f"{' '.join(f'{x:.2f}' for x in ratios['channel'])} (median "
                       f"{row['rounds_median']['channel_over_in_process']:.2f}), batch API / in-process "
                       f"{' '.join(f'{x:.2f}' for x in ratios['channel_batch_api'])} (median "
-                      f"{row['rounds_median']['channel_batch_api_over_in_process']:.2f})", flush=True)
+                      f"{row['rounds_median']['channel_batch_api_over_in_process']:.2f}), unary batch API / "
+                      f"in-process {' '.join(f'{x:.2f}' for x in ratios['unary_batch_api'])} (median "
+                      f"{row['rounds_median']['unary_batch_api_over_in_process']:.2f})", flush=True)
         finally:
             server.terminate()
             server.wait(60)
@@ -558,7 +578,8 @@ def main() -> int:
     print(f"\n{result['device']}, {a.preset}, {dtype}, context {context}, m={a.m}, k={a.k}, {result['date']}")
     ab = all("in_process_eager_ms" in r for r in rows)
     gpu_states = all("in_process_states_on_gpu_ms" in r for r in rows)
-    print(f"{'batch':>5} {'in-proc ms':>11} {'sidecar ms':>11} {'side/in':>8} {'stream ms':>10} {'channel ms':>10} "
+    print(f"{'batch':>5} {'in-proc ms':>11} {'sidecar ms':>11} {'side/in':>8} {'ubatch ms':>9} {'ubat/in':>7} "
+          f"{'stream ms':>10} {'channel ms':>10} "
           f"{'chan/in':>8} {'batch ms':>9} {'bat/in':>7} {'ch+IPC ms':>10} {'floor ms':>9} {'in/floor':>9} "
           f"{'payload KB':>11} {'srv worker':>10} {'ch worker':>9} {'chw/in':>7} {'srv parse':>9} {'srv wait':>9} "
           f"{'srv reply':>9} {'transport':>9}"
@@ -566,7 +587,8 @@ def main() -> int:
           + f" {'in, columns':>11}" + (f" {'cols, GPU st.':>13}" if gpu_states else ""))
     for r in rows:
         print(f"{r['batch']:>5} {r['in_process_ms']:>11.2f} {r['sidecar_ms']:>11.2f} "
-              f"{r['sidecar_over_in_process']:>8.2f} {r['sidecar_stream_ms']:>10.2f} "
+              f"{r['sidecar_over_in_process']:>8.2f} {r['sidecar_batch_api_ms']:>9.2f} "
+              f"{r['batch_api_over_in_process']:>7.2f} {r['sidecar_stream_ms']:>10.2f} "
               f"{r.get('sidecar_channel_ms', float('nan')):>10.2f} {r.get('channel_over_in_process', float('nan')):>8.2f} "
               f"{r.get('sidecar_channel_batch_api_ms', float('nan')):>9.2f} "
               f"{r.get('channel_batch_api_over_in_process', float('nan')):>7.2f} "
@@ -587,13 +609,15 @@ def main() -> int:
               f"{prefill['channel_ms']:.1f} ms ({prefill['channel_gbps']:.2f} GB/s)")
     if a.rounds:
         print(f"{a.rounds} alternating rounds of {a.iters} steps each (per round: in-process, then the step channel, then "
-              "the batch API through it); ratio to the in-process step, median [min, max]:")
-        print(f"{'batch':>5} {'in-proc ms':>11} {'channel / in':>22} {'batch API / in':>22}")
+              "the batch API through it, then the batch API by unary gRPC); ratio to the in-process step, median "
+              "[min, max]:")
+        print(f"{'batch':>5} {'in-proc ms':>11} {'channel / in':>22} {'batch API / in':>22} {'unary batch API / in':>22}")
         for r in rows:
-            ch, ba = r["rounds"]["channel_over_in_process"], r["rounds"]["channel_batch_api_over_in_process"]
-            print(f"{r['batch']:>5} {statistics.median(r['rounds']['in_process_ms']):>11.2f} "
-                  f"{statistics.median(ch):>8.2f} [{min(ch):.2f}, {max(ch):.2f}]{'':>1} "
-                  f"{statistics.median(ba):>8.2f} [{min(ba):.2f}, {max(ba):.2f}]")
+            cells = ""
+            for name in ("channel", "channel_batch_api", "unary_batch_api"):
+                x = r["rounds"][f"{name}_over_in_process"]
+                cells += f" {statistics.median(x):>8.2f} [{min(x):.2f}, {max(x):.2f}] "
+            print(f"{r['batch']:>5} {statistics.median(r['rounds']['in_process_ms']):>11.2f}{cells}")
     print(f"wrote {out}")
     return 0
 
