@@ -15,7 +15,8 @@ reports per N:
 
 N = 1 is one engine with all B sequences (the same work in one request). The proposer's own step at batch B in this
 process, as columns, comes first for reference. --merge-windows runs the whole set once per drafter --merge-window-us
-value (a drafter of its own each; 0: no waits). Prints a table and writes JSON (device, date, command).
+value (a drafter of its own each; 0: no waits). --jitter-ms J delays each engine's send by a random 0..J ms every
+step: engines out of step, whose steps merge only by chance. Prints a table and writes JSON (device, date, command).
 
     python benchmarks/bench_merged_engines.py --preset tiny --device cpu --batch 32 --engines 1,2,4
     python benchmarks/bench_merged_engines.py --preset llama3-8b-eagle3 --device cuda --batch 128 --engines 1,2,4 \
@@ -28,6 +29,7 @@ import multiprocessing as mp
 import os
 import pathlib
 import platform
+import random
 import shlex
 import socket
 import statistics
@@ -44,18 +46,19 @@ from drafter_client.benchmarks.report import write_json  # noqa: E402
 
 
 def engine_main(index: int, sock: str, batch: int, context: int, m: int, k: int, width: int, vocab: int,
-                iters: int, barriers, results) -> None:
+                iters: int, jitter_s: float, barriers, results) -> None:
     """One engine: its sequences' prefill and 3 warm-up steps, then (the parent reads the drafter's metrics between
     the two start barriers) the timed decode steps, each after the step barrier."""
     try:
-        results.put((index, asyncio.run(_engine(index, sock, batch, context, m, k, width, vocab, iters, barriers))))
+        results.put((index, asyncio.run(_engine(index, sock, batch, context, m, k, width, vocab, iters, jitter_s,
+                                                barriers))))
     except BaseException as e:  # (the parent reports it; broken barriers free the others)
         for b in barriers:
             b.abort()
         results.put((index, f"{type(e).__name__}: {e}"))
 
 
-async def _engine(index, sock, batch, context, m, k, width, vocab, iters, barriers) -> list[float]:
+async def _engine(index, sock, batch, context, m, k, width, vocab, iters, jitter_s, barriers) -> list[float]:
     import dataclasses
 
     from drafter_client import DrafterClient
@@ -70,6 +73,7 @@ async def _engine(index, sock, batch, context, m, k, width, vocab, iters, barrie
         assert await c.open_step_channel(request_bytes=max(16 << 20, 4 * batch * m * width)), "no step channel"
         step = dataclasses.replace(steps_as_batch(decode), hidden_states=torch.cat([s.hidden_states for s in decode]))
         ready, go, each_step = barriers
+        rng = random.Random(index)
         wait = lambda b: asyncio.get_running_loop().run_in_executor(None, b.wait, 600)  # noqa: E731
         times = []
         for i in range(iters + 3):
@@ -77,6 +81,8 @@ async def _engine(index, sock, batch, context, m, k, width, vocab, iters, barrie
                 await wait(ready)
                 await wait(go)
             await wait(each_step)
+            if jitter_s:  # (engines out of step: each sends after a random delay of its own, drawn every step)
+                await asyncio.sleep(rng.uniform(0, jitter_s))
             t0 = time.perf_counter()
             r = await c.propose_batch(step)
             times.append(time.perf_counter() - t0)
@@ -106,6 +112,7 @@ def run_engines(n: int, sock: str, port: int, a, width: int, vocab: int) -> dict
     barriers, results = (ctx.Barrier(n + 1), ctx.Barrier(n + 1), ctx.Barrier(n)), ctx.Queue()
     per = a.batch // n
     procs = [ctx.Process(target=engine_main, args=(i, sock, per, a.context, a.m, a.k, width, vocab, a.iters,
+                                                   a.jitter_ms / 1e3,
                                                    barriers, results)) for i in range(n)]
     for p in procs:
         p.start()
@@ -143,6 +150,9 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=3)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--jitter-ms", type=float, default=0.0,
+                    help="each engine sends its step a random 0..J ms after the barrier (drawn every step): engines "
+                         "out of step, which the merge window should rarely wait for")
     ap.add_argument("--merge-windows", default="300",
                     help="drafter --merge-window-us values, a drafter each (comma-separated; 0: no waits)")
     ap.add_argument("--out", default="bench_out/merged_engines.json")
@@ -194,7 +204,7 @@ def main() -> int:
                 server.wait(60)
     device = (f"cuda: {torch.cuda.get_device_name()}" if a.device == "cuda" else
               f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    print(f"\n{a.preset}, batch {a.batch} in all, m = {a.m}, k = {a.k}, {device}")
+    print(f"\n{a.preset}, batch {a.batch} in all, m = {a.m}, k = {a.k}, jitter {a.jitter_ms} ms, {device}")
     print(f"{'window us':>9} {'engines':>8} {'engine ms':>10} {'p90':>8} {'seqs/batch':>11} {'worker ms':>10} "
           f"{'/ in-process':>13} {'waits/step':>11} {'complete':>9}")
     for r in rows:

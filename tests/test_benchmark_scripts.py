@@ -194,7 +194,8 @@ def test_bench_step_host_ops_times_every_piece_and_says_which_path_ran(tmp_path)
 
 def test_bench_merged_engines_runs_every_engine_count_and_window(tmp_path):
     result = run(["benchmarks/bench_merged_engines.py", "--preset", "tiny", "--device", "cpu", "--batch", "8",
-                  "--engines", "1,2", "--iters", "3", "--merge-windows", "0,300"], tmp_path / "merged.json")
+                  "--engines", "1,2", "--iters", "3", "--merge-windows", "0,300", "--jitter-ms", "1"],
+                 tmp_path / "merged.json")
     assert result["benchmark"] == "merged_engines" and result["date"] and result["in_process_ms"] > 0
     assert [(r["merge_window_us"], r["engines"], r["sequences_per_engine"]) for r in result["rows"]] == [
         (0, 1, 8), (0, 2, 4), (300, 1, 8), (300, 2, 4)]
