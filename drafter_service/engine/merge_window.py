@@ -20,7 +20,8 @@ its last request is kept. Before the step thread forms a batch:
 A wait that runs out (a partner did not come) costs at most window_s once: the late engine's new arrival no longer
 lies near the others', so it is not waited for next time unless it steps with them again. Engines of unrelated
 cadences rarely arrive within window_s of one another (about 2 * window_s / cycle of their steps), so they are rarely
-waited for.
+waited for; engines at one cadence whose offsets change by milliseconds every step are waited for often, each wait
+ending at window_s (docs/performance.md, "Engines out of step": no step time lost that shows).
 """
 import bisect
 from dataclasses import dataclass
