@@ -90,7 +90,8 @@ class Metrics:
                                          buckets=BATCH_SEQUENCES_BUCKETS, registry=r)
         self.queue_wait_seconds = Histogram(
             "drafter_queue_wait_seconds",
-            "Time a Propose request (gRPC or step channel) waited for the step thread: queued to its batch's start.",
+            "Time a Propose request (gRPC or step channel) waited for the step thread: queued (a step-channel request: "
+            "its client's doorbell) to its batch's start.",
             buckets=LATENCY_BUCKETS_S, registry=r)
         self.propose_seconds = Histogram(
             "drafter_propose_seconds",

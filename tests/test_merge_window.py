@@ -150,3 +150,41 @@ async def test_a_job_ends_a_wait_early():
         assert ran.is_set() and sched.merge_window.counters.waited_s < 2.0
     finally:
         await sched.stop()
+
+
+async def test_two_engines_through_step_channels_share_a_batch(tiny_model, tmp_path):
+    """The drafter end to end: two engines (a client and a step channel each, namespaces of their own), the second
+    sending 3 ms after the first every step. With a window wider than that gap, every step after the first runs
+    both in one batch, and the drafts are the ones each engine gets alone."""
+    from conftest import ServerThread, make_config
+    from drafter_client import DrafterClient, SequenceStep
+
+    head, target = tiny_model
+    g = torch.Generator().manual_seed(0)
+    steps = {ns: SequenceStep("s", 0, list(range(10, 14)), torch.randn(4, 64, generator=g), 1, 3)
+             for ns in ("engine-a", "engine-b")}
+    with ServerThread(make_config(head, target, tmp_path, merge_window_us=10_000)) as server:
+        async with DrafterClient(server.uds, namespace="engine-a") as a, \
+                DrafterClient(server.uds, namespace="engine-b") as b:
+            assert await a.open_step_channel() and await b.open_step_channel()
+            alone = {ns: (await c.propose([steps[ns]])).sequences[0].drafts.tolist()
+                     for ns, c in (("engine-a", a), ("engine-b", b))}  # (each engine's step alone, in turn)
+
+            async def late(c, ns):
+                await asyncio.sleep(0.003)
+                return await c.propose([steps[ns]])
+
+            scheduler, rounds = server.server.scheduler, 8
+            batches_before = scheduler.batches_run
+            for _ in range(rounds):  # (the same step re-sent: the protocol allows re-sending committed positions)
+                ra, rb = await asyncio.gather(a.propose([steps["engine-a"]]), late(b, "engine-b"))
+                assert ra.sequences[0].drafts.tolist() == alone["engine-a"]
+                assert rb.sequences[0].drafts.tolist() == alone["engine-b"]
+            assert a.steps_through_channel == b.steps_through_channel == rounds + 1
+            counters = scheduler.merge_window.counters
+            # from the loop's first or second round on, both engines' steps run in one batch (up to two rounds spared
+            # for a loaded machine that delays the second engine past the window)
+            merged_rounds = 2 * rounds - (scheduler.batches_run - batches_before)
+            assert merged_rounds >= rounds - 3 and counters.complete >= rounds - 3, (merged_rounds, counters)
+            text = server.server.runtime.metrics.prometheus_text()
+            assert f"drafter_merge_window_complete_total {float(counters.complete)}" in text

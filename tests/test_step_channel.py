@@ -428,3 +428,27 @@ def test_rehearsals_take_at_most_a_fifth_of_the_wait(monkeypatch, rehearsal_ms, 
         assert len(rehearsals) > 300 and all(step_channel.REHEARSE_EVERY_S <= g < 0.00025 for g in gaps)
     else:
         assert 0.1 < busy <= most + 0.01, busy
+
+
+def test_a_request_carries_its_send_time_which_the_drafter_checks():
+    """request_sent_ns (the mailbox header): stamped when the client rings the doorbell; the drafter believes it only
+    as a CLOCK_MONOTONIC time of this host within its limit (a client of another time namespace, an older client that
+    writes none, or one that lies places its request at the time the drafter saw it)."""
+    import mmap as mmap_module
+    import time as time_module
+
+    from drafter_client.protocol import mailbox as mb
+
+    mm = mmap_module.mmap(-1, Mailbox.segment_bytes(4096, 4096))
+    box = Mailbox.initialize(mm, 4096, 4096, checksums=False)
+    assert box.request_age_s(1.0) is None  # nothing written yet
+    before = time_module.monotonic_ns()
+    box.write(box.request, 1, b"request")
+    assert before <= box.words[mb._REQUEST_SENT_NS] <= time_module.monotonic_ns()
+    assert 0.0 <= box.request_age_s(1.0) < 0.5
+    box.write(box.reply, 1, b"reply")  # (a reply carries no send time)
+    for lie in (time_module.monotonic_ns() + 10**10, time_module.monotonic_ns() - 5 * 10**9):
+        box.words[mb._REQUEST_SENT_NS] = lie  # 10 s ahead, 5 s old
+        assert box.request_age_s(1.0) is None
+    box.release()
+    mm.close()

@@ -12,6 +12,8 @@ socket (step_channels.py). Both map it read-write. One request is in flight at a
   64      request_seq                client: bumped (+1) after the request's bytes, length and crc are written
   72      request_len                client
   80      request_crc                client: crc32 over request_seq (8 bytes LE) then the request bytes, or 0
+  88      request_sent_ns            client: CLOCK_MONOTONIC (time.monotonic_ns) just before it rang the doorbell;
+                                     0 from clients before it (the drafter then takes the time it saw the request)
   128     state                      drafter: 1 open, 2 closed (it takes no more requests)
   136     taken_seq                  drafter: the last request_seq it read
   192     reply_seq                  drafter: the request_seq it answers, bumped after the reply is written
@@ -30,6 +32,7 @@ not paid where the hardware already orders the stores.)
 """
 import mmap
 import platform
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Callable
@@ -42,7 +45,7 @@ CHECKSUMS = 1  # flags bit
 
 # word indices (offset // 8)
 _MAGIC, _REQUEST_CAPACITY, _REPLY_CAPACITY, _FLAGS = 0, 1, 2, 3
-_REQUEST_SEQ, _REQUEST_LEN, _REQUEST_CRC = 8, 9, 10
+_REQUEST_SEQ, _REQUEST_LEN, _REQUEST_CRC, _REQUEST_SENT_NS = 8, 9, 10, 11
 _STATE, _TAKEN_SEQ = 16, 17
 _REPLY_SEQ, _REPLY_LEN, _REPLY_CRC = 24, 25, 26
 
@@ -63,6 +66,7 @@ class _Area:
     crc: int
     start: int  # byte offset of the area
     capacity: int
+    sent_ns: int | None = None  # word index of the writer's send time (the request area only)
 
 
 class Mailbox:
@@ -77,7 +81,7 @@ class Mailbox:
         req_cap, rep_cap = self.words[_REQUEST_CAPACITY], self.words[_REPLY_CAPACITY]
         if HEADER_BYTES + req_cap + rep_cap > len(mm):
             raise ValueError("mailbox capacities exceed the segment")
-        self.request = _Area(_REQUEST_SEQ, _REQUEST_LEN, _REQUEST_CRC, HEADER_BYTES, req_cap)
+        self.request = _Area(_REQUEST_SEQ, _REQUEST_LEN, _REQUEST_CRC, HEADER_BYTES, req_cap, _REQUEST_SENT_NS)
         self.reply = _Area(_REPLY_SEQ, _REPLY_LEN, _REPLY_CRC, HEADER_BYTES + req_cap, rep_cap)
 
     @staticmethod
@@ -132,6 +136,8 @@ class Mailbox:
             crc = _crc(seq, payload) if self.checksums else 0
         self.words[area.length] = n
         self.words[area.crc] = crc
+        if area.sent_ns is not None:
+            self.words[area.sent_ns] = time.monotonic_ns()
         self.words[area.seq] = seq
 
     def read(self, area: _Area, seq: int, into: "Callable[[int], memoryview] | None" = None) -> "bytes | memoryview | None":
@@ -166,6 +172,16 @@ class Mailbox:
             payload.release()
             return None
         return payload
+
+    def request_age_s(self, max_s: float) -> float | None:
+        """Drafter: how long ago the client rang the request doorbell (its request_sent_ns), in [0, max_s]; None where
+        the client wrote none (an older one) or a time that is no CLOCK_MONOTONIC of this host's within max_s (a
+        client in another time namespace, or one that lies: the value only places the request's arrival)."""
+        sent = self.words[_REQUEST_SENT_NS]
+        if sent == 0:
+            return None
+        age = (time.monotonic_ns() - sent) * 1e-9
+        return age if 0.0 <= age <= max_s else None
 
     def take(self, seq: int) -> None:
         """Drafter: mark request seq as read (a client that sees state CLOSED and taken_seq != its seq resends

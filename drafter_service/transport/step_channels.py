@@ -56,6 +56,7 @@ HELLO_TIMEOUT_S = 2.0
 MIN_AREA_BYTES = 4096
 LIVENESS_PERIOD_S = 0.1  # how often the step thread checks that each channel's client is still connected
 STUCK_REQUEST_S = 1.0  # a doorbell whose bytes never check out is answered with an error after this
+MAX_REQUEST_AGE_S = 1.0  # a request's send time (mailbox request_sent_ns) older than this is not believed: seen time
 
 
 @dataclass
@@ -286,6 +287,10 @@ class ChannelSet:
             seq = box.doorbell(box.request)
             if seq != ch.taken:
                 t_seen = time.perf_counter()
+                # when the client rang the doorbell (the mailbox's request_sent_ns), in this clock: a request that
+                # landed while the step thread ran a batch is seen only after it, but it arrived before
+                age = box.request_age_s(MAX_REQUEST_AGE_S)
+                arrived = t_seen if age is None else t_seen - age
                 large = box.words[box.request.length] >= MIN_SCAN_BYTES
                 # (a view of the mailbox: the client writes again only after the reply; a frame's states then go to
                 # the device from it, whatever its size)
@@ -306,7 +311,7 @@ class ChannelSet:
                     continue
                 self._take(ch, seq)
                 found = True
-                self._handle(ch, seq, payload, enqueue, t_seen)
+                self._handle(ch, seq, payload, enqueue, t_seen, arrived)
         now = now or time.monotonic()
         for ch in self._open:
             if now - ch.checked_at > LIVENESS_PERIOD_S:
@@ -335,9 +340,11 @@ class ChannelSet:
         ch.requests += 1
         ch.box.take(seq)
 
-    def _handle(self, ch: Channel, seq: int, payload: bytes, enqueue, t_seen: float) -> None:
+    def _handle(self, ch: Channel, seq: int, payload: bytes, enqueue, t_seen: float, arrived: float) -> None:
+        """Decode a channel's request and queue it (arrived: when its client sent it, time.perf_counter's clock: the
+        queue wait and the merge window count from there), or answer its error."""
         if ch.frames and step_frame.starts_with(payload, step_frame.REQUEST_MAGIC):
-            self._handle_frame(ch, seq, payload, enqueue, t_seen)
+            self._handle_frame(ch, seq, payload, enqueue, t_seen, arrived)
             return
         t_enter = time.perf_counter()
         request_id = 0
@@ -379,9 +386,10 @@ class ChannelSet:
 
         # (a channel closed before its request ran: nobody reads the reply, and its sequences are freed already)
         enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed,
+                               enqueued_at=arrived,
                                early=early if isinstance(steps, BatchInput) and not dry else None))
 
-    def _handle_frame(self, ch: Channel, seq: int, payload, enqueue, t_seen: float) -> None:
+    def _handle_frame(self, ch: Channel, seq: int, payload, enqueue, t_seen: float, arrived: float) -> None:
         """_handle for a request frame (step_frame.py): checked as a columnar request, answered with a reply frame
         (a request-level error: the ProposeResponse with ``error`` set that _handle answers)."""
         t_enter = time.perf_counter()
@@ -422,6 +430,7 @@ class ChannelSet:
 
         self.frames_taken += 1
         enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed,
+                               enqueued_at=arrived,
                                early=early if isinstance(steps, BatchInput) and not dry else None))
 
     def _answer(self, ch: Channel, seq: int, request_id: int, reply: bytes, request, trace: dict | None,
