@@ -9,24 +9,32 @@ steps per engine step instead of one.
 The rule is co-arrival: an engine's request is worth waiting for when, at its previous step, it arrived within
 window_s of a queued engine's previous request ("they stepped together last time, they will again"). Per engine (an
 owner: a step channel or a ProposeStream; unary requests have none and are never waited for) only the arrival time of
-its last request is kept. Before the step thread forms a batch:
+its last request is kept (a step channel's: when its client rang the doorbell, even if the step thread was busy and
+saw it later). Before the step thread forms a batch:
 
   - the *partners* are the engines that are not queued and whose last arrival lies within window_s of a queued
-    engine's last arrival (before the request now queued);
+    engine's last arrival;
   - the thread polls for them until every partner has a request queued, or until window_s has passed since the
-    queue's first request arrived. A request that already waited window_s (the thread was busy: load) starts at
-    once, so the window adds nothing under load; one engine alone has no partner and pays only the bookkeeping.
+    arrival of the last partner that came (the queue's first request to begin with). A partner that comes is an
+    anchor too: its own partners are waited for, so engines spread over more than window_s in a chain of gaps under
+    window_s (four engines 0.1-0.25 ms apart) are all caught, each gap confirmed by a request that came;
+  - the whole wait ends by the last batch's duration after the queue's first request (MAX_MERGE_WAIT_S at most, and
+    window_s at least): waiting longer costs more than running the late engines' steps on their own. A request that
+    already waited window_s (the thread was busy: load) starts at once, so the window adds nothing under load; one
+    engine alone has no partner and pays only the bookkeeping.
 
-A wait that runs out (a partner did not come) costs at most window_s once: the late engine's new arrival no longer
-lies near the others', so it is not waited for next time unless it steps with them again. Engines of unrelated
-cadences rarely arrive within window_s of one another (about 2 * window_s / cycle of their steps), so they are rarely
-waited for; engines at one cadence whose offsets change by milliseconds every step are waited for often, each wait
-ending at window_s (docs/performance.md, "Engines out of step": no step time lost that shows).
+A wait that runs out (a partner did not come) costs at most window_s after the last arrival: the late engine's new
+arrival no longer lies near the others', so it is not waited for next time unless it steps with them again. Engines
+of unrelated cadences rarely arrive within window_s of one another (about 2 * window_s / cycle of their steps), so
+they are rarely waited for; engines at one cadence whose offsets change by milliseconds every step are waited for
+often, each wait ending window_s after the last request that came (docs/performance.md, "Engines out of step").
 """
 import bisect
 from dataclasses import dataclass
 
 FORGET_S = 30.0  # an owner with no request for this long is forgotten (its channel or stream is gone, or idle)
+MAX_MERGE_WAIT_S = 0.010  # a merge-window wait ends by this long after the queue's first request, whatever else
+MERGE_POLL_S = 20e-6  # during a wait the step thread polls the channels and the queue this often
 
 
 @dataclass

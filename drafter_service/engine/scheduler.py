@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from drafter_service.engine.batch_io import BatchInput, BatchOutput
-from drafter_service.engine.merge_window import MergeWindow
+from drafter_service.engine.merge_window import MAX_MERGE_WAIT_S, MERGE_POLL_S, MergeWindow
 from drafter_service.engine.proposer import Proposer
 from drafter_service.engine.step_io import StepInput, StepOutput
 from drafter_client.protocol.timer_slack import set_timer_slack
@@ -182,6 +182,7 @@ class StepScheduler:
         self._stopping = False
         self.batches_run = 0
         self._last_batch_end: float | None = None  # time.perf_counter() when the last batch was answered
+        self._last_batch_s = 0.0  # how long the last batch took, start to answers (caps a merge-window wait)
         self._cycle_owner: str | None = None  # the owner of the last batch's requests when they had one, and when
         self._cycle_arrived = 0.0  # its first request arrived (pre-drafting's cycle check)
         self.requests_merged = 0  # requests that shared a batch with another
@@ -307,29 +308,43 @@ class StepScheduler:
             self._channels.close_all("the drafter is shutting down")
 
     def _wait_for_partners(self, channels) -> None:
-        """Before a batch: poll for the engines that arrived together with the queued ones last time (merge_window.py),
-        until each has a request queued or merge_window_s has passed since the queue's first request."""
+        """Before a batch: poll for the engines that arrived together with the queued ones last time (merge_window.py)
+        until each has a request queued, or until merge_window_s has passed since the last of the group's requests
+        to come (the queue's first one to begin with). A partner that comes brings its own partners (the group
+        follows its arrivals); the whole wait never runs past the last batch's duration from the first request."""
+        window = self.merge_window
         queued = list(self._queue)  # (a snapshot: the event loop appends to the deque)
-        deadline = min(p.enqueued_at for p in queued) + self.merge_window.window_s
+        first = min(p.enqueued_at for p in queued)
+        deadline = first + window.window_s
         start = time.perf_counter()
         if start >= deadline:
             return
-        missing = self.merge_window.partners({p.owner() for p in queued})
+        owners = {p.owner() for p in queued}
+        missing = window.partners(owners)
         if not missing:
             return
+        # (a wait longer than a batch costs more than running the late engines' steps on their own)
+        cap = first + max(window.window_s, min(self._last_batch_s, MAX_MERGE_WAIT_S))
         seen = len(queued)
         while True:
             if channels is not None:
                 channels.poll(self._queue.append)
             if len(self._queue) > seen:
                 queued = list(self._queue)
-                missing.difference_update(p.owner() for p in queued[seen:])
+                came = [p for p in queued[seen:] if p.owner() in missing]
                 seen = len(queued)
+                if came:
+                    owners.update(p.owner() for p in came)
+                    missing = window.partners(owners)
+                    deadline = max(deadline, max(p.enqueued_at for p in came) + window.window_s)
             now = time.perf_counter()
-            if not missing or now >= deadline or self._jobs or self._stopping:
+            if not missing or now >= min(deadline, cap) or self._jobs or self._stopping:
                 break
-            time.sleep(0)  # (yield the GIL: a gRPC request is queued by the event loop)
-        self.merge_window.record_wait(now - start, complete=not missing)
+            # a real sleep, not time.sleep(0): a partner's gRPC request is queued by the event loop's thread, which
+            # must get the GIL; after a sleep(0) this thread takes it back before that one has woken (up to the 5 ms
+            # switch interval of waiting), which would let the window run out for a request that had come
+            time.sleep(MERGE_POLL_S)
+        window.record_wait(now - start, complete=not missing)
 
     def _request_waiting(self, channels) -> bool:
         """Whether a request or a job waits for the step thread (polls the step channels: what they hold is queued)."""
@@ -406,3 +421,4 @@ class StepScheduler:
         for p in batch:  # (after the replies are on their way)
             self.proposer.metrics.observe_queue_wait(t0 - p.enqueued_at)
         self._last_batch_end = time.perf_counter()
+        self._last_batch_s = self._last_batch_end - t0
