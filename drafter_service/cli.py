@@ -111,10 +111,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     ap.add_argument("--step-channel-spin-s", type=float, default=d.step_channel_spin_s,
                     help="after a channel request, the step thread busy-polls the channels this long (one core)")
     ap.add_argument("--merge-window-us", type=int, default=d.merge_window_us,
-                    help="before a batch starts, wait up to this many microseconds after the queue's first request "
-                         "for the engines (step channels, streams) that arrived together with the queued ones at "
-                         "their previous step, so that engines stepping in lockstep share one batch; 0: never wait "
-                         "(docs/deployment.md, Scaling)")
+                    help="before a batch starts, wait for the engines (step channels, streams) that arrived within "
+                         "this many microseconds of the queued ones at their previous step, so that engines stepping "
+                         "in lockstep share one batch; 0: never wait (default: 300 on CUDA, 0 on CPU, where merging "
+                         "saves nothing; docs/deployment.md, Scaling)")
     ap.add_argument("--step-channel-checksums", choices=("auto", "on", "off"), default="auto",
                     help="crc32 over every step-channel message (auto: only on CPUs that may reorder stores, i.e. "
                          "not x86-64; docs/step_channel.md)")

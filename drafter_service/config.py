@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 # so the graphs and their memory pool stay bounded (engine/cuda_graphs.py)
 MAX_FIRST_STEP_GRAPH_TOKENS = 16
 MAX_MERGE_WINDOW_US = 10_000  # --merge-window-us: longer than a drafter step, a wait costs more than it saves
+DEFAULT_MERGE_WINDOW_US = 300  # on CUDA (ServerConfig.merge_window_us_for)
 
 
 @dataclass
@@ -71,9 +72,10 @@ class ServerConfig:
     step_channel_socket: str | None = None  # None: "<the first unix --listen path>.steps"; no unix listener: off
     step_channel_spin_s: float = 0.05  # after a channel request the step thread busy-polls (one core) this long
     step_channel_idle_poll_s: float = 0.0002  # then it polls this often
-    # Batching (engine/merge_window.py): before a batch starts, wait up to this long after the queue's first request
-    # for the engines that arrived together with the queued ones at their previous step; 0: never wait
-    merge_window_us: int = 300
+    # Batching (engine/merge_window.py): before a batch starts, wait for the engines that arrived within this many
+    # microseconds of the queued ones at their previous step; 0: never wait; None: DEFAULT_MERGE_WINDOW_US on CUDA, 0 on
+    # CPU (merge_window_us_for)
+    merge_window_us: int | None = None
     step_channel_checksums: bool | None = None  # crc32 over every message; None: only on weakly ordered CPUs
     step_channel_frames: bool = True  # request frames on channels whose client asks (step_frame.py); False: protobuf
     step_channel_max: int = 64  # channels open at once
@@ -86,6 +88,14 @@ class ServerConfig:
     namespace_from_client_cert: bool = False  # TLS clients may use only the namespaces their certificate names
     socket_group: str | None = None  # group of the Unix sockets (mode 0660); None: the process's group
     reflection: bool = False  # grpc server reflection (grpcurl without the .proto)
+
+    def merge_window_us_for(self, device_type: str) -> int:
+        """The merge window on this device: as set, or by default DEFAULT_MERGE_WINDOW_US on CUDA and 0 on CPU, where a
+        step's cost grows with its batch (compute-bound), so that merging engines' steps saves nothing and delays
+        each engine to the end of the others' (docs/deployment.md, "Engines that step together")."""
+        if self.merge_window_us is not None:
+            return self.merge_window_us
+        return DEFAULT_MERGE_WINDOW_US if device_type == "cuda" else 0
 
     def step_channel_path(self) -> str | None:
         """Where the step-channel socket listens, or None when channels are off."""
@@ -121,7 +131,7 @@ class ServerConfig:
             raise ValueError("namespace_pool_share must be in (0, 1]")
         if self.step_channel_spin_s < 0 or self.step_channel_idle_poll_s <= 0:
             raise ValueError("step_channel_spin_s must be >= 0 and step_channel_idle_poll_s > 0")
-        if not 0 <= self.merge_window_us <= MAX_MERGE_WINDOW_US:
+        if self.merge_window_us is not None and not 0 <= self.merge_window_us <= MAX_MERGE_WINDOW_US:
             raise ValueError(f"merge_window_us must be in [0, {MAX_MERGE_WINDOW_US}] (got {self.merge_window_us}): "
                              "a wait longer than a step costs more than the step it saves")
         if (self.tls_cert is None) != (self.tls_key is None):

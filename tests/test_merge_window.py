@@ -52,7 +52,9 @@ def test_an_engine_not_seen_for_a_while_is_forgotten():
 
 
 def test_the_window_is_a_server_flag_with_limits():
-    assert ServerConfig(model="m").merge_window_us == 300
+    default = ServerConfig(model="m")
+    assert default.merge_window_us_for("cuda") == 300 and default.merge_window_us_for("cpu") == 0
+    assert ServerConfig(model="m", merge_window_us=500).merge_window_us_for("cpu") == 500
     assert parse_args(["--model", "m", "--merge-window-us", "0"]).merge_window_us == 0
     assert parse_args(["--model", "m", "--merge-window-us", "10000"]).merge_window_us == 10_000
     for bad in (-1, 10_001):
