@@ -411,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slack-s", type=float, default=0.5, help="a step later than deadline + slack counts as late")
     ap.add_argument("--target-step-ms", type=float, default=5.0,
                     help="each engine step also waits this long (the target's forward pass)")
+    ap.add_argument("--merge-window-us", type=int, default=1000,
+                    help="the drafter's --merge-window-us (0 by default on CPU): its waits for engines that step "
+                         "together run through the same faults")
     ap.add_argument("--fault-every-s", type=float, default=4.0)
     ap.add_argument("--check-every", type=int, default=10, help="check one drafting step in N against the naive")
     ap.add_argument("--faults", default="flood,cut,kill,restart", help="the fault kinds, injected in this order")
@@ -432,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         head, target = write_eagle1(tmp / "model", seed=0, fc_bias=True)
         drafter = SidecarProcess(head, target, device="cpu", extra_args=[
             "--kv-cache-tokens", str(a.kv_tokens), "--max-model-len", str(a.max_len + 32),
-            "--sequence-lease-s", str(a.lease_s), "--log-level", "WARNING"]).start()
+            "--sequence-lease-s", str(a.lease_s), "--merge-window-us", str(a.merge_window_us),
+            "--log-level", "WARNING"]).start()
         address = drafter.address
         proxy = CuttingProxy(pathlib.Path(address.removeprefix("unix:")))
         engine_args = dict(sequences=a.sequences, batch_sequences=a.batch_sequences, max_len=a.max_len,

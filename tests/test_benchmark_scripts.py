@@ -192,6 +192,12 @@ def test_bench_step_host_ops_times_every_piece_and_says_which_path_ran(tmp_path)
     assert all(r["host_us"] > 0 for r in result["rows"])
 
 
+def test_spin_gil_handoff_times_every_case(tmp_path):
+    result = run(["scripts/spin_gil_handoff.py", "--rounds", "1", "--calls", "3"], tmp_path / "spin.json")
+    assert result["benchmark"] == "spin_gil_handoff" and result["spin_handoff_every"] >= 1
+    assert len(result["rows"]) == 4 and all(r["median_ms"] > 0 for r in result["rows"])
+
+
 def test_bench_merged_engines_runs_every_engine_count_and_window(tmp_path):
     result = run(["benchmarks/bench_merged_engines.py", "--preset", "tiny", "--device", "cpu", "--batch", "8",
                   "--engines", "1,2", "--iters", "3", "--merge-windows", "0,300", "--jitter-ms", "1"],

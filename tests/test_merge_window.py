@@ -1,5 +1,6 @@
 """The merge window (engine/merge_window.py): which engines a batch start waits for, and the step thread's waits."""
 import asyncio
+import contextlib
 import threading
 import time
 import types
@@ -91,6 +92,17 @@ def _step(owner, i):
                       owner=owner)]
 
 
+@contextlib.asynccontextmanager
+async def _running(proposer, window_s: float):
+    """A step thread over proposer with a merge window of window_s, stopped on the way out."""
+    sched = StepScheduler(proposer, max_batch_tokens=1024, max_batch_seqs=64, merge_window_s=window_s)
+    sched.start()
+    try:
+        yield sched
+    finally:
+        await sched.stop()
+
+
 async def _round(sched, i, owners, gap_s):
     """The owners' steps, gap_s apart (the first at once), each through submit(); back when all are answered."""
     tasks = []
@@ -103,9 +115,7 @@ async def _round(sched, i, owners, gap_s):
 
 async def test_engines_that_stepped_together_share_a_batch_and_a_missing_one_costs_one_wait():
     proposer = _RecordingProposer()
-    sched = StepScheduler(proposer, max_batch_tokens=1024, max_batch_seqs=64, merge_window_s=0.05)
-    sched.start()
-    try:
+    async with _running(proposer, 0.05) as sched:
         for i in range(6):  # two engines, the second 3 ms after the first (the step thread runs the first at once)
             await _round(sched, i, ["engine a", "engine b"], 0.003)
         counters = sched.merge_window.counters
@@ -122,17 +132,13 @@ async def test_engines_that_stepped_together_share_a_batch_and_a_missing_one_cos
             await _round(sched, i, ["engine a"], 0)
         assert counters.waits == waits + 1
         assert proposer.batches[-4:] == [["engine a"]] * 4
-    finally:
-        await sched.stop()
 
 
 async def test_a_group_spread_wider_than_the_window_is_followed_through_its_arrivals():
     """Three engines 2 ms apart, a window of 3 ms: the third is 4 ms after the first, but each comes within the window
     of the one before, so the wait follows them (a step of 10 ms allows a wait that long)."""
     proposer = _RecordingProposer(step_s=0.010)
-    sched = StepScheduler(proposer, max_batch_tokens=1024, max_batch_seqs=64, merge_window_s=0.003)
-    sched.start()
-    try:
+    async with _running(proposer, 0.003) as sched:
         for i in range(6):
             await _round(sched, i, ["engine a", "engine b", "engine c"], 0.002)
         # (a loaded machine may delay an engine past the window now and then: one round in five spared)
@@ -140,48 +146,36 @@ async def test_a_group_spread_wider_than_the_window_is_followed_through_its_arri
         # the wait ends as soon as the group is in, not at the cap: about the 4 ms spread per step
         counters = sched.merge_window.counters
         assert counters.complete >= counters.waits - 1 and counters.waited_s < 0.009 * counters.waits
-    finally:
-        await sched.stop()
 
 
 async def test_a_wait_never_runs_past_the_last_batch():
     """A partner that keeps coming within the window of the previous arrival cannot stretch the wait past the last
     batch's duration (here 5 ms): the engines after that run in the next batch."""
     proposer = _RecordingProposer(step_s=0.005)
-    sched = StepScheduler(proposer, max_batch_tokens=1024, max_batch_seqs=64, merge_window_s=0.003)
-    sched.start()
-    try:
+    async with _running(proposer, 0.003) as sched:
         owners = [f"engine {i}" for i in range(6)]  # 2 ms apart: the last comes 10 ms after the first
         for i in range(5):
             await _round(sched, i, owners, 0.002)
         # (the wait ends 5 ms after the first request, the last batch's duration: the engines of 0, 2 and 4 ms join)
         assert sum(len(b) > 4 for b in proposer.batches[-8:]) == 0, proposer.batches
         assert sched.merge_window.counters.waited_s < 0.0085 * sched.merge_window.counters.waits
-    finally:
-        await sched.stop()
 
 
 async def test_one_engine_and_unary_requests_never_wait():
     proposer = _RecordingProposer()
-    sched = StepScheduler(proposer, max_batch_tokens=1024, max_batch_seqs=64, merge_window_s=0.05)
-    sched.start()
-    try:
+    async with _running(proposer, 0.05) as sched:
         for i in range(5):
             await _round(sched, i, ["engine a"], 0)
         for i in range(5):  # unary calls (no owner) now and then, as a health check's or a benchmark's would be
             await _round(sched, 10 + i, [None, None], 0.002)
         assert sched.merge_window.counters.waits == 0
         assert None not in sched.merge_window.last_arrival
-    finally:
-        await sched.stop()
 
 
 async def test_a_job_ends_a_wait_early():
     """Release and GetInfo run between batches: a merge-window wait gives way to them."""
     proposer = _RecordingProposer()
-    sched = StepScheduler(proposer, max_batch_tokens=1024, max_batch_seqs=64, merge_window_s=5.0)
-    sched.start()
-    try:
+    async with _running(proposer, 5.0) as sched:
         for i in range(2):
             await _round(sched, i, ["engine a", "engine b"], 0.003)
         ran = threading.Event()
@@ -190,8 +184,6 @@ async def test_a_job_ends_a_wait_early():
         await asyncio.wait_for(sched.run_exclusive(ran.set), 2.0)
         await asyncio.wait_for(task, 2.0)
         assert ran.is_set() and sched.merge_window.counters.waited_s < 2.0
-    finally:
-        await sched.stop()
 
 
 async def test_two_engines_through_step_channels_share_a_batch(tiny_model, tmp_path):

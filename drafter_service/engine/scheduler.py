@@ -11,9 +11,10 @@ run on the same thread between batches (run_exclusive), so they never race a ste
 (Proposer.expire_idle, checked at every turn of the loop) and the freeing of a closed stream's or channel's
 sequences (call_soon; ChannelSet.release_owner).
 
-Merging the steps of engines that step together (merge_window.py): before a batch starts, the thread waits up to
-merge_window_s after the queue's first request for the engines that arrived with the queued ones at their previous
-step, so that engines stepping in lockstep share one batch instead of running one after another.
+Merging the steps of engines that step together (merge_window.py): before a batch starts, the thread waits for the
+engines that arrived within merge_window_s of the queued ones at their previous step (_wait_for_partners: a window
+after the last of them to come, never longer than the last batch took), so that engines stepping in lockstep share
+one batch instead of running one after another. One engine alone never waits.
 
 Pre-drafting (predraft.py): when nothing is queued and sequences wait for their next step's drafts to be prepared,
 the thread runs a preparation pass, which stops between two forwards as soon as a request or job is queued (it polls
@@ -21,10 +22,10 @@ the channels itself).
 
 Idle policy: with no channel open the thread sleeps until submit() wakes it, or until the next sequence lease
 can run out (Proposer.expiry_wait) when sequences are live. With channels open it polls them,
-yielding the GIL between polls (time.sleep(0): the event loop can take it), for channel_spin_s after the last
-channel request (the gap between two engine steps), then every channel_idle_poll_s. The thread's timer slack is
-1 ns (Linux): with the default 50 us slack each time.sleep(0) lasts 50-75 us, about how late a request would be
-noticed.
+yielding the GIL between polls (time.sleep(0); every SPIN_HANDOFF_EVERY-th a real sleep of SPIN_HANDOFF_S, in which
+the event loop's thread, serving gRPC, can take the GIL), for channel_spin_s after the last channel request (the gap
+between two engine steps), then every channel_idle_poll_s. The thread's timer slack is 1 ns (Linux): with the
+default 50 us slack each time.sleep(0) lasts 50-75 us, about how late a request would be noticed.
 """
 import asyncio
 import faulthandler
@@ -150,6 +151,11 @@ def _log_failure(result, exc=None) -> None:
         log.error("step-thread job failed: %s: %s", type(exc).__name__, exc)
 
 
+# The idle spin over the step channels (see the module's docstring): every SPIN_HANDOFF_EVERY-th yield is a real
+# sleep of SPIN_HANDOFF_S, long enough for a thread woken for the GIL to take it (the others, sleep(0), ~4 us each)
+SPIN_HANDOFF_EVERY = 8
+SPIN_HANDOFF_S = 20e-6
+
 # Debugging stalls: when set (seconds), a batch or a pre-drafting pass that runs longer dumps every thread's stack to
 # stderr (faulthandler), so that a step that stalls (a kernel compile, a lock) shows where it waits.
 STALL_TRACE_S = float(os.environ.get("DRAFTER_STALL_TRACE_S") or 0)
@@ -266,6 +272,7 @@ class StepScheduler:
             # current device's stream, so a drafter on cuda:1 would launch them on cuda:0 with cuda:1's pointers
             torch.cuda.set_device(device)
         last_channel_request = 0.0
+        spins = 0
         while True:
             channels = self._channels
             self.proposer.expire_idle()  # (a clock read and a compare unless a lease may have run out)
@@ -298,7 +305,12 @@ class StepScheduler:
                 continue
             if channels is not None and channels.open_count():
                 if time.monotonic() - last_channel_request < self.channel_spin_s:
-                    time.sleep(0)  # yield the GIL to the event loop, then poll again
+                    # yield the GIL, then poll again; every SPIN_HANDOFF_EVERY polls a real sleep, so that the event
+                    # loop's thread (a gRPC request) gets the GIL: after sleep(0) this thread takes it back before a
+                    # waiting one has woken, which then waits out the 5 ms switch interval (a GetInfo took a median
+                    # 4.1-4.6 ms instead of 1.7-1.9 while the thread spun this way; scripts/spin_gil_handoff.py)
+                    spins += 1
+                    time.sleep(SPIN_HANDOFF_S if spins % SPIN_HANDOFF_EVERY == 0 else 0)
                     continue
                 self._wake.wait(self.channel_idle_poll_s)
             else:
