@@ -3,7 +3,7 @@
 After a step-channel request the drafter's step thread busy-polls the channels for --step-channel-spin-s, yielding the
 GIL between polls. A gRPC request needs the GIL on the event loop's thread; after a time.sleep(0) the spinning thread
 takes the GIL back before a woken thread can, and that one then waits out Python's 5 ms switch interval. So every
-SPIN_HANDOFF_EVERY-th yield is a real sleep of SPIN_HANDOFF_S (scheduler.py). This script times a GetInfo over gRPC
+HANDOFF_EVERY-th yield is a real sleep of HANDOFF_S (drafter_service/engine/gil_yield.py). This script times a GetInfo over gRPC
 (a job on the step thread: two GIL hand-offs each way) from a second client, with the drafter idle and while a step
 channel keeps its step thread spinning, for the handoff as configured and for sleep(0) only, in alternating rounds.
 The drafter runs in this process (ServerThread, tests/conftest.py), tiny head, CPU.
@@ -26,7 +26,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 
-from drafter_service.engine import scheduler  # noqa: E402
+from drafter_service.engine import gil_yield  # noqa: E402
 
 
 async def time_get_info(server, spinning: bool, calls: int) -> list[float]:
@@ -63,7 +63,7 @@ def main() -> int:
     from conftest import ServerThread, make_config
     from drafter_client.benchmarks.report import write_json
 
-    configured = scheduler.SPIN_HANDOFF_EVERY
+    configured = gil_yield.HANDOFF_EVERY
     variants = {f"handoff every {configured} polls": configured, "sleep(0) only": 1 << 62}
     cases = [(v, spinning) for v in variants for spinning in (False, True)]
     got: dict[str, list[float]] = {f"{v}, {'spinning' if s else 'idle'}": [] for v, s in cases}
@@ -73,12 +73,12 @@ def main() -> int:
         with ServerThread(make_config(head, target, tmp)) as server:
             for r in range(a.rounds):
                 for v, spinning in cases:
-                    scheduler.SPIN_HANDOFF_EVERY = variants[v]
+                    gil_yield.HANDOFF_EVERY = variants[v]
                     ms = asyncio.run(time_get_info(server, spinning, a.calls))
                     got[f"{v}, {'spinning' if spinning else 'idle'}"] += ms
                     print(f"round {r + 1}: {v}, {'spinning' if spinning else 'idle'}: median "
                           f"{statistics.median(ms):.2f} ms", flush=True)
-            scheduler.SPIN_HANDOFF_EVERY = configured
+            gil_yield.HANDOFF_EVERY = configured
     rows = []
     print(f"\nGetInfo over gRPC, ms ({a.rounds} rounds x {a.calls} calls), {platform.machine()}, "
           f"{os.cpu_count()} cores")
@@ -91,7 +91,7 @@ def main() -> int:
     out = write_json(a.out, dict(benchmark="spin_gil_handoff", date=datetime.datetime.now().isoformat(timespec="seconds"),
                                  device=f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                                  command=" ".join([sys.executable, *sys.argv]), args=vars(a),
-                                 spin_handoff_every=configured, spin_handoff_s=scheduler.SPIN_HANDOFF_S, rows=rows))
+                                 spin_handoff_every=configured, spin_handoff_s=gil_yield.HANDOFF_S, rows=rows))
     return 0 if out else 1
 
 

@@ -61,6 +61,7 @@ import torch
 
 from drafter_kernels import ops
 
+from drafter_service.engine.gil_yield import GilYield
 from drafter_service.engine.predraft_cycle import CycleCheck
 from drafter_service.engine.predraft_odds import OddsCheck
 from drafter_service.engine.sampling import SamplingSettings, seed_to_int64
@@ -174,6 +175,7 @@ class _InFlight:
         self.cuda = device.type == "cuda"
         self.should_stop = should_stop
         self.events: deque = deque()
+        self.yield_gil = GilYield()  # (between two event queries: gRPC requests still get the GIL)
 
     def launched(self) -> bool:
         """After a forward was queued: wait until fewer than IN_FLIGHT are; True when a request is waiting."""
@@ -187,7 +189,7 @@ class _InFlight:
                 elif self.should_stop():
                     return True
                 else:
-                    time.sleep(0)
+                    self.yield_gil()
         return self.should_stop()
 
 

@@ -22,8 +22,8 @@ the channels itself).
 
 Idle policy: with no channel open the thread sleeps until submit() wakes it, or until the next sequence lease
 can run out (Proposer.expiry_wait) when sequences are live. With channels open it polls them,
-yielding the GIL between polls (time.sleep(0); every SPIN_HANDOFF_EVERY-th a real sleep of SPIN_HANDOFF_S, in which
-the event loop's thread, serving gRPC, can take the GIL), for channel_spin_s after the last channel request (the gap
+yielding the GIL between polls (gil_yield.py: time.sleep(0), and now and then a real sleep, in which the event loop's
+thread, serving gRPC, can take the GIL), for channel_spin_s after the last channel request (the gap
 between two engine steps), then every channel_idle_poll_s. The thread's timer slack is 1 ns (Linux): with the
 default 50 us slack each time.sleep(0) lasts 50-75 us, about how late a request would be noticed.
 """
@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 
 from drafter_service.engine.batch_io import BatchInput, BatchOutput
+from drafter_service.engine.gil_yield import GilYield
 from drafter_service.engine.merge_window import MAX_MERGE_WAIT_S, MERGE_POLL_S, MergeWindow
 from drafter_service.engine.proposer import Proposer
 from drafter_service.engine.step_io import StepInput, StepOutput
@@ -150,11 +151,6 @@ def _log_failure(result, exc=None) -> None:
     if exc is not None:
         log.error("step-thread job failed: %s: %s", type(exc).__name__, exc)
 
-
-# The idle spin over the step channels (see the module's docstring): every SPIN_HANDOFF_EVERY-th yield is a real
-# sleep of SPIN_HANDOFF_S, long enough for a thread woken for the GIL to take it (the others, sleep(0), ~4 us each)
-SPIN_HANDOFF_EVERY = 8
-SPIN_HANDOFF_S = 20e-6
 
 # Debugging stalls: when set (seconds), a batch or a pre-drafting pass that runs longer dumps every thread's stack to
 # stderr (faulthandler), so that a step that stalls (a kernel compile, a lock) shows where it waits.
@@ -272,7 +268,7 @@ class StepScheduler:
             # current device's stream, so a drafter on cuda:1 would launch them on cuda:0 with cuda:1's pointers
             torch.cuda.set_device(device)
         last_channel_request = 0.0
-        spins = 0
+        yield_gil = GilYield()
         while True:
             channels = self._channels
             self.proposer.expire_idle()  # (a clock read and a compare unless a lease may have run out)
@@ -305,12 +301,7 @@ class StepScheduler:
                 continue
             if channels is not None and channels.open_count():
                 if time.monotonic() - last_channel_request < self.channel_spin_s:
-                    # yield the GIL, then poll again; every SPIN_HANDOFF_EVERY polls a real sleep, so that the event
-                    # loop's thread (a gRPC request) gets the GIL: after sleep(0) this thread takes it back before a
-                    # waiting one has woken, which then waits out the 5 ms switch interval (a GetInfo took a median
-                    # 4.1-4.6 ms instead of 1.7-1.9 while the thread spun this way; scripts/spin_gil_handoff.py)
-                    spins += 1
-                    time.sleep(SPIN_HANDOFF_S if spins % SPIN_HANDOFF_EVERY == 0 else 0)
+                    yield_gil()  # (to the event loop's thread too: gil_yield.py), then poll again
                     continue
                 self._wake.wait(self.channel_idle_poll_s)
             else:
