@@ -21,6 +21,7 @@ import grpc
 
 from drafter_client.protocol import step_frame
 from drafter_client.protocol.mailbox import CLOSED, VERSION, Mailbox
+from drafter_client.protocol.gil_yield import GilYield
 from drafter_client.protocol.timer_slack import get_timer_slack, set_timer_slack
 
 LIVENESS_PERIOD_S = 0.05  # while waiting: how often to check that the drafter still holds the channel's socket
@@ -221,16 +222,22 @@ class StepChannel:
             waiting.close()  # (a no-op once finished; on cancellation it closes the channel)
 
     def call_blocking(self, payload, timeout: float | None = None) -> bytes:
-        """call() on the calling thread, without an event loop. Its spin sleeps with time.sleep(0), which lets other
-        threads take the GIL; for the call, the thread's timer slack is 1 ns (Linux; restored after), or each of
-        those sleeps would last the default 50 us slack and more."""
+        """call() on the calling thread, without an event loop. Its spin sleeps with time.sleep(0), and every few
+        polls a 20 us sleep in which the process's other threads can take the GIL (protocol/gil_yield.py); for the
+        call, the thread's timer slack is 1 ns (Linux; restored after), or each of those sleeps would last the
+        default 50 us slack and more."""
         waiting = self._wait(payload, timeout)
         slack = get_timer_slack()
         if slack is not None:
             set_timer_slack(1)
         try:
+            yield_gil = GilYield()  # (the engine's other threads get the GIL while this one spins: gil_yield.py)
             while True:
-                time.sleep(next(waiting))
+                pause = next(waiting)
+                if pause:
+                    time.sleep(pause)
+                else:
+                    yield_gil()
         except StopIteration as done:
             return done.value
         finally:

@@ -3,7 +3,7 @@
 After a step-channel request the drafter's step thread busy-polls the channels for --step-channel-spin-s, yielding the
 GIL between polls. A gRPC request needs the GIL on the event loop's thread; after a time.sleep(0) the spinning thread
 takes the GIL back before a woken thread can, and that one then waits out Python's 5 ms switch interval. So every
-HANDOFF_EVERY-th yield is a real sleep of HANDOFF_S (drafter_service/engine/gil_yield.py). This script times a GetInfo over gRPC
+HANDOFF_EVERY-th yield is a real sleep of HANDOFF_S (clients/protocol/gil_yield.py). This script times a GetInfo over gRPC
 (a job on the step thread: two GIL hand-offs each way) from a second client, with the drafter idle and while a step
 channel keeps its step thread spinning, for the handoff as configured and for sleep(0) only, in alternating rounds.
 The drafter runs in this process (ServerThread, tests/conftest.py), tiny head, CPU.
@@ -26,7 +26,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 
-from drafter_service.engine import gil_yield  # noqa: E402
+from drafter_client.protocol import gil_yield  # noqa: E402
 
 
 async def time_get_info(server, spinning: bool, calls: int) -> list[float]:

@@ -1,6 +1,6 @@
 """gil_yield.GilYield: between two polls time.sleep(0), and every HANDOFF_EVERY-th call a real sleep (in which a
 thread woken for the GIL can take it; scripts/spin_gil_handoff.py measures what that does for gRPC latency)."""
-from drafter_service.engine import gil_yield
+from drafter_client.protocol import gil_yield
 
 
 def test_every_nth_yield_is_a_real_sleep(monkeypatch):

@@ -61,7 +61,7 @@ import torch
 
 from drafter_kernels import ops
 
-from drafter_service.engine.gil_yield import GilYield
+from drafter_client.protocol.gil_yield import GilYield
 from drafter_service.engine.predraft_cycle import CycleCheck
 from drafter_service.engine.predraft_odds import OddsCheck
 from drafter_service.engine.sampling import SamplingSettings, seed_to_int64

@@ -22,7 +22,7 @@ the channels itself).
 
 Idle policy: with no channel open the thread sleeps until submit() wakes it, or until the next sequence lease
 can run out (Proposer.expiry_wait) when sequences are live. With channels open it polls them,
-yielding the GIL between polls (gil_yield.py: time.sleep(0), and now and then a real sleep, in which the event loop's
+yielding the GIL between polls (drafter_client.protocol.gil_yield: time.sleep(0), and now and then a real sleep, in which the event loop's
 thread, serving gRPC, can take the GIL), for channel_spin_s after the last channel request (the gap
 between two engine steps), then every channel_idle_poll_s. The thread's timer slack is 1 ns (Linux): with the
 default 50 us slack each time.sleep(0) lasts 50-75 us, about how late a request would be noticed.
@@ -40,10 +40,10 @@ from typing import Callable
 import torch
 
 from drafter_service.engine.batch_io import BatchInput, BatchOutput
-from drafter_service.engine.gil_yield import GilYield
 from drafter_service.engine.merge_window import MAX_MERGE_WAIT_S, MERGE_POLL_S, MergeWindow
 from drafter_service.engine.proposer import Proposer
 from drafter_service.engine.step_io import StepInput, StepOutput
+from drafter_client.protocol.gil_yield import GilYield
 from drafter_client.protocol.timer_slack import set_timer_slack
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
-"""Yielding the GIL from a thread that busy-polls (the step thread over its step channels, a pre-drafting pass over
-its CUDA events), so that the event loop's thread, which serves gRPC, still gets it.
+"""Yielding the GIL from a thread that busy-polls (the drafter's step thread over its step channels, a pre-drafting
+pass over its CUDA events, SyncDrafterClient's calling thread waiting for a channel's reply), so that the process's
+other threads (the drafter's event loop, which serves gRPC; an engine's own threads) still get it.
 
 time.sleep(0) releases the GIL for about 4 us (the step thread's timer slack is 1 ns), but the polling thread takes
 it back before a thread woken for it can run, and that thread then waits out Python's switch interval (5 ms) before
