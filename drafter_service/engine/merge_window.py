@@ -51,7 +51,7 @@ class MergeWindow:
             raise ValueError(f"the merge window must be >= 0 s (got {window_s})")
         self.window_s = window_s
         self.last_arrival: dict[str, float] = {}  # owner -> time.perf_counter() when its last batched request arrived
-        self._forget_at = 0.0  # the next time forget() runs (observe)
+        self._forget_at = 0.0  # when observe() next drops the owners not seen for FORGET_S
         self.counters = MergeWindowCounters()
 
     @property
