@@ -10,6 +10,8 @@ reports per N:
   engine ms      the median over steps of the slowest engine's propose_batch (the engines' step time)
   seqs/batch     the drafter's mean sequences per batch over the timed steps (/metrics: B when every step merged)
   worker ms      the drafter's mean step-thread time per batch (/metrics drafter_step_seconds)
+  spread ms      how far apart the engines called propose_batch in a step (median over steps: max - min of their
+                 time.monotonic(); the merge window must cover that to merge them)
   waits/step     merge-window waits per engine step (/metrics drafter_merge_window_waits_total), and the share of
                  them that ended with every engine waited for queued (drafter_merge_window_complete_total)
 
@@ -58,7 +60,9 @@ def engine_main(index: int, sock: str, batch: int, context: int, m: int, k: int,
         results.put((index, f"{type(e).__name__}: {e}"))
 
 
-async def _engine(index, sock, batch, context, m, k, width, vocab, iters, jitter_s, barriers) -> list[float]:
+async def _engine(index, sock, batch, context, m, k, width, vocab, iters, jitter_s,
+                  barriers) -> tuple[list[float], list[float]]:
+    """(seconds of each timed propose_batch, time.monotonic() as each was called: comparable across processes)"""
     import dataclasses
 
     from drafter_client import DrafterClient
@@ -75,7 +79,7 @@ async def _engine(index, sock, batch, context, m, k, width, vocab, iters, jitter
         ready, go, each_step = barriers
         rng = random.Random(index)
         wait = lambda b: asyncio.get_running_loop().run_in_executor(None, b.wait, 600)  # noqa: E731
-        times = []
+        times, sent = [], []
         for i in range(iters + 3):
             if i == 3:  # (warmed up: the parent reads the metrics now)
                 await wait(ready)
@@ -83,13 +87,14 @@ async def _engine(index, sock, batch, context, m, k, width, vocab, iters, jitter
             await wait(each_step)
             if jitter_s:  # (engines out of step: each sends after a random delay of its own, drawn every step)
                 await asyncio.sleep(rng.uniform(0, jitter_s))
+            sent.append(time.monotonic())
             t0 = time.perf_counter()
             r = await c.propose_batch(step)
             times.append(time.perf_counter() - t0)
             assert not r.fallback and int(r.codes.abs().sum()) == 0, r.fallback_reason
         assert c.steps_through_channel == iters + 3, "every step should have gone through the channel"
         await c.release([s.sequence_id for s in decode])
-    return times[3:]
+    return times[3:], sent[3:]
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -129,9 +134,13 @@ def run_engines(n: int, sock: str, port: int, a, width: int, vocab: int) -> dict
     if failed:
         raise RuntimeError(f"an engine failed: {failed[0]}")
     after = scrape(port)
-    steps = [max(got[i][j] for i in range(n)) for j in range(a.iters)]  # the slowest engine of each step
+    steps = [max(got[i][0][j] for i in range(n)) for j in range(a.iters)]  # the slowest engine of each step
+    # how far apart the engines called propose_batch in each step (the barrier's release and each one's jitter)
+    spreads = sorted(max(got[i][1][j] for i in range(n)) - min(got[i][1][j] for i in range(n)) for j in range(a.iters))
     d = {key: after[key] - before[key] for key in after}
     return dict(engines=n, sequences_per_engine=per, engine_ms=statistics.median(steps) * 1e3,
+                send_spread_ms=statistics.median(spreads) * 1e3,
+                send_spread_ms_p90=spreads[int(0.9 * (len(spreads) - 1))] * 1e3,
                 engine_ms_p90=sorted(steps)[int(0.9 * (len(steps) - 1))] * 1e3,
                 seqs_per_batch=d["drafter_batch_sequences_sum"] / d["drafter_batch_sequences_count"],
                 worker_ms=d["drafter_step_seconds_sum"] / d["drafter_step_seconds_count"] * 1e3,
@@ -206,12 +215,12 @@ def main() -> int:
               f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
     print(f"\n{a.preset}, batch {a.batch} in all, m = {a.m}, k = {a.k}, jitter {a.jitter_ms} ms, {device}")
     print(f"{'window us':>9} {'engines':>8} {'engine ms':>10} {'p90':>8} {'seqs/batch':>11} {'worker ms':>10} "
-          f"{'/ in-process':>13} {'waits/step':>11} {'complete':>9}")
+          f"{'/ in-process':>13} {'spread ms':>10} {'waits/step':>11} {'complete':>9}")
     for r in rows:
         complete = "-" if r["waits_complete"] is None else f"{r['waits_complete']:.2f}"
         print(f"{r['merge_window_us']:>9} {r['engines']:>8} {r['engine_ms']:>10.2f} {r['engine_ms_p90']:>8.2f} "
               f"{r['seqs_per_batch']:>11.1f} {r['worker_ms']:>10.2f} {r['over_in_process']:>13.2f} "
-              f"{r['waits_per_step']:>11.2f} {complete:>9}")
+              f"{r['send_spread_ms']:>10.3f} {r['waits_per_step']:>11.2f} {complete:>9}")
     out = write_json(a.out, dict(benchmark="merged_engines", date=datetime.datetime.now().isoformat(timespec="seconds"),
                                  device=device, command=" ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]),
                                  args=vars(a), in_process_ms=in_process * 1e3, rows=rows))

@@ -207,6 +207,7 @@ def test_bench_merged_engines_runs_every_engine_count_and_window(tmp_path):
         (0, 1, 8), (0, 2, 4), (300, 1, 8), (300, 2, 4)]
     for r in result["rows"]:
         assert r["engine_ms"] > 0 and r["worker_ms"] > 0
+        assert (r["send_spread_ms"] == 0) == (r["engines"] == 1) and r["send_spread_ms"] <= r["send_spread_ms_p90"]
         # the drafter's batches over the timed steps held one engine's sequences at least, all of them at most
         assert r["sequences_per_engine"] <= r["seqs_per_batch"] <= 8
         if r["engines"] == 1 or r["merge_window_us"] == 0:  # one engine has no partner; a window of 0 never waits
