@@ -63,10 +63,7 @@ def engine_main(index: int, sock: str, batch: int, context: int, m: int, k: int,
 async def _engine(index, sock, batch, context, m, k, width, vocab, iters, jitter_s,
                   barriers) -> tuple[list[float], list[float]]:
     """(seconds of each timed propose_batch, time.monotonic() as each was called: comparable across processes)"""
-    import dataclasses
-
     from drafter_client import DrafterClient
-    from drafter_client.batch import steps_as_batch
 
     prefill, decode = bs.make_steps(batch, context, m, k, width, vocab, seed=1000 + index)
     async with DrafterClient(f"unix:{sock}", namespace=f"engine-{index}", step_timeout_s=None) as c:
@@ -75,7 +72,7 @@ async def _engine(index, sock, batch, context, m, k, width, vocab, iters, jitter
             r = await c.propose(prefill[chunk : chunk + 8])
             assert all(s.ok for s in r.sequences), r.sequences[0].message
         assert await c.open_step_channel(request_bytes=max(16 << 20, 4 * batch * m * width)), "no step channel"
-        step = dataclasses.replace(steps_as_batch(decode), hidden_states=torch.cat([s.hidden_states for s in decode]))
+        step = bs.as_step_batch(decode)
         ready, go, each_step = barriers
         rng = random.Random(index)
         wait = lambda b: asyncio.get_running_loop().run_in_executor(None, b.wait, 600)  # noqa: E731

@@ -65,7 +65,6 @@ def instrument(marks: Marks):
 
 async def run(target: str, batch: int, a, width: int, vocab: int, metrics_port: int, marks: Marks, api: str):
     from drafter_client import DrafterClient
-    from drafter_client.batch import steps_as_batch
     from drafter_client.messages import build_request
 
     prefill, decode = b.make_steps(batch, a.context, a.m, a.k, width, vocab, seed=batch)
@@ -76,7 +75,7 @@ async def run(target: str, batch: int, a, width: int, vocab: int, metrics_port: 
             await c.propose(prefill[i : i + 8])
         request_bytes = max(16 * 2**20, 2 * build_request("prof", decode, None).ByteSize())
         assert await c.open_step_channel(request_bytes=request_bytes)
-        as_batch = dataclasses.replace(steps_as_batch(decode), hidden_states=torch.cat([s.hidden_states for s in decode]))
+        as_batch = b.as_step_batch(decode)
         if api == "ipc":  # the states on the engine's GPU, passed by CUDA IPC reference through a ring slot
             dev = torch.device("cuda", torch.cuda.current_device())
             on_gpu = [dataclasses.replace(s, hidden_states=s.hidden_states.to(dev)) for s in decode]

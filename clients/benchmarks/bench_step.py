@@ -149,6 +149,14 @@ def make_steps(batch: int, context: int, m: int, k: int, width: int, vocab: int,
     return prefill, decode
 
 
+def as_step_batch(steps):
+    """The steps as one StepBatch with their states in one tensor (an engine that keeps its batch as tensors:
+    propose_batch)."""
+    from drafter_client.batch import steps_as_batch
+
+    return dataclasses.replace(steps_as_batch(steps), hidden_states=torch.cat([s.hidden_states for s in steps]))
+
+
 def to_inputs(steps):
     from drafter_service.engine.step_io import StepInput
 
@@ -222,7 +230,6 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
     step through the channel with the batch API (propose_batch(StepBatch): columns in, columns out), and the median
     per step of the batch API by unary gRPC (no channel: an engine on another node)."""
     from drafter_client import DrafterClient
-    from drafter_client.batch import steps_as_batch
     from drafter_client.messages import build_request
 
     prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
@@ -243,8 +250,7 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
                 parts.append({key: after[key] - before[key] for key in after})
         assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
         # the same step as an engine that keeps its batch as tensors sends it (columns from 32 sequences)
-        as_batch = dataclasses.replace(steps_as_batch(decode),
-                                       hidden_states=torch.cat([s.hidden_states for s in decode]))
+        as_batch = as_step_batch(decode)
         unary_batch_times = []
         for i in range(iters + 3):
             t0 = time.perf_counter()
@@ -308,7 +314,6 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
     client, no channel), one after the other, so that the ratios of a round come from the same minute of the
     machine. Returns each one's median per round (seconds)."""
     from drafter_client import DrafterClient
-    from drafter_client.batch import steps_as_batch
     from drafter_client.messages import build_request
 
     prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
@@ -316,7 +321,7 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
         out = rt.proposer.step(to_inputs(prefill[chunk : chunk + 8]))
         assert all(o.code == 0 for o in out), out[0].message
     inputs = to_inputs(decode)
-    as_batch = dataclasses.replace(steps_as_batch(decode), hidden_states=torch.cat([s.hidden_states for s in decode]))
+    as_batch = as_step_batch(decode)
     result = {"in_process": [], "channel": [], "channel_batch_api": [], "unary_batch_api": []}
     async with DrafterClient(target, namespace="bench", step_timeout_s=None) as c, \
             DrafterClient(target, namespace="bench", step_timeout_s=None) as unary:
