@@ -14,6 +14,8 @@ reports per N:
                  time.monotonic(); the merge window must cover that to merge them)
   waits/step     merge-window waits per engine step (/metrics drafter_merge_window_waits_total), and the share of
                  them that ended with every engine waited for queued (drafter_merge_window_complete_total)
+  late/step      batch starts per engine step that left such engines out without a wait, the first request having
+                 waited the window already while the step thread was busy (drafter_merge_window_late_total)
 
 N = 1 is one engine with all B sequences (the same work in one request). The proposer's own step at batch B in this
 process, as columns, comes first for reference. --merge-windows runs the whole set once per drafter --merge-window-us
@@ -142,6 +144,7 @@ def run_engines(n: int, sock: str, port: int, a, width: int, vocab: int) -> dict
                 seqs_per_batch=d["drafter_batch_sequences_sum"] / d["drafter_batch_sequences_count"],
                 worker_ms=d["drafter_step_seconds_sum"] / d["drafter_step_seconds_count"] * 1e3,
                 waits_per_step=d["drafter_merge_window_waits_total"] / a.iters,
+                late_per_step=d.get("drafter_merge_window_late_total", 0.0) / a.iters,
                 waits_complete=(d["drafter_merge_window_complete_total"] / d["drafter_merge_window_waits_total"]
                                 if d["drafter_merge_window_waits_total"] else None))
 
@@ -204,7 +207,7 @@ def main() -> int:
                     rows.append(row)
                     print(f"  engine {row['engine_ms']:.2f} ms (p90 {row['engine_ms_p90']:.2f}), "
                           f"{row['seqs_per_batch']:.1f} sequences per batch, worker {row['worker_ms']:.2f} ms, "
-                          f"{row['waits_per_step']:.2f} merge-window waits per step", flush=True)
+                          f"{row['waits_per_step']:.2f} merge-window waits per step, {row['late_per_step']:.2f} late", flush=True)
             finally:
                 server.terminate()
                 server.wait(60)
@@ -212,12 +215,12 @@ def main() -> int:
               f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
     print(f"\n{a.preset}, batch {a.batch} in all, m = {a.m}, k = {a.k}, jitter {a.jitter_ms} ms, {device}")
     print(f"{'window us':>9} {'engines':>8} {'engine ms':>10} {'p90':>8} {'seqs/batch':>11} {'worker ms':>10} "
-          f"{'/ in-process':>13} {'spread ms':>10} {'waits/step':>11} {'complete':>9}")
+          f"{'/ in-process':>13} {'spread ms':>10} {'waits/step':>11} {'complete':>9} {'late/step':>10}")
     for r in rows:
         complete = "-" if r["waits_complete"] is None else f"{r['waits_complete']:.2f}"
         print(f"{r['merge_window_us']:>9} {r['engines']:>8} {r['engine_ms']:>10.2f} {r['engine_ms_p90']:>8.2f} "
               f"{r['seqs_per_batch']:>11.1f} {r['worker_ms']:>10.2f} {r['over_in_process']:>13.2f} "
-              f"{r['send_spread_ms']:>10.3f} {r['waits_per_step']:>11.2f} {complete:>9}")
+              f"{r['send_spread_ms']:>10.3f} {r['waits_per_step']:>11.2f} {complete:>9} {r['late_per_step']:>10.2f}")
     out = write_json(a.out, dict(benchmark="merged_engines", date=datetime.datetime.now().isoformat(timespec="seconds"),
                                  device=device, command=" ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]),
                                  args=vars(a), in_process_ms=in_process * 1e3, rows=rows))

@@ -286,6 +286,9 @@ class _StepCollector:
                           "for queued (the others ran out of time).", mw.complete)
             yield counter("drafter_merge_window_wait_seconds", "Time the step thread spent in merge-window waits.",
                           mw.waited_s)
+            yield counter("drafter_merge_window_late", "Batch starts that left out engines that had arrived together "
+                          "with the queued ones, without a wait: the queue's first request had already waited the "
+                          "window (the step thread was busy).", mw.late)
         pc = m.predraft_counters
         if pc is not None:
             yield counter("drafter_predraft_hits", "Sequence steps answered from branches prepared while the engine "

@@ -186,6 +186,24 @@ async def test_a_job_ends_a_wait_early():
         assert ran.is_set() and sched.merge_window.counters.waited_s < 2.0
 
 
+async def test_a_request_that_waited_the_window_already_starts_at_once_and_counts_late():
+    """A step thread busy past the window (here a 30 ms job) finds a request that has waited 5 ms or more: its batch
+    starts without waiting for the partner, which is counted as a late start."""
+    proposer = _RecordingProposer()
+    async with _running(proposer, 0.005) as sched:
+        for i in range(3):
+            await _round(sched, i, ["engine a", "engine b"], 0.001)
+        counters = sched.merge_window.counters
+        waits, late = counters.waits, counters.late
+        job = asyncio.create_task(sched.run_exclusive(time.sleep, 0.03))
+        await asyncio.sleep(0.005)  # (the job holds the step thread)
+        await asyncio.wait_for(sched.submit(_step("engine a", 3)), 2.0)
+        await job
+        assert proposer.batches[-1] == ["engine a"]
+        assert counters.late == late + 1 and counters.waits == waits
+        await _round(sched, 4, ["engine b"], 0)
+
+
 async def test_two_engines_through_step_channels_share_a_batch(tiny_model, tmp_path):
     """The drafter end to end: two engines (a client and a step channel each, namespaces of their own), the second
     sending 3 ms after the first every step. With a window wider than that gap, every step after the first runs

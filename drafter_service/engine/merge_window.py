@@ -43,6 +43,7 @@ class MergeWindowCounters:
     waits: int = 0  # batch starts that waited for partners
     complete: int = 0  # of those, waits that ended with every partner queued
     waited_s: float = 0.0  # time spent waiting, in all
+    late: int = 0  # batch starts that left partners out without waiting: the first request had waited the window
 
 
 class MergeWindow:
