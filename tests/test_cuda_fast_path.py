@@ -238,3 +238,33 @@ async def test_a_large_channel_step_is_read_in_place_on_cuda(tiny_model, tmp_pat
             b, d = await grpc_client.propose([step]), await on_cpu.propose([step])
             assert a.sequences[0].drafts.tolist() == b.sequences[0].drafts.tolist() == d.sequences[0].drafts.tolist()
             c.close_step_channel()
+
+
+def test_the_first_step_record_is_rewritten_only_after_its_copy(monkeypatch):
+    """first_step_record.py: a write after a step that synchronized (synchronized()) needs no device sync; a write
+    after one that failed before its synchronization waits for the device first, so the host copy is never rewritten
+    under a copy still reading it. Either way the device copy ends up holding the last write."""
+    import numpy as np
+
+    from drafter_service.engine.first_step_record import FirstStepRecord
+    record = FirstStepRecord(4, 16, 3, torch.device("cuda"))
+    syncs = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: (syncs.append(a), real(*a)))
+
+    def write(base):
+        record.write(np.array([base, base + 1]), np.array([1, 2]), np.array([7, 8]), np.array([2, 3]),
+                     np.array([base, base + 2, base + 3]), np.full((2, 3), base, dtype=np.int32))
+
+    write(10)
+    torch.cuda.current_stream().synchronize()
+    record.synchronized()
+    write(20)  # (the step before synchronized: no wait)
+    assert syncs == []
+    write(30)  # (the step of 20 "failed": never synchronized)
+    assert len(syncs) == 1
+    torch.cuda.current_stream().synchronize()
+    header, starts, qsl, nxt, steps, tokens, tables = (f.cpu() for f in record.fields)
+    assert header.tolist() == [2, 3] and starts[:2].tolist() == [30, 31] and qsl[:3].tolist() == [0, 1, 3]
+    assert nxt[:2].tolist() == [7, 8] and steps[:2].tolist() == [1, 2] and tokens[:3].tolist() == [30, 32, 33]
+    assert tables[:6].tolist() == [30] * 6

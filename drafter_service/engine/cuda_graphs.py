@@ -420,6 +420,7 @@ class DecodeGraphs:
             self.drafts_host[:n].copy_(self.drafts_out[:n], non_blocking=True)
             out.run_meanwhile()  # (the caller's host work that needs no draft, while the GPU runs the graphs)
             torch.cuda.current_stream(self.device).synchronize()  # the step's one device->host synchronization
+            self.record.synchronized()  # (its copy, if this step wrote it, is done)
             rows = self.drafts_host[:n, : num_steps + 1].clone()  # (the buffer is the next step's)
         self.steps_run += 1
         out.set_host_rows(rows, active, ks)

@@ -19,8 +19,10 @@ Every field starts at a 16-byte boundary (Triton specializes a kernel on its poi
 positions are below max_model_len (admission checks it), token ids below the vocabulary size (the request's checks,
 transport/validation.py), block ids below the pool's size.
 
-The host copy is rewritten only once the copy from it has completed (an event recorded after the copy; the step
-synchronizes before it returns, so this waits only after a step that failed in between).
+The host copy is rewritten only once the copy from it has completed: the step that wrote it synchronizes its stream
+before it returns and then calls synchronized(); a write that finds the previous copy not marked so (that step
+failed in between) synchronizes the device first. (No CUDA event per step: recording one, and the current-stream
+lookup it needs, cost about 15 us of host time before the GPU can start, on every step.)
 """
 import itertools
 
@@ -46,16 +48,15 @@ class FirstStepRecord:
         (self._header, self._start_positions, self._qsl, self._next_tokens, self._draft_steps, self._token_ids,
          self._block_tables) = (host[at : at + n] for at, n in zip(starts, sizes))
         self._tables_at = starts[-2]
-        self._copied = torch.cuda.Event() if cuda else None
-        self._in_flight = False
+        self._in_flight = False  # the copy of the last write may still read the host copy
 
     def write(self, start_positions: np.ndarray, num_tokens: np.ndarray, next_tokens: np.ndarray,
               num_drafts: np.ndarray, token_ids: np.ndarray, block_tables: np.ndarray) -> None:
         """A step's columns into the record, and the record to the device (non_blocking). start_positions, num_tokens,
         next_tokens, num_drafts: [B] integers (k >= 1); token_ids: [T] the committed tokens; block_tables: [B, w]
         int32 (each row holds the sequence's blocks for every position the step writes)."""
-        if self._in_flight:
-            self._copied.synchronize()
+        if self._in_flight:  # (the step of the last write failed before its synchronization)
+            torch.cuda.synchronize(self.on_device.device)
             self._in_flight = False
         B, w = block_tables.shape
         T = token_ids.shape[0]
@@ -67,14 +68,17 @@ class FirstStepRecord:
         np.subtract(num_drafts, 1, out=self._draft_steps[:B], casting="unsafe")
         self._token_ids[:T] = token_ids
         self._block_tables[: B * w].reshape(B, w)[:] = block_tables
-        if self._copied is not None:
+        if self.on_device is not self.host:
             used = self._tables_at + B * w
             self.on_device[:used].copy_(self.host[:used], non_blocking=True)
-            self._copied.record(torch.cuda.current_stream(self.on_device.device))
             self._in_flight = True
+
+    def synchronized(self) -> None:
+        """The step that wrote the record has synchronized the stream of its copy: the host copy may be rewritten."""
+        self._in_flight = False
 
     def clear(self) -> None:
         """B = 0 on the device (graph capture: every sequence a padding one)."""
         self.host.zero_()
-        if self._copied is not None:
+        if self.on_device is not self.host:
             self.on_device.zero_()
