@@ -12,6 +12,8 @@ reports per N:
   worker ms      the drafter's mean step-thread time per batch (/metrics drafter_step_seconds)
   spread ms      how far apart the engines called propose_batch in a step (median over steps: max - min of their
                  time.monotonic(); the merge window must cover that to merge them)
+  rang ms, p90   the same for when their requests rang the drafter's doorbell (each mailbox's request_sent_ns, after
+                 the client packed the request): the arrivals the merge window compares
   waits/step     merge-window waits per engine step (/metrics drafter_merge_window_waits_total), and the share of
                  them that ended with every engine waited for queued (drafter_merge_window_complete_total)
   late/step      batch starts per engine step that left such engines out without a wait, the first request having
@@ -63,8 +65,9 @@ def engine_main(index: int, sock: str, batch: int, context: int, m: int, k: int,
 
 
 async def _engine(index, sock, batch, context, m, k, width, vocab, iters, jitter_s,
-                  barriers) -> tuple[list[float], list[float]]:
-    """(seconds of each timed propose_batch, time.monotonic() as each was called: comparable across processes)"""
+                  barriers) -> tuple[list[float], list[float], list[float]]:
+    """(seconds of each timed propose_batch, time.monotonic() as each was called, and as its request rang the
+    drafter's doorbell (the mailbox's request_sent_ns, after the client packed it): comparable across processes)"""
     from drafter_client import DrafterClient
 
     prefill, decode = bs.make_steps(batch, context, m, k, width, vocab, seed=1000 + index)
@@ -78,7 +81,7 @@ async def _engine(index, sock, batch, context, m, k, width, vocab, iters, jitter
         ready, go, each_step = barriers
         rng = random.Random(index)
         wait = lambda b: asyncio.get_running_loop().run_in_executor(None, b.wait, 600)  # noqa: E731
-        times, sent = [], []
+        times, sent, rang = [], [], []
         for i in range(iters + 3):
             if i == 3:  # (warmed up: the parent reads the metrics now)
                 await wait(ready)
@@ -90,17 +93,19 @@ async def _engine(index, sock, batch, context, m, k, width, vocab, iters, jitter
             t0 = time.perf_counter()
             r = await c.propose_batch(step)
             times.append(time.perf_counter() - t0)
+            rang.append(c._step_channel.box.words[11] * 1e-9)  # (mailbox.py: word 11, request_sent_ns)
             assert not r.fallback and int(r.codes.abs().sum()) == 0, r.fallback_reason
         assert c.steps_through_channel == iters + 3, "every step should have gone through the channel"
         await c.release([s.sequence_id for s in decode])
-    return times[3:], sent[3:]
+    return times[3:], sent[3:], rang[3:]
 
 
 def scrape(port: int) -> dict[str, float]:
     v = bs.metric_values(port)
     return {key: v[key] for key in ("drafter_step_seconds_sum", "drafter_step_seconds_count",
                                     "drafter_batch_sequences_sum", "drafter_batch_sequences_count",
-                                    "drafter_merge_window_waits_total", "drafter_merge_window_complete_total")}
+                                    "drafter_merge_window_waits_total", "drafter_merge_window_complete_total",
+                                    "drafter_merge_window_late_total")}
 
 
 def free_port() -> int:
@@ -136,15 +141,19 @@ def run_engines(n: int, sock: str, port: int, a, width: int, vocab: int) -> dict
     steps = [max(got[i][0][j] for i in range(n)) for j in range(a.iters)]  # the slowest engine of each step
     # how far apart the engines called propose_batch in each step (the barrier's release and each one's jitter)
     spreads = sorted(max(got[i][1][j] for i in range(n)) - min(got[i][1][j] for i in range(n)) for j in range(a.iters))
+    # and how far apart their requests reached the drafter's doorbell (what the merge window sees)
+    rung = sorted(max(got[i][2][j] for i in range(n)) - min(got[i][2][j] for i in range(n)) for j in range(a.iters))
     d = {key: after[key] - before[key] for key in after}
     return dict(engines=n, sequences_per_engine=per, engine_ms=statistics.median(steps) * 1e3,
                 send_spread_ms=statistics.median(spreads) * 1e3,
                 send_spread_ms_p90=spreads[int(0.9 * (len(spreads) - 1))] * 1e3,
+                doorbell_spread_ms=statistics.median(rung) * 1e3,
+                doorbell_spread_ms_p90=rung[int(0.9 * (len(rung) - 1))] * 1e3,
                 engine_ms_p90=sorted(steps)[int(0.9 * (len(steps) - 1))] * 1e3,
                 seqs_per_batch=d["drafter_batch_sequences_sum"] / d["drafter_batch_sequences_count"],
                 worker_ms=d["drafter_step_seconds_sum"] / d["drafter_step_seconds_count"] * 1e3,
                 waits_per_step=d["drafter_merge_window_waits_total"] / a.iters,
-                late_per_step=d.get("drafter_merge_window_late_total", 0.0) / a.iters,
+                late_per_step=d["drafter_merge_window_late_total"] / a.iters,
                 waits_complete=(d["drafter_merge_window_complete_total"] / d["drafter_merge_window_waits_total"]
                                 if d["drafter_merge_window_waits_total"] else None))
 
@@ -215,12 +224,14 @@ def main() -> int:
               f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
     print(f"\n{a.preset}, batch {a.batch} in all, m = {a.m}, k = {a.k}, jitter {a.jitter_ms} ms, {device}")
     print(f"{'window us':>9} {'engines':>8} {'engine ms':>10} {'p90':>8} {'seqs/batch':>11} {'worker ms':>10} "
-          f"{'/ in-process':>13} {'spread ms':>10} {'waits/step':>11} {'complete':>9} {'late/step':>10}")
+          f"{'/ in-process':>13} {'spread ms':>10} {'rang ms':>8} {'rang p90':>9} {'waits/step':>11} {'complete':>9} "
+          f"{'late/step':>10}")
     for r in rows:
         complete = "-" if r["waits_complete"] is None else f"{r['waits_complete']:.2f}"
         print(f"{r['merge_window_us']:>9} {r['engines']:>8} {r['engine_ms']:>10.2f} {r['engine_ms_p90']:>8.2f} "
               f"{r['seqs_per_batch']:>11.1f} {r['worker_ms']:>10.2f} {r['over_in_process']:>13.2f} "
-              f"{r['send_spread_ms']:>10.3f} {r['waits_per_step']:>11.2f} {complete:>9} {r['late_per_step']:>10.2f}")
+              f"{r['send_spread_ms']:>10.3f} {r['doorbell_spread_ms']:>8.3f} {r['doorbell_spread_ms_p90']:>9.3f} "
+              f"{r['waits_per_step']:>11.2f} {complete:>9} {r['late_per_step']:>10.2f}")
     out = write_json(a.out, dict(benchmark="merged_engines", date=datetime.datetime.now().isoformat(timespec="seconds"),
                                  device=device, command=" ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]),
                                  args=vars(a), in_process_ms=in_process * 1e3, rows=rows))
