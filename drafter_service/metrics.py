@@ -287,8 +287,8 @@ class _StepCollector:
             yield counter("drafter_merge_window_wait_seconds", "Time the step thread spent in merge-window waits.",
                           mw.waited_s)
             yield counter("drafter_merge_window_late", "Batch starts that left out engines that had arrived together "
-                          "with the queued ones, without a wait: the queue's first request had already waited the "
-                          "window (the step thread was busy).", mw.late)
+                          "with the queued ones, without a wait: the queue's first request had already waited as "
+                          "long as the last batch took (the step thread was busy).", mw.late)
         pc = m.predraft_counters
         if pc is not None:
             yield counter("drafter_predraft_hits", "Sequence steps answered from branches prepared while the engine "

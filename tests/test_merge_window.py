@@ -204,6 +204,60 @@ async def test_a_request_that_waited_the_window_already_starts_at_once_and_count
         await _round(sched, 4, ["engine b"], 0)
 
 
+class _SlowReadChannels:
+    """A stand-in for the step channels (step_channels.ChannelSet) whose poll hands over the requests given to it, each
+    after read_s of reading on the step thread, as a large request's parse takes."""
+
+    def __init__(self, read_s: float):
+        self.read_s = read_s
+        self.inbox: list = []
+        self.lock = threading.Lock()
+
+    def open_count(self):
+        return 1
+
+    def close_all(self, why):
+        pass
+
+    def poll(self, enqueue) -> bool:
+        with self.lock:
+            found, self.inbox = self.inbox, []
+        for p in found:
+            time.sleep(self.read_s)
+            enqueue(p)
+        return bool(found)
+
+
+async def test_reading_the_requests_that_are_here_does_not_use_up_the_window():
+    """Engines a and b ring at once, c 1 ms later; each request takes 2 ms to read, on the step thread, and the thread
+    reads a and b before it can wait. Counted from a's arrival, the 3 ms window was gone by then and c ran in a batch
+    of its own every step (four EAGLE-3 engines on an H200 lost 300 us windows that way); counted from when the
+    thread is ready to wait, c joins a and b."""
+    from drafter_service.engine.scheduler import PendingRequest
+    proposer = _RecordingProposer(step_s=0.010)
+    channels = _SlowReadChannels(0.002)
+    async with _running(proposer, 0.003) as sched:
+        sched.attach_channels(channels)
+        loop = asyncio.get_running_loop()
+
+        def channel_request(owner, i):
+            done = loop.create_future()
+            deliver = lambda out, exc: loop.call_soon_threadsafe(done.set_result, None)  # noqa: E731
+            with channels.lock:
+                channels.inbox.append(PendingRequest(_step(owner, i), deliver))
+            return done
+
+        for i in range(6):
+            a, b = channel_request("engine a", i), channel_request("engine b", i)
+            await asyncio.sleep(0.001)
+            await asyncio.gather(a, b, channel_request("engine c", i))
+            await asyncio.sleep(0.02)
+        # (the first round teaches the window who steps together; a loaded machine may spare one round more)
+        merged = proposer.batches[-4:].count(["engine a", "engine b", "engine c"])
+        assert merged >= 3, proposer.batches
+        assert sched.merge_window.counters.late == 0
+
+
 async def test_two_engines_through_step_channels_share_a_batch(tiny_model, tmp_path):
     """The drafter end to end: two engines (a client and a step channel each, namespaces of their own), the second
     sending 3 ms after the first every step. With a window wider than that gap, every step after the first runs

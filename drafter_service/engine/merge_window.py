@@ -14,16 +14,19 @@ saw it later). Before the step thread forms a batch:
 
   - the *partners* are the engines that are not queued and whose last arrival lies within window_s of a queued
     engine's last arrival;
-  - the thread polls for them until every partner has a request queued, or until window_s has passed since the
-    arrival of the last partner that came (the queue's first request to begin with). A partner that comes is an
-    anchor too: its own partners are waited for, so engines spread over more than window_s in a chain of gaps under
-    window_s (four engines 0.1-0.25 ms apart) are all caught, each gap confirmed by a request that came;
+  - the thread polls for them until every partner has a request queued, or until window_s has passed since it was
+    ready to wait (having read the requests that were there) or since it read the last partner that came, whichever
+    is later. (Counted from the first request's arrival instead, the window went on reading: a step channel's
+    request is parsed by this thread, 0.1-0.35 ms per EAGLE-3 request on an H200's host, and four engines' requests
+    used up a 300 us window before the wait began.) A partner that comes is an anchor too: its own partners are
+    waited for, so engines spread over more than window_s in a chain of gaps under window_s (four engines 0.1-0.25
+    ms apart) are all caught, each gap confirmed by a request that came;
   - the whole wait ends by the last batch's duration after the queue's first request (MAX_MERGE_WAIT_S at most, and
-    window_s at least): waiting longer costs more than running the late engines' steps on their own. A request that
-    already waited window_s (the thread was busy: load) starts at once, so the window adds nothing under load; one
-    engine alone has no partner and pays only the bookkeeping.
+    window_s at least): waiting longer costs more than running the late engines' steps on their own. A first
+    request that already waited that long (the thread was busy: load) starts at once, counted as late, so the window
+    adds nothing under load; one engine alone has no partner and pays only the bookkeeping.
 
-A wait that runs out (a partner did not come) costs at most window_s after the last arrival: the late engine's new
+A wait that runs out (a partner did not come) costs at most window_s after the last read: the late engine's new
 arrival no longer lies near the others', so it is not waited for next time unless it steps with them again. Engines
 of unrelated cadences rarely arrive within window_s of one another (about 2 * window_s / cycle of their steps), so
 they are rarely waited for; engines at one cadence whose offsets change by milliseconds every step are waited for
@@ -43,7 +46,7 @@ class MergeWindowCounters:
     waits: int = 0  # batch starts that waited for partners
     complete: int = 0  # of those, waits that ended with every partner queued
     waited_s: float = 0.0  # time spent waiting, in all
-    late: int = 0  # batch starts that left partners out without waiting: the first request had waited the window
+    late: int = 0  # batch starts that left partners out without waiting: the first request had waited the cap
 
 
 class MergeWindow:
