@@ -13,8 +13,9 @@ sequences (call_soon; ChannelSet.release_owner).
 
 Merging the steps of engines that step together (merge_window.py): before a batch starts, the thread waits for the
 engines that arrived within merge_window_s of the queued ones at their previous step (_wait_for_partners: a window
-after the last of them to come, never longer than the last batch took), so that engines stepping in lockstep share
-one batch instead of running one after another. One engine alone never waits.
+from when the thread is ready to wait or has read the last of them to come, never longer than the last batch took),
+so that engines stepping in lockstep share one batch instead of running one after another. One engine alone never
+waits.
 
 Pre-drafting (predraft.py): when nothing is queued and sequences wait for their next step's drafts to be prepared,
 the thread runs a preparation pass, which stops between two forwards as soon as a request or job is queued (it polls
