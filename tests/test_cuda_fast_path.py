@@ -268,3 +268,10 @@ def test_the_first_step_record_is_rewritten_only_after_its_copy(monkeypatch):
     assert header.tolist() == [2, 3] and starts[:2].tolist() == [30, 31] and qsl[:3].tolist() == [0, 1, 3]
     assert nxt[:2].tolist() == [7, 8] and steps[:2].tolist() == [1, 2] and tokens[:3].tolist() == [30, 32, 33]
     assert tables[:6].tolist() == [30] * 6
+    record.synchronized()
+    record.write(np.array([40]), np.array([1]), np.array([9]), np.array([1]), np.array([41]),
+                 np.full((1, 2), 4, dtype=np.int32))  # (another length: copy views of its own)
+    torch.cuda.current_stream().synchronize()
+    header, starts, qsl, nxt, steps, tokens, tables = (f.cpu() for f in record.fields)
+    assert header.tolist() == [1, 2] and starts[:1].tolist() == [40] and tokens[:1].tolist() == [41]
+    assert tables[:2].tolist() == [4, 4] and len(record._copy_views) == 2

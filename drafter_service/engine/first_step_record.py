@@ -31,6 +31,7 @@ import torch
 
 from drafter_service.engine.step_metadata import aligned_len
 
+MAX_KEPT_VIEWS = 256  # copy views kept, one per used length (batch size x block-table width) seen
 FIELDS = ("header", "start_positions", "query_start_loc", "next_tokens", "draft_steps", "token_ids", "block_tables")
 
 
@@ -48,6 +49,9 @@ class FirstStepRecord:
         (self._header, self._start_positions, self._qsl, self._next_tokens, self._draft_steps, self._token_ids,
          self._block_tables) = (host[at : at + n] for at, n in zip(starts, sizes))
         self._tables_at = starts[-2]
+        # used length -> (host, device) views of the record's prefix: a view made per step cost more host time than
+        # the copy call itself (H200 host: 4.7 us for the copy of kept views, 8.6-14.5 us with the slicing)
+        self._copy_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._in_flight = False  # the copy of the last write may still read the host copy
 
     def write(self, start_positions: np.ndarray, num_tokens: np.ndarray, next_tokens: np.ndarray,
@@ -70,7 +74,12 @@ class FirstStepRecord:
         self._block_tables[: B * w].reshape(B, w)[:] = block_tables
         if self.on_device is not self.host:
             used = self._tables_at + B * w
-            self.on_device[:used].copy_(self.host[:used], non_blocking=True)
+            views = self._copy_views.get(used)
+            if views is None:
+                if len(self._copy_views) >= MAX_KEPT_VIEWS:
+                    self._copy_views.clear()
+                views = self._copy_views[used] = (self.host[:used], self.on_device[:used])
+            views[1].copy_(views[0], non_blocking=True)
             self._in_flight = True
 
     def synchronized(self) -> None:
