@@ -208,8 +208,19 @@ def test_bench_merged_engines_runs_every_engine_count_and_window(tmp_path):
     for r in result["rows"]:
         assert r["engine_ms"] > 0 and r["worker_ms"] > 0
         assert (r["send_spread_ms"] == 0) == (r["engines"] == 1) and r["send_spread_ms"] <= r["send_spread_ms_p90"]
+        assert (r["doorbell_spread_ms"] == 0) == (r["engines"] == 1)
+        assert r["doorbell_spread_ms"] <= r["doorbell_spread_ms_p90"] and r["late_per_step"] >= 0
         # the drafter's batches over the timed steps held one engine's sequences at least, all of them at most
         assert r["sequences_per_engine"] <= r["seqs_per_batch"] <= 8
         if r["engines"] == 1 or r["merge_window_us"] == 0:  # one engine has no partner; a window of 0 never waits
             assert r["seqs_per_batch"] == 8 or r["engines"] > 1
             assert r["waits_per_step"] == 0 and r["waits_complete"] is None
+
+
+@pytest.mark.gpu
+def test_bench_record_write_times_every_piece(tmp_path):
+    result = run(["benchmarks/bench_record_write.py", "--batches", "1,8", "--iters", "20"], tmp_path / "record.json")
+    assert result["benchmark"] == "record_write_pieces" and result["device"].startswith("cuda")
+    assert [r["batch"] for r in result["rows"]] == [1, 8]
+    for r in result["rows"]:
+        assert all(r[key] > 0 for key in ("write", "numpy part", "copy, sliced", "copy, kept views", "event record"))
