@@ -294,3 +294,29 @@ async def test_two_engines_through_step_channels_share_a_batch(tiny_model, tmp_p
             assert merged_rounds >= rounds - 3 and counters.complete >= counters.waits - 2, (merged_rounds, counters)
             text = server.server.runtime.metrics.prometheus_text()
             assert f"drafter_merge_window_complete_total {float(counters.complete)}" in text
+
+
+def test_a_merged_batch_answers_every_request_before_the_replies_bookkeeping():
+    """Each request's deliver writes its reply and hands back its bookkeeping (step_channels.py: metrics, trace); the
+    thread runs the bookkeeping once every request of the batch has its reply, so that a merged batch's later engines
+    do not wait for the earlier ones' metrics. A bookkeeping that raises is logged; the others still run."""
+    from drafter_service.engine.scheduler import PendingRequest
+
+    events = []
+
+    def deliver(i):
+        def book():
+            events.append(("book", i))
+            if i == 1:
+                raise RuntimeError("a metric failed")
+
+        def d(out, exc):
+            assert exc is None and len(out) == 1
+            events.append(("reply", i))
+            return book
+        return d
+
+    sched = StepScheduler(_RecordingProposer(), max_batch_tokens=1024, max_batch_seqs=64)
+    sched._run_batch([PendingRequest(_step(f"engine {i}", 0), deliver(i)) for i in range(3)])
+    assert events == [("reply", 0), ("reply", 1), ("reply", 2), ("book", 0), ("book", 1), ("book", 2)]
+    assert sched.batches_run == 1 and sched.requests_merged == 3

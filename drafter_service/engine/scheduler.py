@@ -68,8 +68,10 @@ def dry_outputs(steps: "list[StepInput] | BatchInput") -> "list[StepOutput] | Ba
 @dataclass
 class PendingRequest:
     steps: list[StepInput] | BatchInput  # one StepInput per sequence, or a columnar request's columns
-    # called on the step thread with the answers (a BatchOutput for a BatchInput) or the exception
-    deliver: Callable[[list[StepOutput] | BatchOutput | None, BaseException | None], None]
+    # called on the step thread with the answers (a BatchOutput for a BatchInput) or the exception; it may return the
+    # bookkeeping of its reply (metrics, traces) as a callable, which the thread runs once every request of the batch
+    # has its reply (a merged batch's later engines do not wait for the earlier ones' bookkeeping)
+    deliver: Callable[[list[StepOutput] | BatchOutput | None, BaseException | None], Callable[[], None] | None]
     trace: dict | None = None  # when given: the batch's worker_start / worker_end (time.perf_counter) go here
     dry: bool = False  # answer without running the head (benchmarks' ingest-only mode)
     cancelled: Callable[[], bool] = lambda: False  # True: nobody waits for it (the RPC was cancelled): skip it
@@ -412,9 +414,12 @@ class StepScheduler:
         if len(batch) > 1:
             self.requests_merged += len(batch)
         r = 0
+        bookkeeping: list[Callable[[], None]] = []
         for p in batch:
             if p.dry:
-                p.deliver(dry_outputs(p.steps), None)
+                after = p.deliver(dry_outputs(p.steps), None)
+                if after is not None:
+                    bookkeeping.append(after)
                 continue
             if p.trace is not None:
                 p.trace["worker_start"], p.trace["worker_end"] = span
@@ -425,9 +430,16 @@ class StepScheduler:
                 answer = BatchOutput.from_outputs(outputs[r : r + n])
             else:
                 answer = outputs[r : r + n]
-            p.deliver(answer, None)
+            after = p.deliver(answer, None)
+            if after is not None:
+                bookkeeping.append(after)
             r += n
-        for p in batch:  # (after the replies are on their way)
+        for after in bookkeeping:  # (after every reply is on its way)
+            try:
+                after()
+            except Exception:  # (metrics or a trace: never the batch's failure)
+                log.exception("reply bookkeeping failed")
+        for p in batch:
             self.proposer.metrics.observe_queue_wait(t0 - p.enqueued_at)
         self._last_batch_end = time.perf_counter()
         self._last_batch_s = self._last_batch_end - t0

@@ -382,7 +382,7 @@ class ChannelSet:
                 self.early_replies += 1
             else:
                 reply = self.encode(outputs, request).SerializeToString()
-            self._answer(ch, seq, request_id, reply, request, trace, t_seen, t_enter, t_parsed, t_stepped)
+            return self._answer(ch, seq, request_id, reply, request, trace, t_seen, t_enter, t_parsed, t_stepped)
 
         # (a channel closed before its request ran: nobody reads the reply, and its sequences are freed already)
         enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed,
@@ -426,7 +426,7 @@ class ChannelSet:
             early_head = head[0] if head and outputs.outputs is None else None
             self.early_replies += early_head is not None
             reply = frame_reply(outputs, request_id, early_head)
-            self._answer(ch, seq, request_id, reply, frame, trace, t_seen, t_enter, t_parsed, t_stepped)
+            return self._answer(ch, seq, request_id, reply, frame, trace, t_seen, t_enter, t_parsed, t_stepped)
 
         self.frames_taken += 1
         enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed,
@@ -434,24 +434,29 @@ class ChannelSet:
                                early=early if isinstance(steps, BatchInput) and not dry else None))
 
     def _answer(self, ch: Channel, seq: int, request_id: int, reply: bytes, request, trace: dict | None,
-                t_seen: float, t_enter: float, t_parsed: float, t_stepped: float) -> None:
+                t_seen: float, t_enter: float, t_parsed: float, t_stepped: float) -> "Callable[[], None] | None":
         """Write a step's reply (a serialized ProposeResponse or a reply frame; one larger than the reply area is
-        answered with RESOURCE_EXHAUSTED instead), then record its phases: metrics, the trace file, a span."""
+        answered with RESOURCE_EXHAUSTED instead); returns the recording of its phases (metrics, the trace file, a
+        span), which the scheduler runs once the batch's other requests have their replies (PendingRequest.deliver)."""
         if len(reply) > ch.box.reply.capacity:
             self._reply_error(ch, seq, request_id, RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"reply: {len(reply)} bytes; this channel's reply area holds "
                 f"{ch.box.reply.capacity}: open it with a larger reply_bytes"))
-            return
+            return None
         self._write(ch, seq, reply)
         t_replied = time.perf_counter()
-        self.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, t_replied - t_stepped, channel=True)
-        if trace is not None:
-            trace.update(request_id=request_id, seen=t_seen, enter=t_enter, parsed=t_parsed, resumed=t_stepped,
-                         replied=t_replied)
-            self.trace_file.write(json.dumps(trace) + "\n")
-        if tracing.enabled():  # (off by default: then nothing more on the step thread)
-            tracing.record_step("channel", request, {"enter": t_enter, "parsed": t_parsed, "stepped": t_stepped,
-                                                     "replied": t_replied})
+
+        def record() -> None:
+            self.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, t_replied - t_stepped,
+                                           channel=True)
+            if trace is not None:
+                trace.update(request_id=request_id, seen=t_seen, enter=t_enter, parsed=t_parsed, resumed=t_stepped,
+                             replied=t_replied)
+                self.trace_file.write(json.dumps(trace) + "\n")
+            if tracing.enabled():  # (off by default: then nothing more on the step thread)
+                tracing.record_step("channel", request, {"enter": t_enter, "parsed": t_parsed, "stepped": t_stepped,
+                                                         "replied": t_replied})
+        return record
 
     def _reply_error(self, ch: Channel, seq: int, request_id: int, e: RequestError) -> None:
         self.metrics.record_rpc_error(e.code.name)
