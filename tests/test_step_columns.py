@@ -320,3 +320,31 @@ def test_a_malformed_per_sequence_reply_is_internal(damage):
         parse_batch_response(reply, ["a", "b"])
     assert e.value.code == grpc.StatusCode.INTERNAL, str(e.value)
     assert ("draft_token_ids" if damage != "count" else "add up") in str(e.value)
+
+
+def test_a_batch_from_arrays_makes_its_tensor_columns_on_first_use():
+    """BatchInput.from_arrays (a decoded request's columns) makes each tensor column from its numpy array only when
+    it is first read (the columns path reads the arrays alone); the tensor shares the array's memory, is made once,
+    and every other use (cat, to_inputs, dataclasses.replace) sees the same columns."""
+    import numpy as np
+
+    from drafter_service.engine.batch_io import BatchArrays, BatchInput
+
+    n = 3
+    arrays = BatchArrays(start_positions=np.array([0, 4, 9]), num_tokens=np.array([1, 2, 1]),
+                         token_ids=np.array([5, 6, 7, 8]), next_tokens=np.array([1, 2, 3]),
+                         num_drafts=np.array([2, 0, 3]), temperatures=np.zeros(n, dtype=np.float32),
+                         seeds=np.array([0, -2, 7]), return_logprobs=np.zeros(n, dtype=bool),
+                         top_k_probs=np.zeros(n, dtype=np.int64), predraft_branches=np.zeros(n, dtype=np.int64))
+    b = BatchInput.from_arrays("ns", ["a", "b", "c"], arrays, torch.from_numpy(arrays.token_ids), torch.zeros(4, W))
+    assert "num_drafts" not in vars(b) and b.arrays is arrays
+    k = b.num_drafts
+    assert k.tolist() == [2, 0, 3] and k.data_ptr() == arrays.num_drafts.ctypes.data and b.num_drafts is k
+    assert "num_drafts" in vars(b) and "seeds" not in vars(b)
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        b.nonexistent
+    steps = b.to_inputs()
+    assert [s.start_position for s in steps] == [0, 4, 9] and [s.num_drafts for s in steps] == [2, 0, 3]
+    assert [s.token_ids.tolist() for s in steps] == [[5], [6, 7], [8]]
+    merged = BatchInput.cat([b, dataclasses.replace(b, sequence_ids=["d", "e", "f"])])
+    assert merged.start_positions.tolist() == [0, 4, 9, 0, 4, 9] and merged.seeds.tolist() == [0, -2, 7] * 2

@@ -67,6 +67,17 @@ class BatchInput:
     def __len__(self) -> int:
         return len(self.sequence_ids)
 
+    def __getattr__(self, name: str):
+        """(Reached only for an attribute not set: a column of a BatchInput made by from_arrays, which makes each
+        tensor from its numpy array on first use. The columns path reads the arrays alone, so a step channel's
+        request that runs there never makes them: nine torch.from_numpy calls fewer in its parse.)"""
+        arrays = self.__dict__.get("arrays")
+        if arrays is None or name not in _LAZY_COLUMNS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        column = torch.from_numpy(getattr(arrays, name))
+        setattr(self, name, column)
+        return column
+
     @functools.cached_property
     def arrays(self) -> "BatchArrays":
         """The host columns as numpy views of the same memory (the columns are not reassigned after construction)."""
@@ -105,12 +116,12 @@ class BatchInput:
     def from_arrays(cls, namespace: str, sequence_ids: list[str], arrays: "BatchArrays", token_ids: torch.Tensor,
                     hidden_states: torch.Tensor) -> "BatchInput":
         """The columns given as numpy arrays of their own (arrays.token_ids: token_ids' memory): tensors over the
-        same memory, and ``arrays`` kept as BatchInput.arrays (no conversion back)."""
+        same memory, each made on first use (__getattr__), and ``arrays`` kept as BatchInput.arrays (no conversion
+        back)."""
         n = len(sequence_ids)
-        t = {name: torch.from_numpy(getattr(arrays, name)) for name in BatchArrays.__dataclass_fields__
-             if name != "token_ids"}
-        b = cls(sequence_ids=sequence_ids, namespaces=[namespace] * n, owners=[None] * n, token_ids=token_ids,
-                hidden_states=hidden_states, **t)
+        b = cls.__new__(cls)  # (not __init__: the other columns are made from the arrays when first read)
+        b.sequence_ids, b.namespaces, b.owners = sequence_ids, [namespace] * n, [None] * n
+        b.token_ids, b.hidden_states, b.state_parts = token_ids, hidden_states, None
         b.__dict__["arrays"] = arrays  # (functools.cached_property's slot: the arrays are these tensors' memory)
         return b
 
@@ -180,6 +191,10 @@ class BatchArrays:
     return_logprobs: np.ndarray
     top_k_probs: np.ndarray
     predraft_branches: np.ndarray
+
+
+# BatchInput's tensor columns that from_arrays leaves to be made on first use (BatchInput.__getattr__)
+_LAZY_COLUMNS = frozenset(name for name in BatchArrays.__dataclass_fields__ if name != "token_ids")
 
 
 @dataclass
