@@ -417,23 +417,21 @@ class StepScheduler:
         bookkeeping: list[Callable[[], None]] = []
         for p in batch:
             if p.dry:
-                after = p.deliver(dry_outputs(p.steps), None)
-                if after is not None:
-                    bookkeeping.append(after)
-                continue
-            if p.trace is not None:
-                p.trace["worker_start"], p.trace["worker_end"] = span
-            n = len(p.steps)
-            if columnar:  # (a request alone in its batch gets the whole answer: no slicing)
-                answer = outputs if n == len(outputs) else outputs.slice(r, r + n)
-            elif isinstance(p.steps, BatchInput):
-                answer = BatchOutput.from_outputs(outputs[r : r + n])
+                answer = dry_outputs(p.steps)
             else:
-                answer = outputs[r : r + n]
+                if p.trace is not None:
+                    p.trace["worker_start"], p.trace["worker_end"] = span
+                n = len(p.steps)
+                if columnar:  # (a request alone in its batch gets the whole answer: no slicing)
+                    answer = outputs if n == len(outputs) else outputs.slice(r, r + n)
+                elif isinstance(p.steps, BatchInput):
+                    answer = BatchOutput.from_outputs(outputs[r : r + n])
+                else:
+                    answer = outputs[r : r + n]
+                r += n
             after = p.deliver(answer, None)
             if after is not None:
                 bookkeeping.append(after)
-            r += n
         for after in bookkeeping:  # (after every reply is on its way)
             try:
                 after()
