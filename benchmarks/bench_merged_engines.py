@@ -93,7 +93,7 @@ async def _engine(index, sock, batch, context, m, k, width, vocab, iters, jitter
             t0 = time.perf_counter()
             r = await c.propose_batch(step)
             times.append(time.perf_counter() - t0)
-            rang.append(c._step_channel.box.words[11] * 1e-9)  # (mailbox.py: word 11, request_sent_ns)
+            rang.append(c._step_channel.box.request_sent_ns() * 1e-9)
             assert not r.fallback and int(r.codes.abs().sum()) == 0, r.fallback_reason
         assert c.steps_through_channel == iters + 3, "every step should have gone through the channel"
         await c.release([s.sequence_id for s in decode])
@@ -138,18 +138,22 @@ def run_engines(n: int, sock: str, port: int, a, width: int, vocab: int) -> dict
     if failed:
         raise RuntimeError(f"an engine failed: {failed[0]}")
     after = scrape(port)
-    steps = [max(got[i][0][j] for i in range(n)) for j in range(a.iters)]  # the slowest engine of each step
-    # how far apart the engines called propose_batch in each step (the barrier's release and each one's jitter)
-    spreads = sorted(max(got[i][1][j] for i in range(n)) - min(got[i][1][j] for i in range(n)) for j in range(a.iters))
-    # and how far apart their requests reached the drafter's doorbell (what the merge window sees)
-    rung = sorted(max(got[i][2][j] for i in range(n)) - min(got[i][2][j] for i in range(n)) for j in range(a.iters))
+    steps = sorted(max(got[i][0][j] for i in range(n)) for j in range(a.iters))  # the slowest engine of each step
+
+    def spread(column: int) -> list[float]:
+        """Per step, sorted: how far apart the engines' times of that column were (max - min over the engines)."""
+        return sorted(max(got[i][column][j] for i in range(n)) - min(got[i][column][j] for i in range(n))
+                      for j in range(a.iters))
+
+    p90 = lambda values: values[int(0.9 * (len(values) - 1))]  # noqa: E731 (of a sorted list)
+    # how far apart the engines called propose_batch in each step (the barrier's release and each one's jitter), and
+    # how far apart their requests reached the drafter's doorbell (what the merge window sees)
+    spreads, rung = spread(1), spread(2)
     d = {key: after[key] - before[key] for key in after}
     return dict(engines=n, sequences_per_engine=per, engine_ms=statistics.median(steps) * 1e3,
-                send_spread_ms=statistics.median(spreads) * 1e3,
-                send_spread_ms_p90=spreads[int(0.9 * (len(spreads) - 1))] * 1e3,
-                doorbell_spread_ms=statistics.median(rung) * 1e3,
-                doorbell_spread_ms_p90=rung[int(0.9 * (len(rung) - 1))] * 1e3,
-                engine_ms_p90=sorted(steps)[int(0.9 * (len(steps) - 1))] * 1e3,
+                send_spread_ms=statistics.median(spreads) * 1e3, send_spread_ms_p90=p90(spreads) * 1e3,
+                doorbell_spread_ms=statistics.median(rung) * 1e3, doorbell_spread_ms_p90=p90(rung) * 1e3,
+                engine_ms_p90=p90(steps) * 1e3,
                 seqs_per_batch=d["drafter_batch_sequences_sum"] / d["drafter_batch_sequences_count"],
                 worker_ms=d["drafter_step_seconds_sum"] / d["drafter_step_seconds_count"] * 1e3,
                 waits_per_step=d["drafter_merge_window_waits_total"] / a.iters,

@@ -173,11 +173,15 @@ class Mailbox:
             return None
         return payload
 
+    def request_sent_ns(self) -> int:
+        """The last request's request_sent_ns (CLOCK_MONOTONIC when its client rang the doorbell; 0: none written)."""
+        return self.words[_REQUEST_SENT_NS]
+
     def request_age_s(self, max_s: float) -> float | None:
         """Drafter: how long ago the client rang the request doorbell (its request_sent_ns), in [0, max_s]; None where
         the client wrote none (an older one) or a time that is no CLOCK_MONOTONIC of this host's within max_s (a
         client in another time namespace, or one that lies: the value only places the request's arrival)."""
-        sent = self.words[_REQUEST_SENT_NS]
+        sent = self.request_sent_ns()
         if sent == 0:
             return None
         age = (time.monotonic_ns() - sent) * 1e-9
