@@ -238,11 +238,14 @@ async def test_reading_the_requests_that_are_here_does_not_use_up_the_window():
     channels = _SlowReadChannels(0.002)
     async with _running(proposer, 0.003) as sched:
         sched.attach_channels(channels)
+        channels.wake()  # (as ChannelSet does when a channel opens: a thread asleep with no channel starts polling)
         loop = asyncio.get_running_loop()
 
         def channel_request(owner, i):
             done = loop.create_future()
-            deliver = lambda out, exc: loop.call_soon_threadsafe(done.set_result, None)  # noqa: E731
+
+            def deliver(out, exc) -> None:  # (returns no bookkeeping: PendingRequest.deliver)
+                loop.call_soon_threadsafe(done.set_result, None)
             with channels.lock:
                 channels.inbox.append(PendingRequest(_step(owner, i), deliver))
             return done
