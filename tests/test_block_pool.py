@@ -158,6 +158,67 @@ def test_touch_batch_moves_each_known_sequence_to_the_end_in_order():
         assert [(s.last_used, s.last_step) for s in table.lru_order()] == [marks[k] for k in order]
 
 
+def test_touch_batch_of_the_same_sequences_again_stays_true_across_drops_and_additions():
+    """An engine sends the same batch step after step: touch_batch answers it again from its last lookup while no
+    sequence was added or dropped (SequenceTable._membership). The answer must never be stale: a sequence of the batch
+    released, evicted or re-added under the same id (a new row), or a new sequence added, and the next call looks up
+    again; the marks (last_used / last_step / LRU order) are written on every call; the rows are read-only; a batch
+    naming a sequence twice or an unknown one is looked up every time; distinct() knows the rows name no row twice."""
+    import numpy as np
+    import pytest
+
+    table = SequenceTable(BlockPool(512), block_size=8)
+
+    def add(sid):
+        s = Sequence("x", sid)
+        assert table.resize(s, 9)
+        table.add(s)
+        return s
+
+    for i in range(40):
+        add(f"s{i}")
+    ids = [f"s{i}" for i in range(12)]
+
+    def check(serial, asked=ids):
+        # fresh string objects every call, as a parsed request brings
+        got, rows = table.touch_batch(["x"] * len(asked), [str(bytes(a, "ascii"), "ascii") for a in asked],
+                                      float(serial), serial)
+        want = [table.get("x", a) for a in asked]
+        assert got == want
+        assert rows.tolist() == [s.table_row for s in want if s is not None]
+        for s in want:
+            if s is not None:
+                assert (s.last_used, s.last_step) == (float(serial), serial)
+        # the most recently used last: the known ones asked, each at its last place in the batch
+        tail = list(dict.fromkeys(a for a in reversed(asked) if table.get("x", a) is not None))[::-1]
+        assert [s.sequence_id for s in table.lru_order()][-len(tail):] == tail
+        return rows
+
+    first = check(1)
+    assert check(2) is first  # the same answer again (nothing added or dropped)
+    assert table.distinct(first)
+    with pytest.raises(ValueError):
+        first[0] = 99  # read-only: it is handed out again
+    old_row = table.get("x", "s3").table_row
+    assert table.release("x", "s3")
+    rows = check(3)  # s3 is gone: None in its place, its row no longer among the rows
+    assert table.get("x", "s3") is None and old_row not in rows.tolist() and len(rows) == 11
+    add("s39b")  # another sequence's row taken, then s3 re-added under its id: a new object, maybe a new row
+    s3 = add("s3")
+    rows = check(4)
+    assert rows[3] == s3.table_row
+    assert check(5) is rows
+    twice = ids + ids[:1]
+    a, b = check(6, twice), check(7, twice)
+    assert a is not b and not table.distinct(b)  # a sequence named twice: looked up every time
+    assert np.array_equal(a, b)
+    before = len(table)
+    assert table.evict_idle(8, sequences=1)  # the least recently used idle sequence (not one of the batch)
+    assert len(table) == before - 1
+    rows = check(9)
+    assert check(10) is rows
+
+
 def test_step_state_lives_in_the_rows_and_survives_growth_and_drop():
     """A sequence's committed_len / last_drafts / last_drafts_base / predraft flag read back what was written, whether
     it holds a row or not; the row's columns hold them (what Proposer.step_batch reads as arrays), growth of the rows

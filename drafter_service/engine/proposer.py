@@ -412,7 +412,7 @@ class Proposer:
         found, rows = self.table.touch_batch([s.namespace for s in steps], [s.sequence_id for s in steps], now, serial)
         # The known sequences' state, read for the whole step at once; a step that names a sequence twice reads it
         # sequence by sequence (each of its steps at its own admission, after the one before).
-        distinct = len(set(rows.tolist())) == rows.shape[0]  # (no known sequence named twice)
+        distinct = self.table.distinct(rows)  # (no known sequence named twice)
         if distinct:
             known = iter(self.table.rows.read_steps(rows))
             states = [None if seq is None else next(known) for seq in found]
@@ -510,7 +510,7 @@ class Proposer:
         # microsecond where a torch op on a small CPU tensor costs several.
         R = self.table.rows
         nonzero = np.count_nonzero  # (for any(): _fast_path_applies)
-        if nonzero(R.predrafting[rows]) or len(set(rows.tolist())) != B:
+        if nonzero(R.predrafting[rows]) or not self.table.distinct(rows):
             return None  # a sequence that pre-drafts, or one named twice: the per-sequence path
         a = b.arrays
         p, m = a.start_positions, a.num_tokens

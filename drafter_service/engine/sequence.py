@@ -173,6 +173,17 @@ class _EvictionQueue:
     next: int = 0  # rows before this one were taken
 
 
+@dataclass
+class _Lookup:
+    """SequenceTable.touch_batch's answer for one batch of known, distinct sequences."""
+
+    membership: int  # SequenceTable._membership when it was looked up
+    namespaces: list[str]
+    sequence_ids: list[str]
+    seqs: list[Sequence]
+    rows: np.ndarray  # [n] int64, read-only, no row twice
+
+
 class SequenceTable:
     """All live sequences and the blocks they hold. Only the step worker thread touches it."""
 
@@ -188,6 +199,8 @@ class SequenceTable:
         self._seqs: dict[tuple[str, str], Sequence] = {}  # (the LRU order is the rows' touch_order column)
         self._by_ns: dict[str, dict[str, Sequence]] = {}  # per namespace: sequence id -> Sequence
         self._touches = 0  # touches and additions so far: the last one's touch_order
+        self._membership = 0  # bumped by every add and drop: a touch_batch answer stays true while it is unchanged
+        self._last_lookup: _Lookup | None = None  # touch_batch's last answer for a batch of known, distinct sequences
         self._row_seq: list[Sequence | None] = []  # the sequence holding each row (None: none, or not added yet)
         self._queues: dict[str | None, _EvictionQueue] = {}  # evict_idle's candidates, by namespace (None: all)
         self._ns_blocks: dict[str, int] = {}  # blocks held per namespace
@@ -226,19 +239,34 @@ class SequenceTable:
                 seqs.append(seq)
             self._touches = touches
             return seqs, np.array(rows, dtype=np.int64)
-        one_namespace = self._by_ns.get(namespaces[0])
-        if one_namespace is not None and list(namespaces).count(namespaces[0]) == n:  # the common case
-            seqs = list(map(one_namespace.get, sequence_ids))
+        last = self._last_lookup
+        if (last is not None and last.membership == self._membership and last.sequence_ids == sequence_ids
+                and last.namespaces == namespaces):
+            # the same sequences as the last call, none added or dropped since (an engine's usual step): its answer
+            # again (two list compares in C, ~1.5 us at 128 sequences against ~10 us of lookups)
+            seqs, found, rows = last.seqs, last.seqs, last.rows
         else:
-            seqs = list(map(self._seqs.get, zip(namespaces, sequence_ids)))
-        found = seqs if None not in seqs else [seq for seq in seqs if seq is not None]
-        rows = np.fromiter([seq.table_row for seq in found], dtype=np.int64, count=len(found))
+            one_namespace = self._by_ns.get(namespaces[0])
+            if one_namespace is not None and list(namespaces).count(namespaces[0]) == n:  # the common case
+                seqs = list(map(one_namespace.get, sequence_ids))
+            else:
+                seqs = list(map(self._seqs.get, zip(namespaces, sequence_ids)))
+            found = seqs if None not in seqs else [seq for seq in seqs if seq is not None]
+            rows = np.fromiter([seq.table_row for seq in found], dtype=np.int64, count=len(found))
+            rows.flags.writeable = False  # (it may be returned again: callers index with it, never write it)
+            self._last_lookup = (_Lookup(self._membership, list(namespaces), list(sequence_ids), seqs, rows)
+                                 if found is seqs and len(set(rows.tolist())) == n else None)
         R.last_used[rows] = now
         R.last_step[rows] = step_serial
         # (a sequence named twice keeps its last count, as the last touch)
         R.touch_order[rows] = np.arange(self._touches + 1, self._touches + 1 + len(found))
         self._touches += len(found)
         return seqs, rows
+
+    def distinct(self, rows: np.ndarray) -> bool:
+        """Whether touch_batch's rows name no row twice: known for its last answer, counted otherwise."""
+        last = self._last_lookup
+        return (last is not None and rows is last.rows) or len(set(rows.tolist())) == rows.shape[0]
 
     def lru_order(self, namespace: str | None = None) -> list[Sequence]:
         """The sequences (of `namespace`; None: all of them), least recently used first."""
@@ -265,6 +293,7 @@ class SequenceTable:
         if row >= len(self._row_seq):
             self._row_seq.extend([None] * (row + 1 - len(self._row_seq)))
         self._row_seq[row] = seq
+        self._membership += 1
         self._touches += 1
         self.rows.touch_order_mv[row] = self._touches
         if seq.owner is not None:
@@ -408,6 +437,7 @@ class SequenceTable:
 
     def _drop(self, seq: Sequence, why: str | None) -> None:
         self.on_drop(seq)
+        self._membership += 1
         key = (seq.namespace, seq.sequence_id)
         del self._seqs[key]
         ns_seqs = self._by_ns[seq.namespace]
