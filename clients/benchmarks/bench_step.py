@@ -406,6 +406,15 @@ async def bench_prefill_sidecar(target, tokens, iters, width, vocab, channel: bo
     return statistics.median(times[2:])
 
 
+def cpu_list(text: str) -> set[int]:
+    """"2", "4-9" or "2,4-5" -> the set of CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
@@ -435,8 +444,16 @@ def main() -> int:
                     help="after the table: this many alternating rounds of the in-process step, the step channel and "
                          "the batch API through it, per batch size (the in-process runtime then stays alive beside "
                          "the drafter); the ratios' median and spread go in the JSON (0: none)")
+    ap.add_argument("--client-cpus", default=None,
+                    help="Linux: CPUs this process (the engine side and the in-process step) runs on, e.g. 2 or 2-3 "
+                         "(default: all)")
+    ap.add_argument("--drafter-cpus", default=None,
+                    help="Linux: CPUs the drafter-serve subprocess runs on, e.g. 4-9 (default: all)")
     ap.add_argument("--out", default="bench_out/bench_step.json")
     a = ap.parse_args()
+    if a.client_cpus:
+        os.sched_setaffinity(0, cpu_list(a.client_cpus))
+        print(f"this process runs on CPUs {sorted(os.sched_getaffinity(0))}", flush=True)
     shape = PRESETS[a.preset]
     context = a.context or shape["context"]
     batches = [int(b) for b in a.batches.split(",")]
@@ -507,7 +524,9 @@ def main() -> int:
                str(kv_tokens), "--max-model-len", str(max_len), "--max-batch-seqs", "4096", "--log-level", "WARNING",
                "--cuda-graphs" if a.cuda_graphs else "--no-cuda-graphs", "--metrics-port", str(a.metrics_port),
                *a.drafter_flag]
-        server = subprocess.Popen(cmd)
+        drafter_cpus = cpu_list(a.drafter_cpus) if a.drafter_cpus else None
+        server = subprocess.Popen(cmd, preexec_fn=(lambda: os.sched_setaffinity(0, drafter_cpus)) if drafter_cpus
+                                  else None)
         try:
             for row in rows:
                 b = row["batch"]
