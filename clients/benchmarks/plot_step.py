@@ -22,8 +22,10 @@ def main() -> int:
     d = json.loads(pathlib.Path(a.file).read_text())
     rows = d["rows"]
     b = [r["batch"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = plt.subplots(figsize=(6.5, 4.6))
     ax.plot(b, [r["sidecar_ms"] for r in rows], marker="o", label="sidecar (client over UDS, unary)")
+    if all("sidecar_batch_api_ms" in r for r in rows):
+        ax.plot(b, [r["sidecar_batch_api_ms"] for r in rows], marker="o", label="sidecar (batch API, unary)")
     if all("sidecar_stream_ms" in r for r in rows):
         ax.plot(b, [r["sidecar_stream_ms"] for r in rows], marker="o", label="sidecar (one ProposeStream)")
     if all("sidecar_channel_ms" in r for r in rows):
@@ -40,6 +42,9 @@ def main() -> int:
         ax.plot(b, [r["in_process_states_on_gpu_ms"] for r in rows], marker="o", label="in-process, states on the GPU")
     if all("in_process_columns_ms" in r for r in rows):
         ax.plot(b, [r["in_process_columns_ms"] for r in rows], marker="o", label="in-process, as columns (step_batch)")
+    if all("in_process_columns_states_on_gpu_ms" in r for r in rows):
+        ax.plot(b, [r["in_process_columns_states_on_gpu_ms"] for r in rows], marker="o",
+                label="in-process, as columns, states on the GPU")
     if all("in_process_eager_ms" in r for r in rows):
         ax.plot(b, [r["in_process_eager_ms"] for r in rows], marker="o", label="in-process, eager")
     ax.plot(b, [r["floor_ms"] for r in rows], linestyle="--", color="k", label="floor (bytes / bandwidth)")
