@@ -11,6 +11,9 @@ back as a micro-benchmark runs it. This script times each piece, one call at a t
   32MB read     a read of 32 MB (what a step does to the caches, roughly)
   rehearsed     a 4 ms busy wait during which the same piece is run again every 0.2 ms (StepChannel.rehearse does
                 this for the client's reply parse)
+  loop X ms     (--idle-ms X,...) a plain Python loop of X ms that reads no clock and touches no memory of its own:
+                whether the piece turns cold with the time since it last ran, whatever ran meanwhile
+  sleep X ms    (--idle-ms) time.sleep(X ms): the core idle meanwhile
 
 One decode step of B sequences, m = 3, k = 5, bf16 states W wide. Medians of --calls calls per cell, rounds
 alternated. Prints a table, writes JSON.
@@ -82,25 +85,47 @@ def spin(seconds: float, rehearse=None) -> None:
             last = time.perf_counter()
 
 
+def busy_loop(iterations: int) -> None:
+    x = 0
+    for i in range(iterations):
+        x += i
+
+
+def loop_iterations(seconds: float) -> int:
+    """busy_loop iterations that take about `seconds` here."""
+    t = time.perf_counter()
+    busy_loop(200_000)
+    return max(1, int(seconds / ((time.perf_counter() - t) / 200_000)))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--idle-ms", default="",
+                    help="also time each piece after a plain Python loop and after a sleep of each of these many ms "
+                         "(e.g. 1,4,16)")
     ap.add_argument("--out", default="bench_out/cold_host_work.json")
     a = ap.parse_args()
     torch.set_num_threads(1)
     junk = np.ones(32 << 20, dtype=np.uint8)
     before = {"warm": lambda f: f(), "spin": lambda f: spin(0.004), "32MB read": lambda f: junk.sum(),
               "rehearsed": lambda f: spin(0.004, f)}
+    conditions = list(CONDITIONS)
+    for ms in (float(x) for x in a.idle_ms.split(",") if x):
+        n = loop_iterations(ms / 1e3)
+        before[f"loop {ms:g} ms"] = lambda f, n=n: busy_loop(n)
+        before[f"sleep {ms:g} ms"] = lambda f, s=ms / 1e3: time.sleep(s)
+        conditions += [f"loop {ms:g} ms", f"sleep {ms:g} ms"]
     rows = []
     for batch in (int(b) for b in a.batches.split(",")):
         fns = pieces(batch, a.width)
-        cells = {(p, c): [] for p in PIECES for c in CONDITIONS}
+        cells = {(p, c): [] for p in PIECES for c in conditions}
         for _ in range(a.rounds):
             for p, f in fns.items():
-                for c in CONDITIONS:
+                for c in conditions:
                     times = []
                     for _ in range(a.calls):
                         before[c](f)
@@ -109,19 +134,19 @@ def main() -> int:
                         times.append(time.perf_counter() - t)
                     cells[(p, c)].append(statistics.median(times) * 1e6)
         for p in PIECES:
-            rows.append(dict(batch=batch, piece=p, **{f"{c}_us": statistics.median(cells[(p, c)]) for c in CONDITIONS},
-                             **{f"{c}_spread_us": [min(cells[(p, c)]), max(cells[(p, c)])] for c in CONDITIONS}))
+            rows.append(dict(batch=batch, piece=p, **{f"{c}_us": statistics.median(cells[(p, c)]) for c in conditions},
+                             **{f"{c}_spread_us": [min(cells[(p, c)]), max(cells[(p, c)])] for c in conditions}))
     result = dict(benchmark="bench_cold_host_work", date=datetime.datetime.now().isoformat(timespec="seconds"),
                   device=f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1 torch thread",
                   python=platform.python_version(), torch=torch.__version__, width=a.width, calls=a.calls,
-                  rounds=a.rounds, rows=rows)
+                  rounds=a.rounds, conditions=conditions, command=" ".join(sys.argv), rows=rows)
     write_json(a.out, result, say=False)
     print(f"{result['device']}, {result['date']}; width {a.width}; microseconds per call, median of {a.rounds} "
           f"rounds of {a.calls} calls")
-    print(f"{'batch':>5} {'piece':<14}" + "".join(f"{c:>12}" for c in CONDITIONS) + f"{'cold/warm':>11}")
+    print(f"{'batch':>5} {'piece':<14}" + "".join(f"{c:>12}" for c in conditions) + f"{'cold/warm':>11}")
     for r in rows:
         cold = max(r["spin_us"], r["32MB read_us"]) / r["warm_us"]
-        print(f"{r['batch']:>5} {r['piece']:<14}" + "".join(f"{r[c + '_us']:12.1f}" for c in CONDITIONS)
+        print(f"{r['batch']:>5} {r['piece']:<14}" + "".join(f"{r[c + '_us']:12.1f}" for c in conditions)
               + f"{cold:10.1f}x")
     print(f"wrote {a.out}")
     return 0

@@ -135,10 +135,12 @@ def test_bench_parallel_copy_times_both_ways(tmp_path, scattered):
 
 def test_bench_cold_host_work_times_every_piece_in_every_condition(tmp_path):
     result = run(["benchmarks/bench_cold_host_work.py", "--batches", "1,8", "--width", "64", "--calls", "2",
-                  "--rounds", "1"], tmp_path / "cold.json")
+                  "--rounds", "1", "--idle-ms", "0.5,2"], tmp_path / "cold.json")
     assert [(r["batch"], r["piece"]) for r in result["rows"]] == [
         (b, p) for b in (1, 8) for p in ("client pack", "drafter parse", "drafter reply", "client parse")]
-    assert all(r[f"{c}_us"] > 0 for r in result["rows"] for c in ("warm", "spin", "32MB read", "rehearsed"))
+    conditions = ["warm", "spin", "32MB read", "rehearsed", "loop 0.5 ms", "sleep 0.5 ms", "loop 2 ms", "sleep 2 ms"]
+    assert result["conditions"] == conditions
+    assert all(r[f"{c}_us"] > 0 for r in result["rows"] for c in conditions)
 
 
 def test_bench_predraft_fallback_compares_both_sets(tmp_path):
