@@ -44,6 +44,7 @@ def test_bench_step_measures_every_path(tmp_path):
                   "--batches", "1,32", "--iters", "2", "--prefill-tokens", "0", "--threads", "1", "--rounds", "2"],
                  tmp_path / "bs.json")
     assert result["benchmark"] == "bench_step" and result["cpu_threads"] == 1 and result["rounds"] == 2
+    assert result["complete"] is True
     for r in result["rows"]:
         for key in ("in_process_ms", "sidecar_ms", "sidecar_batch_api_ms", "sidecar_stream_ms", "sidecar_channel_ms",
                     "sidecar_channel_batch_api_ms", "floor_ms", "sidecar_worker_ms"):
@@ -56,6 +57,22 @@ def test_bench_step_measures_every_path(tmp_path):
         assert rounds["channel_over_in_process"][0] == pytest.approx(rounds["channel_ms"][0] / rounds["in_process_ms"][0])
         assert min(rounds["channel_over_in_process"]) <= r["rounds_median"]["channel_over_in_process"] <= max(
             rounds["channel_over_in_process"])
+
+
+def test_bench_step_rounds_only_skips_the_single_pass_and_says_it_finished(tmp_path):
+    """--rounds-only: the in-process step, its floor and the rounds, no single pass through the sidecar; the JSON says
+    the run finished (a run stopped by its time limit leaves complete: false and the rows measured so far)."""
+    result = run(["-m", "drafter_client.benchmarks.bench_step", "--preset", "tiny", "--device", "cpu",
+                  "--batches", "1,8", "--iters", "2", "--prefill-tokens", "0", "--threads", "1", "--rounds", "1",
+                  "--rounds-only"], tmp_path / "bs.json")
+    assert result["complete"] is True and result["rounds_only"] is True
+    for r in result["rows"]:
+        assert r["in_process_ms"] > 0 and r["floor_ms"] > 0 and r["in_process_over_floor"] > 0
+        assert "sidecar_ms" not in r and "sidecar_channel_ms" not in r
+        assert len(r["rounds"]["channel_over_in_process"]) == 1 and r["rounds_median"]["unary_batch_api_over_in_process"] > 0
+    done = subprocess.run([sys.executable, "-m", "drafter_client.benchmarks.bench_step", "--rounds-only"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "--rounds-only needs --rounds" in done.stderr
 
 
 def test_bench_request_codec_reads_requests_as_the_server_does(tmp_path):

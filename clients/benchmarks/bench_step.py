@@ -6,6 +6,7 @@ proposer called in-process, with the floor (bytes a step must read over measured
     python -m drafter_client.benchmarks.bench_step --preset llama3-8b-eagle3 --device cuda   # EAGLE-3 head
     ... --device cuda --graphs-ab      # also the in-process proposer with --no-cuda-graphs, in the same run
     ... --rounds 5                     # then the channel / in-process ratio over 5 alternating rounds
+    ... --rounds 2 --rounds-only       # the in-process step, its floor and the rounds only
 
 The head has random weights of the preset's shape (written once to a temp dir as a Hugging Face checkpoint, which
 the server process loads). Each timed step is a decode step: every sequence sends m committed tokens at a context
@@ -15,7 +16,9 @@ does (staged through pinned memory to the GPU); on a GPU it also runs with the s
 states": an engine in the drafter's process, or the sidecar's CUDA IPC plane). The sidecar paths: unary Propose with
 one SequenceStep per sequence (column "sidecar ms"), the batch API (propose_batch: columns in and out) by unary gRPC
 ("ubatch ms": what an engine on another node pays), one ProposeStream, a step channel with each API, and (CUDA) the
-channel with the states by CUDA IPC reference. Prints a table and writes JSON (device, date, command) to --out.
+channel with the states by CUDA IPC reference. Prints a table and writes JSON (device, date, command) to --out,
+after each batch size's sidecar runs and rounds too ("complete": false until the end), so that a run stopped by a
+time limit keeps what it measured.
 """
 import argparse
 import asyncio
@@ -325,6 +328,7 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
     result = {"in_process": [], "channel": [], "channel_batch_api": [], "unary_batch_api": []}
     async with DrafterClient(target, namespace="bench", step_timeout_s=None) as c, \
             DrafterClient(target, namespace="bench", step_timeout_s=None) as unary:
+        await c.wait_ready(600)  # (with --rounds-only nothing waited for the drafter's start before)
         for chunk in range(0, batch, 8):
             r = await c.propose(prefill[chunk : chunk + 8])
             assert all(s.ok for s in r.sequences), r.sequences[0].message
@@ -444,6 +448,9 @@ def main() -> int:
                     help="after the table: this many alternating rounds of the in-process step, the step channel and "
                          "the batch API through it, per batch size (the in-process runtime then stays alive beside "
                          "the drafter); the ratios' median and spread go in the JSON (0: none)")
+    ap.add_argument("--rounds-only", action="store_true",
+                    help="with --rounds: skip the single pass through the sidecar (unary, stream, step channel, batch "
+                         "API, CUDA IPC) and time only the in-process step and the rounds")
     ap.add_argument("--client-cpus", default=None,
                     help="Linux: CPUs this process (the engine side and the in-process step) runs on, e.g. 2 or 2-3 "
                          "(default: all)")
@@ -451,6 +458,8 @@ def main() -> int:
                     help="Linux: CPUs the drafter-serve subprocess runs on, e.g. 4-9 (default: all)")
     ap.add_argument("--out", default="bench_out/bench_step.json")
     a = ap.parse_args()
+    if a.rounds_only and not a.rounds:
+        ap.error("--rounds-only needs --rounds N")
     if a.client_cpus:
         os.sched_setaffinity(0, cpu_list(a.client_cpus))
         print(f"this process runs on CPUs {sorted(os.sched_getaffinity(0))}", flush=True)
@@ -472,6 +481,26 @@ def main() -> int:
     from drafter_service.config import ServerConfig
     from drafter_service.runtime import build_runtime
 
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    rows: list[dict] = []
+    prefill = None
+    bw = None
+
+    def save(complete: bool) -> dict:
+        """The JSON as it stands: written after each batch size's sidecar runs and rounds too (complete False), so
+        that a run stopped by a time limit keeps what it measured."""
+        result = dict(benchmark="bench_step", date=started, complete=complete,
+                      device=f"{device.type}: {dev_name}, {os.cpu_count()} cores", torch=torch.__version__,
+                      command=" ".join(shlex.quote(x) for x in sys.argv), drafter_flags=a.drafter_flag,
+                      preset=a.preset, shape=shape, dtype=dtype, context=context, m=a.m, k=a.k, iters=a.iters,
+                      cuda_graphs=a.cuda_graphs and device.type == "cuda",
+                      bandwidth_gbps=bw / 1e9 if bw else None, rows=rows,
+                      cpu_threads=torch.get_num_threads(),  # host threads of the in-process proposer
+                      prefill=prefill, rounds=a.rounds, rounds_only=a.rounds_only)
+        write_json(a.out, result, say=False)
+        return result
+
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         print(f"writing a random {a.preset} head ...", flush=True)
@@ -481,12 +510,13 @@ def main() -> int:
                            cuda_graphs=a.cuda_graphs)
         bw = measure_bandwidth(device)
         print(f"memory bandwidth (copy, read+write): {bw / 1e9:.1f} GB/s", flush=True)
-        rows = []
         rt = build_runtime(cfg)
         width = rt.limits.hidden_states_width
         for b in batches:
             t = bench_in_process(rt, b, context, a.m, a.k, a.iters, width, shape["vocab_size"])
-            rows.append(dict(batch=b, in_process_ms=t * 1e3))
+            fb = floor_bytes(shape, dtype_bytes, b, context, a.m, a.k)
+            rows.append(dict(batch=b, in_process_ms=t * 1e3, floor_ms=fb / bw * 1e3, floor_bytes=fb,
+                             in_process_over_floor=t * 1e3 / (fb / bw * 1e3)))
             print(f"in-process batch {b}: {t * 1e3:.2f} ms", flush=True)
             t = bench_in_process(rt, b, context, a.m, a.k, a.iters, width, shape["vocab_size"], columns=True)
             rows[-1]["in_process_columns_ms"] = t * 1e3
@@ -499,7 +529,6 @@ def main() -> int:
                                      columns=True)
                 rows[-1]["in_process_columns_states_on_gpu_ms"] = t * 1e3
                 print(f"in-process batch {b}, as columns, states on the GPU: {t * 1e3:.2f} ms", flush=True)
-        prefill = None
         if a.prefill_tokens:
             hidden_bytes = a.prefill_tokens * width * 2  # bf16 on the wire
             t = bench_prefill_in_process(rt, a.prefill_tokens, a.iters, width, shape["vocab_size"])
@@ -528,7 +557,7 @@ def main() -> int:
         server = subprocess.Popen(cmd, preexec_fn=(lambda: os.sched_setaffinity(0, drafter_cpus)) if drafter_cpus
                                   else None)
         try:
-            for row in rows:
+            for row in rows if not a.rounds_only else []:
                 b = row["batch"]
                 t, parts, t_stream, t_channel, ch_parts, t_ipc, t_batch, t_unary_batch = asyncio.run(bench_sidecar(
                     f"unix:{sock}", b, context, a.m, a.k, a.iters, width, shape["vocab_size"], a.metrics_port, device))
@@ -537,11 +566,9 @@ def main() -> int:
                 row.update(sidecar_worker_ms=parts["worker"] * 1e3, server_parse_ms=parts["parse"] * 1e3,
                            server_wait_ms=parts["wait"] * 1e3, server_reply_ms=parts["reply"] * 1e3,
                            transport_and_client_ms=(t - parts["parse"] - parts["wait"] - parts["reply"]) * 1e3)
-                fb = floor_bytes(shape, dtype_bytes, b, context, a.m, a.k)
                 payload = b * a.m * width * 2 + b * a.m * 8
-                row.update(sidecar_ms=t * 1e3, sidecar_stream_ms=t_stream * 1e3, floor_ms=fb / bw * 1e3,
-                           floor_bytes=fb, payload_bytes=payload, sidecar_over_in_process=t * 1e3 / row["in_process_ms"],
-                           in_process_over_floor=row["in_process_ms"] / (fb / bw * 1e3),
+                row.update(sidecar_ms=t * 1e3, sidecar_stream_ms=t_stream * 1e3, payload_bytes=payload,
+                           sidecar_over_in_process=t * 1e3 / row["in_process_ms"],
                            sidecar_batch_api_ms=t_unary_batch * 1e3,
                            batch_api_over_in_process=t_unary_batch * 1e3 / row["in_process_ms"])
                 if t_channel is not None:
@@ -565,6 +592,7 @@ def main() -> int:
                       f"channel: {t_channel * 1e3 if t_channel else float('nan'):.2f} ms, batch API through it: "
                       f"{t_batch * 1e3 if t_batch else float('nan'):.2f} ms, channel + CUDA IPC: "
                       f"{t_ipc * 1e3 if t_ipc else float('nan'):.2f} ms)", flush=True)
+                save(complete=False)
             if prefill:
                 t = asyncio.run(bench_prefill_sidecar(f"unix:{sock}", a.prefill_tokens, a.iters, width,
                                                       shape["vocab_size"]))
@@ -587,45 +615,48 @@ def main() -> int:
                       f"{row['rounds_median']['channel_batch_api_over_in_process']:.2f}), unary batch API / "
                       f"in-process {' '.join(f'{x:.2f}' for x in ratios['unary_batch_api'])} (median "
                       f"{row['rounds_median']['unary_batch_api_over_in_process']:.2f})", flush=True)
+                save(complete=False)
         finally:
             server.terminate()
             server.wait(60)
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
-    result = dict(benchmark="bench_step", date=datetime.datetime.now().isoformat(timespec="seconds"),
-                  device=f"{device.type}: {dev_name}, {os.cpu_count()} cores", torch=torch.__version__,
-                  command=" ".join(shlex.quote(x) for x in sys.argv), drafter_flags=a.drafter_flag, preset=a.preset,
-                  shape=shape, dtype=dtype, context=context, m=a.m, k=a.k, iters=a.iters,
-                  cuda_graphs=a.cuda_graphs and device.type == "cuda", bandwidth_gbps=bw / 1e9, rows=rows,
-                  cpu_threads=torch.get_num_threads(),  # host threads of the in-process proposer
-                  prefill=prefill, rounds=a.rounds)
-    out = write_json(a.out, result, say=False)
+    result = save(complete=True)
+    out = pathlib.Path(a.out)
     print(f"\n{result['device']}, {a.preset}, {dtype}, context {context}, m={a.m}, k={a.k}, {result['date']}")
     ab = all("in_process_eager_ms" in r for r in rows)
     gpu_states = all("in_process_states_on_gpu_ms" in r for r in rows)
-    print(f"{'batch':>5} {'in-proc ms':>11} {'sidecar ms':>11} {'side/in':>8} {'ubatch ms':>9} {'ubat/in':>7} "
-          f"{'stream ms':>10} {'channel ms':>10} "
-          f"{'chan/in':>8} {'batch ms':>9} {'bat/in':>7} {'ch+IPC ms':>10} {'floor ms':>9} {'in/floor':>9} "
-          f"{'payload KB':>11} {'srv worker':>10} {'ch worker':>9} {'chw/in':>7} {'srv parse':>9} {'srv wait':>9} "
-          f"{'srv reply':>9} {'transport':>9}"
-          + (f" {'eager ms':>9}" if ab else "") + (f" {'in, GPU states':>14}" if gpu_states else "")
-          + f" {'in, columns':>11}" + (f" {'cols, GPU st.':>13}" if gpu_states else ""))
-    for r in rows:
-        print(f"{r['batch']:>5} {r['in_process_ms']:>11.2f} {r['sidecar_ms']:>11.2f} "
-              f"{r['sidecar_over_in_process']:>8.2f} {r['sidecar_batch_api_ms']:>9.2f} "
-              f"{r['batch_api_over_in_process']:>7.2f} {r['sidecar_stream_ms']:>10.2f} "
-              f"{r.get('sidecar_channel_ms', float('nan')):>10.2f} {r.get('channel_over_in_process', float('nan')):>8.2f} "
-              f"{r.get('sidecar_channel_batch_api_ms', float('nan')):>9.2f} "
-              f"{r.get('channel_batch_api_over_in_process', float('nan')):>7.2f} "
-              f"{r.get('sidecar_channel_cuda_ipc_ms', float('nan')):>10.2f} {r['floor_ms']:>9.3f} "
-              f"{r['in_process_over_floor']:>9.2f} "
-              f"{r['payload_bytes'] / 1024:>11.1f} {r['sidecar_worker_ms']:>10.2f} "
-              f"{r.get('channel_worker_ms', float('nan')):>9.2f} "
-              f"{r.get('channel_worker_over_in_process', float('nan')):>7.2f} {r['server_parse_ms']:>9.2f} "
-              f"{r['server_wait_ms']:>9.2f} {r['server_reply_ms']:>9.2f} {r['transport_and_client_ms']:>9.2f}"
-              + (f" {r['in_process_eager_ms']:>9.2f}" if ab else "")
-              + (f" {r['in_process_states_on_gpu_ms']:>14.2f}" if gpu_states else "")
-              + f" {r['in_process_columns_ms']:>11.2f}"
-              + (f" {r['in_process_columns_states_on_gpu_ms']:>13.2f}" if gpu_states else ""))
+    if a.rounds_only:  # no single pass through the sidecar: the in-process step and its floor
+        print(f"{'batch':>5} {'in-proc ms':>11} {'in, columns':>11}" + (f" {'cols, GPU st.':>13}" if gpu_states else "")
+              + f" {'floor ms':>9} {'in/floor':>9}" + (f" {'best/floor':>10}" if gpu_states else ""))
+        for r in rows:
+            print(f"{r['batch']:>5} {r['in_process_ms']:>11.2f} {r['in_process_columns_ms']:>11.2f}"
+                  + (f" {r['in_process_columns_states_on_gpu_ms']:>13.2f}" if gpu_states else "")
+                  + f" {r['floor_ms']:>9.3f} {r['in_process_over_floor']:>9.2f}"
+                  + (f" {r['in_process_columns_states_on_gpu_ms'] / r['floor_ms']:>10.2f}" if gpu_states else ""))
+    else:
+        print(f"{'batch':>5} {'in-proc ms':>11} {'sidecar ms':>11} {'side/in':>8} {'ubatch ms':>9} {'ubat/in':>7} "
+              f"{'stream ms':>10} {'channel ms':>10} "
+              f"{'chan/in':>8} {'batch ms':>9} {'bat/in':>7} {'ch+IPC ms':>10} {'floor ms':>9} {'in/floor':>9} "
+              f"{'payload KB':>11} {'srv worker':>10} {'ch worker':>9} {'chw/in':>7} {'srv parse':>9} {'srv wait':>9} "
+              f"{'srv reply':>9} {'transport':>9}"
+              + (f" {'eager ms':>9}" if ab else "") + (f" {'in, GPU states':>14}" if gpu_states else "")
+              + f" {'in, columns':>11}" + (f" {'cols, GPU st.':>13}" if gpu_states else ""))
+        for r in rows:
+            print(f"{r['batch']:>5} {r['in_process_ms']:>11.2f} {r['sidecar_ms']:>11.2f} "
+                  f"{r['sidecar_over_in_process']:>8.2f} {r['sidecar_batch_api_ms']:>9.2f} "
+                  f"{r['batch_api_over_in_process']:>7.2f} {r['sidecar_stream_ms']:>10.2f} "
+                  f"{r.get('sidecar_channel_ms', float('nan')):>10.2f} {r.get('channel_over_in_process', float('nan')):>8.2f} "
+                  f"{r.get('sidecar_channel_batch_api_ms', float('nan')):>9.2f} "
+                  f"{r.get('channel_batch_api_over_in_process', float('nan')):>7.2f} "
+                  f"{r.get('sidecar_channel_cuda_ipc_ms', float('nan')):>10.2f} {r['floor_ms']:>9.3f} "
+                  f"{r['in_process_over_floor']:>9.2f} "
+                  f"{r['payload_bytes'] / 1024:>11.1f} {r['sidecar_worker_ms']:>10.2f} "
+                  f"{r.get('channel_worker_ms', float('nan')):>9.2f} "
+                  f"{r.get('channel_worker_over_in_process', float('nan')):>7.2f} {r['server_parse_ms']:>9.2f} "
+                  f"{r['server_wait_ms']:>9.2f} {r['server_reply_ms']:>9.2f} {r['transport_and_client_ms']:>9.2f}"
+                  + (f" {r['in_process_eager_ms']:>9.2f}" if ab else "")
+                  + (f" {r['in_process_states_on_gpu_ms']:>14.2f}" if gpu_states else "")
+                  + f" {r['in_process_columns_ms']:>11.2f}"
+                  + (f" {r['in_process_columns_states_on_gpu_ms']:>13.2f}" if gpu_states else ""))
     if prefill:
         print(f"prefill of {prefill['tokens']} tokens ({prefill['hidden_bytes'] / 2**20:.1f} MiB of hidden states, "
               f"inline bytes): in-process {prefill['in_process_ms']:.1f} ms ({prefill['in_process_gbps']:.2f} GB/s), "

@@ -23,7 +23,8 @@ def main() -> int:
     rows = d["rows"]
     b = [r["batch"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.5, 4.6))
-    ax.plot(b, [r["sidecar_ms"] for r in rows], marker="o", label="sidecar (client over UDS, unary)")
+    if all("sidecar_ms" in r for r in rows):  # (a --rounds-only run has no single pass through the sidecar)
+        ax.plot(b, [r["sidecar_ms"] for r in rows], marker="o", label="sidecar (client over UDS, unary)")
     if all("sidecar_batch_api_ms" in r for r in rows):
         ax.plot(b, [r["sidecar_batch_api_ms"] for r in rows], marker="o", label="sidecar (batch API, unary)")
     if all("sidecar_stream_ms" in r for r in rows):
