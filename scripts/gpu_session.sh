@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: carry .whl (pytest-asyncio, grpcio-health-checking/-reflection 1.84 wheels).
-#   scripts/gpu_session.sh tests|gpu-tests|bench|predraft|predraft-mechanics|predraft-sweep|host-profile|measure|columns|columns-bench|bulk-grpc|all
+#   scripts/gpu_session.sh tests|gpu-tests|bench|predraft|predraft-mechanics|predraft-sweep|host-profile|measure|columns|columns-bench|table|bulk-grpc|all
 # results under $OUT (or ./gpu_out). followup = host-profile + predraft-mechanics (one 10-minute call, 7 files).
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -83,6 +83,22 @@ if [ "$what" = columns-bench ]; then  # bench_step with the in-process step as c
     timeout "${BENCH_TIMEOUT_S:-280}" python3 -m drafter_client.benchmarks.bench_step --preset $preset --device cuda \
       --batches "${BENCH_BATCHES:-1,32,128,256}" --prefill-tokens 0 --iters 20 \
       --out "$OUT/bench_step_$preset.json" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/bench_step.log" | tail -8
+  done
+fi
+if [ "$what" = table ]; then  # #13's table at batch 1-256, both heads, in one 10-minute call (at most 6 files under $OUT):
+  # the step's wall / GPU kernel time and host phases (profile_step), then the in-process step, its floor and the
+  # alternating rounds through the drafter (bench_step --rounds-only; its JSON is written after each batch size, so a
+  # run cut by its timeout keeps what it measured)
+  for preset in llama3-8b llama3-8b-eagle3; do
+    timeout "${PROFILE_TIMEOUT_S:-80}" python3 scripts/profile_step.py --preset $preset \
+      --batches "${TABLE_BATCHES:-1,8,32,64,128,256}" --states-on-gpu --columns --mixed-m --phases \
+      > "$OUT/profile_step_$preset.log" 2>&1; grep -E "^===" "$OUT/profile_step_$preset.log" | cut -c1-160
+  done
+  for preset in llama3-8b llama3-8b-eagle3; do
+    timeout "${BENCH_TIMEOUT_S:-180}" python3 -m drafter_client.benchmarks.bench_step --preset $preset --device cuda \
+      --batches "${TABLE_BATCHES:-1,8,32,64,128,256}" --prefill-tokens 0 --iters 20 --rounds 2 --rounds-only \
+      --out "$OUT/bench_step_$preset.json" > "$OUT/bench_step_$preset.log" 2>&1
+    grep -A8 "alternating rounds" "$OUT/bench_step_$preset.log" | cut -c1-160
   done
 fi
 if [ "$what" = bulk-grpc ]; then  # large steps over TCP: bare gRPC echo, one message, chunks (docs/performance.md)
