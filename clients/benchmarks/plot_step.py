@@ -23,31 +23,21 @@ def main() -> int:
     rows = d["rows"]
     b = [r["batch"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.5, 4.6))
-    if all("sidecar_ms" in r for r in rows):  # (a --rounds-only run has no single pass through the sidecar)
-        ax.plot(b, [r["sidecar_ms"] for r in rows], marker="o", label="sidecar (client over UDS, unary)")
-    if all("sidecar_batch_api_ms" in r for r in rows):
-        ax.plot(b, [r["sidecar_batch_api_ms"] for r in rows], marker="o", label="sidecar (batch API, unary)")
-    if all("sidecar_stream_ms" in r for r in rows):
-        ax.plot(b, [r["sidecar_stream_ms"] for r in rows], marker="o", label="sidecar (one ProposeStream)")
-    if all("sidecar_channel_ms" in r for r in rows):
-        ax.plot(b, [r["sidecar_channel_ms"] for r in rows], marker="o", label="sidecar (step channel)")
-    if all("sidecar_channel_batch_api_ms" in r for r in rows):
-        ax.plot(b, [r["sidecar_channel_batch_api_ms"] for r in rows], marker="o",
-                label="sidecar (step channel, batch API: columns)")
-    if all("sidecar_channel_cuda_ipc_ms" in r for r in rows):
-        ax.plot(b, [r["sidecar_channel_cuda_ipc_ms"] for r in rows], marker="o",
-                label="sidecar (step channel, states by CUDA IPC)")
-    ax.plot(b, [r["in_process_ms"] for r in rows], marker="o",
-            label="in-process" + (" (CUDA graphs)" if d.get("cuda_graphs") else ""))
-    if all("in_process_states_on_gpu_ms" in r for r in rows):
-        ax.plot(b, [r["in_process_states_on_gpu_ms"] for r in rows], marker="o", label="in-process, states on the GPU")
-    if all("in_process_columns_ms" in r for r in rows):
-        ax.plot(b, [r["in_process_columns_ms"] for r in rows], marker="o", label="in-process, as columns (step_batch)")
-    if all("in_process_columns_states_on_gpu_ms" in r for r in rows):
-        ax.plot(b, [r["in_process_columns_states_on_gpu_ms"] for r in rows], marker="o",
-                label="in-process, as columns, states on the GPU")
-    if all("in_process_eager_ms" in r for r in rows):
-        ax.plot(b, [r["in_process_eager_ms"] for r in rows], marker="o", label="in-process, eager")
+    # each path the JSON measured at every batch size (a --rounds-only run has no single pass through the sidecar)
+    lines = [("sidecar_ms", "sidecar (client over UDS, unary)"),
+             ("sidecar_batch_api_ms", "sidecar (batch API, unary)"),
+             ("sidecar_stream_ms", "sidecar (one ProposeStream)"),
+             ("sidecar_channel_ms", "sidecar (step channel)"),
+             ("sidecar_channel_batch_api_ms", "sidecar (step channel, batch API: columns)"),
+             ("sidecar_channel_cuda_ipc_ms", "sidecar (step channel, states by CUDA IPC)"),
+             ("in_process_ms", "in-process" + (" (CUDA graphs)" if d.get("cuda_graphs") else "")),
+             ("in_process_states_on_gpu_ms", "in-process, states on the GPU"),
+             ("in_process_columns_ms", "in-process, as columns (step_batch)"),
+             ("in_process_columns_states_on_gpu_ms", "in-process, as columns, states on the GPU"),
+             ("in_process_eager_ms", "in-process, eager")]
+    for key, label in lines:
+        if all(key in r for r in rows):
+            ax.plot(b, [r[key] for r in rows], marker="o", label=label)
     ax.plot(b, [r["floor_ms"] for r in rows], linestyle="--", color="k", label="floor (bytes / bandwidth)")
     ax.set(xscale="log", xlabel="batch (sequences)", ylabel="ms per engine step",
            title=f"{d['preset']}, {d['dtype']}, context {d['context']}, k={d['k']}\n{d['device']}, {d['date'][:10]}")
