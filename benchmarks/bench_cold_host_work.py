@@ -43,7 +43,6 @@ from drafter_service.engine.step_io import StepOutput  # noqa: E402
 from drafter_service.transport.servicer import frame_reply  # noqa: E402
 from drafter_service.transport.validation import Limits, parse_frame  # noqa: E402
 
-CONDITIONS = ("warm", "spin", "32MB read", "rehearsed")
 PIECES = ("client pack", "drafter parse", "drafter reply", "client parse")
 
 
@@ -113,12 +112,11 @@ def main() -> int:
     junk = np.ones(32 << 20, dtype=np.uint8)
     before = {"warm": lambda f: f(), "spin": lambda f: spin(0.004), "32MB read": lambda f: junk.sum(),
               "rehearsed": lambda f: spin(0.004, f)}
-    conditions = list(CONDITIONS)
     for ms in (float(x) for x in a.idle_ms.split(",") if x):
         n = loop_iterations(ms / 1e3)
         before[f"loop {ms:g} ms"] = lambda f, n=n: busy_loop(n)
         before[f"sleep {ms:g} ms"] = lambda f, s=ms / 1e3: time.sleep(s)
-        conditions += [f"loop {ms:g} ms", f"sleep {ms:g} ms"]
+    conditions = list(before)  # (in the order above)
     rows = []
     for batch in (int(b) for b in a.batches.split(",")):
         fns = pieces(batch, a.width)
