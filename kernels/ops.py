@@ -25,6 +25,7 @@ from drafter_kernels.rope import apply_rope_ref, apply_rope_triton
 from drafter_kernels.sampling import argmax_ref, argmax_triton, gumbel_sample_ref, gumbel_sample_triton
 from drafter_kernels.shift_and_cache import shift_and_cache_ref, shift_and_cache_triton, shift_cache_store_window
 from drafter_kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
+from drafter_kernels.store_draft_step import store_draft_step_ref, store_draft_step_triton
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
@@ -63,13 +64,14 @@ prepare_next_token_padded = _dispatch(prepare_next_token_padded_ref, prepare_nex
 advance_draft_step = _dispatch(advance_draft_step_ref, advance_draft_step_triton)
 build_first_step_rows = _dispatch(build_first_step_rows_ref, build_first_step_rows_triton)
 mask_finished_rows = _dispatch(mask_finished_rows_ref, mask_finished_rows_triton)
+store_draft_step = _dispatch(store_draft_step_ref, store_draft_step_triton)
 shift_and_cache = _dispatch(shift_and_cache_ref, shift_and_cache_triton)
 
 __all__ = [
     "PADDING_SLOT_ID",
     "write_kv", "paged_attention", "rms_norm", "silu_and_mul", "apply_rope", "argmax", "gumbel_sample",
     "copy_and_expand_inputs", "prepare_inputs_padded", "prepare_next_token_padded", "advance_draft_step",
-    "build_first_step_rows", "mask_finished_rows",
+    "build_first_step_rows", "mask_finished_rows", "store_draft_step",
     "shift_and_cache", "shift_cache_store_window",
     "use_triton",
 ]

@@ -23,7 +23,7 @@ def test_every_kernel_compiles_for_sm90():
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when unset
     result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "compiled 75 kernel variants" in result.stdout, result.stdout[-3000:]
+    assert "compiled 79 kernel variants" in result.stdout, result.stdout[-3000:]
 
 
 def cross_compile_all() -> int:
@@ -34,7 +34,7 @@ def cross_compile_all() -> int:
 
     from drafter_kernels import (copy_expand_inputs, draft_step, kv_write, build_first_step, paged_attention,
                                  prepare_inputs_padded, prepare_next_token_padded, rms_norm, rope, sampling,
-                                 shift_and_cache, silu_and_mul, mask_finished_rows)
+                                 shift_and_cache, silu_and_mul, mask_finished_rows, store_draft_step)
 
     type_names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32",
                   torch.bool: "i1", torch.float64: "fp64"}
@@ -72,7 +72,8 @@ def cross_compile_all() -> int:
             return launch
 
     modules = (copy_expand_inputs, draft_step, kv_write, build_first_step, paged_attention, prepare_inputs_padded,
-               prepare_next_token_padded, rms_norm, rope, sampling, shift_and_cache, silu_and_mul, mask_finished_rows)
+               prepare_next_token_padded, rms_norm, rope, sampling, shift_and_cache, silu_and_mul, mask_finished_rows,
+               store_draft_step)
     for module in modules:
         for name, value in list(vars(module).items()):
             if isinstance(value, JITFunction) and name.endswith("_kernel"):
@@ -104,6 +105,10 @@ def cross_compile_all() -> int:
         silu_and_mul.silu_and_mul_triton(zeros(9, 28672, dtype=dtype))
         mask_finished_rows.mask_finished_rows_triton(zeros(4, dtype=torch.int32), zeros(4), zeros(4, dtype=torch.int32),
                                                      zeros(4), zeros(4, 4096, dtype=dtype))
+        for d2t in (zeros(100), None):  # EAGLE-3 (a draft vocabulary) and EAGLE-1
+            store_draft_step.store_draft_step_triton(zeros(4), d2t, zeros(4, 4096, dtype=dtype), zeros(1), zeros(4),
+                                                     zeros(4, 4096, dtype=dtype), zeros(4, 6),
+                                                     zeros(4, 6, 4096, dtype=dtype))
         temperature, seed = zeros(3, dtype=torch.float32), zeros(3)
         for vocab_size in (5003, 100):  # two-stage (chunks + reduce) and single-chunk
             logits = zeros(3, vocab_size, dtype=dtype)

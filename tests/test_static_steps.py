@@ -13,12 +13,25 @@ import numpy as np
 import pytest
 import torch
 
+from checkpoints import write_eagle3
 from conftest import make_config
 from drafter_service.engine.cuda_graphs import DecodeGraphs
 from drafter_service.runtime import build_runtime
+from drafter_service.engine.batch_io import BatchOutput
 from drafter_service.engine.step_io import StepInput
 from lockstep import ProposerDrafter, run_lockstep
 from naive_eagle import NaiveEagle1
+
+
+@pytest.fixture(scope="module")
+def tiny_eagle3(tmp_path_factory):
+    """An EAGLE-3 head (fc over three target states, a draft vocabulary with d2t): its first step's fc runs outside
+    the first-step graph, staged before the admission (cuda_graphs.py, DecodeGraphs.stage_states)."""
+    return write_eagle3(tmp_path_factory.mktemp("e3") / "model", seed=11)
+
+
+def head_model(head: str, tiny_model, tiny_eagle3):
+    return tiny_model if head == "eagle1" else tiny_eagle3
 
 
 def with_static_steps(rt, max_batch_seqs: int = 8, first_step_tokens: int = 8):
@@ -115,13 +128,16 @@ def mixed_batches(num_seqs: int, seed: int, width: int = 64, vocab: int = 512, m
     return batches
 
 
-@pytest.mark.parametrize("num_seqs", [3, 8, 13])
-def test_mixed_m_first_step_matches_eager(tiny_model, tmp_path, num_seqs):
+@pytest.mark.parametrize("head,num_seqs", [("eagle1", 3), ("eagle1", 8), ("eagle1", 13), ("eagle3", 3),
+                                            ("eagle3", 13)])
+def test_mixed_m_first_step_matches_eager(tiny_model, tiny_eagle3, tmp_path, head, num_seqs):
     """Batches of mixed m (1..8 rows per sequence): the padded static first step gives the eager drafts and the same
     KV, with padding rows inside sequences (right-aligned real rows) and padding sequences (13 -> 16)."""
-    plain = build_runtime(make_config(*tiny_model, tmp_path / "plain"))
-    static = with_static_steps(build_runtime(make_config(*tiny_model, tmp_path / "static")), max_batch_seqs=16)
-    batches = mixed_batches(num_seqs, seed=num_seqs)
+    model = head_model(head, tiny_model, tiny_eagle3)
+    plain = build_runtime(make_config(*model, tmp_path / "plain"))
+    static = with_static_steps(build_runtime(make_config(*model, tmp_path / "static")), max_batch_seqs=16)
+    batches = mixed_batches(num_seqs, seed=num_seqs, width=plain.limits.hidden_states_width,
+                            vocab=plain.limits.vocab_size)
     assert any(len({len(s.token_ids) for s in b}) > 1 for b in batches[1:])
     for batch in batches:
         want = [(o.code, o.drafts) for o in plain.proposer.step(batch)]
@@ -195,15 +211,17 @@ def test_mixed_m_batches_on_cuda_match_cpu(tiny_model, tmp_path, num_seqs, max_m
     assert gpu.proposer.decode_graphs.first_steps_run == admitted
 
 
-@pytest.mark.parametrize("num_seqs", [9, 24])
-def test_a_columns_step_builds_its_first_step_rows_from_the_record(tiny_model, tmp_path, num_seqs):
+@pytest.mark.parametrize("head,num_seqs", [("eagle1", 9), ("eagle1", 24), ("eagle3", 9)])
+def test_a_columns_step_builds_its_first_step_rows_from_the_record(tiny_model, tiny_eagle3, tmp_path, head,
+                                                                   num_seqs):
     """step_batch's columns path on the static steps: the record (first_step_record.py) and the first-step build
     kernel stand in for the step metadata. Same drafts, statuses and KV as the plain per-sequence step, with mixed m,
     mixed k, re-sent positions and a padded batch (9 -> 16, 24 -> 32)."""
     from test_step_batch import Traffic, as_batch, same
 
-    plain = build_runtime(make_config(*tiny_model, tmp_path / "plain"))
-    static = with_static_steps(build_runtime(make_config(*tiny_model, tmp_path / "static")), max_batch_seqs=32)
+    model = head_model(head, tiny_model, tiny_eagle3)
+    plain = build_runtime(make_config(*model, tmp_path / "plain"))
+    static = with_static_steps(build_runtime(make_config(*model, tmp_path / "static")), max_batch_seqs=32)
     graphs = static.proposer.decode_graphs
     t = Traffic(num_seqs, plain.limits.hidden_states_width, plain.limits.vocab_size, num_seqs)
     sids = sorted(t.tokens)
@@ -216,4 +234,72 @@ def test_a_columns_step_builds_its_first_step_rows_from_the_record(tiny_model, t
         t.answered(steps, out)
         if round > 0:  # (the first round creates the sequences: the per-sequence path, a 40-token prefill)
             assert (graphs.first_steps_run, static.proposer.columns_steps_run) == (before[0] + 1, before[1] + 1)
+    torch.testing.assert_close(static.kv.kv, plain.kv.kv, atol=1e-5, rtol=1e-5)
+
+
+def test_states_staged_before_admission_and_every_fallback(tiny_model, tiny_eagle3, tmp_path):
+    """A greedy step whose first step fits a graph has its states copied and (EAGLE-3) its fc launched before the
+    admission (Proposer._stage_states), and the first step then reads them; where the step goes another way after
+    staging (a refused sequence leaves fewer rows, a new sequence sends the columns step to the per-sequence one,
+    the staging raised), the drafts are still those of the plain proposer."""
+    from test_step_batch import Traffic, as_batch, same
+
+    plain = build_runtime(make_config(*tiny_eagle3, tmp_path / "plain"))
+    static = with_static_steps(build_runtime(make_config(*tiny_eagle3, tmp_path / "static")), max_batch_seqs=16)
+    p, graphs = static.proposer, static.proposer.decode_graphs
+    events = []
+
+    def record(owner, name, label):
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            events.append((label, args, kwargs))
+            return original(*args, **kwargs)
+        setattr(owner, name, wrapped)
+    record(graphs, "stage_states", "stage")
+    record(graphs, "draft_columns", "draft")
+    record(p.table, "touch_batch", "lookup")
+    t = Traffic(7, plain.limits.hidden_states_width, plain.limits.vocab_size, 10)
+    sids = sorted(t.tokens)
+
+    def run(steps, columns: bool):
+        events.clear()
+        out = plain.proposer.step(steps)
+        got = static.proposer.step_batch(as_batch(steps)) if columns else static.proposer.step(steps)
+        same(out, got if columns else BatchOutput.from_outputs(got))
+        t.answered(steps, out)
+        return out, [e[0] for e in events]
+
+    run([t.step(sid, m=40, k=3) for sid in sids], columns=False)  # the prefill (40 rows: no staging)
+    for columns in (False, True):  # a plain step of each path: staged, then looked up, then drafted from the stage
+        group = sids[:3] if not columns else sids
+        _, order = run([t.step(sid, m=t.rng.randint(1, 4), k=4, back=1) for sid in group], columns)
+        assert order == ["stage", "lookup", "draft"], order
+        draft_args = events[-1][1]
+        assert draft_args[6] is None  # (hidden_states: taken by the staging)
+    # a sequence refused (a gap: it starts past its committed length): the staged rows are not the batch's
+    steps = [t.step(sid, m=2, k=3) for sid in sids[:3]]
+    t.committed[sids[1]] = steps[1].start_position  # (the engine sends it again, from where it was)
+    steps[1] = StepInput(steps[1].namespace, steps[1].sequence_id, steps[1].start_position + 5, steps[1].token_ids,
+                         steps[1].hidden_states, steps[1].next_token, 3)
+    out, order = run(steps, columns=False)
+    assert [o.code != 0 for o in out] == [False, True, False]
+    assert order == ["stage", "lookup", "draft", "stage"], order  # (the admitted two sequences' own states)
+    assert events[-2][1][6] is not None
+    # a new sequence in a columns step of known ones: staged, then the per-sequence path (which stages again)
+    t.tokens["new"], t.states["new"], t.committed["new"] = t.tokens[sids[0]], t.states[sids[0]], 0
+    t.prompt = 2
+    _, order = run([t.step(sid, m=2, k=3) for sid in sids] + [t.step("new", m=2, k=3)], columns=True)
+    assert order[:3] == ["stage", "lookup", "stage"] and order[-1] == "draft", order
+    # the staging raises (once): nothing staged, the step copies its states itself
+    failures = [RuntimeError("no room")]
+
+    def broken(*args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return DecodeGraphs.stage_states(graphs, *args, **kwargs)
+    graphs.stage_states = broken
+    _, order = run([t.step(sid, m=2, k=3, back=1) for sid in sids], columns=True)
+    del graphs.stage_states
+    assert not failures and events[-1][0] == "draft" and events[-1][1][6] is not None
     torch.testing.assert_close(static.kv.kv, plain.kv.kv, atol=1e-5, rtol=1e-5)
