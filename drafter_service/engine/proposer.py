@@ -74,6 +74,20 @@ class _Admitted:
     num_drafts: int  # k after the max_model_len cut
 
 
+@dataclass
+class _Staged:
+    """Proposer.step's steps whose states _stage_steps put on the device, with their [B] columns (numpy int64):
+    start positions, committed tokens, drafts after the max_model_len cut. Their first step fits a graph."""
+    steps: list[StepInput]
+    p: np.ndarray
+    m: np.ndarray
+    k: np.ndarray
+
+    def holds(self, batch: list[_Admitted]) -> bool:
+        """Whether the admitted batch is these steps, in this order (no step refused or answered at admission)."""
+        return len(batch) == len(self.steps) and all(a.step is s for a, s in zip(batch, self.steps))
+
+
 class _Drafts:
     """Drafts as they are sampled, column by column, then copied to the host once for the whole step."""
 
@@ -223,7 +237,7 @@ class Proposer:
         self.on_fatal = lambda reason: None
         self._failed_in_a_row = 0
         self.columns_steps_run = 0  # steps step_batch ran from the columns (the rest went the per-sequence way)
-        self._staged: list[StepInput] | None = None  # step(): the steps whose states _stage_steps put on the device
+        self._staged: _Staged | None = None  # step(): the steps whose states _stage_steps put on the device
         self._multi_layer = model.drafting == "multi_layer"
         self.predraft = Predrafter(self)  # pre-drafting: hits answered at admission, branches prepared when idle
         self.metrics.predraft_counters = self.predraft.counters
@@ -471,9 +485,9 @@ class Proposer:
         self.metrics.live_sequences = len(self.table)
         return outputs
 
-    def _stage_steps(self, steps: list[StepInput]) -> list[StepInput] | None:
-        """step's staging (_stage_states) for a greedy step whose first step will likely replay a graph: the steps
-        staged (their states in this order), or None. _run_sequential uses them where every step was admitted."""
+    def _stage_steps(self, steps: list[StepInput]) -> _Staged | None:
+        """step's staging (_stage_states) for a greedy step whose first step will replay a graph if every sequence
+        is admitted: the steps staged, or None. _run_sequential uses them where every step was admitted."""
         graphs = self.decode_graphs
         if (graphs is None or self.fatal is not None or self.model.drafting != "sequential" or not steps
                 or any(s.temperature > 0 or s.return_logprobs or s.top_k_probs for s in steps)):
@@ -484,7 +498,8 @@ class Proposer:
         k = np.maximum(np.minimum([s.num_drafts for s in steps], self.max_model_len - 1 - C), 0)
         if not graphs.first_step_fits(C, m, k):
             return None
-        return steps if self._stage_states(graphs, [s.hidden_states for s in steps], int(m.sum())) else None
+        staged = self._stage_states(graphs, [s.hidden_states for s in steps], int(m.sum()))
+        return _Staged(steps, p, m, k) if staged else None
 
     # ---- the step from columns (batch_io.py): the common step without a Python object per sequence ----
 
@@ -722,15 +737,16 @@ class Proposer:
         graphs = self.decode_graphs
         if graphs is not None and all(a.step.temperature <= 0 and not a.step.return_logprobs
                                       and not a.step.top_k_probs for a in batch):
-            p = np.array([a.step.start_position for a in batch], dtype=np.int64)
-            m = np.array([a.step.token_ids.shape[0] for a in batch], dtype=np.int64)
-            k = np.array([a.num_drafts for a in batch], dtype=np.int64)
-            if graphs.first_step_fits(p + m, m, k):
+            staged = self._staged is not None and self._staged.holds(batch)  # (the states on the device already)
+            if staged:
+                p, m, k = self._staged.p, self._staged.m, self._staged.k
+            else:
+                p = np.array([a.step.start_position for a in batch], dtype=np.int64)
+                m = np.array([a.step.token_ids.shape[0] for a in batch], dtype=np.int64)
+                k = np.array([a.num_drafts for a in batch], dtype=np.int64)
+            if staged or graphs.first_step_fits(p + m, m, k):
                 rows = [a.seq.table_row for a in batch]
                 tables = self.table.rows.block_tables_np[rows, : int(self.table.rows.num_blocks[rows].max())]
-                staged = self._staged  # (step's: the states are on the device already if every step is here)
-                staged = (staged is not None and len(staged) == len(batch)
-                          and all(a.step is s for a, s in zip(batch, staged)))
                 graphs.draft_columns(p, m, torch.cat([a.step.token_ids for a in batch]).numpy(),
                                      np.array([a.step.next_token for a in batch], dtype=np.int64), k, tables,
                                      None if staged else [a.step.hidden_states for a in batch], out)
