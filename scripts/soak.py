@@ -145,6 +145,9 @@ class Engine:
                 t0, queued0 = time.perf_counter(), run_queue_wait_s()
                 if self.args["mode"] == "batch":
                     reply = as_result(await client.propose_batch(as_batch(steps)))
+                    # requests as columns at some point of the run (the client asks again after each fault: a run
+                    # that ends in a fault's backoff ends without knowing)
+                    self.stats["columnar"] = self.stats.get("columnar", False) or bool(client._step_columns)
                 elif self.args["mode"] == "unary":
                     # a spread upload, or one Propose
                     client.chunk_min_bytes = 0 if self.rng.random() < 0.5 else 1 << 62
@@ -230,7 +233,7 @@ class Engine:
             await client.close()
         self.stats["streams_opened"] = session.streams_opened if session is not None else 0
         self.stats["breaker_opened"] = client.breaker.times_opened
-        self.stats["columnar"] = bool(client._step_columns) and self.args["mode"] == "batch"  # requests as columns
+        self.stats.setdefault("columnar", False)
         self.stats["spread_steps"] = client.steps_spread  # steps uploaded over two connections (unary engines)
         lat, fb = self.stats.pop("latencies_ms"), self.stats.pop("fallback_latencies_ms")
         results.put(dict(self.stats, index=self.index, mode=self.args["mode"], latencies_ms=lat,
@@ -464,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         turn = 0
         connections_cut = 0
         drafter_errors: list[str] = []
+        flood = None  # the flood process running, if any
         while time.monotonic() < stop_at - 1.0:
             time.sleep(0.1)
             if rss_start is None and time.monotonic() > t_start + min(5.0, a.duration_s / 10):
@@ -489,9 +493,12 @@ def main(argv: list[str] | None = None) -> int:
                 drafter.start()
                 rss_start = None  # a new process: measure its growth from its own warm state
             elif kind == "flood":
-                p = mp_ctx.Process(target=flood_main, args=(address, a.kv_tokens // 48 + 16), daemon=True)
-                p.start()
-                p.join(30)
+                if flood is not None:  # (one flood at a time)
+                    flood.join(30)
+                # the flood runs while the next faults come on time (a slow machine took ~15 s for one, and
+                # waiting for it left the kill's replacement engine too little of a short run to step at all)
+                flood = mp_ctx.Process(target=flood_main, args=(address, a.kv_tokens // 48 + 16), daemon=True)
+                flood.start()
             if kind:
                 faults[kind] += 1
                 print(f"[{time.monotonic() - t_start:6.1f}s] fault: {kind}", flush=True)
@@ -500,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
             reports.append(results.get(timeout=a.deadline_s + 120))
         for p in engines.values():
             p.join(30)
+        if flood is not None:
+            flood.join(30)
         rss_end = rss_mib(drafter.proc.pid)
         time.sleep(a.lease_s + 1.5)  # sequences of killed engines and floods expire
         held = held_tokens(address)
