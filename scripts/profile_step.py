@@ -151,16 +151,13 @@ def print_phases(rt, step, inputs, batch: int, n: int = 30) -> None:
       metadata  the step's columns into the graphs' record and its copy (first_step_record.py; a tree from before
                 it: build_step_metadata_columns, or StepMetadata.build on the per-sequence path: the packing and
                 the one metadata copy)
-      stage     the states' copy into the graphs' fs_states and EAGLE-3's fc over them (DecodeGraphs.stage_states):
-                before the admission (counted apart from admit), or with --late-staging in copy-in (counted apart)
-      copy-in   metadata -> the first graph launch (before the record: mostly the rows' load kernel,
-                load_first_step_rows; before the staging: the states' copy)
+      copy-in   metadata -> the first graph launch: the states' copy into the graphs' fs_states (before the record:
+                mostly the rows' load kernel, load_first_step_rows)
       launch    the first-step and decode graph replays (launches only: the GPU runs behind)
       meanwhile the host work run while the GPU drafts (the acceptance count)
       wait      the step's one synchronization: the GPU still running
       after     drafts on the host -> the step returns (the sequences' state, the reply, metrics)
-    The host work the GPU waits for is admit + metadata + copy-in before the GPU starts (and a late stage), and
-    after."""
+    The host work the GPU waits for is admit + metadata + copy-in before the GPU starts, and after."""
     import statistics
     from drafter_service.engine import cuda_graphs, proposer as proposer_mod
 
@@ -189,8 +186,6 @@ def print_phases(rt, step, inputs, batch: int, n: int = 30) -> None:
             wrap(graphs, "_replay_first", "launch"),
             wrap(proposer_mod._Drafts, "run_meanwhile", "meanwhile", "meanwhile_end"),
             wrap(proposer_mod._Drafts, "set_host_rows", "after")]
-    if hasattr(graphs, "stage_states"):
-        undo.append(wrap(graphs, "stage_states", "stage", "stage_end"))
     if hasattr(graphs, "record"):  # (the graph path builds no step metadata: its record is what the host packs)
         undo.append(wrap(graphs.record, "write", "metadata", "metadata_end"))
     if hasattr(cuda_graphs.ops, "load_first_step_rows"):  # (the one launch that loads the rows: part of copy-in)
@@ -210,12 +205,8 @@ def print_phases(rt, step, inputs, batch: int, n: int = 30) -> None:
             # (no acceptance count to run meanwhile, as on the per-sequence path on the CPU: a zero-length phase)
             meanwhile = first.get("meanwhile", first["after"])
             meanwhile_end = first.get("meanwhile_end", first["after"])
-            stage = first["stage_end"] - first["stage"] if "stage" in first else 0.0
-            early = "stage" in first and first["stage"] < first["metadata"]
-            rows.append(dict(admit=first["metadata"] - t0 - (stage if early else 0.0), stage=stage,
-                             metadata=first["metadata_end"] - first["metadata"],
-                             copy_in=first["launch"] - first["metadata_end"] - (0.0 if early else stage),
-                             launch=meanwhile - first["launch"],
+            rows.append(dict(admit=first["metadata"] - t0, metadata=first["metadata_end"] - first["metadata"],
+                             copy_in=first["launch"] - first["metadata_end"], launch=meanwhile - first["launch"],
                              meanwhile=meanwhile_end - meanwhile, wait=first["after"] - meanwhile_end,
                              after=t1 - first["after"], wall=t1 - t0,
                              rows_in=first["rows_in_end"] - first["rows_in"] if "rows_in" in first else 0.0))
@@ -229,13 +220,13 @@ def print_phases(rt, step, inputs, batch: int, n: int = 30) -> None:
         print(f"--- batch {batch}: phases: the step did not replay the first-step graph ---")
         return
     med = {key: statistics.median(r[key] for r in rows) * 1e3 for key in rows[0]}
-    host = med["admit"] + med["metadata"] + med["copy_in"] + med["after"] + med["stage"]
+    host = med["admit"] + med["metadata"] + med["copy_in"] + med["after"]
     print(f"--- batch {batch}: phases (median of {len(rows)} steps, no profiler, ms): " +
-          " + ".join(f"{key} {med[key]:.3f}" for key in ("admit", "stage", "metadata", "copy_in", "launch",
-                                                          "meanwhile", "wait", "after")) +
+          " + ".join(f"{key} {med[key]:.3f}" for key in ("admit", "metadata", "copy_in", "launch", "meanwhile",
+                                                          "wait", "after")) +
           f" (of copy-in, the rows' load kernel {med['rows_in']:.3f})"
-          f"; wall {med['wall']:.3f}; host work the GPU waits for (admit + stage + metadata + copy-in + after; the "
-          f"GPU runs a stage's kernels meanwhile) {host:.3f} ---", flush=True)
+          f"; wall {med['wall']:.3f}; host work the GPU waits for (admit + metadata + copy-in + after) {host:.3f} ---",
+          flush=True)
 
 
 def main() -> int:
@@ -261,10 +252,6 @@ def main() -> int:
                          "launches), between its kernels, and after its last one (host work after the sync)")
     ap.add_argument("--phases", action="store_true",
                     help="also split the step's host time into phases with timestamps, without the profiler")
-    ap.add_argument("--late-staging", action="store_true",
-                    help="launch the states' copy and EAGLE-3's fc after the admission, just before the first-step "
-                         "graph (the order before 2026-11-27), instead of before the admission (an A/B of the early "
-                         "launch)")
     ap.add_argument("--timeline", action="store_true",
                     help="also print every GPU activity of one step with the idle time before it")
     ap.add_argument("--host-profile", action="store_true",
@@ -279,8 +266,6 @@ def main() -> int:
                            max_model_len=a.context + 64, max_batch_seqs=512,
                            cuda_graphs=not a.no_cuda_graphs, cpu_threads=a.cpu_threads)
         rt = build_runtime(cfg)
-        if a.late_staging:  # (nothing staged early: DecodeGraphs.draft_columns stages them itself)
-            rt.proposer._stage_states = lambda *args: False
         width = rt.limits.hidden_states_width
         for batch in [int(x) for x in a.batches.split(",")]:
             prefill, decode = b.make_steps(batch, a.context, a.m, a.k, width, shape["vocab_size"], seed=batch)

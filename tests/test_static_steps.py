@@ -17,7 +17,6 @@ from checkpoints import write_eagle3
 from conftest import make_config
 from drafter_service.engine.cuda_graphs import DecodeGraphs
 from drafter_service.runtime import build_runtime
-from drafter_service.engine.batch_io import BatchOutput
 from drafter_service.engine.step_io import StepInput
 from lockstep import ProposerDrafter, run_lockstep
 from naive_eagle import NaiveEagle1
@@ -25,8 +24,7 @@ from naive_eagle import NaiveEagle1
 
 @pytest.fixture(scope="module")
 def tiny_eagle3(tmp_path_factory):
-    """An EAGLE-3 head (fc over three target states, a draft vocabulary with d2t): its first step's fc runs outside
-    the first-step graph, staged before the admission (cuda_graphs.py, DecodeGraphs.stage_states)."""
+    """An EAGLE-3 head (fc over three target states inside the first step, a draft vocabulary with d2t)."""
     return write_eagle3(tmp_path_factory.mktemp("e3") / "model", seed=11)
 
 
@@ -234,72 +232,4 @@ def test_a_columns_step_builds_its_first_step_rows_from_the_record(tiny_model, t
         t.answered(steps, out)
         if round > 0:  # (the first round creates the sequences: the per-sequence path, a 40-token prefill)
             assert (graphs.first_steps_run, static.proposer.columns_steps_run) == (before[0] + 1, before[1] + 1)
-    torch.testing.assert_close(static.kv.kv, plain.kv.kv, atol=1e-5, rtol=1e-5)
-
-
-def test_states_staged_before_admission_and_every_fallback(tiny_model, tiny_eagle3, tmp_path):
-    """A greedy step whose first step fits a graph has its states copied and (EAGLE-3) its fc launched before the
-    admission (Proposer._stage_states), and the first step then reads them; where the step goes another way after
-    staging (a refused sequence leaves fewer rows, a new sequence sends the columns step to the per-sequence one,
-    the staging raised), the drafts are still those of the plain proposer."""
-    from test_step_batch import Traffic, as_batch, same
-
-    plain = build_runtime(make_config(*tiny_eagle3, tmp_path / "plain"))
-    static = with_static_steps(build_runtime(make_config(*tiny_eagle3, tmp_path / "static")), max_batch_seqs=16)
-    p, graphs = static.proposer, static.proposer.decode_graphs
-    events = []
-
-    def record(owner, name, label):
-        original = getattr(owner, name)
-
-        def wrapped(*args, **kwargs):
-            events.append((label, args, kwargs))
-            return original(*args, **kwargs)
-        setattr(owner, name, wrapped)
-    record(graphs, "stage_states", "stage")
-    record(graphs, "draft_columns", "draft")
-    record(p.table, "touch_batch", "lookup")
-    t = Traffic(7, plain.limits.hidden_states_width, plain.limits.vocab_size, 10)
-    sids = sorted(t.tokens)
-
-    def run(steps, columns: bool):
-        events.clear()
-        out = plain.proposer.step(steps)
-        got = static.proposer.step_batch(as_batch(steps)) if columns else static.proposer.step(steps)
-        same(out, got if columns else BatchOutput.from_outputs(got))
-        t.answered(steps, out)
-        return out, [e[0] for e in events]
-
-    run([t.step(sid, m=40, k=3) for sid in sids], columns=False)  # the prefill (40 rows: no staging)
-    for columns in (False, True):  # a plain step of each path: staged, then looked up, then drafted from the stage
-        group = sids[:3] if not columns else sids
-        _, order = run([t.step(sid, m=t.rng.randint(1, 4), k=4, back=1) for sid in group], columns)
-        assert order == ["stage", "lookup", "draft"], order
-        draft_args = events[-1][1]
-        assert draft_args[6] is None  # (hidden_states: taken by the staging)
-    # a sequence refused (a gap: it starts past its committed length): the staged rows are not the batch's
-    steps = [t.step(sid, m=2, k=3) for sid in sids[:3]]
-    t.committed[sids[1]] = steps[1].start_position  # (the engine sends it again, from where it was)
-    steps[1] = StepInput(steps[1].namespace, steps[1].sequence_id, steps[1].start_position + 5, steps[1].token_ids,
-                         steps[1].hidden_states, steps[1].next_token, 3)
-    out, order = run(steps, columns=False)
-    assert [o.code != 0 for o in out] == [False, True, False]
-    assert order == ["stage", "lookup", "draft", "stage"], order  # (the admitted two sequences' own states)
-    assert events[-2][1][6] is not None
-    # a new sequence in a columns step of known ones: staged, then the per-sequence path (which stages again)
-    t.tokens["new"], t.states["new"], t.committed["new"] = t.tokens[sids[0]], t.states[sids[0]], 0
-    t.prompt = 2
-    _, order = run([t.step(sid, m=2, k=3) for sid in sids] + [t.step("new", m=2, k=3)], columns=True)
-    assert order[:3] == ["stage", "lookup", "stage"] and order[-1] == "draft", order
-    # the staging raises (once): nothing staged, the step copies its states itself
-    failures = [RuntimeError("no room")]
-
-    def broken(*args, **kwargs):
-        if failures:
-            raise failures.pop()
-        return DecodeGraphs.stage_states(graphs, *args, **kwargs)
-    graphs.stage_states = broken
-    _, order = run([t.step(sid, m=2, k=3, back=1) for sid in sids], columns=True)
-    del graphs.stage_states
-    assert not failures and events[-1][0] == "draft" and events[-1][1][6] is not None
     torch.testing.assert_close(static.kv.kv, plain.kv.kv, atol=1e-5, rtol=1e-5)

@@ -47,20 +47,16 @@ Such a step needs no step metadata from the host. The host writes the step's raw
 addresses (pinned on CUDA) and copies it to the device in one copy, and the target hidden states into fs_states with
 one more; the first-step graph's first kernel (kernels/build_first_step.py) builds every row from them: positions,
 KV slots, shifted input ids, padded rows, the decode rows' positions, seq_lens, steps and block tables. So the whole
-greedy step is two copies in, graph replays, and one copy of the drafts out. The states' copy, and for EAGLE-3 the
-head's fc over them (the one piece of the first forward that needs nothing but the states: [T, 3 * H_target] ->
-[T, H], a read of its whole weight), are launched by stage_states before the proposer admits the step, outside the
-graphs, so that the GPU runs them while the host admits:
+greedy step is two copies in, graph replays, and one copy of the drafts out:
 
   record (int32)    header [2] (B, w); start_positions, query_start_loc, next_tokens, draft_steps (k - 1) [<= bs];
                     token_ids [T] (the committed tokens); block_tables [B * w] (sequence i's blocks at i * w)
   fs_states         [R, W_in] the step's target hidden states, rows in batch order (model dtype)
-  fs_combined       [R, H] EAGLE-3: fc(fs_states), the same rows; EAGLE-1: fs_states itself (no fc of the states)
 
   static buffer      shape              after the first-step graph's first kernel
   fs_input_ids       [R] int64          real row j of sequence i (row i*M + M - m_i + j): x[t+1], its last row
                                         next_token; 0 on padding rows
-  fs_hidden          [R, H]             fs_combined's rows of the real rows; padding rows keep what they held
+  fs_hidden          [R, W]             the target hidden states of the real rows; padding rows keep what they held
   fs_positions       [R] int64          seq_len_i - M + r for row r of sequence i (p_i + j on the real rows)
   fs_slots           [R] int64          the real rows' KV slots; PADDING_SLOT_ID for every padding row
   seq_lens           (decode buffer)    p_i + m_i; M for padding sequences (their rows are positions 0..M-1)
@@ -152,15 +148,11 @@ class DecodeGraphs:
         R = max_fs * self.first_step_tokens
         with torch.inference_mode():
             self.fs_input_ids = torch.zeros(R, dtype=torch.int64, **z)
-            self.fs_hidden = torch.zeros(R, H, dtype=dtype, **z)
+            self.fs_hidden = torch.zeros(R, model.hidden_states_width, dtype=dtype, **z)
             self.fs_positions = torch.zeros(R, dtype=torch.int64, **z)
             self.fs_slots = torch.full((R,), ops.PADDING_SLOT_ID, dtype=torch.int64, **z)
             # a step's target hidden states, rows in batch order: the first-step graph lays them out in fs_hidden
             self.fs_states = torch.zeros(R, model.hidden_states_width, dtype=dtype, **z)
-            # the first step's hidden inputs in the same order, [R, H]: EAGLE-3's fc of fs_states, launched by
-            # stage_states (before the step's admission, outside the graph); a head whose states go in as they are
-            # (EAGLE-1) reads fs_states itself
-            self.fs_combined = (torch.zeros(R, H, dtype=dtype, **z) if model.combines_states else self.fs_states)
             seq = torch.arange(max_fs + 1, **z)
             self.fs_query_start_loc = {m: (seq * m).to(torch.int32) for m in range(1, self.first_step_tokens + 1)}
             self.fs_last_rows = {m: seq[1:] * m - 1 for m in range(1, self.first_step_tokens + 1)}
@@ -203,13 +195,14 @@ class DecodeGraphs:
         record and fs_states; writes draft 1 and the head output of each sequence's last row into the decode
         buffers."""
         T = bs * m
-        ops.build_first_step_rows(*self.record.fields, self.fs_combined, self.block_size, m, self.positions[:bs],
+        ops.build_first_step_rows(*self.record.fields, self.fs_states, self.block_size, m, self.positions[:bs],
                                   self.seq_lens[:bs], self.block_tables[:bs], self.steps_left[:bs],
                                   self.fs_positions[:T], self.fs_input_ids[:T], self.fs_slots[:T], self.fs_hidden[:T])
         meta = AttentionMetadata(positions=self.fs_positions[:T], slot_mapping=self.fs_slots[:T],
                                  query_start_loc=self.fs_query_start_loc[m][: bs + 1], seq_lens=self.seq_lens[:bs],
                                  block_tables=self.block_tables[:bs], max_query_len=m)
-        head_out = self.model.forward(self.fs_input_ids[:T], self.fs_hidden[:T], meta, self.kv_layers)  # [T, H]
+        hidden_in = self.model.combine_hidden_states(self.fs_hidden[:T])
+        head_out = self.model.forward(self.fs_input_ids[:T], hidden_in, meta, self.kv_layers)  # [T, H]
         last = head_out[self.fs_last_rows[m][:bs]]  # [bs, H]
         draft = ops.argmax(self.model.compute_logits(last), out=self.draft_ids[:bs])
         self.draft_column.zero_()  # (draft 1 goes to column 0)
@@ -279,7 +272,7 @@ class DecodeGraphs:
             self.input_ids, self.hidden, self.positions, self.seq_lens, self.slot_mapping, self.block_tables,
             self.steps_left, self.query_start_loc, self.draft_ids, self.fs_input_ids, self.fs_hidden,
             self.fs_positions, self.fs_slots, self.fs_states, self.record.on_device, self.drafts_out,
-            self.hidden_steps) + ((self.fs_combined,) if self.fs_combined is not self.fs_states else ()))
+            self.hidden_steps))
         log.info("captured %d decode CUDA graphs (batch sizes %s) and %d first-step graphs (batches of up to "
                  "%d sequences with up to 1..%d tokens each) in %.2f s; they hold %.1f MiB of device memory "
                  "(graph pool, kernels, workspaces), plus %.1f MiB of static buffers", len(self.graphs),
@@ -327,27 +320,16 @@ class DecodeGraphs:
         self.draft_column.zero_()
         return self._decode_and_collect(out, md.active, [md.num_drafts[i] for i in md.active], n, bs)
 
-    def stage_states(self, hidden_states: list[torch.Tensor], num_rows: int) -> None:
-        """A step's target hidden states (tensors of [m_i or T, W_in] rows, in batch order; num_rows = T in all) into
-        fs_states, and for EAGLE-3 their fc into fs_combined: the GPU work of the first step that needs nothing of
-        the step's admission. The proposer launches it before admitting the step (Proposer._step_columns), so that
-        the GPU runs it while the host admits; the first-step graph then reads fs_combined."""
-        rows_into(hidden_states, self.fs_states[:num_rows])
-        if self.fs_combined is not self.fs_states:
-            self.model.combine_hidden_states(self.fs_states[:num_rows], out=self.fs_combined[:num_rows])
-
     def draft_columns(self, start_positions: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray,
                       next_tokens: np.ndarray, num_drafts: np.ndarray, block_tables: np.ndarray,
-                      hidden_states: list[torch.Tensor] | None, out):
+                      hidden_states: list[torch.Tensor], out):
         """Drafts 1..k of a greedy step that first_step_fits, the first step replayed too. Its columns ([B] p, m,
         next tokens, k; token_ids [T]; block_tables [B, w] int32, numpy) go into the record, its hidden states
-        (tensors of [m_i or T, W_in] rows, in batch order; None: stage_states has taken them already) into
-        fs_states: two copies in, then only replays."""
+        (tensors of [m_i or T, W_in] rows, in batch order) into fs_states: two copies in, then only replays."""
         B, M = num_tokens.shape[0], int(num_tokens.max())
         bs = padded_batch_size(B, self.first_sizes)
         self.record.write(start_positions, num_tokens, next_tokens, num_drafts, token_ids, block_tables)
-        if hidden_states is not None:
-            self.stage_states(hidden_states, token_ids.shape[0])
+        rows_into(hidden_states, self.fs_states[: token_ids.shape[0]])
         self._replay_first(bs, M)
         self.first_steps_run += 1
         return self._decode_and_collect(out, list(range(B)), num_drafts.tolist(), B, bs)

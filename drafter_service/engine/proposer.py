@@ -31,10 +31,9 @@ Every draft is sampled per sequence (sampling.py): greedy at temperature 0, othe
 sequence's seed and the position of the drafted token minus one, so a replayed step gives the same drafts.
 
 The head interface: method, drafting, num_kv_layers, vocab_size, draft_vocab_size, hidden_states_width, dims,
-combine_hidden_states, draft_to_target; sequential and parallel heads add forward / compute_logits / next_hidden,
-d2t (draft_to_target's offsets, or None) and combines_states (whether combine_hidden_states is a GEMM: EAGLE-3's fc)
-(parallel ones parallel_token_id and mask_hidden), multi-layer heads num_predict / forward_layer /
-compute_logits_layer.
+combine_hidden_states, draft_to_target; sequential and parallel heads add forward / compute_logits / next_hidden
+and d2t (draft_to_target's offsets into the target vocabulary, or None; parallel ones parallel_token_id and
+mask_hidden), multi-layer heads num_predict / forward_layer / compute_logits_layer.
 """
 import contextlib
 import logging
@@ -72,20 +71,6 @@ class _Admitted:
     is_new: bool
     step: StepInput
     num_drafts: int  # k after the max_model_len cut
-
-
-@dataclass
-class _Staged:
-    """Proposer.step's steps whose states _stage_steps put on the device, with their [B] columns (numpy int64):
-    start positions, committed tokens, drafts after the max_model_len cut. Their first step fits a graph."""
-    steps: list[StepInput]
-    p: np.ndarray
-    m: np.ndarray
-    k: np.ndarray
-
-    def holds(self, batch: list[_Admitted]) -> bool:
-        """Whether the admitted batch is these steps, in this order (no step refused or answered at admission)."""
-        return len(batch) == len(self.steps) and all(a.step is s for a, s in zip(batch, self.steps))
 
 
 class _Drafts:
@@ -237,7 +222,6 @@ class Proposer:
         self.on_fatal = lambda reason: None
         self._failed_in_a_row = 0
         self.columns_steps_run = 0  # steps step_batch ran from the columns (the rest went the per-sequence way)
-        self._staged: _Staged | None = None  # step(): the steps whose states _stage_steps put on the device
         self._multi_layer = model.drafting == "multi_layer"
         self.predraft = Predrafter(self)  # pre-drafting: hits answered at admission, branches prepared when idle
         self.metrics.predraft_counters = self.predraft.counters
@@ -421,7 +405,6 @@ class Proposer:
     def step(self, steps: list[StepInput]) -> list[StepOutput]:
         t0 = time.perf_counter()
         outputs = [StepOutput() for _ in steps]
-        self._staged = self._stage_steps(steps)
         # Touch every sequence of the step before admitting any: admission may evict idle sequences, and these are
         # not idle (sequence.py: the touched ones form the tail of the LRU order).
         self._step_serial += 1
@@ -479,27 +462,10 @@ class Proposer:
                     self.predraft.after_step(predrafting)
                 elif refused:
                     self.predraft.counters.refused_by_odds += 1
-        self._staged = None
         self.metrics.record_step(steps, outputs, time.perf_counter() - t0, self.kv.pool.num_free,
                                  self.kv.pool.num_blocks)
         self.metrics.live_sequences = len(self.table)
         return outputs
-
-    def _stage_steps(self, steps: list[StepInput]) -> _Staged | None:
-        """step's staging (_stage_states) for a greedy step whose first step will replay a graph if every sequence
-        is admitted: the steps staged, or None. _run_sequential uses them where every step was admitted."""
-        graphs = self.decode_graphs
-        if (graphs is None or self.fatal is not None or self.model.drafting != "sequential" or not steps
-                or any(s.temperature > 0 or s.return_logprobs or s.top_k_probs for s in steps)):
-            return None
-        p = np.array([s.start_position for s in steps], dtype=np.int64)
-        m = np.array([s.num_tokens for s in steps], dtype=np.int64)
-        C = p + m
-        k = np.maximum(np.minimum([s.num_drafts for s in steps], self.max_model_len - 1 - C), 0)
-        if not graphs.first_step_fits(C, m, k):
-            return None
-        staged = self._stage_states(graphs, [s.hidden_states for s in steps], int(m.sum()))
-        return _Staged(steps, p, m, k) if staged else None
 
     # ---- the step from columns (batch_io.py): the common step without a Python object per sequence ----
 
@@ -533,31 +499,26 @@ class Proposer:
         if not self._fast_path_applies(b):
             return None
         t0 = time.perf_counter()
-        # The batch arithmetic below is numpy over views of the step's columns: some twenty ops on [B] arrays, each
-        # about a microsecond where a torch op on a small CPU tensor costs several.
-        a = b.arrays
-        nonzero = np.count_nonzero  # (for any(): _fast_path_applies)
-        p, m = a.start_positions, a.num_tokens
-        C = p + m  # [B] committed length after the step
-        k = np.maximum(np.minimum(a.num_drafts, self.max_model_len - 1 - C), 0)  # [B] after the cut
-        greedy = not nonzero(a.temperatures > 0)
-        graphs = self.decode_graphs
-        # the first step replays a graph: its states (and EAGLE-3's fc) go to the GPU now, before the admission
-        first_graph = greedy and graphs is not None and graphs.first_step_fits(C, m, k)
-        staged = first_graph and self._stage_states(graphs, b.states(), b.total_tokens)
         self._step_serial += 1
         now, serial = self.clock(), self._step_serial
         seqs, rows = self.table.touch_batch(b.namespaces, b.sequence_ids, now, serial)
         if rows.shape[0] != len(seqs):
             return None  # a new sequence: the per-sequence path
         B = len(seqs)
-        # The sequences' state is read and written as columns by table row (sequence_rows.py).
+        # The sequences' state is read and written as columns by table row (sequence_rows.py), and the batch
+        # arithmetic below is numpy over views of the step's columns: some twenty ops on [B] arrays, each about a
+        # microsecond where a torch op on a small CPU tensor costs several.
         R = self.table.rows
+        nonzero = np.count_nonzero  # (for any(): _fast_path_applies)
         if nonzero(R.predrafting[rows]) or not self.table.distinct(rows):
             return None  # a sequence that pre-drafts, or one named twice: the per-sequence path
+        a = b.arrays
+        p, m = a.start_positions, a.num_tokens
+        C = p + m  # [B] committed length after the step
         committed, have = R.committed_len[rows], R.num_blocks[rows]
         if nonzero(C >= self.max_model_len) or nonzero(p > committed):
             return None  # OUT_OF_RANGE or a gap: the per-sequence path names it
+        k = np.maximum(np.minimum(a.num_drafts, self.max_model_len - 1 - C), 0)  # [B] after the cut
         # ---- blocks: only the sequences whose table changes size go through the table (a few per step) ----
         needed = C + np.maximum(k - 1, 0)  # positions the step writes KV for (scratch KV of all drafts but the last)
         bs = self.block_size
@@ -590,10 +551,11 @@ class Proposer:
         step_drafts.meanwhile = meanwhile
         try:
             tables = R.block_tables_np[rows, : int(blocks.max())]
-            if first_graph:
+            greedy = not nonzero(a.temperatures > 0)
+            graphs = self.decode_graphs
+            if greedy and graphs is not None and graphs.first_step_fits(C, m, k):
                 # the first step's rows are built on the device, inside its graph (cuda_graphs.py): no step metadata
-                graphs.draft_columns(p, m, a.token_ids, a.next_tokens, k, tables, None if staged else b.states(),
-                                     step_drafts)
+                graphs.draft_columns(p, m, a.token_ids, a.next_tokens, k, tables, b.states(), step_drafts)
             else:
                 md = build_step_metadata_columns(
                     p, m, a.token_ids, b.states(), a.next_tokens, k, tables, a.temperatures, a.seeds,
@@ -623,18 +585,6 @@ class Proposer:
                                         self.kv.pool.num_free, self.kv.pool.num_blocks)  # (every sequence drafted)
         self.metrics.live_sequences = len(self.table)
         return out
-
-    def _stage_states(self, graphs, states: list[torch.Tensor], num_rows: int) -> bool:
-        """Launch a graph step's first GPU work (its states' copy, EAGLE-3's fc: DecodeGraphs.stage_states) before
-        its admission, so that the GPU runs it while the host admits. False (nothing staged) if it raised: the step
-        then copies its states itself, and meets the error there if it lasts. Staged work of a step that then takes
-        another path (a new sequence, a refusal) is only wasted: the next staging overwrites it."""
-        try:
-            graphs.stage_states(states, num_rows)
-        except Exception:
-            log.exception("staging a step's hidden states failed; the step copies them itself")
-            return False
-        return True
 
     def _count_accepted_columns(self, rows: np.ndarray, b: BatchInput, C: np.ndarray) -> np.ndarray:
         """[B] int64: _count_accepted for every sequence at once (the drafts given at its last step, n of them for
@@ -737,19 +687,15 @@ class Proposer:
         graphs = self.decode_graphs
         if graphs is not None and all(a.step.temperature <= 0 and not a.step.return_logprobs
                                       and not a.step.top_k_probs for a in batch):
-            staged = self._staged is not None and self._staged.holds(batch)  # (the states on the device already)
-            if staged:
-                p, m, k = self._staged.p, self._staged.m, self._staged.k
-            else:
-                p = np.array([a.step.start_position for a in batch], dtype=np.int64)
-                m = np.array([a.step.token_ids.shape[0] for a in batch], dtype=np.int64)
-                k = np.array([a.num_drafts for a in batch], dtype=np.int64)
-            if staged or graphs.first_step_fits(p + m, m, k):
+            p = np.array([a.step.start_position for a in batch], dtype=np.int64)
+            m = np.array([a.step.token_ids.shape[0] for a in batch], dtype=np.int64)
+            k = np.array([a.num_drafts for a in batch], dtype=np.int64)
+            if graphs.first_step_fits(p + m, m, k):
                 rows = [a.seq.table_row for a in batch]
                 tables = self.table.rows.block_tables_np[rows, : int(self.table.rows.num_blocks[rows].max())]
                 graphs.draft_columns(p, m, torch.cat([a.step.token_ids for a in batch]).numpy(),
                                      np.array([a.step.next_token for a in batch], dtype=np.int64), k, tables,
-                                     None if staged else [a.step.hidden_states for a in batch], out)
+                                     [a.step.hidden_states for a in batch], out)
                 return self._keep_graph_features(predrafting, list(range(len(batch))), k.tolist(), out)
         # ---- step metadata (step_metadata.py): vectorized on the host, one host->device copy for the step ----
         md = StepMetadata.build(batch, self.block_size, self.device, self.table.rows, self.metadata_buffers)

@@ -49,7 +49,6 @@ class Eagle1Head:
         """Columns of the target hidden states the engine sends."""
         return self.dims.hidden_size
 
-    combines_states = False  # combine_hidden_states gives the states as they are
     d2t = None  # drafts are target-vocabulary ids (draft_to_target is the identity)
 
     def combine_hidden_states(self, target_states: torch.Tensor) -> torch.Tensor:

@@ -70,15 +70,9 @@ class Eagle3Head:
     def hidden_states_width(self) -> int:
         return 3 * self.target_hidden_size
 
-    combines_states = True  # combine_hidden_states is a GEMM (fc), not the states as they are
-
-    def combine_hidden_states(self, target_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[T, 3 * H_target] target features -> [T, H] (first step only); into ``out`` ([T, H], the weight's dtype)
-        when given (the CUDA graphs' static buffer: cuda_graphs.py)."""
-        x = target_states.to(self.fc_w.dtype)
-        if out is not None:
-            return torch.mm(x, self.fc_w.t(), out=out)  # (the GEMM F.linear runs, without a new tensor)
-        return linear(x, self.fc_w)
+    def combine_hidden_states(self, target_states: torch.Tensor) -> torch.Tensor:
+        """[T, 3 * H_target] target features -> [T, H] (first step only)."""
+        return linear(target_states.to(self.fc_w.dtype), self.fc_w)
 
     def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata,
                 kv_layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
