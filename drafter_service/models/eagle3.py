@@ -77,13 +77,16 @@ class Eagle3Head:
     def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata,
                 kv_layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids [T] (shifted: x[t+1]), hidden_states [T, H] (combined) -> pre-norm output [T, H]."""
-        eps = self.dims.rms_norm_eps
-        embeds, _ = ops.rms_norm(self.embed_tokens[input_ids], self.input_norm_w, eps)
-        hidden = hidden_states.to(embeds.dtype)
-        normed, _ = ops.rms_norm(hidden, self.hidden_norm_w, eps)
+        eps, H = self.dims.rms_norm_eps, self.dims.hidden_size
+        embedded = self.embed_tokens[input_ids]
+        hidden = hidden_states.to(embedded.dtype)
+        # the attention's input cat(e, n) [T, 2H], each norm writing its half (no concatenation kernel)
+        x = torch.empty(input_ids.shape[0], 2 * H, dtype=embedded.dtype, device=embedded.device)
+        ops.rms_norm(embedded, self.input_norm_w, eps, out=x[:, :H])
+        normed, _ = ops.rms_norm(hidden, self.hidden_norm_w, eps, out=x[:, H:])
         residual = normed if self.norm_before_residual else hidden
         k_cache, v_cache = kv_layers[0]
-        attn_out = self.attn(torch.cat([embeds, normed], dim=-1), meta, k_cache, v_cache, self.cos_sin_cache)
+        attn_out = self.attn(x, meta, k_cache, v_cache, self.cos_sin_cache)
         y, residual = ops.rms_norm(attn_out, self.post_norm_w, eps, residual=residual)
         return residual + self.mlp(y)
 
