@@ -33,6 +33,7 @@ late only by the wall clock is reported as starved.
 """
 import argparse
 import asyncio
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -431,15 +432,19 @@ def main(argv: list[str] | None = None) -> int:
     results = mp_ctx.Queue()
     faults = {k: 0 for k in ("cut", "kill", "restart", "flood")}
     kinds = [f for f in a.faults.split(",") if f]
+    if set(kinds) - set(faults):
+        ap.error(f"--faults: unknown kinds {sorted(set(kinds) - set(faults))}; the kinds are {', '.join(faults)} "
+                 "(comma-separated)")
     t_start = time.monotonic()
     stop_at = t_start + a.duration_s
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as cleanup:
         tmp = pathlib.Path(tmp)
         head, target = write_eagle1(tmp / "model", seed=0, fc_bias=True)
         drafter = SidecarProcess(head, target, device="cpu", extra_args=[
             "--kv-cache-tokens", str(a.kv_tokens), "--max-model-len", str(a.max_len + 32),
             "--sequence-lease-s", str(a.lease_s), "--merge-window-us", str(a.merge_window_us),
             "--log-level", "WARNING"]).start()
+        cleanup.callback(drafter.close)  # (however the run ends: an exception here left the drafter running)
         address = drafter.address
         proxy = CuttingProxy(pathlib.Path(address.removeprefix("unix:")))
         engine_args = dict(sequences=a.sequences, batch_sequences=a.batch_sequences, max_len=a.max_len,
