@@ -80,10 +80,10 @@ class Eagle3Head:
         eps, H = self.dims.rms_norm_eps, self.dims.hidden_size
         embedded = self.embed_tokens[input_ids]
         hidden = hidden_states.to(embedded.dtype)
-        # the attention's input cat(e, n) [T, 2H]. On CUDA each norm kernel writes its half (no concatenation kernel:
-        # 1.21 -> 1.18 ms of GPU time per step at batch 1, 8B shape, H200); on the CPU the references' out= copies
-        # cost more than the concatenation (~30 us more per forward on the dev CPU)
-        if embedded.is_cuda:
+        # the attention's input cat(e, n) [T, 2H]. Where the Triton kernels run each norm writes its half (no
+        # concatenation kernel: 1.21 -> 1.18 ms of GPU time per step at batch 1, 8B shape, H200); the references'
+        # out= copies cost more than the concatenation (~30 us more per forward on the dev CPU)
+        if ops.use_triton(embedded):
             x = torch.empty(input_ids.shape[0], 2 * H, dtype=embedded.dtype, device=embedded.device)
             ops.rms_norm(embedded, self.input_norm_w, eps, out=x[:, :H])
             normed, _ = ops.rms_norm(hidden, self.hidden_norm_w, eps, out=x[:, H:])
