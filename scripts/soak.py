@@ -91,7 +91,8 @@ class Engine:
         self.stats = dict(steps=0, steps_with_drafts=0, fallback_steps=0, resyncs=0, checked=0, mismatches=0,
                           near_ties=0,
                           late_steps=0, starved_steps=0, late_samples=[], predrafted=0, fallback_reasons={},
-                          fallback_examples={}, latencies_ms=[], fallback_latencies_ms=[])
+                          fallback_examples={}, latencies_ms=[], fallback_latencies_ms=[],
+                          columnar=False)  # (batch mode: whether it sent columns at any point of the run)
         self.started = time.monotonic()
 
     def new_sequence(self) -> dict:
@@ -148,7 +149,7 @@ class Engine:
                     reply = as_result(await client.propose_batch(as_batch(steps)))
                     # requests as columns at some point of the run (the client asks again after each fault: a run
                     # that ends in a fault's backoff ends without knowing)
-                    self.stats["columnar"] = self.stats.get("columnar", False) or bool(client._step_columns)
+                    self.stats["columnar"] |= bool(client._step_columns)
                 elif self.args["mode"] == "unary":
                     # a spread upload, or one Propose
                     client.chunk_min_bytes = 0 if self.rng.random() < 0.5 else 1 << 62
@@ -234,7 +235,6 @@ class Engine:
             await client.close()
         self.stats["streams_opened"] = session.streams_opened if session is not None else 0
         self.stats["breaker_opened"] = client.breaker.times_opened
-        self.stats.setdefault("columnar", False)
         self.stats["spread_steps"] = client.steps_spread  # steps uploaded over two connections (unary engines)
         lat, fb = self.stats.pop("latencies_ms"), self.stats.pop("fallback_latencies_ms")
         results.put(dict(self.stats, index=self.index, mode=self.args["mode"], latencies_ms=lat,
