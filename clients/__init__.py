@@ -16,7 +16,8 @@ it for a backoff (docs/protocol.md, "When the drafter is sick").
 
 What lives here: client.py (DrafterClient), batch.py (StepBatch, BatchDrafts: the batch API), breaker.py
 (CircuitBreaker), messages.py (SequenceStep, ProposeResult and their packing), session.py (ProposeStream),
-sync.py, shm_ring.py (shared-memory slots), step_channel.py;
+sync.py, shm_ring.py (shared-memory slots), step_channel.py, engine_fc.py (EngineFc: an EAGLE-3 head's fc applied
+by the engine, for a drafter served with --engine-applies-fc);
 protocol/ (generated code and wire format, shared with the server); engine/ (reference engine, demo; needs the
 ``demo`` extra); benchmarks/. This package may import grpc, protobuf, torch, numpy and drafter_client.protocol: never
 drafter_service, transformers, matplotlib, tokenizers or uvloop (tests/test_layout.py checks it).
@@ -24,10 +25,11 @@ drafter_service, transformers, matplotlib, tokenizers or uvloop (tests/test_layo
 from drafter_client.batch import BatchDrafts, StepBatch
 from drafter_client.breaker import CircuitBreaker
 from drafter_client.client import DrafterClient
+from drafter_client.engine_fc import EngineFc
 from drafter_client.messages import DrafterError, ProposeResult, ReleaseResult, SequenceDrafts, SequenceStep
 from drafter_client.session import ProposeSession
 from drafter_client.shm_ring import SharedTensorRef
 from drafter_client.sync import SyncDrafterClient
 
-__all__ = ["BatchDrafts", "CircuitBreaker", "DrafterClient", "DrafterError", "ProposeResult", "ProposeSession", "ReleaseResult",
+__all__ = ["BatchDrafts", "CircuitBreaker", "DrafterClient", "DrafterError", "EngineFc", "ProposeResult", "ProposeSession", "ReleaseResult",
            "SequenceDrafts", "SequenceStep", "SharedTensorRef", "StepBatch", "SyncDrafterClient"]

@@ -32,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     ap.add_argument("--target-model", default=None,
                     help="target model directory; embed_tokens / lm_head are read from it when the head lacks them "
                          "(default: the bundled target when --model is a bundled head)")
+    ap.add_argument("--engine-applies-fc", action="store_true",
+                    help="EAGLE-3 heads: the engine applies the head's fc (fc.weight) to its three layers' states "
+                         "and sends [n, hidden_size] rows, a third of the bytes (docs/methods.md)")
     ap.add_argument("--listen", action="append", default=None,
                     help="HOST:PORT or unix:/path/to.sock; repeat for several (default 127.0.0.1:50061)")
     ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present)")
@@ -157,6 +160,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         shutdown_grace_s=a.shutdown_grace_s, log_level=a.log_level, shared_memory=not a.no_shared_memory,
         shm_dir=a.shm_dir, shm_lease_s=a.shm_lease_s, cuda_graphs=a.cuda_graphs,
         first_step_graph_tokens=a.first_step_graph_tokens, predraft_cycle_check=a.predraft_cycle_check,
+        engine_applies_fc=a.engine_applies_fc,
         predraft_min_all_hit=a.predraft_min_all_hit,
         step_channels=not a.no_step_channels,
         step_channel_socket=a.step_channel_socket, step_channel_spin_s=a.step_channel_spin_s,

@@ -12,6 +12,9 @@ DEFAULT_MERGE_WINDOW_US = 300  # on CUDA (ServerConfig.merge_window_us_for)
 class ServerConfig:
     model: str  # EAGLE head directory (Hugging Face layout)
     target_model: str | None = None  # target model directory: embed_tokens / lm_head when the head lacks them
+    # EAGLE-3 only: the engine applies the head's fc to its three layers' states and sends [n, hidden_size] rows
+    # (a third of the bytes; docs/methods.md "The fc on the engine's side")
+    engine_applies_fc: bool = False
     listen: list[str] = field(default_factory=lambda: ["127.0.0.1:50061"])  # "host:port" or "unix:/path"
     device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None = cuda when present
     dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None = bfloat16 on CUDA, float32 on CPU

@@ -169,13 +169,20 @@ def detect_method(cfg: dict, state: dict[str, torch.Tensor], where: str) -> str:
 
 
 def load_head(model_dir: str, target_dir: str | None, device: torch.device, dtype: torch.dtype,
-              max_positions: int) -> LoadedHead:
+              max_positions: int, engine_applies_fc: bool = False) -> LoadedHead:
+    """engine_applies_fc (--engine-applies-fc): an EAGLE-3 head whose fc the engine applies before sending (its
+    requests carry [n, hidden_size] rows); any other head refuses it."""
     mdir = pathlib.Path(model_dir)
     cfg = _read_config(mdir)
     state = _strip_prefix(read_state_dict(mdir))
     method = detect_method(cfg, state, str(mdir))
-    load = {"eagle": _load_eagle1, "eagle3": _load_eagle3, "multi_layer_eagle": _load_multi_layer}[method]
+    if engine_applies_fc and method != "eagle3":
+        raise ModelLoadError(f"{mdir}: --engine-applies-fc is for EAGLE-3 heads (an fc over three target layers' "
+                             f"states); this head is {method!r}, whose fc takes the token embedding too")
     tdir = pathlib.Path(target_dir) if target_dir is not None else None
+    if method == "eagle3":
+        return _load_eagle3(mdir, cfg, state, tdir, device, dtype, max_positions, engine_applies_fc)
+    load = {"eagle": _load_eagle1, "multi_layer_eagle": _load_multi_layer}[method]
     return load(mdir, cfg, state, tdir, device, dtype, max_positions)
 
 
@@ -282,7 +289,7 @@ def _aux_layer_ids(cfg: dict, tcfg: dict | None, where: str) -> list[int]:
 
 
 def _load_eagle3(mdir: pathlib.Path, cfg: dict, state: dict, tdir: pathlib.Path | None, device: torch.device,
-                 dtype: torch.dtype, max_positions: int) -> LoadedHead:
+                 dtype: torch.dtype, max_positions: int, engine_applies_fc: bool = False) -> LoadedHead:
     where = str(mdir)
     if not any(k.startswith("midlayer.") for k in state):  # vLLM's naming of the one layer: layers.0.*
         state = {("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
@@ -364,10 +371,13 @@ def _load_eagle3(mdir: pathlib.Path, cfg: dict, state: dict, tdir: pathlib.Path 
     model = Eagle3Head(dims, _to_device(state, device, dtype), target_hidden_size=H_target, vocab_size=V,
                        rope_theta=float(cfg.get("rope_theta", 10000.0)), rope_scaling=cfg.get("rope_scaling"),
                        max_positions=max_positions, norm_before_residual=bool(cfg.get("norm_before_residual", False)),
-                       parallel_token_id=parallel_token_id)
+                       parallel_token_id=parallel_token_id, engine_applies_fc=engine_applies_fc)
     source = (f"the target's residual-stream hidden states entering layers {layer_ids} (Hugging Face "
               f"output_hidden_states[i] for i in {layer_ids}: the output of layer i-1, before any norm), "
               f"concatenated in that order: [n, 3 * {H_target}]")
+    if engine_applies_fc:
+        source = (f"fc(x) = x @ fc.weight.T of this head (fc.weight [{H}, {3 * H_target}], applied by the engine: "
+                  f"--engine-applies-fc) over x = {source}; the engine sends fc(x): [n, {H}]")
     return LoadedHead(model=model, name=mdir.resolve().name, config=cfg, method="eagle3",
                       target_layer_ids=layer_ids, hidden_states_source=source)
 

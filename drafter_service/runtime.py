@@ -222,7 +222,8 @@ def build_runtime(cfg: ServerConfig) -> Runtime:
     if head_cfg_path.is_file():
         head_max_pos = int(json.loads(head_cfg_path.read_text()).get("max_position_embeddings", 2048))
     max_model_len = cfg.max_model_len or head_max_pos
-    loaded = load_head(cfg.model, cfg.target_model, device, dtype, max_positions=max_model_len)
+    loaded = load_head(cfg.model, cfg.target_model, device, dtype, max_positions=max_model_len,
+                       engine_applies_fc=cfg.engine_applies_fc)
     model = loaded.model
     d = model.dims
     per_token = KVCache.bytes_per_token(model.num_kv_layers, d.num_kv_heads, d.head_dim, dtype)
@@ -261,7 +262,9 @@ def build_runtime(cfg: ServerConfig) -> Runtime:
                     max_draft_tokens=max_draft_tokens, max_request_tokens=max_batch_tokens,
                     max_request_seqs=cfg.max_batch_seqs,
                     max_top_k_probs=min(MAX_TOP_K_PROBS, model.draft_vocab_size),
-                    max_predraft_branches=MAX_PREDRAFT_BRANCHES if proposer.predraft.supported else 0)
+                    max_predraft_branches=MAX_PREDRAFT_BRANCHES if proposer.predraft.supported else 0,
+                    width_note=("; this drafter runs with --engine-applies-fc: send the head's fc applied to the "
+                                "three layers' states, drafter_client.EngineFc" if cfg.engine_applies_fc else ""))
     log.info("drafter %s: %s head %s (%s drafting) on %s (%s), vocab %d (draft %d), hidden %d, KV pool %d tokens "
              "(%.1f MiB), max_model_len %d", __version__, model.method, loaded.name, model.drafting, device,
              str(dtype).removeprefix("torch."), model.vocab_size, model.draft_vocab_size, d.hidden_size,

@@ -130,7 +130,7 @@ def test_client_ships_py_typed():
 
 @pytest.mark.parametrize("module", ["drafter_client.batch", "drafter_client.breaker", "drafter_client.client", "drafter_client.messages",
                                     "drafter_client.session", "drafter_client.sync", "drafter_client.shm_ring",
-                                    "drafter_client.step_channel"])
+                                    "drafter_client.step_channel", "drafter_client.engine_fc"])
 def test_client_public_api_has_docstrings(module):
     import importlib
 

@@ -21,6 +21,7 @@ from drafter_client.client import DrafterClient, DrafterError
 from drafter_client.engine.reference_engine import GenerationResult, ReferenceEngine, SpecConfig, StepInfo
 from drafter_client.engine.sidecar_process import MODELS, SidecarError, SidecarProcess
 from drafter_client.engine.target import TargetModel
+from drafter_client.engine_fc import EngineFc
 
 HEADS = {"eagle1": "EAGLE-1", "eagle3": "EAGLE-3"}
 DEFAULT_CHART = pathlib.Path("out") / "drafter-demo" / "acceptance.png"  # out/ is in .gitignore
@@ -45,6 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--step-channel", action=argparse.BooleanOptionalAction, default=True,
                     help="send the steps through a shared-memory step channel, the same-node path "
                          "(docs/step_channel.md); --no-step-channel: one gRPC stream (ProposeStream) for the steps")
+    ap.add_argument("--engine-applies-fc", action="store_true",
+                    help="eagle3: the sidecar runs with --engine-applies-fc and this engine applies the head's fc to "
+                         "its three layers' states before sending them (a third of the bytes; docs/methods.md)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present) for both processes")
     ap.add_argument("--chart", default=str(DEFAULT_CHART),
                     help="PNG of acceptance by draft position (its folder is made); '' for none")
@@ -119,7 +123,10 @@ async def run_engine(args: argparse.Namespace, address: str, device: str, target
               f"{'a shared-memory step channel' if channel else 'a gRPC stream (ProposeStream)'}")
         args.target_parameters = sum(p.numel() for p in target.model.parameters())
         # with a step channel, each step is a propose() that the channel takes (a stream would bypass it)
-        engine = ReferenceEngine(target, drafter, info, use_stream=not channel)
+        # (in the drafter's dtype: the GEMM it would have run)
+        engine_fc = (EngineFc.from_head(args.head_dir, device=device, dtype=info.model_dtype)
+                     if info.engine_applies_fc else None)
+        engine = ReferenceEngine(target, drafter, info, use_stream=not channel, engine_fc=engine_fc)
         warm = dataclasses.replace(cfg, max_new_tokens=4)  # first calls pay one-time costs: keep them out of timing
         await engine.generate(ids, warm)
         await engine.generate_plain(ids, warm)
@@ -202,7 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         env["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
         print(f"CPU: {threads} thread(s) for the sidecar and {threads} for the engine", flush=True)
-    sidecar = SidecarProcess(head_dir, target_dir, device=device, env=env)
+    if args.engine_applies_fc and args.head != "eagle3":
+        print("drafter-demo: --engine-applies-fc is for the eagle3 head (an fc over three target layers)",
+              file=sys.stderr)
+        return 2
+    args.head_dir = head_dir
+    sidecar = SidecarProcess(head_dir, target_dir, device=device, env=env,
+                             extra_args=["--engine-applies-fc"] if args.engine_applies_fc else [])
     print(f"starting the sidecar: {' '.join(sidecar.command())}", flush=True)
     code = 0
     try:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter_client.client import DrafterClient, ProposeResult, SequenceStep
+from drafter_client.engine_fc import EngineFc
 from drafter_client.engine.target import TargetModel
 from drafter_client.engine.verify import sample, verify_greedy, verify_sampling
 
@@ -153,11 +154,13 @@ class ReferenceEngine:
     MAX_RESYNCS_IN_A_ROW = 3  # a sequence the drafter keeps refusing after this many resyncs stops drafting
 
     def __init__(self, target: TargetModel, drafter: DrafterClient | None, info=None, use_stream: bool = True,
-                 keep_states: bool = True):
+                 keep_states: bool = True, engine_fc: EngineFc | None = None):
         """drafter None: only ``generate_plain`` works. ``info`` is the drafter's GetInfoResponse.
         use_stream: one ProposeStream for the steps (else a unary Propose each, or the client's step channel).
         keep_states: keep every sequence's committed hidden states, to send the drafter again what it missed or
-        lost (False: a sequence that needs a resync stops drafting)."""
+        lost (False: a sequence that needs a resync stops drafting).
+        engine_fc: the EAGLE-3 head's fc (EngineFc.from_head), needed when the drafter is served with
+        --engine-applies-fc (info.engine_applies_fc): the target's features are sent through it."""
         self.target = target
         self.drafter = drafter
         self.info = info
@@ -169,6 +172,15 @@ class ReferenceEngine:
                                  "await drafter.get_info())")
             layers = list(info.target_layer_ids)  # EAGLE-3: the target layers the drafter reads; EAGLE-1: none
             width = target.hidden_size * max(1, len(layers))
+            if info.engine_applies_fc:
+                if engine_fc is None:
+                    raise ValueError("the drafter is served with --engine-applies-fc: pass the head's fc, "
+                                     "ReferenceEngine(..., engine_fc=EngineFc.from_head(HEAD_DIR, device, dtype))")
+                if engine_fc.in_features != width:
+                    raise ValueError(f"engine_fc takes {engine_fc.in_features} columns; this target gives {width} "
+                                     f"(hidden size {target.hidden_size}, layers {layers})")
+                width = engine_fc.out_features
+            target.feature_fc = engine_fc if info.engine_applies_fc else None
             if info.hidden_states_width != width:
                 raise ValueError(f"the drafter reads hidden states {info.hidden_states_width} wide "
                                  f"({info.hidden_states_source}); this target gives {width} "

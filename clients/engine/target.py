@@ -46,6 +46,7 @@ class TargetModel:
     def __init__(self, model: PreTrainedModel, feature_layer_ids: list[int] | None = None):
         self.model = model.eval()
         self.feature_layer_ids = list(feature_layer_ids or [])
+        self.feature_fc = None  # EngineFc: applied to the features (a drafter served with --engine-applies-fc)
         self.device = next(model.parameters()).device
         self.vocab_size = int(model.config.vocab_size)
         self.hidden_size = int(model.config.hidden_size)
@@ -60,6 +61,8 @@ class TargetModel:
 
     @property
     def features_width(self) -> int:
+        if self.feature_fc is not None:
+            return self.feature_fc.out_features
         return self.hidden_size * max(1, len(self.feature_layer_ids))
 
     @property
@@ -70,8 +73,10 @@ class TargetModel:
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> Forward:
         out = self.model(input_ids=tokens, position_ids=positions, attention_mask=self.mask, use_cache=True,
                          output_hidden_states=True, **{_CACHE_KWARG: self.cache})
-        return Forward(logits=out.logits.float(), features=drafter_features(out.hidden_states,
-                                                                            self.feature_layer_ids))
+        features = drafter_features(out.hidden_states, self.feature_layer_ids)
+        if self.feature_fc is not None:  # (the drafter takes fc of the three layers' states: engine_fc.py)
+            features = self.feature_fc(features)
+        return Forward(logits=out.logits.float(), features=features)
 
     def prefill(self, prompts: list[list[int]]) -> Forward:
         """Start a new batch (drops the previous cache). Prompts are left-padded to the longest: row b's prompt

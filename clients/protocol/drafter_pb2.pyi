@@ -250,7 +250,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("server_version", "model_name", "method", "hidden_size", "hidden_states_width", "hidden_states_source", "target_layer_ids", "vocab_size", "max_draft_tokens", "max_model_len", "accepted_hidden_dtypes", "accepted_token_dtypes", "model_dtype", "device", "kv_capacity_tokens", "kv_block_size", "kv_free_tokens", "max_message_bytes", "shared_memory_supported", "draft_vocab_size", "parallel_drafting", "max_top_k_probs", "shared_memory_kinds", "shared_memory_lease_seconds", "step_channel_socket", "predraft_supported", "max_predraft_branches", "step_columns_supported", "max_upload_parts")
+    __slots__ = ("server_version", "model_name", "method", "hidden_size", "hidden_states_width", "hidden_states_source", "target_layer_ids", "vocab_size", "max_draft_tokens", "max_model_len", "accepted_hidden_dtypes", "accepted_token_dtypes", "model_dtype", "device", "kv_capacity_tokens", "kv_block_size", "kv_free_tokens", "max_message_bytes", "shared_memory_supported", "draft_vocab_size", "parallel_drafting", "max_top_k_probs", "shared_memory_kinds", "shared_memory_lease_seconds", "step_channel_socket", "predraft_supported", "max_predraft_branches", "step_columns_supported", "max_upload_parts", "engine_applies_fc")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +280,7 @@ class GetInfoResponse(_message.Message):
     MAX_PREDRAFT_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     STEP_COLUMNS_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
     MAX_UPLOAD_PARTS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_APPLIES_FC_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     model_name: str
     method: str
@@ -309,7 +310,8 @@ class GetInfoResponse(_message.Message):
     max_predraft_branches: int
     step_columns_supported: bool
     max_upload_parts: int
-    def __init__(self, server_version: _Optional[str] = ..., model_name: _Optional[str] = ..., method: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_states_width: _Optional[int] = ..., hidden_states_source: _Optional[str] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., accepted_hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., accepted_token_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., model_dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shared_memory_supported: _Optional[bool] = ..., draft_vocab_size: _Optional[int] = ..., parallel_drafting: _Optional[bool] = ..., max_top_k_probs: _Optional[int] = ..., shared_memory_kinds: _Optional[_Iterable[_Union[SharedMemoryKind, str]]] = ..., shared_memory_lease_seconds: _Optional[int] = ..., step_channel_socket: _Optional[str] = ..., predraft_supported: _Optional[bool] = ..., max_predraft_branches: _Optional[int] = ..., step_columns_supported: _Optional[bool] = ..., max_upload_parts: _Optional[int] = ...) -> None: ...
+    engine_applies_fc: bool
+    def __init__(self, server_version: _Optional[str] = ..., model_name: _Optional[str] = ..., method: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_states_width: _Optional[int] = ..., hidden_states_source: _Optional[str] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., accepted_hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., accepted_token_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., model_dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shared_memory_supported: _Optional[bool] = ..., draft_vocab_size: _Optional[int] = ..., parallel_drafting: _Optional[bool] = ..., max_top_k_probs: _Optional[int] = ..., shared_memory_kinds: _Optional[_Iterable[_Union[SharedMemoryKind, str]]] = ..., shared_memory_lease_seconds: _Optional[int] = ..., step_channel_socket: _Optional[str] = ..., predraft_supported: _Optional[bool] = ..., max_predraft_branches: _Optional[int] = ..., step_columns_supported: _Optional[bool] = ..., max_upload_parts: _Optional[int] = ..., engine_applies_fc: _Optional[bool] = ...) -> None: ...
 
 class SystemSharedMemory(_message.Message):
     __slots__ = ("key", "offset")

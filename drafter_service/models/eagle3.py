@@ -13,6 +13,10 @@ h_b[t], h_c[t])`` [3 * H_target], where h_i is the residual stream entering targ
 
 With ``norm_before_residual`` in the config the residual is hidden_norm(hidden) instead (vLLM's option).
 
+Served with --engine-applies-fc (``engine_applies_fc``), the engine applies fc itself and sends fc(feats[t]) [H]:
+the first step takes those rows as they come (combine_hidden_states only casts), and the head keeps no fc weight
+(P-EAGLE's mask_hidden is combined once, at load). The bytes per token on the wire are a third.
+
 Weights (keys after loading): fc.weight, midlayer.{input_layernorm, hidden_norm, post_attention_layernorm}.weight,
 midlayer.self_attn.{q,k,v,o}_proj.weight, midlayer.mlp.{gate,up,down}_proj.weight, norm.weight,
 lm_head.weight [V_draft, H], d2t [V_draft] (absent when V_draft = V), embed_tokens.weight [V, H] (the head's or
@@ -33,14 +37,15 @@ class Eagle3Head:
 
     def __init__(self, dims: LlamaDims, weights: dict[str, torch.Tensor], target_hidden_size: int, vocab_size: int,
                  rope_theta: float, rope_scaling: dict | None, max_positions: int, norm_before_residual: bool = False,
-                 parallel_token_id: int | None = None):
+                 parallel_token_id: int | None = None, engine_applies_fc: bool = False):
         self.dims = dims
         self.target_hidden_size = target_hidden_size
         self._vocab_size = vocab_size
         self.embed_tokens = weights["embed_tokens.weight"]  # [V, H]
         self.lm_head = weights["lm_head.weight"]  # [V_draft, H]
         self.d2t = weights.get("d2t")  # [V_draft] int64 or None (identity)
-        self.fc_w = weights["fc.weight"]  # [H, 3 * H_target]
+        self.fc_w = weights["fc.weight"]  # [H, 3 * H_target]; None below when the engine applies it
+        self.engine_applies_fc = engine_applies_fc
         self.input_norm_w = weights["midlayer.input_layernorm.weight"]
         self.hidden_norm_w = weights["midlayer.hidden_norm.weight"]
         self.post_norm_w = weights["midlayer.post_attention_layernorm.weight"]
@@ -49,13 +54,15 @@ class Eagle3Head:
         self.mlp = LlamaMLP(weights, "midlayer.mlp")
         self.norm_before_residual = norm_before_residual
         self.cos_sin_cache = build_cos_sin_cache(max_positions, dims.head_dim, rope_theta, rope_scaling).to(
-            self.fc_w.device)
+            self.norm_w.device)
         # Parallel drafting (P-EAGLE): the input token and the (already combined) hidden state of masked slots.
         self.drafting = "sequential" if parallel_token_id is None else "parallel"
         self.parallel_token_id = parallel_token_id
         self.mask_hidden = None
         if parallel_token_id is not None:
-            self.mask_hidden = self.combine_hidden_states(weights["mask_hidden"].view(1, -1)).view(-1)  # [H]
+            self.mask_hidden = linear(weights["mask_hidden"].view(1, -1).to(self.fc_w.dtype), self.fc_w).view(-1)  # [H]
+        if engine_applies_fc:
+            self.fc_w = None  # (100 MB at the 8B shape that the engine holds instead)
 
     @property
     def vocab_size(self) -> int:
@@ -68,10 +75,14 @@ class Eagle3Head:
 
     @property
     def hidden_states_width(self) -> int:
-        return 3 * self.target_hidden_size
+        """Columns of a request's hidden states: the three target layers' states, or fc of them (engine_applies_fc)."""
+        return self.dims.hidden_size if self.engine_applies_fc else 3 * self.target_hidden_size
 
     def combine_hidden_states(self, target_states: torch.Tensor) -> torch.Tensor:
-        """[T, 3 * H_target] target features -> [T, H] (first step only)."""
+        """[T, 3 * H_target] target features -> [T, H] (first step only); with engine_applies_fc the rows are
+        fc's output already ([T, H]): only cast to the head's dtype."""
+        if self.fc_w is None:
+            return target_states.to(self.norm_w.dtype)
         return linear(target_states.to(self.fc_w.dtype), self.fc_w)
 
     def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata,

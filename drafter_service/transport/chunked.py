@@ -26,7 +26,8 @@ import torch
 
 from drafter_client.protocol import pb
 from drafter_client.protocol.wire import TORCH_DTYPE, dtype_name
-from drafter_service.transport.validation import HIDDEN_DTYPES, Limits, RequestError, committed_rows, invalid
+from drafter_service.transport.validation import (HIDDEN_DTYPES, Limits, RequestError, check_states_width,
+                                                  committed_rows, invalid)
 
 # What the server reads of a refused upload before it answers (drain_refused): at most this much, for at most this long
 DRAIN_MAX_BYTES = 64 * 2**20
@@ -184,9 +185,7 @@ def staging_tensor(req: "pb.ProposeRequest", limits: Limits, pin: bool = False) 
                            "request (send long prompts in chunks)")
     if shape[0] != total:
         raise invalid(f"hidden_states has {shape[0]} rows; the steps' num_tokens add up to {total}")
-    if shape[1] != limits.hidden_states_width:
-        raise invalid(f"hidden_states has {shape[1]} columns; this model takes {limits.hidden_states_width} "
-                      "(GetInfo.hidden_states_width)")
+    check_states_width(shape[1], limits, "hidden_states")
     return torch.empty(shape, dtype=TORCH_DTYPE[t.dtype], pin_memory=pin)
 
 

@@ -266,7 +266,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             step_channel_socket=self.step_channel_socket,
             predraft_supported=rt.limits.max_predraft_branches > 0,
             max_predraft_branches=rt.limits.max_predraft_branches, step_columns_supported=True,
-            max_upload_parts=rt.config.max_upload_parts)
+            max_upload_parts=rt.config.max_upload_parts, engine_applies_fc=rt.config.engine_applies_fc)
 
     def decode_propose(self, request, hidden: torch.Tensor | None = None,
                        states: memoryview | None = None) -> "tuple[list[StepInput] | BatchInput, bool]":

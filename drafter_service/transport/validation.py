@@ -47,6 +47,14 @@ class Limits:
     max_request_seqs: int
     max_top_k_probs: int = 256
     max_predraft_branches: int = 0  # largest SequenceStep.predraft_branches (0: pre-drafting not supported)
+    width_note: str = ""  # said after hidden_states_width in a refusal (--engine-applies-fc: what to send instead)
+
+
+def check_states_width(columns: int, limits: Limits, field: str) -> None:
+    """A request's hidden states have the model's width (GetInfo.hidden_states_width)."""
+    if columns != limits.hidden_states_width:
+        raise invalid(f"{field} has {columns} columns; this model takes {limits.hidden_states_width} "
+                      f"(GetInfo.hidden_states_width{limits.width_note})")
 
 
 def check_namespace(namespace: str) -> None:
@@ -96,9 +104,7 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
         raise invalid(f"token_ids has {token_ids.shape[0]} rows; the steps' num_tokens add up to {total}")
     if hidden.shape[0] != total:
         raise invalid(f"hidden_states has {hidden.shape[0]} rows; the steps' num_tokens add up to {total}")
-    if hidden.shape[1] != limits.hidden_states_width:
-        raise invalid(f"hidden_states has {hidden.shape[1]} columns; this model takes "
-                      f"{limits.hidden_states_width} (GetInfo.hidden_states_width)")
+    check_states_width(hidden.shape[1], limits, "hidden_states")
     token_ids = token_ids.to(torch.int64)
     _check_vocabulary(token_ids, limits.vocab_size)
     ns = req.namespace
@@ -295,9 +301,7 @@ def parse_frame(frame: RequestFrame, limits: Limits, columnar: bool = True) -> "
                            f"the steps carry {total} committed tokens; at most {limits.max_request_tokens} per "
                            "request (send long prompts in chunks)")
     hidden = frame.states
-    if hidden.shape[1] != limits.hidden_states_width:
-        raise invalid(f"frame.states has {hidden.shape[1]} columns; this model takes {limits.hidden_states_width} "
-                      "(GetInfo.hidden_states_width)")
+    check_states_width(hidden.shape[1], limits, "frame.states")
     token_ids = torch.from_numpy(frame.token_ids)
     _check_vocabulary(token_ids, limits.vocab_size)
     if not columnar:
