@@ -75,6 +75,26 @@ def test_bench_step_rounds_only_skips_the_single_pass_and_says_it_finished(tmp_p
     assert done.returncode != 0 and "--rounds-only needs --rounds" in done.stderr
 
 
+def test_bench_step_with_the_engine_applying_fc(tmp_path):
+    """--engine-applies-fc (EAGLE-3 presets): in-process and sidecar run with the flag, the steps carry H columns,
+    the engine's fc is timed apart, the floor has no fc and H columns; an EAGLE-1 preset refuses it."""
+    args = ["-m", "drafter_client.benchmarks.bench_step", "--device", "cpu", "--batches", "1,8", "--iters", "2",
+            "--prefill-tokens", "0", "--threads", "1", "--rounds", "1", "--rounds-only"]
+    fc = run([*args, "--preset", "tiny-eagle3", "--engine-applies-fc"], tmp_path / "fc.json")
+    assert fc["complete"] is True and fc["engine_applies_fc"] is True and "--engine-applies-fc" in fc["drafter_flags"]
+    from drafter_client.benchmarks.bench_step import PRESETS, floor_bytes
+
+    for r in fc["rows"]:
+        assert r["engine_fc_ms"] > 0 and r["rounds_median"]["unary_batch_api_over_in_process"] > 0
+        shape = PRESETS["tiny-eagle3"]
+        H = shape["hidden_size"]
+        raw = floor_bytes(shape, 4, r["batch"], fc["context"], 3, 5)
+        assert r["floor_bytes"] == raw - H * 3 * H * 4 - r["batch"] * 3 * 2 * H * 4  # (no fc; H columns, not 3H)
+    refused = subprocess.run([sys.executable, *args, "--preset", "tiny", "--engine-applies-fc"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "--engine-applies-fc is for EAGLE-3 presets" in refused.stderr
+
+
 def test_bench_request_codec_reads_requests_as_the_server_does(tmp_path):
     result = run(["benchmarks/bench_request_codec.py", "--batches", "1,32", "--rounds", "1", "--reps", "2",
                   "--width", "64", "--scattered-states", "--context", "16"], tmp_path / "codec.json")

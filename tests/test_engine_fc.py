@@ -188,3 +188,28 @@ async def test_reference_engine_with_the_fc_on_its_side(tmp_path):
                 plain = await engine.generate_plain(prompts, cfg)
         assert results[flag].tokens == plain.tokens
     assert results[True].acceptance.num_accepted_tokens == results[False].acceptance.num_accepted_tokens > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("columns", [False, True])
+def test_drafts_equal_the_drafters_own_fc_on_cuda_graphs(tmp_path, eagle3, columns):
+    """CUDA, fp32, first-step and decode graphs captured: the engine's fc (here on the CPU) gives the drafts of the
+    drafter's own fc inside the first-step graph (as test_cuda_fast_path.py compares CPU and CUDA in fp32)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    head, target = eagle3
+    runtimes = [build_runtime(make_config(head, target, tmp_path / str(flag), device="cuda", dtype="float32",
+                                          engine_applies_fc=flag, max_batch_seqs=16)) for flag in (False, True)]
+    assert all(rt.proposer.decode_graphs is not None for rt in runtimes)
+    fc = EngineFc.from_head(head)
+    num_seqs = 12 if columns else 3
+    for batch in _steps(num_seqs, 8, 144, runtimes[0].limits.vocab_size, seed=21):
+        applied = [StepInput(**{**s.__dict__, "hidden_states": fc(s.hidden_states)}) for s in batch]
+        if columns and batch[0].start_position > 0:
+            got_raw, got_fc = (rt.proposer.step_batch(_as_batch(b)).to_outputs()
+                               for rt, b in zip(runtimes, (batch, applied)))
+        else:
+            got_raw, got_fc = (rt.proposer.step(b) for rt, b in zip(runtimes, (batch, applied)))
+        assert [o.code for o in got_fc] == [0] * num_seqs, [o.message for o in got_fc]
+        assert [o.drafts for o in got_fc] == [o.drafts for o in got_raw]
+    assert runtimes[1].proposer.decode_graphs.first_steps_run > 0

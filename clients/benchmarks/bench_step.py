@@ -118,11 +118,13 @@ def measure_bandwidth(device: torch.device) -> float:
     return 2 * n / statistics.median(times[2:])
 
 
-def floor_bytes(shape: dict, dtype_bytes: int, batch: int, context: int, m: int, k: int) -> int:
+def floor_bytes(shape: dict, dtype_bytes: int, batch: int, context: int, m: int, k: int,
+                engine_applies_fc: bool = False) -> int:
     """Bytes one engine step must read at least: per forward (1 + (k-1) decode), the head's weights once, the
     lm_head once, and the KV it attends over; plus the hidden states in. EAGLE-1: fc [H, 2H] in every forward,
     q/k/v over H. EAGLE-3: fc [H, 3H] only in the first forward (decode steps reuse the head's own state), q/k/v
-    over 2H, lm_head over the draft vocabulary, 3H columns of hidden states per token."""
+    over 2H, lm_head over the draft vocabulary, 3H columns of hidden states per token; engine_applies_fc: no fc
+    and H columns (the engine's GEMM is timed apart, engine_fc_ms)."""
     H, I, V = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     hd = H // shape["num_attention_heads"]
     q, kvd = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
@@ -131,10 +133,29 @@ def floor_bytes(shape: dict, dtype_bytes: int, batch: int, context: int, m: int,
     if shape.get("method") == "eagle3":
         layer = q * 2 * H + 2 * kvd * 2 * H + H * q + 3 * H * I
         per_forward = (layer + shape["draft_vocab_size"] * H) * dtype_bytes
+        if engine_applies_fc:
+            return k * per_forward + kv_read + batch * m * H * dtype_bytes
         return k * per_forward + H * 3 * H * dtype_bytes + kv_read + batch * m * 3 * H * dtype_bytes
     layer = H * 2 * H + q * H + 2 * kvd * H + H * q + 3 * H * I
     per_forward = (layer + V * H) * dtype_bytes
     return k * per_forward + kv_read + batch * m * H * dtype_bytes
+
+
+def time_engine_fc(head: pathlib.Path, rows: int, device: torch.device, dtype: str, iters: int) -> float:
+    """Median seconds of the engine's side of --engine-applies-fc: EngineFc over [rows, 3H] states on the device
+    (a synchronize after each)."""
+    from drafter_client.engine_fc import EngineFc
+
+    fc = EngineFc.from_head(head, device=device, dtype=dtype)
+    states = torch.randn(rows, fc.in_features, device=device).to(fc.weight.dtype)
+    times = []
+    for _ in range(iters + 3):
+        t0 = time.perf_counter()
+        fc(states)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[3:])
 
 
 def make_steps(batch: int, context: int, m: int, k: int, width: int, vocab: int, seed: int):
@@ -441,6 +462,9 @@ def main() -> int:
                     help="CPU: torch threads of the in-process proposer and of the drafter (--cpu-threads), the same "
                          "for both (default: half the cores, the other half being the engine's, as drafter-demo "
                          "does; 0: torch's default, one per core, in both)")
+    ap.add_argument("--engine-applies-fc", action="store_true",
+                    help="EAGLE-3 presets: the drafter (in-process and sidecar) runs with --engine-applies-fc and the "
+                         "steps carry [T, H] states; the engine's own fc GEMM per step is timed apart (engine_fc_ms)")
     ap.add_argument("--drafter-flag", action="append", default=[],
                     help="an extra drafter-serve flag for the sidecar runs, e.g. --drafter-flag=--step-channel-"
                          "checksums=on (repeatable)")
@@ -464,6 +488,10 @@ def main() -> int:
         os.sched_setaffinity(0, cpu_list(a.client_cpus))
         print(f"this process runs on CPUs {sorted(os.sched_getaffinity(0))}", flush=True)
     shape = PRESETS[a.preset]
+    if a.engine_applies_fc and shape.get("method") != "eagle3":
+        ap.error(f"--engine-applies-fc is for EAGLE-3 presets; {a.preset} is not one")
+    if a.engine_applies_fc:
+        a.drafter_flag = ["--engine-applies-fc", *a.drafter_flag]
     context = a.context or shape["context"]
     batches = [int(b) for b in a.batches.split(",")]
     device = torch.device(a.device)
@@ -497,7 +525,8 @@ def main() -> int:
                       cuda_graphs=a.cuda_graphs and device.type == "cuda",
                       bandwidth_gbps=bw / 1e9 if bw else None, rows=rows,
                       cpu_threads=torch.get_num_threads(),  # host threads of the in-process proposer
-                      prefill=prefill, rounds=a.rounds, rounds_only=a.rounds_only)
+                      prefill=prefill, rounds=a.rounds, rounds_only=a.rounds_only,
+                      engine_applies_fc=a.engine_applies_fc)
         write_json(a.out, result, say=False)
         return result
 
@@ -507,17 +536,21 @@ def main() -> int:
         head, target = write_random_head(tmp, shape, max_len)
         cfg = ServerConfig(model=str(head), target_model=str(target), device=a.device, dtype=dtype,
                            kv_cache_tokens=kv_tokens, max_model_len=max_len, max_batch_seqs=4096,
-                           cuda_graphs=a.cuda_graphs)
+                           cuda_graphs=a.cuda_graphs, engine_applies_fc=a.engine_applies_fc)
         bw = measure_bandwidth(device)
         print(f"memory bandwidth (copy, read+write): {bw / 1e9:.1f} GB/s", flush=True)
         rt = build_runtime(cfg)
         width = rt.limits.hidden_states_width
         for b in batches:
             t = bench_in_process(rt, b, context, a.m, a.k, a.iters, width, shape["vocab_size"])
-            fb = floor_bytes(shape, dtype_bytes, b, context, a.m, a.k)
+            fb = floor_bytes(shape, dtype_bytes, b, context, a.m, a.k, a.engine_applies_fc)
             rows.append(dict(batch=b, in_process_ms=t * 1e3, floor_ms=fb / bw * 1e3, floor_bytes=fb,
                              in_process_over_floor=t * 1e3 / (fb / bw * 1e3)))
             print(f"in-process batch {b}: {t * 1e3:.2f} ms", flush=True)
+            if a.engine_applies_fc:  # what the engine now does per step instead: fc over its [b * m, 3H] states
+                rows[-1]["engine_fc_ms"] = time_engine_fc(head, b * a.m, device, dtype, a.iters) * 1e3
+                print(f"the engine's fc for batch {b} ({b * a.m} rows): {rows[-1]['engine_fc_ms']:.3f} ms",
+                      flush=True)
             t = bench_in_process(rt, b, context, a.m, a.k, a.iters, width, shape["vocab_size"], columns=True)
             rows[-1]["in_process_columns_ms"] = t * 1e3
             print(f"in-process batch {b}, as columns (step_batch): {t * 1e3:.2f} ms", flush=True)
