@@ -172,7 +172,8 @@ class ReferenceEngine:
                                  "await drafter.get_info())")
             layers = list(info.target_layer_ids)  # EAGLE-3: the target layers the drafter reads; EAGLE-1: none
             width = target.hidden_size * max(1, len(layers))
-            if info.engine_applies_fc:
+            applies_fc = bool(getattr(info, "engine_applies_fc", False))  # (a stand-in info may lack the field)
+            if applies_fc:
                 if engine_fc is None:
                     raise ValueError("the drafter is served with --engine-applies-fc: pass the head's fc, "
                                      "ReferenceEngine(..., engine_fc=EngineFc.from_head(HEAD_DIR, device, dtype))")
@@ -180,7 +181,7 @@ class ReferenceEngine:
                     raise ValueError(f"engine_fc takes {engine_fc.in_features} columns; this target gives {width} "
                                      f"(hidden size {target.hidden_size}, layers {layers})")
                 width = engine_fc.out_features
-            target.feature_fc = engine_fc if info.engine_applies_fc else None
+            target.feature_fc = engine_fc if applies_fc else None
             if info.hidden_states_width != width:
                 raise ValueError(f"the drafter reads hidden states {info.hidden_states_width} wide "
                                  f"({info.hidden_states_source}); this target gives {width} "
