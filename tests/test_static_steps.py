@@ -209,12 +209,14 @@ def test_mixed_m_batches_on_cuda_match_cpu(tiny_model, tmp_path, num_seqs, max_m
     assert gpu.proposer.decode_graphs.first_steps_run == admitted
 
 
-@pytest.mark.parametrize("head,num_seqs", [("eagle1", 9), ("eagle1", 24), ("eagle3", 9)])
+@pytest.mark.parametrize("head,num_seqs", [("eagle1", 9), ("eagle1", 24), ("eagle3", 9), ("eagle1", 1),
+                                            ("eagle3", 3)])
 def test_a_columns_step_builds_its_first_step_rows_from_the_record(tiny_model, tiny_eagle3, tmp_path, head,
                                                                    num_seqs):
     """step_batch's columns path on the static steps: the record (first_step_record.py) and the first-step build
     kernel stand in for the step metadata. Same drafts, statuses and KV as the plain per-sequence step, with mixed m,
-    mixed k, re-sent positions and a padded batch (9 -> 16, 24 -> 32)."""
+    mixed k, re-sent positions and a padded batch (9 -> 16, 24 -> 32). Where first-step graphs run, greedy steps of
+    fewer than STEP_BATCH_MIN_SEQUENCES take it too (1, 3 -> 4: Proposer.takes_columns)."""
     from test_step_batch import Traffic, as_batch, same
 
     model = head_model(head, tiny_model, tiny_eagle3)
@@ -233,3 +235,26 @@ def test_a_columns_step_builds_its_first_step_rows_from_the_record(tiny_model, t
         if round > 0:  # (the first round creates the sequences: the per-sequence path, a 40-token prefill)
             assert (graphs.first_steps_run, static.proposer.columns_steps_run) == (before[0] + 1, before[1] + 1)
     torch.testing.assert_close(static.kv.kv, plain.kv.kv, atol=1e-5, rtol=1e-5)
+
+
+def test_small_steps_take_the_columns_way_only_where_first_step_graphs_run(tiny_model, tmp_path):
+    """Below STEP_BATCH_MIN_SEQUENCES: a greedy step goes the columns way with first-step graphs, the per-sequence
+    way without them (its step metadata is built on the host: cheaper per sequence there) and when it samples; the
+    step channel's frames are parsed to match (Proposer.takes_columns). Same answers every way."""
+    from test_step_batch import Traffic, as_batch, same
+
+    plain = build_runtime(make_config(*tiny_model, tmp_path / "plain"))
+    static = with_static_steps(build_runtime(make_config(*tiny_model, tmp_path / "static")), max_batch_seqs=8)
+    assert static.proposer.takes_columns(1, 1) and not plain.proposer.takes_columns(7, 20)
+    assert plain.proposer.takes_columns(8, 8) and plain.proposer.takes_columns(1, 65)  # (> SMALL_STEP_ROWS rows)
+    t = Traffic(4, plain.limits.hidden_states_width, plain.limits.vocab_size, 3)
+    first = [t.step(sid, 3, 4) for sid in t.tokens]
+    same(plain.proposer.step(first), static.proposer.step_batch(as_batch(first)))
+    for temperature, columns in ((0.0, 1), (0.7, 0), (0.0, 1)):
+        steps = [t.step(sid, t.rng.randint(1, 3), t.rng.randint(1, 5), temperature=temperature) for sid in t.tokens]
+        before = static.proposer.columns_steps_run
+        out = plain.proposer.step(steps)
+        same(out, static.proposer.step_batch(as_batch(steps)))
+        t.answered(steps, out)
+        assert static.proposer.columns_steps_run == before + columns
+    assert plain.proposer.columns_steps_run == 0

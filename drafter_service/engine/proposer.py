@@ -175,15 +175,17 @@ STICKY_DEVICE_ERRORS = ("illegal memory access", "device-side assert", "unspecif
                         "an illegal", "cuda error: unknown error", "hardware stack error")
 MAX_FAILED_BATCHES_IN_A_ROW = 3  # after this many failed batches in a row the step worker is considered broken
 # step_batch runs a step of at least this many sequences from its columns (fewer: the per-sequence step, whose fixed
-# cost is lower; dev CPU, run stubbed: 60 against 137 us at 1 sequence, even at 4, 160 against 135 at 8, 280 against
-# 150 at 16)
+# cost is lower where the step metadata is built on the host; dev CPU, run stubbed: 60 against 137 us at 1 sequence,
+# even at 4, 160 against 135 at 8, 280 against 150 at 16). Where first-step graphs run, a greedy step of any size goes
+# the columns way (Proposer.takes_columns).
 STEP_BATCH_MIN_SEQUENCES = 8
 
 
-def large_enough_for_columns(num_sequences: int, num_tokens: int) -> bool:
+def large_enough_for_columns(num_sequences: int, num_tokens: int,
+                             min_sequences: int = STEP_BATCH_MIN_SEQUENCES) -> bool:
     """Whether step_batch would run a step of this size from its columns (when nothing else sends it per sequence);
     a step channel's small request frame is parsed straight into StepInputs otherwise."""
-    return num_sequences >= STEP_BATCH_MIN_SEQUENCES or num_tokens > SMALL_STEP_ROWS
+    return num_sequences >= min_sequences or num_tokens > SMALL_STEP_ROWS
 
 
 def unrecoverable(e: BaseException) -> bool:
@@ -473,7 +475,7 @@ class Proposer:
     def step_batch(self, b: BatchInput, early: "Callable[[BatchOutput], None] | None" = None) -> BatchOutput:
         """One engine step given as columns. The common step (known sequences, a sequential head, no pre-drafting,
         no log-probabilities or top-N, at least STEP_BATCH_MIN_SEQUENCES sequences or more than SMALL_STEP_ROWS committed
-        rows) runs from the columns: the checks,
+        rows, or any greedy step where first-step graphs run: takes_columns) runs from the columns: the checks,
         the acceptance count, the step metadata and the reply are array ops over the batch, and the only work per
         sequence is the table lookup and a few attribute reads and writes in list comprehensions. Any other step
         (or one where a check fails: then the per-sequence path works out each sequence's own status) runs as
@@ -485,12 +487,25 @@ class Proposer:
         outputs = self._step_columns(b, early)
         return outputs if outputs is not None else BatchOutput.from_outputs(self.step(b.to_inputs()))
 
+    def takes_columns(self, num_sequences: int, num_tokens: int) -> bool:
+        """Whether a step of this size goes step_batch's columns way (given as columns, greedy where it is small):
+        from STEP_BATCH_MIN_SEQUENCES sequences, or from one where the first step replays a graph (cuda_graphs.py).
+        There the columns path's host work before the replay is the shorter one at every size (dev CPU, the replays
+        stubbed, EAGLE-3 tiny head, medians over four rounds: 121-122 against 144-150 us at 1 sequence, 212-218
+        against 385-394 at 4; the host work after the drafts 55 against 51-53 and 90-95 against 111-114), and its
+        acceptance count runs while the GPU drafts."""
+        graphs = self.decode_graphs
+        least = 1 if graphs is not None and graphs.first_step_tokens > 0 else STEP_BATCH_MIN_SEQUENCES
+        return large_enough_for_columns(num_sequences, num_tokens, least)
+
     def _fast_path_applies(self, b: BatchInput) -> bool:
         """What the columns tell alone (no table lookup yet)."""
         a = b.arrays  # (numpy views: a torch op on a small CPU tensor costs several microseconds, a numpy one about one)
         nonzero = np.count_nonzero  # (a C call: a quarter of ndarray.any()'s cost at these sizes, ~0.3 against 1.3-1.9 us)
-        return (self.fatal is None and self.model.drafting == "sequential" and len(b) > 0
-                and large_enough_for_columns(len(b), b.total_tokens)
+        n, T = len(b), b.total_tokens
+        return (self.fatal is None and self.model.drafting == "sequential" and n > 0 and self.takes_columns(n, T)
+                # (a small sampling step builds its metadata on the host: the per-sequence way is cheaper there)
+                and (large_enough_for_columns(n, T) or not nonzero(a.temperatures))
                 and not nonzero(a.return_logprobs) and not nonzero(a.top_k_probs)
                 and not nonzero(a.predraft_branches))
 

@@ -21,7 +21,6 @@ from drafter_service.transport.chunked import (StagingBudget, UploadRegistry, dr
 from drafter_service.transport.received_request import as_received
 from drafter_service.transport.shm_regions import RegionTable, ShmSettings
 from drafter_service.engine.batch_io import BatchInput, BatchOutput
-from drafter_service.engine.proposer import large_enough_for_columns
 from drafter_service.engine.scheduler import dry_outputs, set_owner
 from drafter_service.engine.step_io import StepInput, StepOutput
 from drafter_service import tracing
@@ -298,9 +297,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def decode_frame(self, frame: "step_frame.RequestFrame") -> "tuple[BatchInput | list[StepInput], bool]":
         """decode_propose for a step channel's request frame: checked by validation.parse_frame (the same limits as a
         columnar request; a frame carries no shared-memory references). A step too small for the proposer's columns
-        path (batch 1 to 7, a few rows) comes back as one StepInput per sequence."""
+        path (Proposer.takes_columns: batch 1 to 7 and a few rows, where no first-step graph runs) comes back as one
+        StepInput per sequence."""
         rt = self.runtime
-        columnar = large_enough_for_columns(len(frame.sequence_ids), frame.token_ids.shape[0])
+        columnar = rt.proposer.takes_columns(len(frame.sequence_ids), frame.token_ids.shape[0])
         steps = parse_frame(frame, rt.limits, columnar)
         if self.ingest_only and len(steps):  # (as decode_propose: the states onto the device, one copy)
             frame.states.to(rt.device)
