@@ -77,6 +77,9 @@ OPTIONS = [
     Option("shutdownGraceSeconds", "--shutdown-grace-s", chart={"type": "integer", "minimum": 0, "nullable": False}),
 ]
 
+# server.* keys that pass a flag with no value when true (store_true flags of drafter-serve)
+SWITCHES = [Option("engineAppliesFc", "--engine-applies-fc")]
+
 # server.* keys that are not one flag each: the TCP listener (--listen <bindAddress>:<port>) and extra flags
 LISTEN_AND_EXTRA = {
     "port": {"type": "integer", "minimum": 1, "maximum": 65535},
@@ -175,10 +178,30 @@ def option_schema(opt: Option) -> dict:
     return s
 
 
+def switch_schema(opt: Option) -> dict:
+    """A boolean value that passes opt.flag alone when true; the flag must be a drafter-serve switch filling a bool
+    ServerConfig field."""
+    from drafter_service.cli import parse_args
+    from drafter_service.config import ServerConfig
+
+    if typing.get_type_hints(ServerConfig).get(opt.config_field) is not bool:
+        raise SystemExit(f"{opt.flag}: ServerConfig has no bool field {opt.config_field!r}")
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            on = getattr(parse_args([opt.flag]), opt.config_field)
+        except (SystemExit, ValueError):
+            on = None
+    if on is not True:
+        raise SystemExit(f"{opt.flag}: drafter-serve no longer takes it as a switch")
+    return {"description": opt.flag, "type": "boolean"}
+
+
 def server_schema() -> dict:
     props = {"port": LISTEN_AND_EXTRA["port"], "bindAddress": LISTEN_AND_EXTRA["bindAddress"]}
     for opt in OPTIONS:
         props[opt.key] = option_schema(opt)
+    for opt in SWITCHES:
+        props[opt.key] = switch_schema(opt)
     props["extraArgs"] = LISTEN_AND_EXTRA["extraArgs"]
     return {
         "type": "object",

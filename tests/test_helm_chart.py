@@ -240,13 +240,19 @@ def by_kind(docs: list[dict]) -> dict[str, list[dict]]:
 
 
 def flags(container: dict) -> dict[str, list[str]]:
-    """drafter-serve args as {flag: [values...]} (repeatable flags keep every value)."""
+    """drafter-serve args as {flag: [values...]} (repeatable flags keep every value; a switch: [])."""
     args = container["args"]
     out: dict[str, list[str]] = {}
-    for i in range(0, len(args), 2):
-        assert args[i].startswith("--"), args
-        assert isinstance(args[i + 1], str), f"flag values must be strings: {args[i:i + 2]}"
-        out.setdefault(args[i], []).append(args[i + 1])
+    i = 0
+    while i < len(args):
+        assert isinstance(args[i], str) and args[i].startswith("--"), args
+        if i + 1 < len(args) and not str(args[i + 1]).startswith("--"):
+            assert isinstance(args[i + 1], str), f"flag values must be strings: {args[i:i + 2]}"
+            out.setdefault(args[i], []).append(args[i + 1])
+            i += 2
+        else:  # (a switch: --engine-applies-fc)
+            out.setdefault(args[i], [])
+            i += 1
     return out
 
 

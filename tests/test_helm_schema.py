@@ -61,6 +61,9 @@ def test_every_option_is_passed_by_the_templates(values):
     for opt in gen.OPTIONS:
         assert f'"flag" "{opt.flag}" "v" $s.{opt.key}' in helpers, f"_helpers.tpl does not pass server.{opt.key}"
         assert opt.key in values["server"], f"values.yaml has no server.{opt.key}"
+    for opt in gen.SWITCHES:
+        assert f"if $s.{opt.key} }}}}\n- {opt.flag}\n" in helpers, f"_helpers.tpl does not pass server.{opt.key}"
+        assert values["server"][opt.key] is False, f"values.yaml: server.{opt.key} is not false by default"
 
 
 # (server key, bad value, the server refuses it too)
@@ -103,6 +106,7 @@ def test_schema_takes_good_server_values(values, schema, key, value):
 
 
 @pytest.mark.parametrize("override, what", [
+    ({"server": {"engineAppliesFc": "yes"}}, "a switch is a boolean"),
     ({"resources": {"limits": {"memory": "16GB"}}}, "not a Kubernetes quantity"),
     ({"resources": {"requests": {"cpu": "two"}}}, "not a quantity"),
     ({"resources": {"limits": "lots"}}, "limits not a map"),
@@ -154,13 +158,15 @@ def test_new_server_values_become_flags(helm_env):
     docs = render(helm_env, {"server.sequenceLeaseSeconds": 90, "server.maxSequences": 512,
                              "server.maxSequencesPerNamespace": 128, "server.namespacePoolShare": 0.5,
                              "server.logFormat": "json", "server.otelEndpoint": "http://otel.obs:4317",
-                             "server.gpuMemoryFraction": 0.9, "server.blockSize": 32})
+                             "server.gpuMemoryFraction": 0.9, "server.blockSize": 32,
+                             "server.engineAppliesFc": True})
     (dep,) = by_kind(docs)["Deployment"]
     f = flags(dep["spec"]["template"]["spec"]["containers"][0])
     assert f["--sequence-lease-s"] == ["90"] and f["--max-sequences"] == ["512"]
     assert f["--max-sequences-per-namespace"] == ["128"] and f["--namespace-pool-share"] == ["0.5"]
     assert f["--log-format"] == ["json"] and f["--otel-endpoint"] == ["http://otel.obs:4317"]
     assert f["--gpu-memory-fraction"] == ["0.9"] and f["--block-size"] == ["32"]
+    assert f["--engine-applies-fc"] == []  # (a switch: no value)
     # and drafter-serve takes exactly these arguments
     from drafter_service.cli import parse_args
 
@@ -168,8 +174,9 @@ def test_new_server_values_become_flags(helm_env):
     cfg = parse_args([a for a in args])
     assert (cfg.sequence_lease_s, cfg.max_sequences, cfg.max_sequences_per_namespace) == (90, 512, 128)
     assert (cfg.namespace_pool_share, cfg.log_format, cfg.otel_endpoint) == (0.5, "json", "http://otel.obs:4317")
+    assert cfg.engine_applies_fc is True
     # unset, none of them is passed: the server's defaults apply
     (dep,) = by_kind(render(helm_env))["Deployment"]
     f = flags(dep["spec"]["template"]["spec"]["containers"][0])
     assert not {"--sequence-lease-s", "--max-sequences", "--max-sequences-per-namespace", "--namespace-pool-share",
-                "--log-format", "--otel-endpoint"} & set(f)
+                "--log-format", "--otel-endpoint", "--engine-applies-fc"} & set(f)

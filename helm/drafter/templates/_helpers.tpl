@@ -150,6 +150,9 @@ but .Capabilities, where it is there (drafter.sidecar.assertNativeSupported).
 {{- include "drafter.optFlag" (dict "flag" "--log-format" "v" $s.logFormat) }}
 {{- include "drafter.optFlag" (dict "flag" "--otel-endpoint" "v" $s.otelEndpoint) }}
 {{- include "drafter.optFlag" (dict "flag" "--shutdown-grace-s" "v" $s.shutdownGraceSeconds "int" true) }}
+{{- if $s.engineAppliesFc }}
+- --engine-applies-fc
+{{- end }}
 {{- range $s.extraArgs }}
 - {{ . | toString | quote }}
 {{- end }}
