@@ -89,18 +89,19 @@ class Eagle3Head:
                 kv_layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids [T] (shifted: x[t+1]), hidden_states [T, H] (combined) -> pre-norm output [T, H]."""
         eps, H = self.dims.rms_norm_eps, self.dims.hidden_size
-        embedded = self.embed_tokens[input_ids]
-        hidden = hidden_states.to(embedded.dtype)
+        table = self.embed_tokens
+        hidden = hidden_states.to(table.dtype)
         # the attention's input cat(e, n) [T, 2H]. Where the Triton kernels run each norm writes its half (no
-        # concatenation kernel: 1.21 -> 1.18 ms of GPU time per step at batch 1, 8B shape, H200); the references'
-        # out= copies cost more than the concatenation (~30 us more per forward on the dev CPU)
-        if ops.use_triton(embedded):
-            x = torch.empty(input_ids.shape[0], 2 * H, dtype=embedded.dtype, device=embedded.device)
-            ops.rms_norm(embedded, self.input_norm_w, eps, out=x[:, :H])
+        # concatenation kernel: 1.21 -> 1.18 ms of GPU time per step at batch 1, 8B shape, H200), the input norm
+        # reading the embedding rows itself (no gather kernel); the references' out= copies cost more than the
+        # concatenation (~30 us more per forward on the dev CPU)
+        if ops.use_triton(table):
+            x = torch.empty(input_ids.shape[0], 2 * H, dtype=table.dtype, device=table.device)
+            ops.rms_norm(table, self.input_norm_w, eps, out=x[:, :H], rows=input_ids)
             normed, _ = ops.rms_norm(hidden, self.hidden_norm_w, eps, out=x[:, H:])
         else:
             normed, _ = ops.rms_norm(hidden, self.hidden_norm_w, eps)
-            x = torch.cat([ops.rms_norm(embedded, self.input_norm_w, eps)[0], normed], dim=-1)
+            x = torch.cat([ops.rms_norm(table[input_ids], self.input_norm_w, eps)[0], normed], dim=-1)
         residual = normed if self.norm_before_residual else hidden
         k_cache, v_cache = kv_layers[0]
         attn_out = self.attn(x, meta, k_cache, v_cache, self.cos_sin_cache)
