@@ -28,7 +28,8 @@ from drafter_kernels import ops
 from drafter_kernels.rope import build_cos_sin_cache
 
 from drafter_service.models.attention_metadata import AttentionMetadata
-from drafter_service.models.llama_layer import LlamaAttention, LlamaDims, LlamaMLP, linear
+from drafter_service.models.llama_layer import (LlamaAttention, LlamaDims, LlamaMLP, embedding_and_hidden_norms,
+                                                linear)
 
 
 class Eagle3Head:
@@ -88,20 +89,11 @@ class Eagle3Head:
     def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata,
                 kv_layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids [T] (shifted: x[t+1]), hidden_states [T, H] (combined) -> pre-norm output [T, H]."""
-        eps, H = self.dims.rms_norm_eps, self.dims.hidden_size
-        table = self.embed_tokens
-        hidden = hidden_states.to(table.dtype)
-        # the attention's input cat(e, n) [T, 2H]. Where the Triton kernels run each norm writes its half (no
-        # concatenation kernel: 1.21 -> 1.18 ms of GPU time per step at batch 1, 8B shape, H200), the input norm
-        # reading the embedding rows itself (no gather kernel); the references' out= copies cost more than the
-        # concatenation (~30 us more per forward on the dev CPU)
-        if ops.use_triton(table):
-            x = torch.empty(input_ids.shape[0], 2 * H, dtype=table.dtype, device=table.device)
-            ops.rms_norm(table, self.input_norm_w, eps, out=x[:, :H], rows=input_ids)
-            normed, _ = ops.rms_norm(hidden, self.hidden_norm_w, eps, out=x[:, H:])
-        else:
-            normed, _ = ops.rms_norm(hidden, self.hidden_norm_w, eps)
-            x = torch.cat([ops.rms_norm(table[input_ids], self.input_norm_w, eps)[0], normed], dim=-1)
+        eps = self.dims.rms_norm_eps
+        hidden = hidden_states.to(self.embed_tokens.dtype)
+        # the attention's input cat(e, n) [T, 2H] (llama_layer.py: two kernels where Triton runs)
+        x, normed = embedding_and_hidden_norms(self.embed_tokens, input_ids, hidden, self.input_norm_w,
+                                               self.hidden_norm_w, eps)
         residual = normed if self.norm_before_residual else hidden
         k_cache, v_cache = kv_layers[0]
         attn_out = self.attn(x, meta, k_cache, v_cache, self.cos_sin_cache)

@@ -23,7 +23,8 @@ from drafter_kernels import ops
 from drafter_kernels.rope import build_cos_sin_cache
 
 from drafter_service.models.attention_metadata import AttentionMetadata
-from drafter_service.models.llama_layer import LlamaAttention, LlamaDims, LlamaMLP, linear
+from drafter_service.models.llama_layer import (LlamaAttention, LlamaDims, LlamaMLP, embedding_and_hidden_norms,
+                                                linear)
 
 
 class _MtpLayer:
@@ -72,9 +73,8 @@ class MultiLayerEagleHead:
                       kv_layer: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Layer j: input_ids [T] (x[t+1+j]), hidden_states [T, H] -> pre-norm output [T, H]."""
         L, eps = self.layers[j], self.dims.rms_norm_eps
-        e, _ = ops.rms_norm(self.embed_tokens[input_ids], L.enorm_w, eps)
-        h, _ = ops.rms_norm(hidden_states.to(e.dtype), L.hnorm_w, eps)
-        x = linear(torch.cat([e, h], dim=-1), L.eh_proj_w)
+        eh, _ = embedding_and_hidden_norms(self.embed_tokens, input_ids, hidden_states, L.enorm_w, L.hnorm_w, eps)
+        x = linear(eh, L.eh_proj_w)
         normed, _ = ops.rms_norm(x, L.input_norm_w, eps)
         attn_out = L.attn(normed, meta, kv_layer[0], kv_layer[1], self.cos_sin_cache)
         y, residual = ops.rms_norm(attn_out, L.post_norm_w, eps, residual=x)
