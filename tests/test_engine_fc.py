@@ -213,3 +213,40 @@ def test_drafts_equal_the_drafters_own_fc_on_cuda_graphs(tmp_path, eagle3, colum
         assert [o.code for o in got_fc] == [0] * num_seqs, [o.message for o in got_fc]
         assert [o.drafts for o in got_fc] == [o.drafts for o in got_raw]
     assert runtimes[1].proposer.decode_graphs.first_steps_run > 0
+
+
+def test_predrafting_with_the_engines_fc(tmp_path, eagle3):
+    """Pre-drafting (docs/predraft.md) under --engine-applies-fc: the same hits and the same drafts as with the
+    drafter's own fc, over steps that follow prepared branches and steps that miss them."""
+    import random
+
+    head, target = eagle3
+    raw, fc_rt = (build_runtime(make_config(head, target, tmp_path / str(flag), engine_applies_fc=flag,
+                                            max_model_len=512)) for flag in (False, True))
+    fc = EngineFc.from_head(head)
+    rng, gen = random.Random(3), torch.Generator().manual_seed(3)
+    vocab, k = raw.limits.vocab_size, 3
+    tokens = [rng.randrange(vocab) for _ in range(12)]  # x[0..11]
+    hidden = torch.randn(11, 144, generator=gen)
+
+    def step(p: int, states: torch.Tensor) -> StepInput:
+        C = len(tokens) - 1
+        return StepInput("ns", "s", p, torch.tensor(tokens[p:C]), states[p:C], tokens[C], k, predraft_branches=6)
+
+    hits, committed = 0, 0  # (the sequence's committed length at the drafter)
+    for _ in range(16):
+        p = committed
+        got_raw, got_fc = raw.proposer.step([step(p, hidden)])[0], fc_rt.proposer.step([step(p, fc(hidden))])[0]
+        assert (got_fc.code, got_fc.drafts, got_fc.predrafted) == (got_raw.code, got_raw.drafts, got_raw.predrafted)
+        hits += got_fc.predrafted
+        assert raw.proposer.predraft.prepare(lambda: False) == fc_rt.proposer.predraft.prepare(lambda: False)
+        st = raw.proposer.table.get("ns", "s").predraft
+        outcomes = list(st.branches.outcomes) if st.branches is not None else []
+        if outcomes and rng.random() < 0.7:
+            a, b = rng.choice(outcomes)
+        else:
+            a, b = 0, rng.randrange(vocab)
+        committed = got_raw.committed_length
+        tokens += got_raw.drafts[:a] + [b]
+        hidden = torch.cat([hidden, torch.randn(a + 1, 144, generator=gen)])
+    assert hits >= 3, hits
