@@ -9,7 +9,8 @@
   path, on the static first and decode steps that CUDA graphs capture (cuda_graphs.py run eagerly), and through the
   columnar step (Proposer.step_batch) of a batch of 12;
 - the reference engine decodes the bundled EAGLE-3 head's way with the fc applied on its side: the same tokens as
-  plain greedy decoding and the same acceptance as without the flag.
+  plain greedy decoding and the same acceptance as without the flag;
+- pre-drafting: the same hits and drafts as with the drafter's own fc.
 """
 import json
 
