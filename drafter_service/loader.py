@@ -178,7 +178,7 @@ def load_head(model_dir: str, target_dir: str | None, device: torch.device, dtyp
     method = detect_method(cfg, state, str(mdir))
     if engine_applies_fc and method != "eagle3":
         raise ModelLoadError(f"{mdir}: --engine-applies-fc is for EAGLE-3 heads (an fc over three target layers' "
-                             f"states); this head is {method!r}, whose fc takes the token embedding too")
+                             f"states); this head is {method!r}, whose engine sends hidden_size columns already")
     tdir = pathlib.Path(target_dir) if target_dir is not None else None
     if method == "eagle3":
         return _load_eagle3(mdir, cfg, state, tdir, device, dtype, max_positions, engine_applies_fc)
