@@ -27,13 +27,17 @@ from naive_eagle3 import NaiveEagle3
 pytestmark = pytest.mark.gpu
 
 
-async def lockstep_servers(configs, naive, **kw):
-    """Start one server per config, drive them in lockstep through the client; the first is the reference."""
+async def lockstep_servers(configs, naive, channels: bool = False, stats: dict | None = None, **kw):
+    """Start one server per config, drive them in lockstep through the client; the first is the reference.
+    channels: the clients of the servers after the first send their steps through a step channel (request frames).
+    stats: filled with each server's columns steps and each client's steps through a channel."""
     with ExitStack() as servers:
         threads = [servers.enter_context(ServerThread(c)) for c in configs]
         async with AsyncExitStack() as clients:
             drafters = [ClientDrafter(await clients.enter_async_context(DrafterClient(t.uds, namespace="ls")))
                         for t in threads]
+            for d in drafters[1:] if channels else ():
+                assert await d.client.open_step_channel()
             for t in threads[1:]:
                 if t.config.device == "cuda" and t.config.cuda_graphs:
                     assert t.server.runtime.proposer.decode_graphs is not None
@@ -44,6 +48,9 @@ async def lockstep_servers(configs, naive, **kw):
             records = await run_lockstep(drafters, naive=naive, **kw)
             graphs_used = [t.server.runtime.proposer.decode_graphs.steps_run for t in threads
                            if t.server.runtime.proposer.decode_graphs is not None]
+            if stats is not None:
+                stats["columns_steps"] = [t.server.runtime.proposer.columns_steps_run for t in threads]
+                stats["channel_steps"] = [d.client.steps_through_channel for d in drafters]
             return records, graphs_used
 
 
@@ -78,6 +85,30 @@ async def test_cuda_graphs_match_cpu_server_and_naive(tiny_model, tmp_path, num_
         assert eager.drafts == r.expected, r
         if logprobs:
             assert graphs.logprobs == eager.logprobs == cpu.logprobs == [0.0] * len(r.expected)  # greedy: log 1
+
+
+@pytest.mark.parametrize("head", ["eagle1", "eagle3"])
+async def test_small_channel_steps_from_their_columns_match_naive(tiny_model, tmp_path, head):
+    """Step-channel frames of 2-7 sequences go the columns way where first-step graphs run (Proposer.takes_columns;
+    one-sequence frames stay per sequence): the drafts of the CPU server and of the naive reference, at 3 and 1
+    sequences."""
+    if head == "eagle1":
+        naive, model = NaiveEagle1(*tiny_model), tiny_model
+    else:
+        model = write_eagle3(tmp_path / "model", seed=12)
+        naive = NaiveEagle3(*model)
+    for num_seqs in (3, 1):
+        configs = [make_config(*model, tmp_path / f"cpu{num_seqs}"),
+                   make_config(*model, tmp_path / f"graphs{num_seqs}", device="cuda", dtype="float32")]
+        stats = {}
+        records, graphs_used = await lockstep_servers(configs, naive, channels=True, stats=stats, seed=40 + num_seqs,
+                                                      engine_steps=30, num_seqs=num_seqs, max_model_len=1024, max_k=6)
+        assert graphs_used[0] >= 10, graphs_used
+        for r in records:
+            assert [a.drafts for a in r.replies] == [r.expected, r.expected], r
+        assert stats["channel_steps"][1] >= 20  # (the CUDA server's client: frames through its channel)
+        # 3 sequences: from their columns; 1 sequence: per sequence (its frame parsed into a StepInput)
+        assert (stats["columns_steps"][1] >= 10) if num_seqs == 3 else (stats["columns_steps"][1] == 0), stats
 
 
 async def test_cuda_graphs_near_max_model_len(tiny_model, tmp_path):
