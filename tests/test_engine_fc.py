@@ -23,12 +23,13 @@ from checkpoints import write_eagle3
 from conftest import ServerThread, make_config
 from drafter_client import DrafterClient, DrafterError, EngineFc, SequenceStep
 from drafter_client.engine_fc import read_fc_weight
-from drafter_service.engine.batch_io import BatchInput
 from drafter_service.engine.cuda_graphs import DecodeGraphs
 from drafter_service.engine.step_io import StepInput
 from drafter_service.loader import ModelLoadError
 from drafter_service.runtime import build_runtime
 from test_reference_engine import MODELS
+from test_static_steps import mixed_batches
+from test_step_batch import as_batch
 
 
 @pytest.fixture(scope="module")
@@ -89,33 +90,6 @@ def _runtime(head, target, tmp_path, engine_applies_fc: bool, static_steps: bool
     return rt
 
 
-def _steps(num_seqs: int, engine_steps: int, width: int, vocab: int, seed: int):
-    """Per engine step, the StepInputs of num_seqs sequences: a prompt of 5-20 tokens, then steps of 1-3 committed
-    tokens (states [m, width] random), k 1-5, greedy."""
-    g = torch.Generator().manual_seed(seed)
-    pos = [0] * num_seqs
-    out = []
-    for step in range(engine_steps):
-        batch = []
-        for s in range(num_seqs):
-            m = int(torch.randint(5, 21, (1,), generator=g)) if step == 0 else int(torch.randint(1, 4, (1,), generator=g))
-            batch.append(StepInput("ns", f"s{s}", pos[s], torch.randint(0, vocab, (m,), generator=g),
-                                   torch.randn(m, width, generator=g), int(torch.randint(0, vocab, (1,), generator=g)),
-                                   int(torch.randint(1, 6, (1,), generator=g))))
-            pos[s] += m
-        out.append(batch)
-    return out
-
-
-def _as_batch(steps: list[StepInput]) -> BatchInput:
-    """The steps as columns (Proposer.step_batch's input)."""
-    B = len(steps)
-    return BatchInput.from_lists("ns", [s.sequence_id for s in steps], [s.start_position for s in steps],
-                                 [s.num_tokens for s in steps], torch.cat([s.token_ids for s in steps]),
-                                 torch.cat([s.hidden_states for s in steps]), [s.next_token for s in steps],
-                                 [s.num_drafts for s in steps], [0.0] * B, [0] * B, [False] * B, [0] * B, [0] * B)
-
-
 @pytest.mark.parametrize("parallel,static_steps,columns", [(False, False, False), (False, True, False),
                                                            (False, True, True), (True, False, False)])
 def test_drafts_equal_the_drafters_own_fc(tmp_path, eagle3, parallel, static_steps, columns):
@@ -127,11 +101,11 @@ def test_drafts_equal_the_drafters_own_fc(tmp_path, eagle3, parallel, static_ste
     fc = EngineFc.from_head(head)
     num_seqs = 12 if columns else 3
     compared = 0
-    for batch in _steps(num_seqs, 8, 144, raw.limits.vocab_size, seed=11 + parallel):
+    for batch in mixed_batches(num_seqs, seed=11 + parallel, width=144, vocab=raw.limits.vocab_size, max_m=3):
         applied = [StepInput(**{**s.__dict__, "hidden_states": fc(s.hidden_states)}) for s in batch]
         if columns and batch[0].start_position > 0:  # (a new sequence takes the per-sequence path)
-            got_raw = raw.proposer.step_batch(_as_batch(batch)).to_outputs()
-            got_fc = fc_rt.proposer.step_batch(_as_batch(applied)).to_outputs()
+            got_raw = raw.proposer.step_batch(as_batch(batch)).to_outputs()
+            got_fc = fc_rt.proposer.step_batch(as_batch(applied)).to_outputs()
         else:
             got_raw, got_fc = raw.proposer.step(batch), fc_rt.proposer.step(applied)
         assert [o.code for o in got_fc] == [0] * num_seqs, [o.message for o in got_fc]
@@ -204,10 +178,10 @@ def test_drafts_equal_the_drafters_own_fc_on_cuda_graphs(tmp_path, eagle3, colum
     assert all(rt.proposer.decode_graphs is not None for rt in runtimes)
     fc = EngineFc.from_head(head)
     num_seqs = 12 if columns else 3
-    for batch in _steps(num_seqs, 8, 144, runtimes[0].limits.vocab_size, seed=21):
+    for batch in mixed_batches(num_seqs, seed=21, width=144, vocab=runtimes[0].limits.vocab_size, max_m=3):
         applied = [StepInput(**{**s.__dict__, "hidden_states": fc(s.hidden_states)}) for s in batch]
         if columns and batch[0].start_position > 0:
-            got_raw, got_fc = (rt.proposer.step_batch(_as_batch(b)).to_outputs()
+            got_raw, got_fc = (rt.proposer.step_batch(as_batch(b)).to_outputs()
                                for rt, b in zip(runtimes, (batch, applied)))
         else:
             got_raw, got_fc = (rt.proposer.step(b) for rt, b in zip(runtimes, (batch, applied)))
