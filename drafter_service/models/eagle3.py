@@ -46,7 +46,6 @@ class Eagle3Head:
         self.lm_head = weights["lm_head.weight"]  # [V_draft, H]
         self.d2t = weights.get("d2t")  # [V_draft] int64 or None (identity)
         self.fc_w = weights["fc.weight"]  # [H, 3 * H_target]; None below when the engine applies it
-        self.engine_applies_fc = engine_applies_fc
         self.input_norm_w = weights["midlayer.input_layernorm.weight"]
         self.hidden_norm_w = weights["midlayer.hidden_norm.weight"]
         self.post_norm_w = weights["midlayer.post_attention_layernorm.weight"]
@@ -75,6 +74,11 @@ class Eagle3Head:
         return self.lm_head.shape[0]
 
     @property
+    def engine_applies_fc(self) -> bool:
+        """Served with --engine-applies-fc: the engine sends fc's output, and the head holds no fc weight."""
+        return self.fc_w is None
+
+    @property
     def hidden_states_width(self) -> int:
         """Columns of a request's hidden states: the three target layers' states, or fc of them (engine_applies_fc)."""
         return self.dims.hidden_size if self.engine_applies_fc else 3 * self.target_hidden_size
@@ -82,7 +86,7 @@ class Eagle3Head:
     def combine_hidden_states(self, target_states: torch.Tensor) -> torch.Tensor:
         """[T, 3 * H_target] target features -> [T, H] (first step only); with engine_applies_fc the rows are
         fc's output already ([T, H]): only cast to the head's dtype."""
-        if self.fc_w is None:
+        if self.engine_applies_fc:
             return target_states.to(self.norm_w.dtype)
         return linear(target_states.to(self.fc_w.dtype), self.fc_w)
 
