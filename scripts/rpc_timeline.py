@@ -7,12 +7,15 @@ Starts a drafter (own process, Unix socket) with DRAFTER_TRACE_RPC set, so that 
 each phase of every Propose; on Linux that clock is CLOCK_MONOTONIC, the same in both processes, so the client's
 send/receive times line up with the server's. Runs batch-1 decode steps (m committed tokens, k drafts, fixed
 context) as unary calls, on one ProposeStream and through a step channel (docs/step_channel.md), and prints the
-median and 90th percentile of each phase:
+median and 90th percentile of each phase. With --batch N (N > 1) it times N-sequence steps of the batch API instead
+(propose_batch: columns in and out), by unary gRPC ("batch-unary": ProposeChunked where the states reach the
+client's 2 MiB threshold, as at batch 128 of an 8B shape) and through a step channel ("batch-channel"):
 
   to handler      client's call -> handler entered (client packing, gRPC both sides, the server's event loop;
                   for the channel: packing, the mailbox write, the step thread's poll, reading the request)
   noticed         (channel only) client's call -> the step thread sees the doorbell
-  parse           decoding and checking the request
+  parse           decoding and checking the request (ProposeChunked: the header, before any of the states)
+  upload          (ProposeChunked only) the header checked -> the last chunk copied into the staging tensor
   to worker       handler -> step worker thread starts the batch (scheduler queue, thread hand-off)
   worker          Proposer.step
   to handler      worker done -> handler resumes (thread hand-off back to the event loop)
@@ -34,10 +37,12 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-PHASES = [("to handler", "send", "enter"), ("noticed", "send", "seen"), ("parse", "enter", "parsed"), ("to worker", "parsed", "worker_start"),
+PHASES = [("to handler", "send", "enter"), ("noticed", "send", "seen"), ("parse", "enter", "checked"),
+          ("upload", "checked", "parsed"), ("to worker", "parsed", "worker_start"),
           ("worker", "worker_start", "worker_end"), ("to handler (back)", "worker_end", "resumed"),
           ("reply", "resumed", "replied"), ("to client", "replied", "recv"), ("total", "send", "recv")]
 MODES = ("unary", "stream", "channel")
+BATCH_MODES = ("batch-unary", "batch-channel")
 
 
 async def run_client(address: str, shape: dict, a) -> dict[str, dict[int, tuple[float, float]]]:
@@ -49,6 +54,8 @@ async def run_client(address: str, shape: dict, a) -> dict[str, dict[int, tuple[
     from drafter_client.client import build_request, parse_response
     from drafter_client.protocol import pb_grpc
 
+    if a.batch > 1:
+        return await run_batch_client(address, shape, a)
     times: dict[str, dict[int, tuple[float, float]]] = {mode: {} for mode in MODES}
     async with DrafterClient(address, namespace="bench", step_timeout_s=None) as c:
         await c.wait_ready(900)
@@ -99,6 +106,48 @@ async def run_client(address: str, shape: dict, a) -> dict[str, dict[int, tuple[
     return times
 
 
+async def run_batch_client(address: str, shape: dict, a) -> dict[str, dict[int, tuple[float, float]]]:
+    """--batch N: the batch API by unary gRPC, then through a step channel; request_id -> (send, recv) per mode, and
+    the client's own packing (serialize_batch) and reply parsing alone."""
+    from drafter_client import DrafterClient
+    from drafter_client.batch import serialize_batch
+    from drafter_client.benchmarks import bench_step as b
+
+    times: dict = {mode: {} for mode in BATCH_MODES}
+    async with DrafterClient(address, namespace="bench", step_timeout_s=None) as c:
+        await c.wait_ready(900)
+        info = await c.get_info()
+        prefill, decode = b.make_steps(a.batch, a.context, a.m, a.k, info.hidden_states_width, shape["vocab_size"],
+                                       seed=1)
+        for i in range(0, a.batch, 8):  # (the drafter's --max-batch-seqs is 8 for the prefill)
+            assert all(s.ok for s in (await c.propose(prefill[i : i + 8])).sequences)
+        batch = b.as_step_batch(decode)
+        for _ in range(a.iters):
+            rid, t0 = c._next_request_id, time.perf_counter()  # (BatchDrafts carry no request id: the one it gets)
+            r = await c.propose_batch(batch)
+            times["batch-unary"][rid] = (t0, time.perf_counter())
+            assert bool((r.codes == 0).all()) and int(r.num_drafts.sum()) == a.batch * a.k
+        chunked = c.steps_chunked
+        request_bytes = batch.hidden_states.numel() * 2 + a.batch * a.m * 8 + 2**20
+        if await c.open_step_channel(request_bytes=request_bytes):
+            for _ in range(a.iters):
+                rid, t0 = c._next_request_id, time.perf_counter()
+                r = await c.propose_batch(batch)
+                times["batch-channel"][rid] = (t0, time.perf_counter())
+                assert bool((r.codes == 0).all())
+            c.close_step_channel()
+        pack, unpack = [], []
+        for _ in range(a.iters):
+            t0 = time.perf_counter()
+            payload = serialize_batch("bench", batch, None, 1, c.chunk_min_bytes)
+            for message in (payload.messages(c.chunk_bytes) if hasattr(payload, "messages") else [payload]):
+                pass  # (ProposeChunked: the chunks are built lazily, as gRPC asks for them)
+            pack.append(time.perf_counter() - t0)
+        times["client packing us"] = statistics.median(pack) * 1e6
+        times["chunked steps"] = chunked
+    return times
+
+
 def build_reply(k: int) -> bytes:
     """A serialized one-sequence ProposeResponse with k drafts (what the drafter answers a batch-1 step)."""
     from drafter_service.transport.servicer import build_response
@@ -118,6 +167,7 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=3)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=1, help="sequences per step: above 1, the batch API's modes")
     ap.add_argument("--out", default=None, help="JSON file for the medians")
     ap.add_argument("server_args", nargs="*", help="extra drafter-serve flags (after --)")
     a = ap.parse_args()
@@ -128,7 +178,7 @@ def main() -> int:
         head, target = b.write_random_head(tmp / "model", shape, a.context + 64)
         trace = tmp / "trace.jsonl"
         flags = ["--dtype", "bfloat16" if a.device.startswith("cuda") else "float32", "--kv-cache-tokens",
-                 str(4 * (a.context + 64)), "--max-batch-seqs", "8", "--log-level", "WARNING", *a.server_args]
+                 str(max(4, a.batch + 2) * (a.context + 64)), "--max-batch-seqs", str(max(8, a.batch)), "--log-level", "WARNING", *a.server_args]
         with SidecarProcess(head, target, a.device, flags, ready_timeout_s=900,
                             env={"DRAFTER_TRACE_RPC": str(trace), "PYTHONPATH": os.pathsep.join(sys.path)}) as sidecar:
             client_times = asyncio.run(run_client(sidecar.address, shape, a))
@@ -143,12 +193,17 @@ def main() -> int:
         import torch
         result["gpu"] = torch.cuda.get_device_name()
     result["client packing us"] = client_times.pop("client packing us")
-    result["client parsing us"] = client_times.pop("client parsing us")
-    modes = [m for m in MODES if client_times[m]]
+    result["client parsing us"] = client_times.pop("client parsing us", float("nan"))
+    result["batch"] = a.batch
+    if "chunked steps" in client_times:
+        result["chunked steps"] = client_times.pop("chunked steps")
+    modes = [m for m in (*MODES, *BATCH_MODES) if client_times.get(m)]
     for mode in modes:
         rows = []
         for rid, (send, recv) in list(client_times[mode].items())[10:]:  # the first calls warm up
-            rows.append(dict(server[rid], send=send, recv=recv))
+            rec = server[rid]
+            # (a step without a chunked upload, or a channel's: checked when parsed)
+            rows.append(dict(rec, send=send, recv=recv, checked=rec.get("checked", rec.get("parsed"))))
         phases = [(name, sorted((r[end] - r[start]) * 1e6 for r in rows))
                   for name, start, end in PHASES if start in rows[0] and end in rows[0]]
         result["modes"][mode] = {name: statistics.median(v) for name, v in phases}

@@ -331,6 +331,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         t_enter = time.perf_counter()
         try:
             steps, dry = self.decode_propose(request, hidden, states)
+            t_checked = time.perf_counter()
             if receive is not None:
                 await receive()
                 if dry:  # ingest-only: the staging tensor is ours already; onto the device, as the proposer would
@@ -352,8 +353,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         t_replied = time.perf_counter()
         rt.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, t_replied - t_stepped)
         if trace is not None and self.trace_file is not None:  # (closed at shutdown)
-            trace.update(request_id=request.request_id, enter=t_enter, parsed=t_parsed, resumed=t_stepped,
-                         replied=t_replied)
+            trace.update(request_id=request.request_id, enter=t_enter, checked=t_checked, parsed=t_parsed,
+                         resumed=t_stepped, replied=t_replied)
             self.trace_file.write(json.dumps(trace) + "\n")
         if tracing.enabled():
             tracing.record_step(transport, request, {"enter": t_enter, "parsed": t_parsed, "stepped": t_stepped,
