@@ -30,7 +30,7 @@ from drafter_service.transport.auth import (AuthInterceptor, Authorizer, load_to
                                             server_credentials)
 from drafter_service.transport.chunked import parse_chunk
 from drafter_service.transport.received_request import read_request
-from drafter_service.transport.servicer import DrafterServicer
+from drafter_service.transport.servicer import DrafterServicer, serialize_reply
 from drafter_service.transport.step_channels import ChannelLimits, ChannelSet
 
 log = logging.getLogger(__name__)
@@ -58,13 +58,13 @@ def add_drafter_service(servicer: DrafterServicer, server: grpc.aio.Server) -> N
     handlers = dict(catch.handlers)
     handlers["ProposeChunked"] = grpc.stream_unary_rpc_method_handler(
         servicer.ProposeChunked, request_deserializer=parse_chunk,
-        response_serializer=pb.ProposeResponse.SerializeToString)
+        response_serializer=serialize_reply)
     # Propose and ProposeStream: large inline states stay a view of the received bytes (received_request.py)
     handlers["Propose"] = grpc.unary_unary_rpc_method_handler(
-        servicer.Propose, request_deserializer=read_request, response_serializer=pb.ProposeResponse.SerializeToString)
+        servicer.Propose, request_deserializer=read_request, response_serializer=serialize_reply)
     handlers["ProposeStream"] = grpc.stream_stream_rpc_method_handler(
         servicer.ProposeStream, request_deserializer=read_request,
-        response_serializer=pb.ProposeResponse.SerializeToString)
+        response_serializer=serialize_reply)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 

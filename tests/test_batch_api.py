@@ -172,6 +172,7 @@ async def test_propose_sends_a_large_step_as_columns_with_the_same_answer(server
         if channel:  # (protobuf through the channel: test_step_frames.py has the frames)
             assert await cols.open_step_channel(frames=False) and await rows.open_step_channel(frames=False)
         early_before = server.server.runtime.metrics.channels.early_replies
+        grpc_early_before = server.server.servicer.early_replies
         by = {"cols": cols, "rows": rows}
         if transport == "stream":
             by = {"cols": await stack.enter_async_context(cols.stream()),
@@ -213,8 +214,10 @@ async def test_propose_sends_a_large_step_as_columns_with_the_same_answer(server
         assert len(sent_as_columns) == before and all(x.ok for x in r.sequences)
         assert len(r.sequences) == n
         assert (cols.steps_through_channel > 0) == channel and cols._step_columns is True
-        # a step that ran from its columns: its reply's head was encoded while it ran (step_channels.py)
+        # a step that ran from its columns: its reply's head was encoded while it ran (step_channels.py; for gRPC,
+        # DrafterServicer._propose: on the step thread, the handler returning the bytes)
         assert (server.server.runtime.metrics.channels.early_replies > early_before) == channel
+        assert (server.server.servicer.early_replies > grpc_early_before) == (not channel)
         await cols.release(list(seqs))
         await rows.release(list(seqs))
 

@@ -205,11 +205,28 @@ class StepScheduler:
         self._thread = threading.Thread(target=self._run, name="drafter-step", daemon=True)
         self._thread.start()
 
-    async def submit(self, steps: list[StepInput], trace: dict | None = None) -> list[StepOutput]:
+    async def submit(self, steps: "list[StepInput] | BatchInput", trace: dict | None = None,
+                     early: "Callable[[BatchOutput | None], None] | None" = None,
+                     finish: "Callable[[list[StepOutput] | BatchOutput], object] | None" = None):
+        """The answers to one request (its steps' outputs), or what finish made of them. early: PendingRequest.early
+        (a columnar request's work while the GPU drafts); finish: run on the step thread on the answers as soon as
+        they are known, before the hop back to the event loop (a reply encoded there); its exception is the
+        request's."""
         if self._stopping:
             raise RuntimeError("the scheduler is stopped")
         fut = self._loop.create_future()
-        self.enqueue(PendingRequest(steps, _resolve_in(self._loop, fut), trace, cancelled=fut.cancelled))
+        resolve = _resolve_in(self._loop, fut)
+        if finish is None:
+            deliver = resolve
+        else:
+            def deliver(result, exc=None):
+                if exc is None:
+                    try:
+                        result = finish(result)
+                    except Exception as e:
+                        result, exc = None, e
+                resolve(result, exc)
+        self.enqueue(PendingRequest(steps, deliver, trace, cancelled=fut.cancelled, early=early))
         return await fut
 
     def queue_depth(self) -> int:

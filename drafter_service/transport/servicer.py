@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 MAX_RELEASE_IDS = 65536
 
 
+def serialize_reply(reply: "pb.ProposeResponse | bytes") -> bytes:
+    """The response serializer of Propose, ProposeStream and ProposeChunked: a reply the step thread encoded already
+    (a columnar request's, DrafterServicer._propose) is its bytes; any other is a message."""
+    return reply if isinstance(reply, bytes) else reply.SerializeToString()
+
+
 def build_response(outputs: list[StepOutput], sequence_ids: list[str], request_id: int) -> "pb.ProposeResponse":
     results = [pb.SequenceResult(
         sequence_id=sid, num_drafts=len(o.drafts), accepted_drafts=o.accepted_drafts,
@@ -196,6 +202,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.authorizer = None  # auth.Authorizer (server.py); the AuthInterceptor applies it to every call
         self.on_drain = None  # async (grace_s) -> (live sequences, grace in force): server.py's DrafterServer.drain
         self._stream_numbers = itertools.count(1)  # names the owner of a stream's sequences: "stream N"
+        # columnar replies whose all but the drafts was encoded while the step ran (_propose; diagnostics, tests)
+        self.early_replies = 0
         # Diagnostics (scripts/rpc_timeline.py): with DRAFTER_TRACE_RPC=PATH, one JSON line per Propose with the
         # time.perf_counter() of each phase (enter, parsed, worker_start, worker_end, resumed, replied). On Linux it
         # is CLOCK_MONOTONIC, shared by the processes of a machine, so a client on the same node can line its own
@@ -321,8 +329,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     async def _propose(self, request, transport: str = "unary", metadata=None, owner: str | None = None,
                        hidden: torch.Tensor | None = None, receive=None,
-                       states: memoryview | None = None) -> "pb.ProposeResponse":
-        """One engine step; raises RequestError for a request that is malformed as a whole. transport / metadata:
+                       states: memoryview | None = None) -> "pb.ProposeResponse | bytes":
+        """One engine step; its reply (a columnar request's as serialized bytes: serialize_reply); raises RequestError for a request that is malformed as a whole. transport / metadata:
         for its trace span (tracing.py; nothing is recorded while tracing is off). owner: the stream whose end frees
         the sequences this step creates (None: unary, only the lease and eviction free them). ProposeChunked:
         hidden is the staging tensor, and receive() fills it once the request checked out."""
@@ -347,10 +355,31 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             set_owner(steps, owner)
         t_parsed = time.perf_counter()
         trace = {} if self.trace_file is not None else None
-        outputs = dry_outputs(steps) if dry else await self.scheduler.submit(steps, trace)
-        t_stepped = time.perf_counter()
-        response = self.encode_propose(outputs, request)
-        t_replied = time.perf_counter()
+        if dry:
+            response = self.encode_propose(dry_outputs(steps), request)
+            t_stepped = t_replied = time.perf_counter()
+        elif isinstance(steps, BatchInput):
+            # a columnar request's reply is encoded on the step thread: all but its drafts while the GPU drafts
+            # (early), the drafts appended as soon as they are known (finish), as a step channel's reply is; the
+            # handler returns those bytes (serialize_reply passes them through)
+            head: list[bytes] = []
+
+            def early(answer: BatchOutput | None) -> None:  # (None: the step failed after it: drop the head)
+                head[:] = [] if answer is None else [batch_column_head(answer, request.request_id).SerializeToString()]
+
+            def finish(outputs: BatchOutput) -> bytes:
+                if head and outputs.outputs is None:
+                    self.early_replies += 1  # (the step thread's only write)
+                    return batch_column_reply(head[0], outputs)
+                return self.encode_propose(outputs, request).SerializeToString()
+
+            response = await self.scheduler.submit(steps, trace, early=early, finish=finish)
+            t_stepped = t_replied = time.perf_counter()
+        else:
+            outputs = await self.scheduler.submit(steps, trace)
+            t_stepped = time.perf_counter()
+            response = self.encode_propose(outputs, request)
+            t_replied = time.perf_counter()
         rt.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, t_replied - t_stepped)
         if trace is not None and self.trace_file is not None:  # (closed at shutdown)
             trace.update(request_id=request.request_id, enter=t_enter, checked=t_checked, parsed=t_parsed,
