@@ -21,6 +21,10 @@ client's 2 MiB threshold, as at batch 128 of an 8B shape) and through a step cha
   to handler      worker done -> handler resumes (thread hand-off back to the event loop)
   reply           encoding the response
   to client       handler returns -> client has the parsed result (gRPC both sides, client parsing)
+With --batch, the unary calls are split further on the client's side: "client packing" (the call -> the request's
+first message handed to gRPC), "reply to the client" (the handler returns -> the client's gRPC call returns) and
+"client parsing" (-> the answer); for ProposeChunked, "to chunked handler" (-> the server's handler begins, before it
+reads a chunk) and "first chunk in" (-> the header read, the staging tensor made).
 """
 import argparse
 import asyncio
@@ -37,10 +41,12 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-PHASES = [("to handler", "send", "enter"), ("noticed", "send", "seen"), ("parse", "enter", "checked"),
+PHASES = [("client packing", "send", "packed"), ("to chunked handler", "packed", "handler"),
+          ("first chunk in", "handler", "enter"), ("to handler", "send", "enter"), ("noticed", "send", "seen"), ("parse", "enter", "checked"),
           ("upload", "checked", "parsed"), ("to worker", "parsed", "worker_start"),
           ("worker", "worker_start", "worker_end"), ("to handler (back)", "worker_end", "resumed"),
-          ("reply", "resumed", "replied"), ("to client", "replied", "recv"), ("total", "send", "recv")]
+          ("reply", "resumed", "replied"), ("reply to the client", "replied", "answered"),
+          ("client parsing", "answered", "recv"), ("to client", "replied", "recv"), ("total", "send", "recv")]
 MODES = ("unary", "stream", "channel")
 BATCH_MODES = ("batch-unary", "batch-channel")
 
@@ -113,8 +119,28 @@ async def run_batch_client(address: str, shape: dict, a) -> dict[str, dict[int, 
     from drafter_client.batch import serialize_batch
     from drafter_client.benchmarks import bench_step as b
 
+    from drafter_client.messages import ChunkedRequest
+
     times: dict = {mode: {} for mode in BATCH_MODES}
-    async with DrafterClient(address, namespace="bench", step_timeout_s=None) as c:
+    marks: dict[str, float] = {}  # the current call's client-side marks: packed (first message made), answered
+    messages, call = ChunkedRequest.messages, DrafterClient._call
+
+    def marked_messages(self, *args, **kwargs):
+        for i, message in enumerate(messages(self, *args, **kwargs)):
+            if i == 0:
+                marks.setdefault("packed", time.perf_counter())
+            yield message
+
+    async def marked_call(self, rpc, request, timeout):
+        if isinstance(request, bytes):
+            marks.setdefault("packed", time.perf_counter())
+        try:
+            return await call(self, rpc, request, timeout)
+        finally:
+            marks["answered"] = time.perf_counter()
+    ChunkedRequest.messages, DrafterClient._call = marked_messages, marked_call
+    async with DrafterClient(address, namespace="bench", step_timeout_s=None,
+                             upload_streams=a.upload_streams, upload_streams_min_bytes=2 << 20) as c:
         await c.wait_ready(900)
         info = await c.get_info()
         prefill, decode = b.make_steps(a.batch, a.context, a.m, a.k, info.hidden_states_width, shape["vocab_size"],
@@ -123,11 +149,13 @@ async def run_batch_client(address: str, shape: dict, a) -> dict[str, dict[int, 
             assert all(s.ok for s in (await c.propose(prefill[i : i + 8])).sequences)
         batch = b.as_step_batch(decode)
         for _ in range(a.iters):
+            marks.clear()
             rid, t0 = c._next_request_id, time.perf_counter()  # (BatchDrafts carry no request id: the one it gets)
             r = await c.propose_batch(batch)
-            times["batch-unary"][rid] = (t0, time.perf_counter())
+            times["batch-unary"][rid] = (t0, time.perf_counter(), dict(marks))
             assert bool((r.codes == 0).all()) and int(r.num_drafts.sum()) == a.batch * a.k
         chunked = c.steps_chunked
+        ChunkedRequest.messages, DrafterClient._call = messages, call
         request_bytes = batch.hidden_states.numel() * 2 + a.batch * a.m * 8 + 2**20
         if await c.open_step_channel(request_bytes=request_bytes):
             for _ in range(a.iters):
@@ -168,6 +196,8 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--batch", type=int, default=1, help="sequences per step: above 1, the batch API's modes")
+    ap.add_argument("--upload-streams", type=int, default=1, help="--batch: DrafterClient(upload_streams=N) for "
+                    "ProposeChunked uploads of 2 MiB or more")
     ap.add_argument("--out", default=None, help="JSON file for the medians")
     ap.add_argument("server_args", nargs="*", help="extra drafter-serve flags (after --)")
     a = ap.parse_args()
@@ -194,14 +224,14 @@ def main() -> int:
         result["gpu"] = torch.cuda.get_device_name()
     result["client packing us"] = client_times.pop("client packing us")
     result["client parsing us"] = client_times.pop("client parsing us", float("nan"))
-    result["batch"] = a.batch
+    result["batch"], result["upload_streams"] = a.batch, a.upload_streams
     if "chunked steps" in client_times:
         result["chunked steps"] = client_times.pop("chunked steps")
     modes = [m for m in (*MODES, *BATCH_MODES) if client_times.get(m)]
     for mode in modes:
         rows = []
-        for rid, (send, recv) in list(client_times[mode].items())[10:]:  # the first calls warm up
-            rec = server[rid]
+        for rid, (send, recv, *client_marks) in list(client_times[mode].items())[10:]:  # the first calls warm up
+            rec = dict(server[rid], **(client_marks[0] if client_marks else {}))
             # (a step without a chunked upload, or a channel's: checked when parsed)
             rows.append(dict(rec, send=send, recv=recv, checked=rec.get("checked", rec.get("parsed"))))
         phases = [(name, sorted((r[end] - r[start]) * 1e6 for r in rows))

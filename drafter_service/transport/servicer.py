@@ -329,11 +329,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     async def _propose(self, request, transport: str = "unary", metadata=None, owner: str | None = None,
                        hidden: torch.Tensor | None = None, receive=None,
-                       states: memoryview | None = None) -> "pb.ProposeResponse | bytes":
+                       states: memoryview | None = None, t_handler: float | None = None) -> "pb.ProposeResponse | bytes":
         """One engine step; its reply (a columnar request's as serialized bytes: serialize_reply); raises RequestError for a request that is malformed as a whole. transport / metadata:
         for its trace span (tracing.py; nothing is recorded while tracing is off). owner: the stream whose end frees
         the sequences this step creates (None: unary, only the lease and eviction free them). ProposeChunked:
-        hidden is the staging tensor, and receive() fills it once the request checked out."""
+        hidden is the staging tensor, and receive() fills it once the request checked out; t_handler: when its
+        handler began, before the first chunk was read (the RPC trace's "handler")."""
         request_context.set((request.namespace, request.request_id))  # (this call's task only: log lines carry it)
         rt = self.runtime
         t_enter = time.perf_counter()
@@ -384,6 +385,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         if trace is not None and self.trace_file is not None:  # (closed at shutdown)
             trace.update(request_id=request.request_id, enter=t_enter, checked=t_checked, parsed=t_parsed,
                          resumed=t_stepped, replied=t_replied)
+            if t_handler is not None:
+                trace["handler"] = t_handler
             self.trace_file.write(json.dumps(trace) + "\n")
         if tracing.enabled():
             tracing.record_step(transport, request, {"enter": t_enter, "parsed": t_parsed, "stepped": t_stepped,
@@ -403,16 +406,17 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     async def ProposeChunked(self, chunks, context):
         """One step whose hidden states come in chunks (transport/chunked.py). ``chunks`` yields chunked.Chunk:
         server.py registers this method with chunked.parse_chunk as its deserializer."""
+        t_handler = time.perf_counter()
         await self._ready(context)
         chunks = aiter(chunks)  # (the upload's, then drain_refused's)
         try:
-            return await self._propose_chunked(chunks, context.invocation_metadata())
+            return await self._propose_chunked(chunks, context.invocation_metadata(), t_handler)
         except RequestError as e:
             if e.code != grpc.StatusCode.DEADLINE_EXCEEDED:  # (a stalled upload is not waited for again)
                 await drain_refused(chunks)
             await self._fail(context, e)
 
-    async def _propose_chunked(self, chunks, metadata) -> "pb.ProposeResponse":
+    async def _propose_chunked(self, chunks, metadata, t_handler: float) -> "pb.ProposeResponse | bytes":
         # the upload (first chunk to last) within --chunked-upload-timeout-s; the step after it is not counted
         limit_s = self.runtime.config.chunked_upload_timeout_s
         deadline = asyncio.get_running_loop().time() + limit_s
@@ -462,7 +466,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                     await uploading(upload.all_parts())
                 self.runtime.metrics.record_upload(part is not None, nbytes)
             # _propose checks the whole request before receive() takes any data
-            return await self._propose(request, "chunked", metadata, hidden=staging, receive=receive)
+            return await self._propose(request, "chunked", metadata, hidden=staging, receive=receive,
+                                       t_handler=t_handler)
         except RequestError as e:
             ended = e
             raise
