@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from drafter_client.protocol import pb
-from drafter_client.protocol.wire import WIRE_DTYPE, decode_tensor, encode_tensor
+from drafter_client.protocol.wire import WIRE_DTYPE, decode_tensor, encode_tensor, tensor_field_head, varint
 from drafter_client.shm_ring import SharedTensorRef
 
 
@@ -150,15 +150,6 @@ def _set_states(req: "pb.ProposeRequest", hidden_states: "torch.Tensor | SharedT
 # Inline hidden states from this size up are copied into the serialized request directly (serialize_request).
 DIRECT_STATES_MIN_BYTES = 1 << 16
 _HIDDEN_STATES_FIELD = 4  # ProposeRequest.hidden_states (proto/drafter/v1/drafter.proto)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def serialize_request(namespace: str, steps: list[SequenceStep],
@@ -337,6 +328,12 @@ def write_rows(parts: list[torch.Tensor], dest: memoryview) -> None:
         del target
 
 
+def _states_field_head(dtype: torch.dtype, rows: int, width: int, raw_len: int | None) -> bytes:
+    """ProposeRequest.hidden_states [rows, width] written by hand up to its raw_len bytes of data (None: no data, a
+    ProposeChunked header's: the states come in the chunks)."""
+    return tensor_field_head(_HIDDEN_STATES_FIELD, WIRE_DTYPE[dtype], (rows, width), raw_len)
+
+
 class DirectRequest:
     """A serialized ProposeRequest whose inline states are copied once, straight to where the request goes: a step
     channel's mailbox (write_into: no intermediate buffer), or bytes for gRPC (bytes(request)). len() is its size in
@@ -348,12 +345,7 @@ class DirectRequest:
         self.rows, self.width = rows_width or _alike_rows(parts)  # (rows_width: _alike_rows(parts), known already)
         self.dtype = parts[0].dtype
         self.raw_len = self.rows * self.width * parts[0].element_size()
-        shape = _varint(self.rows) + _varint(self.width)
-        tensor_head = (bytes([1 << 3]) + _varint(WIRE_DTYPE[self.dtype])  # dtype = 1 (varint)
-                       + bytes([2 << 3 | 2]) + _varint(len(shape)) + shape  # shape = 2 (packed int64)
-                       + bytes([3 << 3 | 2]) + _varint(self.raw_len))  # raw = 3 (bytes)
-        field_head = bytes([_HIDDEN_STATES_FIELD << 3 | 2]) + _varint(len(tensor_head) + self.raw_len)
-        self.head = req.SerializeToString() + field_head + tensor_head
+        self.head = req.SerializeToString() + _states_field_head(self.dtype, self.rows, self.width, self.raw_len)
 
     def __len__(self) -> int:
         return len(self.head) + self.raw_len
@@ -376,9 +368,13 @@ class DirectRequest:
 # 2 MiB of states the chunked call clearly beats one message, at 1 MiB it is about even).
 CHUNKED_MIN_BYTES = 2 << 20
 CHUNK_BYTES = 1 << 20
-# A ProposeChunked upload from this size is spread over DrafterClient's upload_streams connections (when more than one)
-UPLOAD_PARTS_MIN_BYTES = 8 << 20
+# A ProposeChunked upload from this size is spread over DrafterClient's upload_streams connections (when more than
+# one): every upload (CHUNKED_MIN_BYTES). A batch-128 decode step of an 8B head (3 MiB) went 2.23-2.38 -> 1.75-1.80 ms
+# for the upload and 7.78-7.84 -> 7.17-7.23 ms for the step over two connections (H200 host, scripts/rpc_timeline.py
+# --batch 128; docs/performance.md)
+UPLOAD_PARTS_MIN_BYTES = CHUNKED_MIN_BYTES
 # ProposeChunk's fields (proto/drafter/v1/drafter.proto)
+_CHUNK_REQUEST_KEY = bytes([1 << 3 | 2])  # request = 1 (message)
 _CHUNK_OFFSET_KEY = bytes([2 << 3])  # offset = 2 (varint)
 _CHUNK_DATA_KEY = bytes([3 << 3 | 2])  # data = 3 (bytes)
 
@@ -411,12 +407,12 @@ class ChunkedRequest:
 
     def header(self, part: "pb.UploadPart | None" = None) -> bytes:
         """The first ProposeChunk: the request, hidden_states with dtype and shape and no data (and the part of an
-        upload spread over several calls: index 0)."""
-        req = pb.ProposeRequest()
-        req.CopyFrom(self.req)
-        req.hidden_states.dtype = WIRE_DTYPE[self.dtype]
-        req.hidden_states.shape.extend(self.shape)
-        return pb.ProposeChunk(request=req, part=part).SerializeToString()
+        upload spread over several calls: index 0). The request is serialized once, its hidden_states field (dtype
+        and shape) written after it by hand, as DirectRequest writes it, and the lot put in the chunk's field 1 by
+        hand (a CopyFrom of the request and a nested message cost ~10% of a batch-128 header)."""
+        body = self.req.SerializeToString() + _states_field_head(self.dtype, *self.shape, None)
+        head = _CHUNK_REQUEST_KEY + varint(len(body)) + body
+        return head if part is None else head + pb.ProposeChunk(part=part).SerializeToString()
 
     def flat_states(self) -> torch.Tensor:
         """The states as one contiguous host tensor of bytes ([nbytes] uint8): a view where they are one already.
@@ -448,7 +444,7 @@ class ChunkedRequest:
         for start in starts:
             data = view[start : min(start + chunk_bytes, hi)]
             # bytes + buffer: one copy of the data into the message
-            chunk = _CHUNK_OFFSET_KEY + _varint(start) + _CHUNK_DATA_KEY + _varint(len(data)) + data
+            chunk = _CHUNK_OFFSET_KEY + varint(start) + _CHUNK_DATA_KEY + varint(len(data)) + data
             if extra and start == lo:  # (fields of one message may come in any order: the part, then offset and data)
                 chunk = pb.ProposeChunk(part=part).SerializeToString() + chunk
             yield chunk

@@ -274,6 +274,37 @@ def test_a_reply_whose_head_was_encoded_before_the_drafts_is_the_whole_reply():
         assert torch.equal(a.draft_token_ids, b.draft_token_ids) and a.messages == b.messages
 
 
+def test_tensor_fields_written_by_hand_parse_as_protobufs():
+    """wire.tensor_field_head (the reply's draft_token_ids, a request's hidden_states, a ProposeChunked header's):
+    the key, the length and Tensor{dtype, shape[, raw]} parse to the message protobuf builds, for 0-3 dimensions,
+    sizes across varint boundaries, with and without data; and a ProposeChunked header parses to its request."""
+    from drafter_client.messages import ChunkedRequest
+    from drafter_client.protocol.wire import tensor_field_head, varint
+
+    rng = random.Random(9)
+    for n in (0, 1, 127, 128, 300, 2**14, 2**21 + 5):
+        if n:  # (request_id = 4, a uint64: its key, then the varint)
+            assert bytes([4 << 3]) + varint(n) == pb.ProposeResponse(request_id=n).SerializeToString()
+        shape = [n] if n < 2**14 else [n // 64, 64]
+        for dtype in (pb.INT64, pb.BFLOAT16):
+            raw = bytes(rng.getrandbits(8) for _ in range(min(n, 300))) if n < 300 else b"\x01" * n
+            want = pb.ProposeResponse(draft_token_ids=pb.Tensor(dtype=dtype, shape=shape, raw=raw))
+            got = pb.ProposeResponse.FromString(tensor_field_head(2, dtype, shape, len(raw)) + raw)
+            assert got == want
+            bare = pb.ProposeResponse.FromString(tensor_field_head(2, dtype, shape, None))
+            assert bare == pb.ProposeResponse(draft_token_ids=pb.Tensor(dtype=dtype, shape=shape))
+    req = pb.ProposeRequest(namespace="ns", request_id=5, token_ids=encode_tensor(torch.tensor([1, 2, 3, 4, 5])),
+                            steps=[pb.SequenceStep(sequence_id="a", num_tokens=5, next_token=6, num_drafts=2)])
+    chunked = ChunkedRequest(req, [torch.zeros(5, 8, dtype=torch.bfloat16)])
+    expected = pb.ProposeRequest()
+    expected.CopyFrom(req)
+    expected.hidden_states.dtype, expected.hidden_states.shape[:] = pb.BFLOAT16, [5, 8]
+    assert pb.ProposeChunk.FromString(chunked.header()) == pb.ProposeChunk(request=expected)
+    part = pb.UploadPart(upload_id="u", index=0, count=2)
+    assert pb.ProposeChunk.FromString(chunked.header(part)) == pb.ProposeChunk(request=expected, part=part)
+    assert not req.HasField("hidden_states")  # (the step's own request: left as it was)
+
+
 def test_a_column_reply_for_another_batch_size_is_internal():
     outs = random_outputs(random.Random(0), 3)
     reply = pb.ProposeResponse.FromString(build_column_response(outs, 1).SerializeToString())

@@ -331,12 +331,14 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
             t_channel_ipc, t_channel_batch, statistics.median(unary_batch_times[3:]))
 
 
-async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, rounds: int) -> dict[str, list[float]]:
+async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, rounds: int,
+                       upload_streams: int | None = None) -> dict[str, list[float]]:
     """The step channel against the in-process step in alternating rounds (the in-process runtime rt alive beside
     the drafter): each round times iters steps of each of the in-process proposer (one StepInput per sequence, host
     states), propose() through a step channel, propose_batch() through it and propose_batch() by unary gRPC (a second
     client, no channel), one after the other, so that the ratios of a round come from the same minute of the
-    machine. Returns each one's median per round (seconds)."""
+    machine. upload_streams: the unary client's (DrafterClient's default when None). Returns each one's median per
+    round (seconds)."""
     from drafter_client import DrafterClient
     from drafter_client.messages import build_request
 
@@ -348,7 +350,8 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
     as_batch = as_step_batch(decode)
     result = {"in_process": [], "channel": [], "channel_batch_api": [], "unary_batch_api": []}
     async with DrafterClient(target, namespace="bench", step_timeout_s=None) as c, \
-            DrafterClient(target, namespace="bench", step_timeout_s=None) as unary:
+            DrafterClient(target, namespace="bench", step_timeout_s=None,
+                          **({} if upload_streams is None else {"upload_streams": upload_streams})) as unary:
         await c.wait_ready(600)  # (with --rounds-only nothing waited for the drafter's start before)
         for chunk in range(0, batch, 8):
             r = await c.propose(prefill[chunk : chunk + 8])
@@ -475,6 +478,9 @@ def main() -> int:
     ap.add_argument("--rounds-only", action="store_true",
                     help="with --rounds: skip the single pass through the sidecar (unary, stream, step channel, batch "
                          "API, CUDA IPC) and time only the in-process step and the rounds")
+    ap.add_argument("--upload-streams", type=int, default=None,
+                    help="the rounds' unary batch API: DrafterClient(upload_streams=N) (default: the client's, 2: an "
+                         "upload of 2 MiB or more over two connections)")
     ap.add_argument("--client-cpus", default=None,
                     help="Linux: CPUs this process (the engine side and the in-process step) runs on, e.g. 2 or 2-3 "
                          "(default: all)")
@@ -526,7 +532,8 @@ def main() -> int:
                       bandwidth_gbps=bw / 1e9 if bw else None, rows=rows,
                       cpu_threads=torch.get_num_threads(),  # host threads of the in-process proposer
                       prefill=prefill, rounds=a.rounds, rounds_only=a.rounds_only,
-                      engine_applies_fc=a.engine_applies_fc)
+                      engine_applies_fc=a.engine_applies_fc,
+                      upload_streams=a.upload_streams if a.upload_streams is not None else "client default")
         write_json(a.out, result, say=False)
         return result
 
@@ -635,7 +642,7 @@ def main() -> int:
                 prefill.update(channel_ms=t * 1e3, channel_gbps=prefill["hidden_bytes"] / t / 1e9)
             for row in rows if a.rounds else []:
                 got = asyncio.run(bench_rounds(rt, f"unix:{sock}", row["batch"], context, a.m, a.k, a.iters, width,
-                                               shape["vocab_size"], a.rounds))
+                                               shape["vocab_size"], a.rounds, a.upload_streams))
                 ratios = {name: [t / t_in for t, t_in in zip(got[name], got["in_process"])]
                           for name in ("channel", "channel_batch_api", "unary_batch_api")}
                 row["rounds"] = dict({f"{name}_ms": [t * 1e3 for t in ts] for name, ts in got.items()},

@@ -124,6 +124,28 @@ def encode_float32s(values: list[float], into: "pb.Tensor | None" = None) -> "pb
     return _fill(into, pb.FLOAT32, [len(values)], array.array("f", values).tobytes())
 
 
+def varint(n: int) -> bytes:
+    """A non-negative int as a protobuf varint."""
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def tensor_field_head(field: int, dtype: int, shape, raw_len: int | None) -> bytes:
+    """A Tensor field (number ``field`` of the message being written) by hand, up to its data: the key, the length,
+    then Tensor{dtype (a DType number), shape, raw: raw_len bytes, which the caller writes right after}; raw_len
+    None: no raw field. Lets a large tensor's bytes go into a message once, without protobuf's copy of them."""
+    dims = b"".join(varint(d) for d in shape)
+    head = (bytes([1 << 3]) + varint(dtype)  # dtype = 1 (varint)
+            + bytes([2 << 3 | 2]) + varint(len(dims)) + dims)  # shape = 2 (packed int64)
+    if raw_len is not None:
+        head += bytes([3 << 3 | 2]) + varint(raw_len)  # raw = 3 (bytes)
+    return bytes([field << 3 | 2]) + varint(len(head) + (raw_len or 0)) + head
+
+
 def encode_tensor(x: torch.Tensor, into: "pb.Tensor | None" = None) -> "pb.Tensor":
     if x.dtype not in WIRE_DTYPE:
         raise TypeError(f"dtype {x.dtype} has no wire encoding")

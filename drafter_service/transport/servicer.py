@@ -28,11 +28,15 @@ from drafter_service import tracing
 from drafter_service.logs import request_context
 from drafter_service.transport.validation import (HIDDEN_DTYPES, TOKEN_DTYPES, RequestError, check_namespace, check_sequence_id,
                          parse_frame, parse_propose)
-from drafter_client.protocol.wire import encode_float32s, encode_int32s, encode_int64s, encode_tensor
+from drafter_client.protocol.wire import (encode_float32s, encode_int32s, encode_int64s, encode_tensor,
+                                         tensor_field_head)
 
 log = logging.getLogger(__name__)
 
 MAX_RELEASE_IDS = 65536
+
+
+_DRAFT_TOKEN_IDS_FIELD = 2  # ProposeResponse.draft_token_ids (proto/drafter/v1/drafter.proto)
 
 
 def serialize_reply(reply: "pb.ProposeResponse | bytes") -> bytes:
@@ -89,9 +93,8 @@ def batch_column_reply(head: bytes, out: BatchOutput) -> bytes:
     drafts were known: the head's bytes, then a message holding only the drafts. Protobuf parses two serialized
     messages one after the other as their merge, and the two set no field in common, so the bytes parse as
     build_batch_column_response's message."""
-    tail = pb.ProposeResponse()
-    _encode_batch_drafts(out, into=tail)
-    return head + tail.SerializeToString()
+    ids = np.ascontiguousarray(_batch_draft_ids(out), dtype="<i8")  # (draft_token_ids by hand: numpy, no message)
+    return head + tensor_field_head(_DRAFT_TOKEN_IDS_FIELD, pb.INT64, ids.shape, ids.nbytes) + ids.tobytes()
 
 
 def batch_column_head(out: BatchOutput, request_id: int) -> "pb.ProposeResponse":
