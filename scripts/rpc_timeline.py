@@ -8,8 +8,9 @@ each phase of every Propose; on Linux that clock is CLOCK_MONOTONIC, the same in
 send/receive times line up with the server's. Runs batch-1 decode steps (m committed tokens, k drafts, fixed
 context) as unary calls, on one ProposeStream and through a step channel (docs/step_channel.md), and prints the
 median and 90th percentile of each phase. With --batch N (N > 1) it times N-sequence steps of the batch API instead
-(propose_batch: columns in and out), by unary gRPC ("batch-unary": ProposeChunked where the states reach the
-client's 2 MiB threshold, as at batch 128 of an 8B shape) and through a step channel ("batch-channel"):
+(propose_batch: columns in and out), by unary gRPC ("batch-unary-sN": ProposeChunked where the states reach the
+client's 2 MiB threshold, as at batch 128 of an 8B shape, spread over N connections; --upload-streams 1,2 --rounds R
+alternates clients of both) and through a step channel ("batch-channel"):
 
   to handler      client's call -> handler entered (client packing, gRPC both sides, the server's event loop;
                   for the channel: packing, the mailbox write, the step thread's poll, reading the request)
@@ -48,7 +49,6 @@ PHASES = [("client packing", "send", "packed"), ("to chunked handler", "packed",
           ("reply", "resumed", "replied"), ("reply to the client", "replied", "answered"),
           ("client parsing", "answered", "recv"), ("to client", "replied", "recv"), ("total", "send", "recv")]
 MODES = ("unary", "stream", "channel")
-BATCH_MODES = ("batch-unary", "batch-channel")
 
 
 async def run_client(address: str, shape: dict, a) -> dict[str, dict[int, tuple[float, float]]]:
@@ -113,15 +113,19 @@ async def run_client(address: str, shape: dict, a) -> dict[str, dict[int, tuple[
 
 
 async def run_batch_client(address: str, shape: dict, a) -> dict[str, dict[int, tuple[float, float]]]:
-    """--batch N: the batch API by unary gRPC, then through a step channel; request_id -> (send, recv) per mode, and
-    the client's own packing (serialize_batch) and reply parsing alone."""
+    """--batch N: the batch API by unary gRPC, one client per --upload-streams value ("batch-unary-sN"), the clients
+    taking turns over --rounds rounds (a host's speed drifts within minutes), then through a step channel; request_id
+    -> (send, recv, the client's marks) per mode, and the client's own packing alone."""
+    import contextlib
+
     from drafter_client import DrafterClient
     from drafter_client.batch import serialize_batch
     from drafter_client.benchmarks import bench_step as b
-
     from drafter_client.messages import ChunkedRequest
 
-    times: dict = {mode: {} for mode in BATCH_MODES}
+    streams = [int(x) for x in str(a.upload_streams).split(",")]
+    unary_modes = [f"batch-unary-s{n}" for n in streams]
+    times: dict = {mode: {} for mode in (*unary_modes, "batch-channel")}
     marks: dict[str, float] = {}  # the current call's client-side marks: packed (first message made), answered
     messages, call = ChunkedRequest.messages, DrafterClient._call
 
@@ -139,8 +143,13 @@ async def run_batch_client(address: str, shape: dict, a) -> dict[str, dict[int, 
         finally:
             marks["answered"] = time.perf_counter()
     ChunkedRequest.messages, DrafterClient._call = marked_messages, marked_call
-    async with DrafterClient(address, namespace="bench", step_timeout_s=None,
-                             upload_streams=a.upload_streams, upload_streams_min_bytes=2 << 20) as c:
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(DrafterClient(
+            address, namespace="bench", step_timeout_s=None, upload_streams=n, upload_streams_min_bytes=2 << 20))
+            for n in streams]
+        for i, c in enumerate(clients):
+            c._next_request_id = 1 + i * 10**6  # (the server's trace is keyed by request id)
+        c = clients[0]
         await c.wait_ready(900)
         info = await c.get_info()
         prefill, decode = b.make_steps(a.batch, a.context, a.m, a.k, info.hidden_states_width, shape["vocab_size"],
@@ -148,13 +157,17 @@ async def run_batch_client(address: str, shape: dict, a) -> dict[str, dict[int, 
         for i in range(0, a.batch, 8):  # (the drafter's --max-batch-seqs is 8 for the prefill)
             assert all(s.ok for s in (await c.propose(prefill[i : i + 8])).sequences)
         batch = b.as_step_batch(decode)
-        for _ in range(a.iters):
-            marks.clear()
-            rid, t0 = c._next_request_id, time.perf_counter()  # (BatchDrafts carry no request id: the one it gets)
-            r = await c.propose_batch(batch)
-            times["batch-unary"][rid] = (t0, time.perf_counter(), dict(marks))
-            assert bool((r.codes == 0).all()) and int(r.num_drafts.sum()) == a.batch * a.k
-        chunked = c.steps_chunked
+        per_round = max(1, a.iters // a.rounds)
+        for _ in range(a.rounds):
+            for mode, client in zip(unary_modes, clients):
+                for _ in range(per_round):
+                    marks.clear()
+                    rid, t0 = client._next_request_id, time.perf_counter()  # (BatchDrafts carry no request id)
+                    r = await client.propose_batch(batch)
+                    times[mode][rid] = (t0, time.perf_counter(), dict(marks))
+                    assert bool((r.codes == 0).all()) and int(r.num_drafts.sum()) == a.batch * a.k
+        times["chunked steps"] = {mode: cl.steps_chunked for mode, cl in zip(unary_modes, clients)}
+        times["spread steps"] = {mode: cl.steps_spread for mode, cl in zip(unary_modes, clients)}
         ChunkedRequest.messages, DrafterClient._call = messages, call
         request_bytes = batch.hidden_states.numel() * 2 + a.batch * a.m * 8 + 2**20
         if await c.open_step_channel(request_bytes=request_bytes):
@@ -164,15 +177,14 @@ async def run_batch_client(address: str, shape: dict, a) -> dict[str, dict[int, 
                 times["batch-channel"][rid] = (t0, time.perf_counter())
                 assert bool((r.codes == 0).all())
             c.close_step_channel()
-        pack, unpack = [], []
+        pack = []
         for _ in range(a.iters):
             t0 = time.perf_counter()
-            payload = serialize_batch("bench", batch, None, 1, c.chunk_min_bytes)
+            payload = serialize_batch("bench", batch, None, 1, c.chunk_min_bytes, columns=True)
             for message in (payload.messages(c.chunk_bytes) if hasattr(payload, "messages") else [payload]):
                 pass  # (ProposeChunked: the chunks are built lazily, as gRPC asks for them)
             pack.append(time.perf_counter() - t0)
         times["client packing us"] = statistics.median(pack) * 1e6
-        times["chunked steps"] = chunked
     return times
 
 
@@ -196,8 +208,9 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--batch", type=int, default=1, help="sequences per step: above 1, the batch API's modes")
-    ap.add_argument("--upload-streams", type=int, default=1, help="--batch: DrafterClient(upload_streams=N) for "
-                    "ProposeChunked uploads of 2 MiB or more")
+    ap.add_argument("--upload-streams", default="2", help="--batch: DrafterClient(upload_streams=N) for ProposeChunked "
+                    "uploads of 2 MiB or more; a comma list (1,2): one client per value, taking turns")
+    ap.add_argument("--rounds", type=int, default=1, help="--batch: the unary clients' turns (iters steps in all)")
     ap.add_argument("--out", default=None, help="JSON file for the medians")
     ap.add_argument("server_args", nargs="*", help="extra drafter-serve flags (after --)")
     a = ap.parse_args()
@@ -224,10 +237,11 @@ def main() -> int:
         result["gpu"] = torch.cuda.get_device_name()
     result["client packing us"] = client_times.pop("client packing us")
     result["client parsing us"] = client_times.pop("client parsing us", float("nan"))
-    result["batch"], result["upload_streams"] = a.batch, a.upload_streams
-    if "chunked steps" in client_times:
-        result["chunked steps"] = client_times.pop("chunked steps")
-    modes = [m for m in (*MODES, *BATCH_MODES) if client_times.get(m)]
+    result["batch"], result["upload_streams"], result["rounds"] = a.batch, a.upload_streams, a.rounds
+    for key in ("chunked steps", "spread steps"):
+        if key in client_times:
+            result[key] = client_times.pop(key)
+    modes = [m for m in client_times if client_times[m]]
     for mode in modes:
         rows = []
         for rid, (send, recv, *client_marks) in list(client_times[mode].items())[10:]:  # the first calls warm up
