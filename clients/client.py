@@ -117,7 +117,7 @@ class DrafterClient:
                  credentials: "grpc.ChannelCredentials | None" = None, token: str | None = None,
                  step_timeout_s: "float | None" = _FROM_ENV, raise_on_error: bool = False,  # type: ignore[assignment]
                  breaker: CircuitBreaker | None = None, chunk_min_bytes: int | None = CHUNKED_MIN_BYTES,
-                 chunk_bytes: int = CHUNK_BYTES, upload_streams: int = 2,
+                 chunk_bytes: int = CHUNK_BYTES, upload_streams: int = 1,
                  upload_streams_min_bytes: int = UPLOAD_PARTS_MIN_BYTES):
         """target: ``host:port`` or ``unix:/path``; namespace: this engine's sequences and regions live under it.
         credentials: TLS channel credentials (drafter_client.auth.tls_credentials) for a TLS listener; token: a
@@ -129,11 +129,10 @@ class DrafterClient:
         chunk_min_bytes: a step whose inline hidden states reach this size goes by ProposeChunked, in chunks of
         chunk_bytes (docs/protocol.md; much faster than one message for a long prefill); None: never. A drafter
         without ProposeChunked (UNIMPLEMENTED) gets one message from then on.
-        upload_streams: a ProposeChunked upload of at least upload_streams_min_bytes (default: every upload, 2 MiB
-        and up) is spread over this many calls at once, each on a connection of its own (one connection tops out
-        below the network's speed, and on one host below what two event loops copy; docs/performance.md, "Large
-        steps over TCP" and "The unary batch API at batch 128"), where the drafter allows it
-        (GetInfo.max_upload_parts); 1: one call. The extra connections open at the first such step."""
+        upload_streams: a ProposeChunked upload of at least upload_streams_min_bytes is spread over this many calls
+        at once, each on a TCP connection of its own (one connection tops out below the network's speed; docs/
+        performance.md, "Large steps over TCP"), where the drafter allows it (GetInfo.max_upload_parts); 1: one
+        call. The extra connections open at the first such step."""
         self.target = target
         self.namespace = namespace
         self._token = token

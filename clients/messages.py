@@ -369,10 +369,10 @@ class DirectRequest:
 CHUNKED_MIN_BYTES = 2 << 20
 CHUNK_BYTES = 1 << 20
 # A ProposeChunked upload from this size is spread over DrafterClient's upload_streams connections (when more than
-# one): every upload (CHUNKED_MIN_BYTES). A batch-128 decode step of an 8B head (3 MiB) went 2.23-2.38 -> 1.75-1.80 ms
-# for the upload and 7.78-7.84 -> 7.17-7.23 ms for the step over two connections (H200 host, scripts/rpc_timeline.py
-# --batch 128; docs/performance.md)
-UPLOAD_PARTS_MIN_BYTES = CHUNKED_MIN_BYTES
+# one). Not below: a batch-128 decode step of an 8B head (3 MiB) took as long over two connections as over one on an
+# H200 host (7.32 against 7.32 ms, EAGLE-1 8.94 against 8.65; scripts/rpc_timeline.py --upload-streams 1,2, clients
+# taking turns; docs/performance.md)
+UPLOAD_PARTS_MIN_BYTES = 8 << 20
 # ProposeChunk's fields (proto/drafter/v1/drafter.proto)
 _CHUNK_REQUEST_KEY = bytes([1 << 3 | 2])  # request = 1 (message)
 _CHUNK_OFFSET_KEY = bytes([2 << 3])  # offset = 2 (varint)

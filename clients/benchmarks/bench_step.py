@@ -479,8 +479,7 @@ def main() -> int:
                     help="with --rounds: skip the single pass through the sidecar (unary, stream, step channel, batch "
                          "API, CUDA IPC) and time only the in-process step and the rounds")
     ap.add_argument("--upload-streams", type=int, default=None,
-                    help="the rounds' unary batch API: DrafterClient(upload_streams=N) (default: the client's, 2: an "
-                         "upload of 2 MiB or more over two connections)")
+                    help="the rounds' unary batch API: DrafterClient(upload_streams=N) (default: the client's, 1)")
     ap.add_argument("--client-cpus", default=None,
                     help="Linux: CPUs this process (the engine side and the in-process step) runs on, e.g. 2 or 2-3 "
                          "(default: all)")
