@@ -5,19 +5,23 @@ from collections import deque
 import grpc
 import torch
 
-from drafter_client.messages import DrafterError, ProposeResult, SequenceStep, parse_response
+from drafter_client.batch import BatchDrafts, StepBatch, fallback_batch, parse_batch_response, serialize_batch
+from drafter_client.messages import DrafterError, ProposeResult, SequenceStep, fallback_result, parse_response
 
 
 class ProposeSession:
     """``propose`` is one engine step on the stream, with the client's step deadline, circuit breaker and fallback
     (like DrafterClient.propose: a sick drafter gives a "no drafts" result, not an exception); a stream that broke
-    or missed a deadline is replaced by a new one at the next call.
+    or missed a deadline is replaced by a new one at the next call. ``propose_batch`` is the same for the batch API
+    (a StepBatch in, BatchDrafts out, as DrafterClient.propose_batch): an engine that reaches the drafter by gRPC
+    only saves a call's setup per step on the stream (docs/performance.md, "The batch API on a ProposeStream").
 
-    ``send`` and ``recv`` are the raw calls for pipelining: ``send`` may be called several times before ``recv``,
-    replies come back in send order; they have no deadline and raise DrafterError (a request the server refuses as
-    a whole raises from the matching ``recv`` and the stream stays open; a broken stream raises, and the next
-    ``send`` opens a new one). With the client's shared-memory ring enabled, each message's slot is given back when
-    its reply arrives.
+    ``send`` / ``send_batch`` and ``recv`` are the raw calls for pipelining: sends may come several before ``recv``,
+    replies come back in send order (each parsed as its send's kind); they have no deadline and raise DrafterError
+    (a request the server refuses as a whole raises from the matching ``recv`` and the stream stays open; a broken
+    stream raises, and the next send opens a new one). With the client's shared-memory ring enabled, each message's
+    slot is given back when its reply arrives. A stream carries every step as one message (no ProposeChunked):
+    DrafterClient.propose_batch is the faster way for steps of several MiB of inline states.
     """
 
     def __init__(self, client, call=None):
@@ -47,9 +51,28 @@ class ProposeSession:
         client = self._client
         serialize, parse, _ = await client._steps_codec(steps, None)
         staged = client._stage(steps, hidden_states)
-        request_id = client._request_id()
+        # (no chunks on a stream)
+        return await self._send(lambda rid: serialize(staged.ref if staged else hidden_states, rid, None), staged,
+                                parse)
+
+    async def send_batch(self, batch: StepBatch) -> int:
+        """send() for the batch API: one StepBatch (its reply, from recv(), is BatchDrafts); as columns from
+        COLUMNS_MIN_SEQUENCES sequences to a drafter that takes them, as DrafterClient.propose_batch sends it."""
+        from drafter_client.client import COLUMNS_MIN_SEQUENCES
+
+        client = self._client
+        columns, _ = await client._columns_within(len(batch) >= COLUMNS_MIN_SEQUENCES, None)
+        staged = client._stage_states(batch.hidden_states)
+        ids = batch.sequence_ids
+        return await self._send(
+            lambda rid: serialize_batch(client.namespace, batch, staged.ref if staged else None, rid, None, columns),
+            staged, lambda resp: parse_batch_response(resp, ids))
+
+    async def _send(self, serialize, staged, parse) -> int:
+        """Write serialize(request id) (bytes or a DirectRequest) on the stream; recv() reads its reply with parse."""
+        request_id = self._client._request_id()
         try:
-            data = bytes(serialize(staged.ref if staged else hidden_states, request_id, None))  # (no chunks on a stream)
+            data = bytes(serialize(request_id))
         except BaseException:
             if staged is not None:
                 staged.done(answered=True)  # never sent
@@ -106,19 +129,29 @@ class ProposeSession:
         (timeout: None for its step_timeout_s) and circuit breaker. A sick drafter (no reply in time, a broken
         stream, a code of FAULT_CODES) gives a fallback result: no drafts, ``result.fallback`` True (with the
         client's raise_on_error, DrafterError); the caller's errors raise DrafterError."""
+        return await self._guarded(lambda: self.send(steps, hidden_states),
+                                   lambda why: fallback_result(steps, why), timeout)
+
+    async def propose_batch(self, batch: StepBatch, timeout: float | None = None) -> BatchDrafts:
+        """propose() for the batch API: send_batch + recv under the same deadline, circuit breaker and fallback (a
+        sick drafter: BatchDrafts with every code UNAVAILABLE and ``fallback`` True)."""
+        ids = batch.sequence_ids
+        return await self._guarded(lambda: self.send_batch(batch), lambda why: fallback_batch(ids, why), timeout)
+
+    async def _guarded(self, send, fallback, timeout: float | None):
         client = self._client
         async with self._lock:
             if not client.breaker.allow():
-                return client._refusal(steps)
+                return client._without_drafter_do(fallback, *client._refusal_error())
             limit = client._step_timeout(timeout)
             try:
-                result = await asyncio.wait_for(self._exchange(steps, hidden_states), limit)
+                result = await asyncio.wait_for(self._exchange(send), limit)
             except asyncio.TimeoutError:
                 self._broken()  # the late reply would answer the next request
                 e = DrafterError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply on the stream within {limit} s")
-                return client._without_drafter(steps, client._drafter_failed(e), e)
+                return client._without_drafter_do(fallback, client._drafter_failed(e), e)
             except DrafterError as e:
-                return client._without_drafter(steps, client._drafter_failed(e), e)
+                return client._without_drafter_do(fallback, client._drafter_failed(e), e)
             except BaseException:  # cancelled, or the caller's bad input
                 if self._in_flight:
                     self._broken()
@@ -127,8 +160,8 @@ class ProposeSession:
         client._answered()
         return result
 
-    async def _exchange(self, steps: list[SequenceStep], hidden_states: torch.Tensor | None) -> ProposeResult:
-        await self.send(steps, hidden_states)
+    async def _exchange(self, send):
+        await send()
         return await self.recv()
 
     async def close(self) -> None:

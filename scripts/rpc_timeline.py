@@ -10,7 +10,8 @@ context) as unary calls, on one ProposeStream and through a step channel (docs/s
 median and 90th percentile of each phase. With --batch N (N > 1) it times N-sequence steps of the batch API instead
 (propose_batch: columns in and out), by unary gRPC ("batch-unary-sN": ProposeChunked where the states reach the
 client's 2 MiB threshold, as at batch 128 of an 8B shape, spread over N connections; --upload-streams 1,2 --rounds R
-alternates clients of both) and through a step channel ("batch-channel"):
+alternates clients of both), on a ProposeStream session ("batch-stream", taking its turn in each round; one message
+per step) and through a step channel ("batch-channel"):
 
   to handler      client's call -> handler entered (client packing, gRPC both sides, the server's event loop;
                   for the channel: packing, the mailbox write, the step thread's poll, reading the request)
@@ -125,7 +126,7 @@ async def run_batch_client(address: str, shape: dict, a) -> dict[str, dict[int, 
 
     streams = [int(x) for x in str(a.upload_streams).split(",")]
     unary_modes = [f"batch-unary-s{n}" for n in streams]
-    times: dict = {mode: {} for mode in (*unary_modes, "batch-channel")}
+    times: dict = {mode: {} for mode in (*unary_modes, "batch-stream", "batch-channel")}
     marks: dict[str, float] = {}  # the current call's client-side marks: packed (first message made), answered
     messages, call = ChunkedRequest.messages, DrafterClient._call
 
@@ -158,6 +159,9 @@ async def run_batch_client(address: str, shape: dict, a) -> dict[str, dict[int, 
             assert all(s.ok for s in (await c.propose(prefill[i : i + 8])).sequences)
         batch = b.as_step_batch(decode)
         per_round = max(1, a.iters // a.rounds)
+        streamer = await stack.enter_async_context(DrafterClient(address, namespace="bench", step_timeout_s=None))
+        streamer._next_request_id = 1 + 10 * 10**6
+        session = await stack.enter_async_context(streamer.stream())
         for _ in range(a.rounds):
             for mode, client in zip(unary_modes, clients):
                 for _ in range(per_round):
@@ -166,6 +170,11 @@ async def run_batch_client(address: str, shape: dict, a) -> dict[str, dict[int, 
                     r = await client.propose_batch(batch)
                     times[mode][rid] = (t0, time.perf_counter(), dict(marks))
                     assert bool((r.codes == 0).all()) and int(r.num_drafts.sum()) == a.batch * a.k
+            for _ in range(per_round):  # the batch API on a ProposeStream session (one message per step)
+                rid, t0 = streamer._next_request_id, time.perf_counter()
+                r = await session.propose_batch(batch)
+                times["batch-stream"][rid] = (t0, time.perf_counter())
+                assert not r.fallback and bool((r.codes == 0).all()), r.messages
         times["chunked steps"] = {mode: cl.steps_chunked for mode, cl in zip(unary_modes, clients)}
         times["spread steps"] = {mode: cl.steps_spread for mode, cl in zip(unary_modes, clients)}
         ChunkedRequest.messages, DrafterClient._call = messages, call
@@ -208,7 +217,7 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--batch", type=int, default=1, help="sequences per step: above 1, the batch API's modes")
-    ap.add_argument("--upload-streams", default="2", help="--batch: DrafterClient(upload_streams=N) for ProposeChunked "
+    ap.add_argument("--upload-streams", default="1", help="--batch: DrafterClient(upload_streams=N) for ProposeChunked "
                     "uploads of 2 MiB or more; a comma list (1,2): one client per value, taking turns")
     ap.add_argument("--rounds", type=int, default=1, help="--batch: the unary clients' turns (iters steps in all)")
     ap.add_argument("--out", default=None, help="JSON file for the medians")

@@ -97,20 +97,30 @@ def test_padded_is_the_per_row_layout():
 
 
 @pytest.mark.parametrize("columns", [False, True])
-@pytest.mark.parametrize("channel", [False, True])
-async def test_batch_api_answers_as_the_per_sequence_api(server, channel, columns, monkeypatch):
+@pytest.mark.parametrize("transport", ["unary", "channel", "stream"])
+async def test_batch_api_answers_as_the_per_sequence_api(server, transport, columns, monkeypatch):
     """columns: the batches go as columnar requests (ProposeRequest.columns, answered with result_columns); else as
-    per-sequence messages (batches below COLUMNS_MIN_SEQUENCES, or a drafter without columns)."""
+    per-sequence messages (batches below COLUMNS_MIN_SEQUENCES, or a drafter without columns). transport: unary
+    calls, a step channel, or a ProposeStream session (ProposeSession.propose_batch; the per-sequence steps on a
+    session of their own)."""
+    import contextlib
+
     import drafter_client.client
 
     monkeypatch.setattr(drafter_client.client, "COLUMNS_MIN_SEQUENCES", 1 if columns else 10**9)
+    channel = transport == "channel"
     rng = random.Random(channel)
     g = torch.Generator().manual_seed(1)
-    async with DrafterClient(server.uds, namespace=f"cols-{channel}-{columns}") as cols, \
-            DrafterClient(server.uds, namespace=f"rows-{channel}-{columns}") as rows:
+    async with DrafterClient(server.uds, namespace=f"cols-{transport}-{columns}") as cols, \
+            DrafterClient(server.uds, namespace=f"rows-{transport}-{columns}") as rows, \
+            contextlib.AsyncExitStack() as stack:
         rows._step_columns = False  # (propose() sends columns too, to a drafter that takes them: not here)
         if channel:  # (protobuf through the channel: test_step_frames.py has the frames)
             assert await cols.open_step_channel(frames=False) and await rows.open_step_channel(frames=False)
+        rows_api, cols_api = rows, cols
+        if transport == "stream":
+            rows_api = await stack.enter_async_context(rows.stream())
+            cols_api = await stack.enter_async_context(cols.stream())
         seqs = {f"s{i}": dict(tokens=[rng.randrange(V) for _ in range(rng.randint(3, 12) + 1)], sent=0)
                 for i in range(5)}
         for s in seqs.values():
@@ -124,8 +134,8 @@ async def test_batch_api_answers_as_the_per_sequence_api(server, channel, column
             if step == 3:  # an unknown sequence in the middle: a per-sequence NOT_FOUND in both
                 steps.insert(2, SequenceStep("ghost", 4, [1], torch.randn(1, H, generator=g), 2, 3,
                                              return_logprobs=True))
-            by_rows = await rows.propose(steps)
-            by_cols = await cols.propose_batch(as_batch(steps, logprobs=step % 2 == 1))
+            by_rows = await rows_api.propose(steps)
+            by_cols = await cols_api.propose_batch(as_batch(steps, logprobs=step % 2 == 1))
             assert not by_rows.fallback and not by_cols.fallback
             assert by_cols.sequence_ids == [s.sequence_id for s in steps]
             assert by_cols.codes.tolist() == [r.code for r in by_rows.sequences]
@@ -141,7 +151,10 @@ async def test_batch_api_answers_as_the_per_sequence_api(server, channel, column
                 assert torch.allclose(by_cols.logprobs, torch.cat([r.logprobs for r in by_rows.sequences]))
             commit_some(seqs, steps, by_rows.sequences, rng, g)
         assert (cols.steps_through_channel > 0) == channel
+        assert (cols.steps_through_grpc > 0) == (transport == "unary")  # (a session's steps are its stream's)
         assert cols._step_columns is (True if columns else None)  # asked GetInfo only when a batch could use columns
+        if transport == "stream":
+            assert cols_api.streams_opened == 1
         await cols.release(list(seqs))
         await rows.release(list(seqs))
 
@@ -238,6 +251,34 @@ async def test_batch_api_falls_back_when_the_drafter_is_not_there(tmp_path):
         r = await c.propose_batch(as_batch(steps))
     assert r.fallback and r.codes.tolist() == [14, 14] and r.draft_token_ids.numel() == 0
     assert r.padded().shape == (2, 0) and set(r.messages) == {0, 1}
+
+
+async def test_a_session_pipelines_both_apis_and_falls_back_when_the_drafter_is_not_there(server, tmp_path):
+    """ProposeSession: send() and send_batch() queued on one stream, each reply read back as its own kind (a
+    ProposeResult, then BatchDrafts) with the same drafts; propose_batch on a session to a drafter that is not there
+    gives the batch API's fallback (every code UNAVAILABLE, no drafts)."""
+    from drafter_client import ProposeResult
+
+    g = torch.Generator().manual_seed(5)
+    steps = [SequenceStep(f"p{i}", 0, [1 + i, 2, 3], torch.randn(3, H, generator=g), 4, 3) for i in range(3)]
+    async with DrafterClient(server.uds, namespace="pipe-a") as a, DrafterClient(server.uds, namespace="pipe-b") as b:
+        async with a.stream() as session:
+            await session.send(steps)
+            await session.send_batch(as_batch(steps))  # (the same steps in another namespace's twin below)
+            first, second = await session.recv(), await session.recv()
+        twin = await b.propose(steps)
+        assert isinstance(first, ProposeResult) and isinstance(second, BatchDrafts)
+        assert [r.code for r in first.sequences] == [0, 0, 0] and second.codes.tolist() == [0, 0, 0]
+        assert torch.equal(first.draft_token_ids, twin.draft_token_ids)
+        # the batch re-sent the same positions: the same drafts again (the protocol lets a step re-send positions)
+        assert torch.equal(second.draft_token_ids, twin.draft_token_ids)
+        await a.release([s.sequence_id for s in steps])
+        await b.release([s.sequence_id for s in steps])
+    async with DrafterClient(f"unix:{tmp_path / 'none.sock'}", namespace="x", step_timeout_s=0.5) as c:
+        async with c.stream() as session:
+            r = await session.propose_batch(as_batch(steps))
+    assert r.fallback and r.codes.tolist() == [14, 14, 14] and r.draft_token_ids.numel() == 0
+    assert set(r.messages) == {0, 1, 2}
 
 
 async def test_the_first_batch_asks_get_info_within_the_step_deadline(tmp_path, monkeypatch):
