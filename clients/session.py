@@ -6,7 +6,9 @@ import grpc
 import torch
 
 from drafter_client.batch import BatchDrafts, StepBatch, fallback_batch, parse_batch_response, serialize_batch
-from drafter_client.messages import DrafterError, ProposeResult, SequenceStep, fallback_result, parse_response
+from drafter_client.messages import (DrafterError, ProposeResult, SequenceStep, fallback_result, hidden_parts,
+                                     parse_response)
+from drafter_client.shm_ring import SharedTensorRef
 
 
 class ProposeSession:
@@ -20,8 +22,9 @@ class ProposeSession:
     replies come back in send order (each parsed as its send's kind); they have no deadline and raise DrafterError
     (a request the server refuses as a whole raises from the matching ``recv`` and the stream stays open; a broken
     stream raises, and the next send opens a new one). With the client's shared-memory ring enabled, each message's
-    slot is given back when its reply arrives. A stream carries every step as one message (no ProposeChunked):
-    DrafterClient.propose_batch is the faster way for steps of several MiB of inline states.
+    slot is given back when its reply arrives. A stream carries a step as one message; ``propose`` and
+    ``propose_batch`` send a step whose inline states reach the client's chunk_min_bytes (2 MiB) by
+    ProposeChunked instead (DrafterClient's own call), the faster way for such steps; the raw sends never do.
     """
 
     def __init__(self, client, call=None):
@@ -129,14 +132,29 @@ class ProposeSession:
         (timeout: None for its step_timeout_s) and circuit breaker. A sick drafter (no reply in time, a broken
         stream, a code of FAULT_CODES) gives a fallback result: no drafts, ``result.fallback`` True (with the
         client's raise_on_error, DrafterError); the caller's errors raise DrafterError."""
+        if not isinstance(hidden_states, SharedTensorRef) and self._large(hidden_parts(steps, hidden_states)):
+            return await self._client.propose(steps, hidden_states, timeout)
         return await self._guarded(lambda: self.send(steps, hidden_states),
                                    lambda why: fallback_result(steps, why), timeout)
 
     async def propose_batch(self, batch: StepBatch, timeout: float | None = None) -> BatchDrafts:
         """propose() for the batch API: send_batch + recv under the same deadline, circuit breaker and fallback (a
         sick drafter: BatchDrafts with every code UNAVAILABLE and ``fallback`` True)."""
+        if isinstance(batch.hidden_states, torch.Tensor) and self._large([batch.hidden_states]):
+            return await self._client.propose_batch(batch, timeout)
         ids = batch.sequence_ids
         return await self._guarded(lambda: self.send_batch(batch), lambda why: fallback_batch(ids, why), timeout)
+
+    def _large(self, parts: list[torch.Tensor]) -> bool:
+        """Whether a step's inline states reach the client's ProposeChunked threshold (chunk_min_bytes, and no ring
+        to stage them, nothing of this session in flight): propose() and propose_batch() send such a step by the
+        client's own call, in chunks copied into pinned memory, not as one stream message (at batch 128 of an 8B
+        head, 3 MiB, one stream message took 9.7 ms per step against 8.1 by ProposeChunked; docs/performance.md)."""
+        client = self._client
+        threshold = client._chunk_min_bytes()
+        if threshold is None or client._ring is not None or self._in_flight:
+            return False
+        return sum(p.numel() * p.element_size() for p in parts) >= threshold
 
     async def _guarded(self, send, fallback, timeout: float | None):
         client = self._client

@@ -255,8 +255,9 @@ async def test_batch_api_falls_back_when_the_drafter_is_not_there(tmp_path):
 
 async def test_a_session_pipelines_both_apis_and_falls_back_when_the_drafter_is_not_there(server, tmp_path):
     """ProposeSession: send() and send_batch() queued on one stream, each reply read back as its own kind (a
-    ProposeResult, then BatchDrafts) with the same drafts; propose_batch on a session to a drafter that is not there
-    gives the batch API's fallback (every code UNAVAILABLE, no drafts)."""
+    ProposeResult, then BatchDrafts) with the same drafts; a large step (chunk_min_bytes) by ProposeChunked instead
+    of the stream; propose_batch on a session to a drafter that is not there gives the batch API's fallback (every
+    code UNAVAILABLE, no drafts)."""
     from drafter_client import ProposeResult
 
     g = torch.Generator().manual_seed(5)
@@ -274,6 +275,24 @@ async def test_a_session_pipelines_both_apis_and_falls_back_when_the_drafter_is_
         assert torch.equal(second.draft_token_ids, twin.draft_token_ids)
         await a.release([s.sequence_id for s in steps])
         await b.release([s.sequence_id for s in steps])
+    # a step whose inline states reach chunk_min_bytes goes by ProposeChunked (the client's own call), a smaller one
+    # on the stream; both answer as the unary twin does
+    # (ProposeChunked carries states of DIRECT_STATES_MIN_BYTES, 64 KiB, and more: 3 x 100 float32 rows of 64)
+    async with DrafterClient(server.uds, namespace="pipe-c", chunk_min_bytes=70_000) as c, \
+            DrafterClient(server.uds, namespace="pipe-d") as d:
+        async with c.stream() as session:
+            on_stream = await session.propose_batch(as_batch(steps))
+            assert c.steps_chunked == 0
+            bigger = [SequenceStep(s.sequence_id, 3, list(range(5, 105)), torch.randn(100, H, generator=g), 7, 2)
+                      for s in steps]
+            chunked = await session.propose_batch(as_batch(bigger))
+            assert c.steps_chunked == 1 and session.streams_opened == 1
+            per_step = await session.propose(bigger)  # (the same positions again: the same drafts)
+            assert c.steps_chunked == 2
+        twin = [await d.propose(steps), await d.propose(bigger)]
+        assert torch.equal(on_stream.draft_token_ids, twin[0].draft_token_ids)
+        assert torch.equal(chunked.draft_token_ids, twin[1].draft_token_ids)
+        assert torch.equal(per_step.draft_token_ids, twin[1].draft_token_ids)
     async with DrafterClient(f"unix:{tmp_path / 'none.sock'}", namespace="x", step_timeout_s=0.5) as c:
         async with c.stream() as session:
             r = await session.propose_batch(as_batch(steps))
