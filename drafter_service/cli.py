@@ -113,9 +113,6 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                     help="Unix socket where clients open step channels (default: the unix --listen path + .steps)")
     ap.add_argument("--step-channel-spin-s", type=float, default=d.step_channel_spin_s,
                     help="after a channel request, the step thread busy-polls the channels this long (one core)")
-    ap.add_argument("--request-spin-s", type=float, default=d.request_spin_s,
-                    help="after any request (gRPC too), the step thread busy-polls its queue this long (one core) "
-                         "instead of sleeping, so that the next step starts without a thread wake-up; 0: off")
     ap.add_argument("--merge-window-us", type=int, default=d.merge_window_us,
                     help="before a batch starts, wait for the engines (step channels, streams) that arrived within "
                          "this many microseconds of the queued ones at their previous step, so that engines stepping "
@@ -167,7 +164,6 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         predraft_min_all_hit=a.predraft_min_all_hit,
         step_channels=not a.no_step_channels,
         step_channel_socket=a.step_channel_socket, step_channel_spin_s=a.step_channel_spin_s,
-        request_spin_s=a.request_spin_s,
         merge_window_us=a.merge_window_us,
         step_channel_checksums={"auto": None, "on": True, "off": False}[a.step_channel_checksums],
         step_channel_frames=not a.no_step_channel_frames,

@@ -75,9 +75,6 @@ class ServerConfig:
     step_channel_socket: str | None = None  # None: "<the first unix --listen path>.steps"; no unix listener: off
     step_channel_spin_s: float = 0.05  # after a channel request the step thread busy-polls (one core) this long
     step_channel_idle_poll_s: float = 0.0002  # then it polls this often
-    # after any request (gRPC too) the step thread busy-polls its queue this long instead of sleeping (one core): a
-    # step that comes within it starts warm, without a thread wake-up (scheduler.py); 0: sleep at once
-    request_spin_s: float = 0.0
     # Batching (engine/merge_window.py): before a batch starts, wait for the engines that arrived within this many
     # microseconds of the queued ones at their previous step; 0: never wait; None: DEFAULT_MERGE_WINDOW_US on CUDA, 0 on
     # CPU (merge_window_us_for)
@@ -137,8 +134,6 @@ class ServerConfig:
             raise ValueError("namespace_pool_share must be in (0, 1]")
         if self.step_channel_spin_s < 0 or self.step_channel_idle_poll_s <= 0:
             raise ValueError("step_channel_spin_s must be >= 0 and step_channel_idle_poll_s > 0")
-        if not 0 <= self.request_spin_s <= 10:
-            raise ValueError("request_spin_s must be in [0, 10]")
         if self.merge_window_us is not None and not 0 <= self.merge_window_us <= MAX_MERGE_WINDOW_US:
             raise ValueError(f"merge_window_us must be in [0, {MAX_MERGE_WINDOW_US}] (got {self.merge_window_us}): "
                              "a wait longer than a step costs more than the step it saves")

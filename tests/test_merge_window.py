@@ -11,7 +11,7 @@ import torch
 from drafter_service.config import ServerConfig
 from drafter_service.cli import parse_args
 from drafter_service.engine.merge_window import FORGET_S, MergeWindow
-from drafter_service.engine.scheduler import PendingRequest, StepScheduler
+from drafter_service.engine.scheduler import StepScheduler
 from drafter_service.engine.step_io import StepInput, StepOutput
 
 
@@ -233,6 +233,7 @@ async def test_reading_the_requests_that_are_here_does_not_use_up_the_window():
     reads a and b before it can wait. Counted from a's arrival, the 3 ms window was gone by then and c ran in a batch
     of its own every step (four EAGLE-3 engines on an H200 lost 300 us windows that way); counted from when the
     thread is ready to wait, c joins a and b."""
+    from drafter_service.engine.scheduler import PendingRequest
     proposer = _RecordingProposer(step_s=0.010)
     channels = _SlowReadChannels(0.002)
     async with _running(proposer, 0.003) as sched:
@@ -302,6 +303,7 @@ def test_a_merged_batch_answers_every_request_before_the_replies_bookkeeping():
     """Each request's deliver writes its reply and hands back its bookkeeping (step_channels.py: metrics, trace); the
     thread runs the bookkeeping once every request of the batch has its reply, so that a merged batch's later engines
     do not wait for the earlier ones' metrics. A bookkeeping that raises is logged; the others still run."""
+    from drafter_service.engine.scheduler import PendingRequest
 
     events = []
 
@@ -321,26 +323,3 @@ def test_a_merged_batch_answers_every_request_before_the_replies_bookkeeping():
     sched._run_batch([PendingRequest(_step(f"engine {i}", 0), deliver(i)) for i in range(3)])
     assert events == [("reply", 0), ("reply", 1), ("reply", 2), ("book", 0), ("book", 1), ("book", 2)]
     assert sched.batches_run == 1 and sched.requests_merged == 3
-
-
-@pytest.mark.parametrize("spin_s", [0.0, 5.0])
-async def test_the_step_thread_polls_its_queue_for_request_spin_s_after_a_batch(spin_s):
-    """--request-spin-s: after a batch the step thread keeps polling its queue (yielding the GIL) instead of sleeping,
-    so that a request queued meanwhile runs without a wake-up; with 0 it sleeps, and such a request waits for one.
-    (The request below is queued without the wake-up submit() gives, to tell the two apart.)"""
-    proposer = _RecordingProposer()
-    sched = StepScheduler(proposer, max_batch_tokens=1024, max_batch_seqs=64, request_spin_s=spin_s)
-    sched.start()
-    try:
-        await sched.submit(_step("e", 0))  # a first batch: the spin starts after it
-        await asyncio.sleep(0.05)
-        done = threading.Event()
-        sched._queue.append(PendingRequest(_step("e", 1), lambda out, exc: done.set()))  # (no _wake.set())
-        ran = await asyncio.get_running_loop().run_in_executor(None, done.wait, 0.5)
-        assert ran == (spin_s > 0)
-        if not ran:  # the sleeping thread runs it once woken
-            sched._wake.set()
-            assert await asyncio.get_running_loop().run_in_executor(None, done.wait, 5)
-    finally:
-        await sched.stop()
-    assert proposer.batches == [["e"], ["e"]]

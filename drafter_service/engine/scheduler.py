@@ -21,10 +21,8 @@ Pre-drafting (predraft.py): when nothing is queued and sequences wait for their 
 the thread runs a preparation pass, which stops between two forwards as soon as a request or job is queued (it polls
 the channels itself).
 
-Idle policy: for request_spin_s after a batch (--request-spin-s; 0, off, by default) the thread polls its queue,
-yielding the GIL between polls, so that a next step coming within it starts at once and warm. Then, with no channel
-open the thread sleeps until submit() wakes it, or until the next sequence lease can run out (Proposer.expiry_wait)
-when sequences are live. With channels open it polls them,
+Idle policy: with no channel open the thread sleeps until submit() wakes it, or until the next sequence lease
+can run out (Proposer.expiry_wait) when sequences are live. With channels open it polls them,
 yielding the GIL between polls (drafter_client.protocol.gil_yield: time.sleep(0), and now and then a real sleep, in which the event loop's
 thread, serving gRPC, can take the GIL), for channel_spin_s after the last channel request (the gap
 between two engine steps), then every channel_idle_poll_s. The thread's timer slack is 1 ns (Linux): with the
@@ -174,14 +172,12 @@ class _StallTrace:
 
 class StepScheduler:
     def __init__(self, proposer: Proposer, max_batch_tokens: int, max_batch_seqs: int,
-                 channel_spin_s: float = 0.05, channel_idle_poll_s: float = 0.0002, merge_window_s: float = 0.0,
-                 request_spin_s: float = 0.0):
+                 channel_spin_s: float = 0.05, channel_idle_poll_s: float = 0.0002, merge_window_s: float = 0.0):
         self.proposer = proposer
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
         self.channel_spin_s = channel_spin_s
         self.channel_idle_poll_s = channel_idle_poll_s
-        self.request_spin_s = request_spin_s  # after any batch, poll the queue this long before sleeping (_run)
         self._queue: deque[PendingRequest] = deque()  # appended by the event loop and by channel polls; taken here
         self._jobs: deque[_Job] = deque()
         self._wake = threading.Event()
@@ -291,7 +287,7 @@ class StepScheduler:
             # the current CUDA device is per thread, and a new thread's is cuda:0: Triton launches its kernels on the
             # current device's stream, so a drafter on cuda:1 would launch them on cuda:0 with cuda:1's pointers
             torch.cuda.set_device(device)
-        last_channel_request = last_batch = 0.0
+        last_channel_request = 0.0
         yield_gil = GilYield()
         while True:
             channels = self._channels
@@ -310,8 +306,6 @@ class StepScheduler:
                     self._wait_for_partners(channels)
                 with _StallTrace():
                     self._run_batch(self._take_batch())
-                if self.request_spin_s:
-                    last_batch = time.monotonic()
                 continue
             if self._stopping:
                 break
@@ -324,9 +318,6 @@ class StepScheduler:
                     self.proposer.predraft.reset()
                 if channels is not None and self._queue:
                     last_channel_request = time.monotonic()
-                continue
-            if self.request_spin_s and time.monotonic() - last_batch < self.request_spin_s:
-                yield_gil()  # (a gRPC request is queued by the event loop's thread: it needs the GIL; gil_yield.py)
                 continue
             if channels is not None and channels.open_count():
                 if time.monotonic() - last_channel_request < self.channel_spin_s:
