@@ -332,8 +332,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     async def _propose(self, request, transport: str = "unary", metadata=None, owner: str | None = None,
                        hidden: torch.Tensor | None = None, receive=None,
-                       states: memoryview | None = None, t_handler: float | None = None) -> "pb.ProposeResponse | bytes":
-        """One engine step; its reply (a columnar request's as serialized bytes: serialize_reply); raises RequestError for a request that is malformed as a whole. transport / metadata:
+                       states: memoryview | None = None,
+                       t_handler: float | None = None) -> "pb.ProposeResponse | bytes":
+        """One engine step; its reply (a columnar request's as serialized bytes: serialize_reply); raises RequestError
+        for a request that is malformed as a whole. transport / metadata:
         for its trace span (tracing.py; nothing is recorded while tracing is off). owner: the stream whose end frees
         the sequences this step creates (None: unary, only the lease and eviction free them). ProposeChunked:
         hidden is the staging tensor, and receive() fills it once the request checked out; t_handler: when its
