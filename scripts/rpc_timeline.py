@@ -44,8 +44,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 PHASES = [("client packing", "send", "packed"), ("to chunked handler", "packed", "handler"),
-          ("first chunk in", "handler", "enter"), ("to handler", "send", "enter"), ("noticed", "send", "seen"), ("parse", "enter", "checked"),
-          ("upload", "checked", "parsed"), ("to worker", "parsed", "worker_start"),
+          ("first chunk in", "handler", "enter"), ("to handler", "send", "enter"), ("noticed", "send", "seen"),
+          ("parse", "enter", "checked"), ("upload", "checked", "parsed"), ("to worker", "parsed", "worker_start"),
           ("worker", "worker_start", "worker_end"), ("to handler (back)", "worker_end", "resumed"),
           ("reply", "resumed", "replied"), ("reply to the client", "replied", "answered"),
           ("client parsing", "answered", "recv"), ("to client", "replied", "recv"), ("total", "send", "recv")]
@@ -230,7 +230,8 @@ def main() -> int:
         head, target = b.write_random_head(tmp / "model", shape, a.context + 64)
         trace = tmp / "trace.jsonl"
         flags = ["--dtype", "bfloat16" if a.device.startswith("cuda") else "float32", "--kv-cache-tokens",
-                 str(max(4, a.batch + 2) * (a.context + 64)), "--max-batch-seqs", str(max(8, a.batch)), "--log-level", "WARNING", *a.server_args]
+                 str(max(4, a.batch + 2) * (a.context + 64)), "--max-batch-seqs", str(max(8, a.batch)),
+                 "--log-level", "WARNING", *a.server_args]
         with SidecarProcess(head, target, a.device, flags, ready_timeout_s=900,
                             env={"DRAFTER_TRACE_RPC": str(trace), "PYTHONPATH": os.pathsep.join(sys.path)}) as sidecar:
             client_times = asyncio.run(run_client(sidecar.address, shape, a))
