@@ -263,3 +263,19 @@ def test_bench_record_write_times_every_piece(tmp_path):
     assert [r["batch"] for r in result["rows"]] == [1, 8]
     for r in result["rows"]:
         assert all(r[key] > 0 for key in ("write", "numpy part", "copy, sliced", "copy, kept views", "event record"))
+
+
+def test_rpc_timeline_splits_batch_steps_by_path(tmp_path):
+    """--batch: the batch API by unary calls of two kinds of client taking turns, on a ProposeStream session and
+    through a step channel, each with the server's phases lined up with the client's (a few steps each)."""
+    got = run(["scripts/rpc_timeline.py", "--preset", "tiny", "--device", "cpu", "--batch", "4", "--iters", "14",
+               "--rounds", "2", "--upload-streams", "1,2"], tmp_path / "timeline.json")
+    assert got["batch"] == 4 and got["upload_streams"] == "1,2" and got["rounds"] == 2
+    modes = got["modes"]
+    assert set(modes) == {"batch-unary-s1", "batch-unary-s2", "batch-stream", "batch-channel"}
+    for mode in ("batch-unary-s1", "batch-unary-s2"):  # (the client's own marks: a step this small is one message)
+        assert {"client packing", "to handler", "parse", "worker", "reply to the client", "client parsing",
+                "total"} <= set(modes[mode]), modes[mode]
+    assert {"to handler", "parse", "worker", "to client", "total"} <= set(modes["batch-stream"])
+    assert {"noticed", "worker", "reply", "total"} <= set(modes["batch-channel"])
+    assert all(v >= 0 for m in modes.values() for v in m.values())
