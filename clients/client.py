@@ -302,14 +302,19 @@ class DrafterClient:
         caller registered; with enable_shared_memory a tensor goes through the ring."""
         ids = batch.sequence_ids
         states = batch.hidden_states
-        # (below COLUMNS_MIN_SEQUENCES the per-sequence messages cost the host less: benchmarks/bench_request_codec.py)
-        columns, timeout = await self._columns_within(len(batch) >= COLUMNS_MIN_SEQUENCES, timeout)
+        columns, timeout = await self._batch_columns(len(batch), timeout)
         return await self._step(
             lambda ref, rid: serialize_batch(self.namespace, batch, ref, rid, self._chunk_min_bytes(), columns),
             lambda: self._stage_states(states),
             states, lambda resp: parse_batch_response(resp, ids), lambda reason: fallback_batch(ids, reason),
             timeout, frame=(lambda rid: frame_from_batch(self.namespace, batch, rid),
                             lambda reply: parse_frame_reply(reply, ids)))
+
+    async def _batch_columns(self, num_sequences: int, timeout: float | None) -> tuple[bool, float | None]:
+        """Whether a StepBatch of this many sequences goes as columns (propose_batch, ProposeSession.send_batch), and
+        the step's timeout left. (Below COLUMNS_MIN_SEQUENCES the per-sequence messages cost the host less:
+        benchmarks/bench_request_codec.py.)"""
+        return await self._columns_within(num_sequences >= COLUMNS_MIN_SEQUENCES, timeout)
 
     async def _columns_within(self, wanted: bool, timeout: float | None) -> tuple[bool, float | None]:
         """(whether a step that could go as columns (wanted) does, the step's timeout left): one deadline for the

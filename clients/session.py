@@ -61,10 +61,8 @@ class ProposeSession:
     async def send_batch(self, batch: StepBatch) -> int:
         """send() for the batch API: one StepBatch (its reply, from recv(), is BatchDrafts); as columns from
         COLUMNS_MIN_SEQUENCES sequences to a drafter that takes them, as DrafterClient.propose_batch sends it."""
-        from drafter_client.client import COLUMNS_MIN_SEQUENCES
-
         client = self._client
-        columns, _ = await client._columns_within(len(batch) >= COLUMNS_MIN_SEQUENCES, None)
+        columns, _ = await client._batch_columns(len(batch), None)
         staged = client._stage_states(batch.hidden_states)
         ids = batch.sequence_ids
         return await self._send(
