@@ -122,6 +122,14 @@ def test_a_merged_batchs_pinned_parts_go_to_cuda_one_dma_each():
     pageable = parts[:1] + [parts[1].clone()] + parts[2:]  # (not pinned)
     assert not host_staging._pinned_parts(pageable, dev)
     assert torch.equal(rows_to_device(pageable, dev).cpu(), want)
+    # pageable rows into a kept buffer (a gRPC request's inline states): through pinned memory, one DMA into out; one
+    # block of a pageable message, separate tensors, in out's dtype or another; rows past them untouched
+    message = torch.cat(parts).clone()
+    for rows in ([message], [message[:99], message[99:]], [p.clone() for p in parts]):
+        for dtype in (torch.bfloat16, torch.float32):
+            out = torch.full((want.shape[0] + 5, 512), 7.0, device=dev, dtype=dtype)
+            rows_into(rows, out[: want.shape[0]])
+            assert torch.equal(out[: want.shape[0]].cpu(), want.to(dtype)) and bool((out[want.shape[0]:] == 7.0).all())
     many = [p for p in parts for _ in range(5)]  # 20 parts: past MAX_DMA_PARTS
     assert not host_staging._pinned_parts(many, dev) and torch.equal(rows_to_device(many, dev).cpu(), torch.cat(many))
 

@@ -103,8 +103,9 @@ def rows_into(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
     any float dtype: the copy casts) = torch.cat(tensors). One copy where the rows are one block already on out's
     device or pinned (a step channel's mailbox, an upload staged in pinned memory, the engine's own device tensor);
     one cat for several tensors on out's device in its dtype; a copy each for a few tensors each pinned or on out's
-    device (a merged batch's requests); otherwise rows_to_device first (host rows from pageable memory go through
-    pinned memory)."""
+    device (a merged batch's requests); host rows from pageable memory (a gRPC request's inline states, the engine's
+    own CPU tensors) concatenated into pinned memory and copied into out with one DMA; otherwise rows_to_device
+    first."""
     block = tensors[0] if len(tensors) == 1 else one_block(tensors)
     if block is not None and (block.device == out.device or block.is_pinned()):
         out.copy_(block, non_blocking=True)
@@ -112,5 +113,11 @@ def rows_into(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
         torch.cat(tensors, out=out)
     elif out.device.type == "cuda" and _pinned_parts(tensors, out.device):
         _copy_parts(tensors, out)  # (a merged batch of step-channel requests: a DMA from each mailbox)
+    elif out.device.type == "cuda" and all(t.device.type == "cpu" for t in tensors):
+        # (not through rows_to_device: that would land them in a device tensor of their own, then copy it into out)
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
+        host = torch.empty(out.shape, dtype=dtype, pin_memory=True)
+        torch.cat(tensors, out=host)
+        out.copy_(host, non_blocking=True)  # (the allocator keeps host's block until this copy is done)
     else:
         out.copy_(rows_to_device(tensors, out.device), non_blocking=True)
