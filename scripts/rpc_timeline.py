@@ -19,7 +19,9 @@ per step) and through a step channel ("batch-channel"):
   parse           decoding and checking the request (ProposeChunked: the header, before any of the states)
   upload          (ProposeChunked only) the header checked -> the last chunk copied into the staging tensor
   to worker       handler -> step worker thread starts the batch (scheduler queue, thread hand-off)
-  worker          Proposer.step
+  worker          Proposer.step; for a step from columns (Proposer.step_batch) also split into its admission, the
+                  record / copy / graph launches, the host work while the GPU drafts and the wait for it, and the
+                  work after the drafts
   to handler      worker done -> handler resumes (thread hand-off back to the event loop)
   reply           encoding the response
   to client       handler returns -> client has the parsed result (gRPC both sides, client parsing)
@@ -46,7 +48,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 PHASES = [("client packing", "send", "packed"), ("to chunked handler", "packed", "handler"),
           ("first chunk in", "handler", "enter"), ("to handler", "send", "enter"), ("noticed", "send", "seen"),
           ("parse", "enter", "checked"), ("upload", "checked", "parsed"), ("to worker", "parsed", "worker_start"),
-          ("worker", "worker_start", "worker_end"), ("to handler (back)", "worker_end", "resumed"),
+          ("worker", "worker_start", "worker_end"), ("  admission", "worker_start", "admitted"),
+          ("  to the launches' end", "admitted", "launched"), ("  meanwhile + GPU wait", "launched", "synced"),
+          ("  after the drafts", "synced", "worker_end"), ("to handler (back)", "worker_end", "resumed"),
           ("reply", "resumed", "replied"), ("reply to the client", "replied", "answered"),
           ("client parsing", "answered", "recv"), ("to client", "replied", "recv"), ("total", "send", "recv")]
 MODES = ("unary", "stream", "channel")

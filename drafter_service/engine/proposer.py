@@ -224,6 +224,9 @@ class Proposer:
         self.on_fatal = lambda reason: None
         self._failed_in_a_row = 0
         self.columns_steps_run = 0  # steps step_batch ran from the columns (the rest went the per-sequence way)
+        # diagnostics (the scheduler sets it while a traced request runs: DRAFTER_TRACE_RPC, scripts/rpc_timeline.py):
+        # a columns step writes the time.perf_counter() of its phases here (admitted, launched, synced)
+        self.phase_marks: dict | None = None
         self._multi_layer = model.drafting == "multi_layer"
         self.predraft = Predrafter(self)  # pre-drafting: hits answered at admission, branches prepared when idle
         self.metrics.predraft_counters = self.predraft.counters
@@ -553,7 +556,11 @@ class Proposer:
         answer = []
         step_drafts = _Drafts(B, [0] * B)
 
+        marks = self.phase_marks
+
         def meanwhile():
+            if marks is not None:
+                marks["launched"] = time.perf_counter()
             accepted = self._count_accepted_columns(rows, b, C)
             answer.append(BatchOutput(codes=torch.from_numpy(np.zeros(B, dtype=np.int32)), messages=[""] * B,
                                       num_drafts=k_t, accepted_drafts=torch.from_numpy(accepted),
@@ -564,6 +571,8 @@ class Proposer:
                 except Exception:  # (the caller's: never the step's failure; it then encodes after the step)
                     log.exception("early reply work failed")
         step_drafts.meanwhile = meanwhile
+        if marks is not None:
+            marks["admitted"] = time.perf_counter()
         try:
             tables = R.block_tables_np[rows, : int(blocks.max())]
             greedy = not nonzero(a.temperatures > 0)
@@ -579,6 +588,8 @@ class Proposer:
                                       greedy_only=greedy)
                 self._draft_sequential(md, sp, step_drafts, None)
             drafts = step_drafts.as_tensor()
+            if marks is not None:
+                marks["synced"] = time.perf_counter()
             step_drafts.run_meanwhile()  # (where no graph ran it)
         except Exception as e:  # never leave a sequence claiming KV it may not have
             log.exception("step failed")

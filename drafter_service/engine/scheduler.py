@@ -409,6 +409,9 @@ class StepScheduler:
                 self.merge_window.observe(arrivals)
         run = [p for p in batch if not p.dry and len(p.steps)]
         columnar = bool(run) and all(isinstance(p.steps, BatchInput) for p in run)
+        traced = columnar and any(p.trace is not None for p in run)
+        if traced:  # (diagnostics: the columns step's phases into the traces below)
+            self.proposer.phase_marks = {}
         t0 = time.perf_counter()
         try:
             if columnar:  # every request came as columns: one BatchInput for the whole batch
@@ -423,10 +426,15 @@ class StepScheduler:
                 outputs = self.proposer.step(steps) if steps else []
         except Exception as e:  # the proposer catches its own errors; this is a last resort
             log.exception("batch failed")
+            if traced:
+                self.proposer.phase_marks = None
             for p in batch:
                 p.deliver(None, e)
             return
         span = (t0, time.perf_counter())
+        marks = {}
+        if traced:
+            marks, self.proposer.phase_marks = self.proposer.phase_marks or {}, None
         self.batches_run += 1
         if len(batch) > 1:
             self.requests_merged += len(batch)
@@ -438,6 +446,7 @@ class StepScheduler:
             else:
                 if p.trace is not None:
                     p.trace["worker_start"], p.trace["worker_end"] = span
+                    p.trace.update(marks)
                 n = len(p.steps)
                 if columnar:  # (a request alone in its batch gets the whole answer: no slicing)
                     answer = outputs if n == len(outputs) else outputs.slice(r, r + n)
