@@ -162,3 +162,23 @@ def test_merged_batch_states_stay_apart_and_split_per_sequence():
     parts = [torch.randn(3, 2), torch.randn(3, 2)]
     assert [p.tolist() for p in _rows_split(parts, [2, 2, 2])] == \
         [p.tolist() for p in torch.cat(parts).split([2, 2, 2])]
+
+
+@pytest.mark.gpu
+def test_pinned_copy_pins_large_pageable_states_only():
+    """pinned_copy (the server's keep_states on CUDA): a pageable CPU tensor of PIN_COPY_MIN_BYTES or more comes back
+    as an equal copy in pinned memory; a smaller one, a pinned one and a device one come back as they are."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from drafter_service.engine.host_staging import PIN_COPY_MIN_BYTES, pinned_copy
+
+    rows = PIN_COPY_MIN_BYTES // (512 * 2)
+    big = torch.randn(rows, 512).to(torch.bfloat16)
+    got = pinned_copy(big)
+    assert got is not big and got.is_pinned() and torch.equal(got, big)
+    small = big[: rows - 1]
+    assert pinned_copy(small) is small
+    pinned = big.pin_memory()
+    assert pinned_copy(pinned) is pinned
+    on_device = big.cuda()
+    assert pinned_copy(on_device) is on_device

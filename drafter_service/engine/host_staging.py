@@ -32,6 +32,24 @@ def pinned_bytes(n: int) -> memoryview:
     return memoryview(torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy())
 
 
+# A request's inline states from this size are copied into pinned memory where they are parsed (pinned_copy)
+PIN_COPY_MIN_BYTES = 64 << 10
+
+
+def pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """t copied into pinned host memory when it is a pageable CPU tensor of PIN_COPY_MIN_BYTES or more (a gRPC
+    request's inline states, a view of the received message), else t itself. The server does it on the event loop's
+    thread, which has just read those bytes, and the step then sends them to the device with one DMA; left to the
+    step thread, the copy into pinned memory (rows_into) ran there cold: EAGLE-3 at batch 32 on an H200 took 472 us
+    from its admission to its graph launches by unary gRPC against 160 through a step channel, whose states are
+    pinned already (docs/performance.md, sixteenth session)."""
+    if t.device.type != "cpu" or t.numel() * t.element_size() < PIN_COPY_MIN_BYTES or t.is_pinned():
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t)
+    return out
+
+
 def pin_mapping(mm: mmap.mmap, device: torch.device) -> Callable[[], None]:
     """Register the whole mapping as pinned (page-locked) host memory for CUDA (cudaHostRegister, portable: for every
     device), so that a tensor over it is_pinned() and goes to the device in one DMA. Returns the function that

@@ -21,6 +21,7 @@ from drafter_service.transport.chunked import (StagingBudget, UploadRegistry, dr
 from drafter_service.transport.received_request import as_received
 from drafter_service.transport.shm_regions import RegionTable, ShmSettings
 from drafter_service.engine.batch_io import BatchInput, BatchOutput
+from drafter_service.engine.host_staging import pinned_copy
 from drafter_service.engine.proposer import large_enough_for_columns
 from drafter_service.engine.scheduler import dry_outputs, set_owner
 from drafter_service.engine.step_io import StepInput, StepOutput
@@ -295,7 +296,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             def read_shm(ref, field, dtype, shape, to_host=False):
                 return regions.read(namespace, ref, field, dtype, shape, to_host)
 
-        steps = parse_propose(request, rt.limits, read_shm, hidden, states, columnar=True)
+        # (inline states to pinned memory here, on CUDA: pinned_copy says why)
+        steps = parse_propose(request, rt.limits, read_shm, hidden, states, columnar=True,
+                              keep_states=pinned_copy if rt.device.type == "cuda" else None)
         inline = states is not None or request.hidden_states.WhichOneof("data") == "raw"
         if self.ingest_only and hidden is None and inline and len(steps):
             # Inline states are still views of the message: move them to the device as the proposer would

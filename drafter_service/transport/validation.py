@@ -71,12 +71,14 @@ def check_sequence_id(sequence_id: str, field: str) -> None:
 
 def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable | None = None,
                   hidden: torch.Tensor | None = None, states: memoryview | None = None,
-                  columnar: bool = False) -> "list[StepInput] | BatchInput":
+                  columnar: bool = False,
+                  keep_states: "Callable[[torch.Tensor], torch.Tensor] | None" = None) -> "list[StepInput] | BatchInput":
     """read_shm(ref, field, dtype, shape, to_host) resolves shared-memory references (None: refused).
     hidden: the request's hidden states when they did not come in the message (ProposeChunked's staging tensor,
     whose header chunked.staging_tensor checked); req.hidden_states is then not read. states: hidden_states.raw when
     it was read off the wire apart from the message (received_request.py; req.hidden_states has dtype and shape).
-    columnar: a columnar request's steps come back as one BatchInput (no StepInput per sequence)."""
+    columnar: a columnar request's steps come back as one BatchInput (no StepInput per sequence). keep_states: where
+    the decoded states are kept, once checked (the server on CUDA: host_staging.pinned_copy)."""
     check_namespace(req.namespace)
     tensors = None
     if req.HasField("columns"):
@@ -92,6 +94,7 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"the steps carry {total} committed tokens; at most {limits.max_request_tokens} per "
                            "request (send long prompts in chunks)")
+    decoded = hidden is None  # (the states come with the request: keep_states applies)
     try:
         token_ids = decode_tensor(req.token_ids, "token_ids", TOKEN_DTYPES, rank=1,
                                   read_shm=read_shm and functools.partial(read_shm, to_host=True))
@@ -107,6 +110,8 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
     check_states_width(hidden.shape[1], limits, "hidden_states")
     token_ids = token_ids.to(torch.int64)
     _check_vocabulary(token_ids, limits.vocab_size)
+    if keep_states is not None and decoded:
+        hidden = keep_states(hidden)
     ns = req.namespace
     if tensors is not None:  # a columnar request as columns: its decoded (and checked) tensors, no list round trip
         return _batch_input(ns, sids, tensors, token_ids, hidden, lps, top_ns, branches)
