@@ -115,6 +115,23 @@ def batch_column_head(out: BatchOutput, request_id: int) -> "pb.ProposeResponse"
     return resp
 
 
+class ReplyHead:
+    """A columnar request's reply encoded in two parts on the step thread (a Propose, ProposeStream or step-channel
+    request): called as PendingRequest.early with the step's answer before its drafts, it serializes all but the
+    drafts while the GPU drafts (None, a step that failed after it: dropped); reply(outputs) appends the drafts, or is
+    None where no head was made (the caller encodes the whole reply then)."""
+
+    def __init__(self, request_id: int):
+        self.request_id = request_id
+        self.head: bytes | None = None
+
+    def __call__(self, answer: "BatchOutput | None") -> None:
+        self.head = None if answer is None else batch_column_head(answer, self.request_id).SerializeToString()
+
+    def reply(self, outputs: BatchOutput) -> bytes | None:
+        return None if self.head is None else batch_column_reply(self.head, outputs)
+
+
 def frame_reply_head(out: BatchOutput, request_id: int) -> tuple[bytes, bytes]:
     """A reply frame's bytes before and after its drafts (step_frame.reply_head) for a step from columns, from its
     answer before the drafts are known (out.drafts may be None): encoded while the GPU drafts."""
@@ -369,20 +386,18 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             t_stepped = t_replied = time.perf_counter()
         elif isinstance(steps, BatchInput):
             # a columnar request's reply is encoded on the step thread: all but its drafts while the GPU drafts
-            # (early), the drafts appended as soon as they are known (finish), as a step channel's reply is; the
+            # (ReplyHead), the drafts appended as soon as they are known (finish), as a step channel's reply is; the
             # handler returns those bytes (serialize_reply passes them through)
-            head: list[bytes] = []
-
-            def early(answer: BatchOutput | None) -> None:  # (None: the step failed after it: drop the head)
-                head[:] = [] if answer is None else [batch_column_head(answer, request.request_id).SerializeToString()]
+            head = ReplyHead(request.request_id)
 
             def finish(outputs: BatchOutput) -> bytes:
-                if head and outputs.outputs is None:
-                    self.early_replies += 1  # (the step thread's only write)
-                    return batch_column_reply(head[0], outputs)
-                return self.encode_propose(outputs, request).SerializeToString()
+                reply = head.reply(outputs)
+                if reply is None:
+                    return self.encode_propose(outputs, request).SerializeToString()
+                self.early_replies += 1  # (the step thread's only write)
+                return reply
 
-            response = await self.scheduler.submit(steps, trace, early=early, finish=finish)
+            response = await self.scheduler.submit(steps, trace, early=head, finish=finish)
             t_stepped = t_replied = time.perf_counter()
         else:
             outputs = await self.scheduler.submit(steps, trace)

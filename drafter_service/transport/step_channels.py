@@ -43,7 +43,7 @@ from drafter_client.protocol import pb, step_frame
 from drafter_service.transport.received_request import MIN_SCAN_BYTES, read_request
 from drafter_service.engine.batch_io import BatchInput, BatchOutput
 from drafter_service.engine.scheduler import PendingRequest, set_owner
-from drafter_service.transport.servicer import batch_column_head, batch_column_reply, frame_reply, frame_reply_head
+from drafter_service.transport.servicer import ReplyHead, frame_reply, frame_reply_head
 from drafter_service.engine.step_io import StepInput, StepOutput
 from drafter_service import tracing
 from drafter_service.transport.auth import ANY, AuthError, restrict_socket
@@ -367,18 +367,15 @@ class ChannelSet:
         set_owner(steps, ch.owner)  # a sequence this request creates belongs to the channel
         t_parsed = time.perf_counter()
         trace = {} if self.trace_file is not None else None
-        head: list[bytes] = []  # a columnar request's reply but its drafts, serialized while the GPU drafted
-
-        def early(answer: BatchOutput | None) -> None:  # (PendingRequest.early: None drops it)
-            head[:] = [] if answer is None else [batch_column_head(answer, request_id).SerializeToString()]
+        head = ReplyHead(request_id)  # a columnar request's reply but its drafts, serialized while the GPU drafted
 
         def deliver(outputs, exc):
             t_stepped = time.perf_counter()
             if exc is not None:
                 self._reply_error(ch, seq, request_id, RequestError(grpc.StatusCode.INTERNAL, f"step failed: {exc}"))
                 return
-            if head:
-                reply = batch_column_reply(head[0], outputs)
+            reply = head.reply(outputs)
+            if reply is not None:
                 self.early_replies += 1
             else:
                 reply = self.encode(outputs, request).SerializeToString()
@@ -387,7 +384,7 @@ class ChannelSet:
         # (a channel closed before its request ran: nobody reads the reply, and its sequences are freed already)
         enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed,
                                enqueued_at=arrived,
-                               early=early if isinstance(steps, BatchInput) and not dry else None))
+                               early=head if isinstance(steps, BatchInput) and not dry else None))
 
     def _handle_frame(self, ch: Channel, seq: int, payload, enqueue, t_seen: float, arrived: float) -> None:
         """_handle for a request frame (step_frame.py): checked as a columnar request, answered with a reply frame
