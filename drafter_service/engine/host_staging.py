@@ -88,15 +88,21 @@ def rows_to_device(tensors: list[torch.Tensor], device: torch.device) -> torch.T
         # (a view made by torch.frombuffer carries no allocator context, so no event guards its block: the step
         # synchronizes before it returns, and its request, which holds the block, is dropped only then)
         return block.to(device, non_blocking=True)
-    dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
-    shape = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
     if _pinned_parts(tensors, device):  # (a merged batch of step-channel requests: a DMA from each mailbox)
-        out = torch.empty(shape, dtype=dtype, device=device)
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
+        out = torch.empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), dtype=dtype, device=device)
         _copy_parts(tensors, out)
         return out
-    host = torch.empty(shape, dtype=dtype, pin_memory=True)
+    return _pinned_cat(tensors).to(device, non_blocking=True)
+
+
+def _pinned_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(tensors) of host tensors (dtypes promoted as cat does) into pinned memory from the caching host
+    allocator, which keeps the block until every copy queued from it has completed."""
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
+    host = torch.empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), dtype=dtype, pin_memory=True)
     torch.cat(tensors, out=host)
-    return host.to(device, non_blocking=True)
+    return host
 
 
 MAX_DMA_PARTS = 16  # at most this many tensors go to the device one DMA each (a merged batch: one per request)
@@ -133,9 +139,6 @@ def rows_into(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
         _copy_parts(tensors, out)  # (a merged batch of step-channel requests: a DMA from each mailbox)
     elif out.device.type == "cuda" and all(t.device.type == "cpu" for t in tensors):
         # (not through rows_to_device: that would land them in a device tensor of their own, then copy it into out)
-        dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
-        host = torch.empty(out.shape, dtype=dtype, pin_memory=True)
-        torch.cat(tensors, out=host)
-        out.copy_(host, non_blocking=True)  # (the allocator keeps host's block until this copy is done)
+        out.copy_(_pinned_cat(tensors), non_blocking=True)
     else:
         out.copy_(rows_to_device(tensors, out.device), non_blocking=True)
