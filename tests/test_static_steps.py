@@ -258,3 +258,72 @@ def test_small_steps_take_the_columns_way_only_where_first_step_graphs_run(tiny_
         t.answered(steps, out)
         assert static.proposer.columns_steps_run == before + columns
     assert plain.proposer.columns_steps_run == 0
+
+
+async def test_small_per_sequence_requests_run_from_their_columns(tiny_model, tmp_path):
+    """A request of SequenceStep messages (what the client sends below COLUMNS_MIN_SEQUENCES) that the proposer would
+    run from columns is decoded as columns (DrafterServicer.steps_as_columns): where first-step graphs run, greedy
+    steps of 2-7 sequences by unary Propose, by a ProposeStream and through a step channel that takes protobuf go
+    the columns way, and are answered as SequenceResult messages with the plain server's drafts, statuses and
+    lengths; a step that samples, asks for log-probabilities or is one sequence goes per sequence as before."""
+    import random
+
+    from conftest import ServerThread
+    from drafter_client import DrafterClient, SequenceStep
+
+    H, V = 64, 512
+    rng, g = random.Random(5), torch.Generator().manual_seed(5)
+    with ServerThread(make_config(*tiny_model, tmp_path / "plain")) as plain, \
+            ServerThread(make_config(*tiny_model, tmp_path / "static")) as static:
+        with_static_steps(static.server.runtime, max_batch_seqs=8)  # (before any request: the step thread is idle)
+        proposer = static.server.runtime.proposer
+        reference = DrafterClient(plain.uds, namespace="ns")
+        unary, channel = DrafterClient(static.uds, namespace="ns"), DrafterClient(static.uds, namespace="ns")
+        seqs = {f"s{i}": {"tokens": [rng.randrange(V) for _ in range(rng.randint(2, 9))], "sent": 0}
+                for i in range(4)}
+        for s in seqs.values():
+            s["hidden"] = torch.randn(len(s["tokens"]), H, generator=g)
+        session = None
+        try:
+            assert await channel.open_step_channel(frames=False)  # (ProposeRequest bytes through the channel)
+            session = await unary.stream().__aenter__()
+            for step in range(13):
+                ids = list(seqs) if step % 4 else list(seqs)[: rng.randint(1, 3)]
+                sampled, logprobs = step in (5, 10), step == 7
+                steps = []
+                for sid in ids:
+                    s = seqs[sid]
+                    end = len(s["tokens"]) - 1
+                    steps.append(SequenceStep(sid, s["sent"], s["tokens"][s["sent"]:end], s["hidden"][s["sent"]:end],
+                                              s["tokens"][end], rng.randint(1, 5),
+                                              temperature=0.8 if sampled and sid == "s1" else 0.0, seed=3,
+                                              return_logprobs=logprobs))
+                before = proposer.columns_steps_run
+                transport = ("unary", "stream", "channel")[step % 3]
+                if transport == "unary":
+                    got = await unary.propose(steps)
+                elif transport == "stream":
+                    got = await session.propose(steps)
+                else:
+                    got = await channel.propose(steps)
+                    assert channel.step_channel_open
+                want = await reference.propose(steps)
+                assert not got.fallback and not want.fallback, (got.fallback_reason, want.fallback_reason)
+                known = all(seqs[sid]["sent"] > 0 for sid in ids)
+                goes_columns = known and len(ids) > 1 and not sampled and not logprobs
+                assert proposer.columns_steps_run == before + goes_columns, (step, transport, ids, sampled, logprobs)
+                for a, b in zip(got.sequences, want.sequences, strict=True):
+                    assert (a.sequence_id, a.code, a.drafts.tolist(), a.accepted_drafts, a.committed_length) == \
+                        (b.sequence_id, b.code, b.drafts.tolist(), b.accepted_drafts, b.committed_length), step
+                for st, r in zip(steps, want.sequences):
+                    assert r.ok, r.message
+                    s = seqs[st.sequence_id]
+                    s["sent"] = st.start_position + len(st.token_ids)
+                    new = r.drafts.tolist()[: rng.randint(0, r.drafts.numel())] + [rng.randrange(V)]
+                    s["tokens"] += new
+                    s["hidden"] = torch.cat([s["hidden"], torch.randn(len(new), H, generator=g)])
+        finally:
+            if session is not None:
+                await session.__aexit__(None, None, None)
+            for c in (reference, unary, channel):
+                await c.close()

@@ -75,6 +75,42 @@ def test_columns_decode_to_the_steps_of_the_per_sequence_request(sampled):
             assert torch.equal(c.token_ids, r.token_ids) and torch.equal(c.hidden_states, r.hidden_states)
 
 
+def test_greedy_per_sequence_steps_decode_as_columns_where_asked():
+    """parse_propose(steps_as_columns=...): a greedy request of SequenceStep messages comes back as one BatchInput
+    holding exactly its steps (uint64 seeds included) when the predicate says so for its size; one that samples,
+    asks for log-probabilities, top-N or pre-drafting, or that the predicate refuses, as StepInputs."""
+    from drafter_service.engine.batch_io import BatchInput
+
+    rng = random.Random(3)
+    sizes = []
+
+    def predicate(n, rows):
+        sizes.append((n, rows))
+        return n > 1
+
+    for n in (1, 2, 7):
+        _, steps = random_batch(rng, n, sampled=False)
+        steps = [dataclasses.replace(s, predraft_branches=0, seed=rng.choice([0, 5, 2**63 + 11, 2**64 - 1]))
+                 for s in steps]
+        req = lambda steps: pb.ProposeRequest.FromString(build_request("ns", steps).SerializeToString())  # noqa: E731
+        by_rows = parse_propose(req(steps), LIMITS)
+        got = parse_propose(req(steps), LIMITS, steps_as_columns=predicate)
+        assert sizes[-1] == (n, sum(len(s.token_ids) for s in steps))
+        if n == 1:
+            assert isinstance(got, list)
+            continue
+        assert isinstance(got, BatchInput) and len(got) == n
+        for c, r in zip(got.to_inputs(), by_rows, strict=True):
+            for f in ("namespace", "sequence_id", "start_position", "next_token", "num_drafts", "seed",
+                      "return_logprobs", "top_k_probs", "predraft_branches", "temperature"):
+                assert getattr(c, f) == getattr(r, f), f
+            assert torch.equal(c.token_ids, r.token_ids) and torch.equal(c.hidden_states, r.hidden_states)
+        for change in (dict(temperature=0.5), dict(return_logprobs=True), dict(top_k_probs=2),
+                       dict(predraft_branches=8)):
+            changed = [dataclasses.replace(s, **change) if i == n - 1 else s for i, s in enumerate(steps)]
+            assert isinstance(parse_propose(req(changed), LIMITS, steps_as_columns=predicate), list), change
+
+
 @pytest.mark.parametrize("tokens", ["lists", "tensors", "mixed"])
 def test_steps_sent_as_columns_decode_to_the_steps_themselves(tokens):
     """propose()'s columnar form of per-sequence steps (steps_as_batch + serialize_steps_as_columns): the drafter

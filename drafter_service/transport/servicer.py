@@ -313,9 +313,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             def read_shm(ref, field, dtype, shape, to_host=False):
                 return regions.read(namespace, ref, field, dtype, shape, to_host)
 
-        # (inline states to pinned memory here, on CUDA: pinned_copy says why)
+        # (inline states to pinned memory here, on CUDA: pinned_copy says why; a per-sequence request that the
+        # proposer would run from columns comes as columns too, its reply still per sequence: encode_propose)
         steps = parse_propose(request, rt.limits, read_shm, hidden, states, columnar=True,
-                              keep_states=pinned_copy if rt.device.type == "cuda" else None)
+                              keep_states=pinned_copy if rt.device.type == "cuda" else None,
+                              steps_as_columns=self.steps_as_columns)
         inline = states is not None or request.hidden_states.WhichOneof("data") == "raw"
         if self.ingest_only and hidden is None and inline and len(steps):
             # Inline states are still views of the message: move them to the device as the proposer would
@@ -334,20 +336,31 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         what the columns path saves (dev CPU: 90-107 against 67-84 us for the parse, 121 against 146 us before the
         replay), while from two sequences the columnar parse is the faster one too (105-110 against 125-131 us)."""
         rt = self.runtime
-        n, T = len(frame.sequence_ids), frame.token_ids.shape[0]
-        columnar = rt.proposer.takes_columns(n, T) if n > 1 else large_enough_for_columns(n, T)
-        steps = parse_frame(frame, rt.limits, columnar)
+        steps = parse_frame(frame, rt.limits, self.steps_as_columns(len(frame.sequence_ids), frame.token_ids.shape[0]))
         if self.ingest_only and len(steps):  # (as decode_propose: the states onto the device, one copy)
             frame.states.to(rt.device)
             if rt.device.type == "cuda":
                 torch.cuda.synchronize(rt.device)
         return steps, self.ingest_only
 
+    def steps_as_columns(self, num_sequences: int, num_tokens: int) -> bool:
+        """Whether a request of per-sequence steps (a frame, or greedy SequenceStep messages) of this size is decoded
+        as columns: where the proposer runs it from columns (Proposer.takes_columns), from two sequences; a step of
+        one sequence and a few rows stays a StepInput (its columnar parse costs about what the columns path saves:
+        decode_frame)."""
+        if num_sequences > 1:
+            return self.runtime.proposer.takes_columns(num_sequences, num_tokens)
+        return large_enough_for_columns(num_sequences, num_tokens)
+
     def encode_propose(self, outputs: "list[StepOutput] | BatchOutput", request) -> "pb.ProposeResponse":
-        if isinstance(outputs, BatchOutput):  # (a columnar request's)
-            return build_batch_column_response(outputs, request.request_id)
+        """The reply in the request's form: result columns to a columnar request, SequenceResult messages to one of
+        per-sequence steps (also when its steps ran from columns: decode_propose)."""
         if request.HasField("columns"):
+            if isinstance(outputs, BatchOutput):
+                return build_batch_column_response(outputs, request.request_id)
             return build_column_response(outputs, request.request_id)
+        if isinstance(outputs, BatchOutput):
+            outputs = outputs.to_outputs()
         return build_response(outputs, [s.sequence_id for s in request.steps], request.request_id)
 
     async def _propose(self, request, transport: str = "unary", metadata=None, owner: str | None = None,
@@ -384,7 +397,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         if dry:
             response = self.encode_propose(dry_outputs(steps), request)
             t_stepped = t_replied = time.perf_counter()
-        elif isinstance(steps, BatchInput):
+        elif isinstance(steps, BatchInput) and request.HasField("columns"):
             # a columnar request's reply is encoded on the step thread: all but its drafts while the GPU drafts
             # (ReplyHead), the drafts appended as soon as they are known (finish), as a step channel's reply is; the
             # handler returns those bytes (serialize_reply passes them through)

@@ -384,7 +384,8 @@ class ChannelSet:
         # (a channel closed before its request ran: nobody reads the reply, and its sequences are freed already)
         enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed,
                                enqueued_at=arrived,
-                               early=head if isinstance(steps, BatchInput) and not dry else None))
+                               early=head if isinstance(steps, BatchInput) and request.HasField("columns") and not dry
+                               else None))
 
     def _handle_frame(self, ch: Channel, seq: int, payload, enqueue, t_seen: float, arrived: float) -> None:
         """_handle for a request frame (step_frame.py): checked as a columnar request, answered with a reply frame

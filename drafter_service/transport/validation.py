@@ -72,13 +72,17 @@ def check_sequence_id(sequence_id: str, field: str) -> None:
 def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable | None = None,
                   hidden: torch.Tensor | None = None, states: memoryview | None = None,
                   columnar: bool = False,
-                  keep_states: "Callable[[torch.Tensor], torch.Tensor] | None" = None) -> "list[StepInput] | BatchInput":
+                  keep_states: "Callable[[torch.Tensor], torch.Tensor] | None" = None,
+                  steps_as_columns: "Callable[[int, int], bool] | None" = None) -> "list[StepInput] | BatchInput":
     """read_shm(ref, field, dtype, shape, to_host) resolves shared-memory references (None: refused).
     hidden: the request's hidden states when they did not come in the message (ProposeChunked's staging tensor,
     whose header chunked.staging_tensor checked); req.hidden_states is then not read. states: hidden_states.raw when
     it was read off the wire apart from the message (received_request.py; req.hidden_states has dtype and shape).
     columnar: a columnar request's steps come back as one BatchInput (no StepInput per sequence). keep_states: where
-    the decoded states are kept, once checked (the server on CUDA: host_staging.pinned_copy)."""
+    the decoded states are kept, once checked (the server on CUDA: host_staging.pinned_copy). steps_as_columns:
+    a request of per-sequence messages comes back as one BatchInput too when steps_as_columns(sequences, rows) says
+    so and it is greedy and asks for no log-probabilities, top-N or pre-drafting (the step the proposer runs from
+    columns: Proposer.takes_columns); its reply stays per-sequence messages (the caller's)."""
     check_namespace(req.namespace)
     tensors = None
     if req.HasField("columns"):
@@ -115,6 +119,9 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
     ns = req.namespace
     if tensors is not None:  # a columnar request as columns: its decoded (and checked) tensors, no list round trip
         return _batch_input(ns, sids, tensors, token_ids, hidden, lps, top_ns, branches)
+    if (steps_as_columns is not None and sids and steps_as_columns(len(sids), total) and not any(temps)
+            and not any(lps) and not any(top_ns) and not any(branches)):
+        return _greedy_batch_input(ns, sids, ps, ms, nxts, ks, seeds, token_ids, hidden)
     return _step_inputs(ns, sids, ps, ms, nxts, ks, temps, seeds, lps, top_ns, branches, token_ids, hidden)
 
 
@@ -148,6 +155,20 @@ def _batch_input(namespace: str, sids: list[str], tensors: dict, token_ids: torc
         return_logprobs=np.ones(n, dtype=bool) if n and lps[0] else np.zeros(n, dtype=bool),
         top_k_probs=np.full(n, top_ns[0], dtype=np.int64) if n and top_ns[0] else np.zeros(n, dtype=np.int64),
         predraft_branches=get("predraft_branches", np.int64) if any(branches) else np.zeros(n, dtype=np.int64))
+    return BatchInput.from_arrays(namespace, sids, arrays, token_ids, hidden)
+
+
+def _greedy_batch_input(namespace: str, sids: list[str], ps: list[int], ms: list[int], nxts: list[int],
+                        ks: list[int], seeds: list[int], token_ids: torch.Tensor, hidden: torch.Tensor) -> BatchInput:
+    """A checked per-sequence request's greedy steps as one BatchInput (parse_propose's steps_as_columns; the
+    columns from its lists, seeds as the int64 of the uint64 bits: every other column zero)."""
+    n = len(sids)
+    arrays = BatchArrays(
+        start_positions=np.array(ps, dtype=np.int64), num_tokens=np.array(ms, dtype=np.int64),
+        token_ids=token_ids.numpy(), next_tokens=np.array(nxts, dtype=np.int64),
+        num_drafts=np.array(ks, dtype=np.int64), temperatures=np.zeros(n, dtype=np.float32),
+        seeds=np.array(seeds, dtype=np.uint64).view(np.int64), return_logprobs=np.zeros(n, dtype=bool),
+        top_k_probs=np.zeros(n, dtype=np.int64), predraft_branches=np.zeros(n, dtype=np.int64))
     return BatchInput.from_arrays(namespace, sids, arrays, token_ids, hidden)
 
 
