@@ -264,8 +264,8 @@ async def test_small_per_sequence_requests_run_from_their_columns(tiny_model, tm
     """A request of SequenceStep messages (what the client sends below COLUMNS_MIN_SEQUENCES) that the proposer would
     run from columns is decoded as columns (DrafterServicer.steps_as_columns): where first-step graphs run, greedy
     steps of 2-7 sequences by unary Propose, by a ProposeStream and through a step channel that takes protobuf go
-    the columns way, and are answered as SequenceResult messages with the plain server's drafts, statuses and
-    lengths; a step that samples, asks for log-probabilities or is one sequence goes per sequence as before."""
+    the columns way, and are answered as SequenceResult messages (encoded but for the drafts while the step ran) with
+    the plain server's drafts, statuses and lengths; a step that samples, asks for log-probabilities or is one sequence goes per sequence as before."""
     import random
 
     from conftest import ServerThread
@@ -299,6 +299,7 @@ async def test_small_per_sequence_requests_run_from_their_columns(tiny_model, tm
                                               temperature=0.8 if sampled and sid == "s1" else 0.0, seed=3,
                                               return_logprobs=logprobs))
                 before = proposer.columns_steps_run
+                early = (static.server.servicer.early_replies, static.server.runtime.metrics.channels.early_replies)
                 transport = ("unary", "stream", "channel")[step % 3]
                 if transport == "unary":
                     got = await unary.propose(steps)
@@ -312,6 +313,10 @@ async def test_small_per_sequence_requests_run_from_their_columns(tiny_model, tm
                 known = all(seqs[sid]["sent"] > 0 for sid in ids)
                 goes_columns = known and len(ids) > 1 and not sampled and not logprobs
                 assert proposer.columns_steps_run == before + goes_columns, (step, transport, ids, sampled, logprobs)
+                # (such a step's reply but its drafts was encoded while it ran: ReplyHead with the sequence ids)
+                assert (static.server.servicer.early_replies - early[0],
+                        static.server.runtime.metrics.channels.early_replies - early[1]) == \
+                    ((0, goes_columns) if transport == "channel" else (goes_columns, 0)), (step, transport)
                 for a, b in zip(got.sequences, want.sequences, strict=True):
                     assert (a.sequence_id, a.code, a.drafts.tolist(), a.accepted_drafts, a.committed_length) == \
                         (b.sequence_id, b.code, b.drafts.tolist(), b.accepted_drafts, b.committed_length), step

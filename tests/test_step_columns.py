@@ -310,6 +310,27 @@ def test_a_reply_whose_head_was_encoded_before_the_drafts_is_the_whole_reply():
         assert torch.equal(a.draft_token_ids, b.draft_token_ids) and a.messages == b.messages
 
 
+def test_a_per_sequence_reply_whose_head_was_encoded_before_the_drafts_is_the_whole_reply():
+    """ReplyHead with sequence ids (a request of SequenceStep messages that ran from columns): the SequenceResult
+    messages serialized before the drafts were known, then the drafts, parse as build_response of the same answer,
+    with failed sequences and no drafts at all."""
+    from drafter_service.transport.servicer import ReplyHead
+
+    rng = random.Random(5)
+    for n, K in ((1, 5), (6, 3), (9, 8), (7, 0)):
+        early = early_answer(rng, n, K)
+        early.num_drafts = early.num_drafts * (early.codes == 0)  # (the proposer gives a failed sequence no drafts)
+        ids = [f"s{i}" for i in range(n)]
+        head = ReplyHead(23, ids)
+        head(early)
+        early.drafts = torch.randint(0, 50000, (n, K))
+        got = pb.ProposeResponse.FromString(head.reply(early))
+        assert got == build_response(early.to_outputs(), ids, 23)
+        assert len(got.results) == n and not got.HasField("result_columns")
+        head(None)  # (a step that failed after the early work: no head, the caller encodes the whole reply)
+        assert head.reply(early) is None
+
+
 def test_tensor_fields_written_by_hand_parse_as_protobufs():
     """wire.tensor_field_head (the reply's draft_token_ids, a request's hidden_states, a ProposeChunked header's):
     the key, the length and Tensor{dtype, shape[, raw]} parse to the message protobuf builds, for 0-3 dimensions,

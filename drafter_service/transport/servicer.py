@@ -90,10 +90,10 @@ def build_batch_column_response(out: BatchOutput, request_id: int) -> "pb.Propos
 
 
 def batch_column_reply(head: bytes, out: BatchOutput) -> bytes:
-    """The serialized reply of a step from columns whose head (batch_column_head, serialized) was encoded before its
-    drafts were known: the head's bytes, then a message holding only the drafts. Protobuf parses two serialized
-    messages one after the other as their merge, and the two set no field in common, so the bytes parse as
-    build_batch_column_response's message."""
+    """The serialized reply of a step from columns whose head (batch_column_head or batch_sequence_head, serialized)
+    was encoded before its drafts were known: the head's bytes, then a message holding only the drafts. Protobuf
+    parses two serialized messages one after the other as their merge, and the two set no field in common, so the
+    bytes parse as build_batch_column_response's (build_response's) message."""
     ids = np.ascontiguousarray(_batch_draft_ids(out), dtype="<i8")  # (draft_token_ids by hand: numpy, no message)
     return head + tensor_field_head(_DRAFT_TOKEN_IDS_FIELD, pb.INT64, ids.shape, ids.nbytes) + ids.tobytes()
 
@@ -115,18 +115,41 @@ def batch_column_head(out: BatchOutput, request_id: int) -> "pb.ProposeResponse"
     return resp
 
 
-class ReplyHead:
-    """A columnar request's reply encoded in two parts on the step thread (a Propose, ProposeStream or step-channel
-    request): called as PendingRequest.early with the step's answer before its drafts, it serializes all but the
-    drafts while the GPU drafts (None, a step that failed after it: dropped); reply(outputs) appends the drafts, or is
-    None where no head was made (the caller encodes the whole reply then)."""
+def batch_sequence_head(out: BatchOutput, sequence_ids: list[str], request_id: int) -> "pb.ProposeResponse":
+    """build_response of a step that ran from columns without draft_token_ids (the reply to a request of
+    SequenceStep messages decoded as columns, before its drafts are known): one SequenceResult per sequence, a status
+    only where it failed or has a message."""
+    ok = out.codes == 0
+    counts, codes = (out.num_drafts * ok).tolist(), out.codes.tolist()  # (a failed sequence has no drafts)
+    results = [pb.SequenceResult(sequence_id=sid, num_drafts=n, accepted_drafts=a, committed_length=cl)
+               if not code and not msg else
+               pb.SequenceResult(sequence_id=sid, status=pb.Status(code=code, message=msg), num_drafts=n,
+                                 accepted_drafts=a, committed_length=cl)
+               for sid, code, msg, n, a, cl in zip(sequence_ids, codes, out.messages, counts,
+                                                   out.accepted_drafts.tolist(), out.committed_lengths.tolist())]
+    return pb.ProposeResponse(results=results, request_id=request_id)
 
-    def __init__(self, request_id: int):
+
+class ReplyHead:
+    """A reply encoded in two parts on the step thread, for a request whose steps run from columns (a Propose,
+    ProposeStream or step-channel request): called as PendingRequest.early with the step's answer before its drafts,
+    it serializes all but the drafts while the GPU drafts (None, a step that failed after it: dropped);
+    reply(outputs) appends the drafts, or is None where no head was made (the caller encodes the whole reply then).
+    sequence_ids: the request's, when it came as SequenceStep messages (answered as SequenceResult messages:
+    batch_sequence_head); None for a columnar request (result columns: batch_column_head)."""
+
+    def __init__(self, request_id: int, sequence_ids: list[str] | None = None):
         self.request_id = request_id
+        self.sequence_ids = sequence_ids
         self.head: bytes | None = None
 
     def __call__(self, answer: "BatchOutput | None") -> None:
-        self.head = None if answer is None else batch_column_head(answer, self.request_id).SerializeToString()
+        if answer is None:
+            self.head = None
+        elif self.sequence_ids is None:
+            self.head = batch_column_head(answer, self.request_id).SerializeToString()
+        else:
+            self.head = batch_sequence_head(answer, self.sequence_ids, self.request_id).SerializeToString()
 
     def reply(self, outputs: BatchOutput) -> bytes | None:
         return None if self.head is None else batch_column_reply(self.head, outputs)
@@ -397,11 +420,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         if dry:
             response = self.encode_propose(dry_outputs(steps), request)
             t_stepped = t_replied = time.perf_counter()
-        elif isinstance(steps, BatchInput) and request.HasField("columns"):
-            # a columnar request's reply is encoded on the step thread: all but its drafts while the GPU drafts
-            # (ReplyHead), the drafts appended as soon as they are known (finish), as a step channel's reply is; the
-            # handler returns those bytes (serialize_reply passes them through)
-            head = ReplyHead(request.request_id)
+        elif isinstance(steps, BatchInput):
+            # the reply of a request whose steps run from columns is encoded on the step thread: all but its drafts
+            # while the GPU drafts (ReplyHead; result columns, or SequenceResult messages to SequenceStep messages),
+            # the drafts appended as soon as they are known (finish), as a step channel's reply is; the handler
+            # returns those bytes (serialize_reply passes them through)
+            head = ReplyHead(request.request_id, None if request.HasField("columns") else steps.sequence_ids)
 
             def finish(outputs: BatchOutput) -> bytes:
                 reply = head.reply(outputs)

@@ -367,7 +367,9 @@ class ChannelSet:
         set_owner(steps, ch.owner)  # a sequence this request creates belongs to the channel
         t_parsed = time.perf_counter()
         trace = {} if self.trace_file is not None else None
-        head = ReplyHead(request_id)  # a columnar request's reply but its drafts, serialized while the GPU drafted
+        # the reply but its drafts, serialized while the GPU drafted (a request whose steps run from columns)
+        head = ReplyHead(request_id, None if request.HasField("columns") or not isinstance(steps, BatchInput)
+                         else steps.sequence_ids)
 
         def deliver(outputs, exc):
             t_stepped = time.perf_counter()
@@ -384,8 +386,7 @@ class ChannelSet:
         # (a channel closed before its request ran: nobody reads the reply, and its sequences are freed already)
         enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed,
                                enqueued_at=arrived,
-                               early=head if isinstance(steps, BatchInput) and request.HasField("columns") and not dry
-                               else None))
+                               early=head if isinstance(steps, BatchInput) and not dry else None))
 
     def _handle_frame(self, ch: Channel, seq: int, payload, enqueue, t_seen: float, arrived: float) -> None:
         """_handle for a request frame (step_frame.py): checked as a columnar request, answered with a reply frame
