@@ -279,3 +279,11 @@ def test_rpc_timeline_splits_batch_steps_by_path(tmp_path):
     assert {"to handler", "parse", "worker", "to client", "total"} <= set(modes["batch-stream"])
     assert {"noticed", "worker", "reply", "total"} <= set(modes["batch-channel"])
     assert all(v >= 0 for m in modes.values() for v in m.values())
+
+
+def test_bench_grpc_options_times_every_option_set(tmp_path):
+    result = run(["benchmarks/bench_grpc_options.py", "--mib", "0.5", "--rounds", "1", "--reps", "2",
+                  "--sets", "base,frame4M"], tmp_path / "options.json")
+    assert set(result["echo_ms"]) == set(result["upload_ms"]) == {"base", "frame4M"}
+    assert all(len(v) == 1 and v[0] > 0 for v in [*result["echo_ms"].values(), *result["upload_ms"].values()])
+    assert result["options"]["frame4M"] == [["grpc.http2.max_frame_size", 4 << 20]]
