@@ -310,6 +310,30 @@ def test_a_reply_whose_head_was_encoded_before_the_drafts_is_the_whole_reply():
         assert torch.equal(a.draft_token_ids, b.draft_token_ids) and a.messages == b.messages
 
 
+def test_draft_pick_takes_each_sequences_first_drafts():
+    """DraftPick (made before the drafts, used after them): each sequence's first num_drafts entries of its row, none
+    for a failed one, in order, whether every sequence drafted K (a reshape), fewer, a mix, or there is no sequence."""
+    from drafter_service.engine.batch_io import BatchOutput
+    from drafter_service.transport.servicer import DraftPick
+
+    def answer(counts, codes, K):
+        n = len(counts)
+        out = BatchOutput(codes=torch.tensor(codes, dtype=torch.int32), messages=[""] * n,
+                          num_drafts=torch.tensor(counts, dtype=torch.int64),
+                          accepted_drafts=torch.zeros(n, dtype=torch.int64),
+                          committed_lengths=torch.ones(n, dtype=torch.int64))
+        out.drafts = torch.arange(n * K, dtype=torch.int64).reshape(n, K)
+        return out
+
+    for counts, codes, K in (([4, 4, 4], [0, 0, 0], 4), ([2, 2], [0, 0], 4), ([1, 3, 0], [0, 0, 0], 3),
+                             ([3, 3, 3], [0, 5, 0], 3), ([], [], 5), ([0, 0], [0, 0], 0)):
+        out = answer(counts, codes, K)
+        pick = DraftPick(out)
+        want = [t for i, (c, code) in enumerate(zip(counts, codes)) if code == 0 for t in out.drafts[i, :c].tolist()]
+        ids = pick.ids(out.drafts)
+        assert ids.tolist() == want and pick.total == len(want) and ids.dtype.str == "<i8", (counts, codes, K)
+
+
 def test_a_per_sequence_reply_whose_head_was_encoded_before_the_drafts_is_the_whole_reply():
     """ReplyHead with sequence ids (a request of SequenceStep messages that ran from columns): the SequenceResult
     messages serialized before the drafts were known, then the drafts, parse as build_response of the same answer,

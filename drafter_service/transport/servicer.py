@@ -94,7 +94,7 @@ def batch_column_reply(head: bytes, out: BatchOutput) -> bytes:
     was encoded before its drafts were known: the head's bytes, then a message holding only the drafts. Protobuf
     parses two serialized messages one after the other as their merge, and the two set no field in common, so the
     bytes parse as build_batch_column_response's (build_response's) message."""
-    ids = np.ascontiguousarray(_batch_draft_ids(out), dtype="<i8")  # (draft_token_ids by hand: numpy, no message)
+    ids = DraftPick(out).ids(out.drafts)  # (draft_token_ids by hand: numpy, no message)
     return head + tensor_field_head(_DRAFT_TOKEN_IDS_FIELD, pb.INT64, ids.shape, ids.nbytes) + ids.tobytes()
 
 
@@ -142,32 +142,40 @@ class ReplyHead:
         self.request_id = request_id
         self.sequence_ids = sequence_ids
         self.head: bytes | None = None
+        self.pick: DraftPick | None = None  # (with the head: which drafts, and their field's head, known early too)
+        self.drafts_head = b""
 
     def __call__(self, answer: "BatchOutput | None") -> None:
         if answer is None:
             self.head = None
-        elif self.sequence_ids is None:
+            return
+        if self.sequence_ids is None:
             self.head = batch_column_head(answer, self.request_id).SerializeToString()
         else:
             self.head = batch_sequence_head(answer, self.sequence_ids, self.request_id).SerializeToString()
+        self.pick = pick = DraftPick(answer)
+        self.drafts_head = tensor_field_head(_DRAFT_TOKEN_IDS_FIELD, pb.INT64, (pick.total,), 8 * pick.total)
 
     def reply(self, outputs: BatchOutput) -> bytes | None:
-        return None if self.head is None else batch_column_reply(self.head, outputs)
+        """The whole reply (batch_column_reply's bytes), or None where no head was made."""
+        if self.head is None:
+            return None
+        return self.head + self.drafts_head + self.pick.ids(outputs.drafts).tobytes()
 
 
-def frame_reply_head(out: BatchOutput, request_id: int) -> tuple[bytes, bytes]:
-    """A reply frame's bytes before and after its drafts (step_frame.reply_head) for a step from columns, from its
-    answer before the drafts are known (out.drafts may be None): encoded while the GPU drafts."""
+def frame_reply_head(out: BatchOutput, request_id: int) -> "tuple[bytes, bytes, DraftPick]":
+    """A reply frame's bytes before and after its drafts (step_frame.reply_head) for a step from columns, and which
+    drafts go between them, from its answer before the drafts are known (out.drafts may be None): encoded while the
+    GPU drafts."""
+    pick = DraftPick(out)
     codes = out.codes.numpy()
-    ok = codes == 0
-    counts = out.num_drafts.numpy() * ok  # (a failed sequence has no drafts)
-    columns = np.stack([codes.astype(np.int64), counts, out.accepted_drafts.numpy(), out.committed_lengths.numpy(),
+    columns = np.stack([codes.astype(np.int64), pick.counts, out.accepted_drafts.numpy(), out.committed_lengths.numpy(),
                         np.zeros(codes.shape[0], dtype=np.int64)])
-    messages = {} if ok.all() else {i: out.messages[i] for i in np.flatnonzero(~ok).tolist()}
-    return step_frame.reply_head(request_id, columns, int(counts.sum()), messages)
+    messages = {i: out.messages[i] for i in np.flatnonzero(codes).tolist()} if np.count_nonzero(codes) else {}
+    return (*step_frame.reply_head(request_id, columns, pick.total, messages), pick)
 
 
-def frame_reply(out: BatchOutput, request_id: int, head: "tuple[bytes, bytes] | None" = None) -> bytes:
+def frame_reply(out: BatchOutput, request_id: int, head: "tuple[bytes, bytes, DraftPick] | None" = None) -> bytes:
     """The reply frame (drafter_client.protocol.step_frame) of a step that came as a request frame: its answer from
     the columns path (head: frame_reply_head of it, when encoded already), or from the per-sequence path
     (out.outputs). numpy throughout: a torch op on a small tensor costs several microseconds."""
@@ -178,22 +186,33 @@ def frame_reply(out: BatchOutput, request_id: int, head: "tuple[bytes, bytes] | 
         drafts = np.fromiter(itertools.chain.from_iterable(o.drafts for o in outs if not o.code), dtype=np.int64)
         return step_frame.write_reply(request_id, columns, drafts,
                                       {i: o.message for i, o in enumerate(outs) if o.code})
-    before, after = head if head is not None else frame_reply_head(out, request_id)
-    return before + np.ascontiguousarray(_batch_draft_ids(out), dtype="<i8").tobytes() + after
+    before, after, pick = head if head is not None else frame_reply_head(out, request_id)
+    return before + pick.ids(out.drafts).tobytes() + after
 
 
-def _batch_draft_ids(out: BatchOutput) -> np.ndarray:
-    """A step from columns' draft ids, flat: each sequence's first num_drafts of its row of the [B, K] drafts (none
-    for a failed sequence), in batch order (numpy: a torch op on a small tensor costs several microseconds)."""
-    d = out.drafts.numpy()  # [B, K]
-    counts = out.num_drafts.numpy() * (out.codes.numpy() == 0)
-    K = d.shape[1]
-    return d.reshape(-1) if K and (counts == K).all() else d[np.arange(K) < counts[:, None]]
+class DraftPick:
+    """Which entries of a step from columns' [B, K] drafts its reply carries: each sequence's first num_drafts, none
+    for a failed sequence, in batch order. Made from the step's answer before its drafts are known (the early reply
+    work), so that after them only a reshape (every sequence drafted K) or one mask is left (numpy: a torch op on a
+    small tensor costs several microseconds)."""
+
+    def __init__(self, out: BatchOutput):
+        self.counts = out.num_drafts.numpy() * (out.codes.numpy() == 0)  # [B] int64
+        self.total = int(self.counts.sum())
+        c = self.counts
+        self.uniform = int(c[0]) if c.shape[0] and not np.count_nonzero(c - c[0]) else -1  # every count, or -1
+
+    def ids(self, drafts: torch.Tensor) -> np.ndarray:
+        """[total] little-endian int64 draft ids out of the [B, K] host drafts."""
+        d = drafts.numpy()
+        K = d.shape[1]
+        ids = d.reshape(-1) if self.uniform == K else d[np.arange(K) < self.counts[:, None]]
+        return np.ascontiguousarray(ids, dtype="<i8")
 
 
 def _encode_batch_drafts(out: BatchOutput, into: "pb.ProposeResponse") -> None:
-    """draft_token_ids of a step from columns (_batch_draft_ids)."""
-    encode_tensor(torch.from_numpy(_batch_draft_ids(out).astype(np.int64, copy=False)), into=into.draft_token_ids)
+    """draft_token_ids of a step from columns (DraftPick)."""
+    encode_tensor(torch.from_numpy(DraftPick(out).ids(out.drafts)), into=into.draft_token_ids)
 
 
 def _encode_drafts(outputs: list[StepOutput], counts: list[int], resp: "pb.ProposeResponse") -> None:
