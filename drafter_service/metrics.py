@@ -103,8 +103,8 @@ class Metrics:
                                    registry=r)
         phase = Counter("drafter_rpc_propose_phase_seconds",
                         "Server time of answered Propose requests by phase: parse (validate, decode), wait (queue + "
-                        "step; for a request whose steps ran from columns also its reply's encoding, done on the step thread), reply "
-                        "(encode, on the event loop).", ["phase"], registry=r)
+                        "step; for a request whose steps ran from columns also its reply's encoding, done on the step "
+                        "thread), reply (encode, on the event loop).", ["phase"], registry=r)
         self._phase = (phase.labels("parse"), phase.labels("wait"), phase.labels("reply"))
         self.rpc_errors = Counter("drafter_rpc_errors", "Requests refused as a whole, by gRPC code.", ["code"],
                                   registry=r)

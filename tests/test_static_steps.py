@@ -265,7 +265,8 @@ async def test_small_per_sequence_requests_run_from_their_columns(tiny_model, tm
     run from columns is decoded as columns (DrafterServicer.steps_as_columns): where first-step graphs run, greedy
     steps of 2-7 sequences by unary Propose, by a ProposeStream and through a step channel that takes protobuf go
     the columns way, and are answered as SequenceResult messages (encoded but for the drafts while the step ran) with
-    the plain server's drafts, statuses and lengths; a step that samples, asks for log-probabilities or is one sequence goes per sequence as before."""
+    the plain server's drafts, statuses and lengths; a step that samples, asks for log-probabilities or is one
+    sequence goes per sequence as before."""
     import random
 
     from conftest import ServerThread

@@ -92,7 +92,8 @@ def test_greedy_per_sequence_steps_decode_as_columns_where_asked():
         _, steps = random_batch(rng, n, sampled=False)
         steps = [dataclasses.replace(s, predraft_branches=0, seed=rng.choice([0, 5, 2**63 + 11, 2**64 - 1]))
                  for s in steps]
-        req = lambda steps: pb.ProposeRequest.FromString(build_request("ns", steps).SerializeToString())  # noqa: E731
+        def req(steps):
+            return pb.ProposeRequest.FromString(build_request("ns", steps).SerializeToString())
         by_rows = parse_propose(req(steps), LIMITS)
         got = parse_propose(req(steps), LIMITS, steps_as_columns=predicate)
         assert sizes[-1] == (n, sum(len(s.token_ids) for s in steps))
@@ -291,28 +292,29 @@ def early_answer(rng: random.Random, n: int, k: int) -> "BatchOutput":
 
 
 def test_a_reply_whose_head_was_encoded_before_the_drafts_is_the_whole_reply():
-    """batch_column_reply(head, out): the head serialized from the answer before its drafts were known (drafts None,
-    as Proposer.step_batch hands it to its early callback), then the drafts: the same message as
+    """ReplyHead: the head serialized from the answer before its drafts were known (drafts None, as
+    Proposer.step_batch hands it to its early callback), then the drafts: the same message as
     build_batch_column_response, with every draft count, failed sequences and no drafts at all."""
-    from drafter_service.transport.servicer import (batch_column_head, batch_column_reply,
-                                                    build_batch_column_response)
+    from drafter_service.transport.servicer import ReplyHead, build_batch_column_response
 
     rng = random.Random(4)
     for n, K in ((1, 5), (6, 3), (40, 8), (7, 0)):
         early = early_answer(rng, n, K)
-        head = batch_column_head(early, 17).SerializeToString()
+        head = ReplyHead(17)
+        head(early)
         early.drafts = torch.randint(0, 50000, (n, K))
         whole = build_batch_column_response(early, 17)
-        assert pb.ProposeResponse.FromString(batch_column_reply(head, early)) == whole
+        assert pb.ProposeResponse.FromString(head.reply(early)) == whole
         ids = [f"s{i}" for i in range(n)]
-        a = parse_batch_response(pb.ProposeResponse.FromString(batch_column_reply(head, early)), ids)
+        a = parse_batch_response(pb.ProposeResponse.FromString(head.reply(early)), ids)
         b = parse_batch_response(whole, ids)
         assert torch.equal(a.draft_token_ids, b.draft_token_ids) and a.messages == b.messages
 
 
 def test_draft_pick_takes_each_sequences_first_drafts():
     """DraftPick (made before the drafts, used after them): each sequence's first num_drafts entries of its row, none
-    for a failed one, in order, whether every sequence drafted K (a reshape), fewer, a mix, or there is no sequence."""
+    for a failed one, in order, whether every sequence drafted K (a reshape), fewer, a mix, or there is no
+    sequence."""
     from drafter_service.engine.batch_io import BatchOutput
     from drafter_service.transport.servicer import DraftPick
 

@@ -89,15 +89,6 @@ def build_batch_column_response(out: BatchOutput, request_id: int) -> "pb.Propos
     return resp
 
 
-def batch_column_reply(head: bytes, out: BatchOutput) -> bytes:
-    """The serialized reply of a step from columns whose head (batch_column_head or batch_sequence_head, serialized)
-    was encoded before its drafts were known: the head's bytes, then a message holding only the drafts. Protobuf
-    parses two serialized messages one after the other as their merge, and the two set no field in common, so the
-    bytes parse as build_batch_column_response's (build_response's) message."""
-    ids = DraftPick(out).ids(out.drafts)  # (draft_token_ids by hand: numpy, no message)
-    return head + tensor_field_head(_DRAFT_TOKEN_IDS_FIELD, pb.INT64, ids.shape, ids.nbytes) + ids.tobytes()
-
-
 def batch_column_head(out: BatchOutput, request_id: int) -> "pb.ProposeResponse":
     """build_batch_column_response without draft_token_ids: what a step from columns knows before its drafts (its
     drafts may still be None)."""
@@ -157,7 +148,9 @@ class ReplyHead:
         self.drafts_head = tensor_field_head(_DRAFT_TOKEN_IDS_FIELD, pb.INT64, (pick.total,), 8 * pick.total)
 
     def reply(self, outputs: BatchOutput) -> bytes | None:
-        """The whole reply (batch_column_reply's bytes), or None where no head was made."""
+        """The whole reply, or None where no head was made: the head's bytes, then the drafts' field. Protobuf parses
+        two serialized messages one after the other as their merge, and the two set no field in common, so the bytes
+        parse as build_batch_column_response's (build_response's) message."""
         if self.head is None:
             return None
         return self.head + self.drafts_head + self.pick.ids(outputs.drafts).tobytes()
