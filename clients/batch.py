@@ -110,6 +110,8 @@ def _column_tensor(value, n: int, dtype: torch.dtype, name: str) -> torch.Tensor
     if isinstance(value, torch.Tensor):
         if value.numel() != n:
             raise ValueError(f"{name} has {value.numel()} values for {n} sequences")
+        if value.dtype == dtype and value.dim() == 1 and value.device.type == "cpu" and not value.requires_grad:
+            return value  # (the common case as it is: detach, reshape and to cost a few microseconds each)
         return value.detach().reshape(-1).to(device="cpu", dtype=dtype)
     return torch.full((n,), value, dtype=dtype)
 
