@@ -51,6 +51,7 @@ from drafter_client.batch import (batch_as_result, parse_batch_response, seriali
                                   serialize_steps_as_columns, steps_as_batch)
 from drafter_client.messages import build_request, parse_response, serialize_request  # noqa: E402
 from drafter_client.protocol import pb  # noqa: E402
+from drafter_service.engine.proposer import large_enough_for_columns  # noqa: E402
 from drafter_service.engine.step_io import StepOutput  # noqa: E402
 from drafter_service.transport.servicer import build_column_response, build_response  # noqa: E402
 from drafter_service.runtime import keep_large_blocks_in_heap  # noqa: E402
@@ -101,7 +102,10 @@ def one_round(form: str, steps, cols, outputs, limits: Limits, reps: int) -> dic
         t1 = time.perf_counter()
         received = read_request(data)  # as the server reads Propose, ProposeStream and channel requests
         req = received.request
-        parse_propose(req, limits, None, None, received.states, columnar=True)  # (as the servicer parses)
+        # (as the servicer parses: a greedy request of messages that the proposer would run from columns is decoded
+        # as columns, DrafterServicer.steps_as_columns; on a drafter without first-step graphs, from 8 sequences)
+        parse_propose(req, limits, None, None, received.states, columnar=True,
+                      steps_as_columns=lambda n, rows: n > 1 and large_enough_for_columns(n, rows))
         t2 = time.perf_counter()
         resp = (build_column_response(outputs, 1) if req.HasField("columns")
                 else build_response(outputs, [s.sequence_id for s in req.steps], 1)).SerializeToString()
