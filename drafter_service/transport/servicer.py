@@ -46,14 +46,19 @@ def serialize_reply(reply: "pb.ProposeResponse | bytes") -> bytes:
     return reply if isinstance(reply, bytes) else reply.SerializeToString()
 
 
+def _sequence_result(sequence_id: str, code: int, message: str, num_drafts: int, accepted_drafts: int,
+                     committed_length: int, predrafted: bool = False) -> "pb.SequenceResult":
+    """One sequence's SequenceResult: a status only where it failed or has a message (status OK: left unset)."""
+    if code == 0 and not message:
+        return pb.SequenceResult(sequence_id=sequence_id, num_drafts=num_drafts, accepted_drafts=accepted_drafts,
+                                 committed_length=committed_length, predrafted=predrafted)
+    return pb.SequenceResult(sequence_id=sequence_id, status=pb.Status(code=code, message=message),
+                             num_drafts=num_drafts, accepted_drafts=accepted_drafts, committed_length=committed_length)
+
+
 def build_response(outputs: list[StepOutput], sequence_ids: list[str], request_id: int) -> "pb.ProposeResponse":
-    results = [pb.SequenceResult(
-        sequence_id=sid, num_drafts=len(o.drafts), accepted_drafts=o.accepted_drafts,
-        committed_length=o.committed_length, predrafted=o.predrafted) if o.code == 0 and not o.message
-        else pb.SequenceResult(
-        sequence_id=sid, status=pb.Status(code=o.code, message=o.message), num_drafts=len(o.drafts),
-        accepted_drafts=o.accepted_drafts, committed_length=o.committed_length)  # (status OK: left unset)
-        for sid, o in zip(sequence_ids, outputs)]
+    results = [_sequence_result(sid, o.code, o.message, len(o.drafts), o.accepted_drafts, o.committed_length,
+                                o.predrafted) for sid, o in zip(sequence_ids, outputs)]
     resp = pb.ProposeResponse(results=results, request_id=request_id)
     _encode_drafts(outputs, [len(o.drafts) for o in outputs], resp)
     return resp
@@ -108,16 +113,10 @@ def batch_column_head(out: BatchOutput, request_id: int) -> "pb.ProposeResponse"
 
 def batch_sequence_head(out: BatchOutput, sequence_ids: list[str], request_id: int) -> "pb.ProposeResponse":
     """build_response of a step that ran from columns without draft_token_ids (the reply to a request of
-    SequenceStep messages decoded as columns, before its drafts are known): one SequenceResult per sequence, a status
-    only where it failed or has a message."""
-    ok = out.codes == 0
-    counts, codes = (out.num_drafts * ok).tolist(), out.codes.tolist()  # (a failed sequence has no drafts)
-    results = [pb.SequenceResult(sequence_id=sid, num_drafts=n, accepted_drafts=a, committed_length=cl)
-               if not code and not msg else
-               pb.SequenceResult(sequence_id=sid, status=pb.Status(code=code, message=msg), num_drafts=n,
-                                 accepted_drafts=a, committed_length=cl)
-               for sid, code, msg, n, a, cl in zip(sequence_ids, codes, out.messages, counts,
-                                                   out.accepted_drafts.tolist(), out.committed_lengths.tolist())]
+    SequenceStep messages decoded as columns, before its drafts are known): one SequenceResult per sequence."""
+    counts = (out.num_drafts * (out.codes == 0)).tolist()  # (a failed sequence has no drafts)
+    results = [_sequence_result(*r) for r in zip(sequence_ids, out.codes.tolist(), out.messages, counts,
+                                                  out.accepted_drafts.tolist(), out.committed_lengths.tolist())]
     return pb.ProposeResponse(results=results, request_id=request_id)
 
 

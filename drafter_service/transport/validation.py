@@ -121,7 +121,11 @@ def parse_propose(req: "pb.ProposeRequest", limits: Limits, read_shm: Callable |
         return _batch_input(ns, sids, tensors, token_ids, hidden, lps, top_ns, branches)
     if (steps_as_columns is not None and sids and steps_as_columns(len(sids), total) and not any(temps)
             and not any(lps) and not any(top_ns) and not any(branches)):
-        return _greedy_batch_input(ns, sids, ps, ms, nxts, ks, seeds, token_ids, hidden)
+        # (greedy: no temperature column; seeds as the int64 of the uint64 bits, as a columnar request carries them)
+        columns = dict(start_positions=np.array(ps, dtype=np.int64), num_tokens=np.array(ms, dtype=np.int64),
+                       next_tokens=np.array(nxts, dtype=np.int64), num_drafts=np.array(ks, dtype=np.int64),
+                       seeds=np.array(seeds, dtype=np.uint64).view(np.int64))
+        return _batch_input(ns, sids, columns, token_ids, hidden, lps, top_ns, branches)
     return _step_inputs(ns, sids, ps, ms, nxts, ks, temps, seeds, lps, top_ns, branches, token_ids, hidden)
 
 
@@ -155,20 +159,6 @@ def _batch_input(namespace: str, sids: list[str], tensors: dict, token_ids: torc
         return_logprobs=np.ones(n, dtype=bool) if n and lps[0] else np.zeros(n, dtype=bool),
         top_k_probs=np.full(n, top_ns[0], dtype=np.int64) if n and top_ns[0] else np.zeros(n, dtype=np.int64),
         predraft_branches=get("predraft_branches", np.int64) if any(branches) else np.zeros(n, dtype=np.int64))
-    return BatchInput.from_arrays(namespace, sids, arrays, token_ids, hidden)
-
-
-def _greedy_batch_input(namespace: str, sids: list[str], ps: list[int], ms: list[int], nxts: list[int],
-                        ks: list[int], seeds: list[int], token_ids: torch.Tensor, hidden: torch.Tensor) -> BatchInput:
-    """A checked per-sequence request's greedy steps as one BatchInput (parse_propose's steps_as_columns; the
-    columns from its lists, seeds as the int64 of the uint64 bits: every other column zero)."""
-    n = len(sids)
-    arrays = BatchArrays(
-        start_positions=np.array(ps, dtype=np.int64), num_tokens=np.array(ms, dtype=np.int64),
-        token_ids=token_ids.numpy(), next_tokens=np.array(nxts, dtype=np.int64),
-        num_drafts=np.array(ks, dtype=np.int64), temperatures=np.zeros(n, dtype=np.float32),
-        seeds=np.array(seeds, dtype=np.uint64).view(np.int64), return_logprobs=np.zeros(n, dtype=bool),
-        top_k_probs=np.zeros(n, dtype=np.int64), predraft_branches=np.zeros(n, dtype=np.int64))
     return BatchInput.from_arrays(namespace, sids, arrays, token_ids, hidden)
 
 
