@@ -75,6 +75,59 @@ def test_bench_step_rounds_only_skips_the_single_pass_and_says_it_finished(tmp_p
     assert done.returncode != 0 and "--rounds-only needs --rounds" in done.stderr
 
 
+def test_bench_step_grpc_floor_times_the_unary_bytes_through_a_bare_server(tmp_path):
+    """--grpc-floor: each round also sends the unary batch API's bytes through a bare grpc.aio server; the floor is
+    the in-process step plus that round trip. It needs --rounds and one upload stream."""
+    result = run(["-m", "drafter_client.benchmarks.bench_step", "--preset", "tiny", "--device", "cpu",
+                  "--batches", "1,32", "--iters", "2", "--prefill-tokens", "0", "--threads", "1", "--rounds", "2",
+                  "--rounds-only", "--grpc-floor"], tmp_path / "bs.json")
+    for r in result["rows"]:
+        rounds = r["rounds"]
+        assert len(rounds["bare_grpc_ms"]) == 2 and all(t > 0 for t in rounds["bare_grpc_ms"]), rounds
+        for t_in, t_bare, floor in zip(rounds["in_process_ms"], rounds["bare_grpc_ms"],
+                                       rounds["unary_floor_over_in_process"]):
+            assert floor == pytest.approx((t_in + t_bare) / t_in)
+        assert r["rounds_median"]["unary_floor_over_in_process"] > 1
+    for extra, why in ((["--batches", "1"], "--grpc-floor needs --rounds"),
+                       (["--rounds", "1", "--upload-streams", "2"], "one upload stream")):
+        done = subprocess.run([sys.executable, "-m", "drafter_client.benchmarks.bench_step", "--grpc-floor", *extra],
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and why in done.stderr, done.stderr
+
+
+async def test_the_bare_server_takes_the_unary_steps_messages_in_each_form(server, tmp_path):
+    """bare_grpc: the messages unary_step_bytes builds are those the client sends (one Propose message, or
+    ProposeChunked's header and chunks: the drafter answers them), and the bare server takes either form and
+    answers with the reply's size."""
+    import grpc
+    import torch
+
+    from drafter_client import DrafterClient
+    from drafter_client.batch import StepBatch
+    from drafter_client.benchmarks.bare_grpc import BareClient, BareServer
+    from drafter_client.benchmarks.bench_step import unary_step_bytes
+    from drafter_client.protocol import pb
+
+    g = torch.Generator().manual_seed(3)
+    rows = [600, 25]  # (625 x 64 fp32 states: 160 KB, above DIRECT_STATES_MIN_BYTES, where chunking applies)
+    batch = StepBatch(sequence_ids=["bare-a", "bare-b"], start_positions=torch.tensor([0, 0]),
+                      num_tokens=torch.tensor(rows), token_ids=torch.randint(0, 512, (sum(rows),), generator=g),
+                      hidden_states=torch.randn(sum(rows), 64, generator=g), next_tokens=torch.tensor([5, 6]),
+                      num_drafts=3)
+    with BareServer(f"unix:{tmp_path / 'bare.sock'}") as bare:
+        async with grpc.aio.insecure_channel(bare.address) as ch:
+            for chunk_min_bytes, chunked in ((None, False), (0, True)):
+                async with DrafterClient(server.uds, namespace="bare", chunk_min_bytes=chunk_min_bytes,
+                                         chunk_bytes=4099) as c:
+                    messages, is_chunked, reply = await unary_step_bytes(c, server.uds, batch)
+                    assert is_chunked is chunked
+                    assert len(messages) == (1 + -(-sum(rows) * 64 * 4 // 4099) if chunked else 1)
+                    answer = pb.ProposeResponse.FromString(reply)
+                    assert [r.num_drafts for r in answer.results] == [3, 3], answer
+                    assert await BareClient(ch).round_trip(messages, chunked, len(reply)) > 0
+                    assert await BareClient(ch).round_trip(messages, chunked, 0) > 0
+
+
 def test_bench_step_with_the_engine_applying_fc(tmp_path):
     """--engine-applies-fc (EAGLE-3 presets): in-process and sidecar run with the flag, the steps carry H columns,
     the engine's fc is timed apart, the floor has no fc and H columns; an EAGLE-1 preset refuses it."""

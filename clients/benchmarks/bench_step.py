@@ -331,15 +331,46 @@ async def bench_sidecar(target, batch, context, m, k, iters, width, vocab, metri
             t_channel_ipc, t_channel_batch, statistics.median(unary_batch_times[3:]))
 
 
+async def unary_step_bytes(client, target: str, batch) -> tuple[list[bytes], bool, bytes]:
+    """(the serialized messages client.propose_batch(batch) sends by gRPC, whether on ProposeChunked, the drafter's
+    serialized reply to them): the request built as the client builds it (columns from COLUMNS_MIN_SEQUENCES
+    sequences, ProposeChunked from its chunk_min_bytes; a client without a step channel, one upload stream), then
+    sent once as it is, to learn the reply's size (bench_step --grpc-floor)."""
+    import grpc
+
+    from drafter_client.batch import COLUMNS_MIN_SEQUENCES, serialize_batch
+    from drafter_client.messages import ChunkedRequest
+
+    columns = len(batch) >= COLUMNS_MIN_SEQUENCES and (await client.get_info()).step_columns_supported
+    payload = serialize_batch(client.namespace, batch, None, 1, client.chunk_min_bytes, columns)
+    chunked = isinstance(payload, ChunkedRequest)
+    messages = list(payload.messages(client.chunk_bytes)) if chunked else [bytes(payload)]
+    identity = dict(request_serializer=None, response_deserializer=None)
+    async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 1 << 30),
+                                                          ("grpc.max_send_message_length", 1 << 30)]) as ch:
+        if chunked:
+            async def pieces():
+                for message in messages:
+                    yield message
+            reply = await ch.stream_unary("/drafter.v1.Drafter/ProposeChunked", **identity)(pieces())
+        else:
+            reply = await ch.unary_unary("/drafter.v1.Drafter/Propose", **identity)(messages[0])
+    return messages, chunked, reply
+
+
 async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, rounds: int,
-                       upload_streams: int | None = None) -> dict[str, list[float]]:
+                       upload_streams: int | None = None, bare: str | None = None) -> dict[str, list[float]]:
     """The step channel against the in-process step in alternating rounds (the in-process runtime rt alive beside
     the drafter): each round times iters steps of each of the in-process proposer (one StepInput per sequence, host
     states), propose() through a step channel, propose_batch() through it and propose_batch() by unary gRPC (a second
     client, no channel), one after the other, so that the ratios of a round come from the same minute of the
-    machine. upload_streams: the unary client's (DrafterClient's default when None). Returns each one's median per
-    round (seconds)."""
+    machine. upload_streams: the unary client's (DrafterClient's default when None). bare: the address of a
+    bare_grpc server: each round then also times the unary step's request and reply bytes through it ("bare_grpc",
+    the transport alone). Returns each one's median per round (seconds)."""
+    import grpc
+
     from drafter_client import DrafterClient
+    from drafter_client.benchmarks.bare_grpc import BareClient
     from drafter_client.messages import build_request
 
     prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
@@ -349,13 +380,21 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
     inputs = to_inputs(decode)
     as_batch = as_step_batch(decode)
     result = {"in_process": [], "channel": [], "channel_batch_api": [], "unary_batch_api": []}
+    if bare is not None:
+        result["bare_grpc"] = []
     async with DrafterClient(target, namespace="bench", step_timeout_s=None) as c, \
             DrafterClient(target, namespace="bench", step_timeout_s=None,
-                          **({} if upload_streams is None else {"upload_streams": upload_streams})) as unary:
+                          **({} if upload_streams is None else {"upload_streams": upload_streams})) as unary, \
+            grpc.aio.insecure_channel(bare or target, options=[("grpc.max_receive_message_length", 1 << 30),
+                                                               ("grpc.max_send_message_length", 1 << 30)]) as bare_ch:
         await c.wait_ready(600)  # (with --rounds-only nothing waited for the drafter's start before)
         for chunk in range(0, batch, 8):
             r = await c.propose(prefill[chunk : chunk + 8])
             assert all(s.ok for s in r.sequences), r.sequences[0].message
+        if bare is not None:
+            bare_client = BareClient(bare_ch)
+            unary_messages, chunked, reply = await unary_step_bytes(unary, target, as_batch)
+            reply_bytes = len(reply)
         request_bytes = max(16 * 2**20, 2 * build_request("bench", decode, None).ByteSize())
         assert await c.open_step_channel(request_bytes=request_bytes), "no step channel"
         async def median_step(call) -> tuple[float, object]:  # (seconds per step after 3 warm-up steps, last answer)
@@ -381,6 +420,9 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
             t, r = await median_step(lambda: unary.propose_batch(as_batch))
             assert not r.fallback and int(r.codes.abs().sum()) == 0 and bool((r.num_drafts == k).all())
             result["unary_batch_api"].append(t)
+            if bare is not None:  # the same bytes both ways through gRPC alone
+                t, _ = await median_step(lambda: bare_client.round_trip(unary_messages, chunked, reply_bytes))
+                result["bare_grpc"].append(t)
         assert unary.steps_through_channel == 0
         assert c.steps_through_channel == 2 * rounds * (iters + 3), "every step should have gone through the channel"
         c.close_step_channel()
@@ -480,6 +522,9 @@ def main() -> int:
                          "API, CUDA IPC) and time only the in-process step and the rounds")
     ap.add_argument("--upload-streams", type=int, default=None,
                     help="the rounds' unary batch API: DrafterClient(upload_streams=N) (default: the client's, 1)")
+    ap.add_argument("--grpc-floor", action="store_true",
+                    help="with --rounds: each round also sends the unary batch API's request and reply bytes through a "
+                         "bare grpc.aio server (bare_grpc.py); in-process + that round trip is the unary path's floor")
     ap.add_argument("--client-cpus", default=None,
                     help="Linux: CPUs this process (the engine side and the in-process step) runs on, e.g. 2 or 2-3 "
                          "(default: all)")
@@ -489,6 +534,10 @@ def main() -> int:
     a = ap.parse_args()
     if a.rounds_only and not a.rounds:
         ap.error("--rounds-only needs --rounds N")
+    if a.grpc_floor and not a.rounds:
+        ap.error("--grpc-floor needs --rounds N")
+    if a.grpc_floor and (a.upload_streams or 1) != 1:
+        ap.error("--grpc-floor times one upload stream (the bare server's Upload is one call)")
     if a.client_cpus:
         os.sched_setaffinity(0, cpu_list(a.client_cpus))
         print(f"this process runs on CPUs {sorted(os.sched_getaffinity(0))}", flush=True)
@@ -595,7 +644,11 @@ def main() -> int:
         drafter_cpus = cpu_list(a.drafter_cpus) if a.drafter_cpus else None
         server = subprocess.Popen(cmd, preexec_fn=(lambda: os.sched_setaffinity(0, drafter_cpus)) if drafter_cpus
                                   else None)
+        bare = None
         try:
+            if a.grpc_floor:  # (spawned: this process holds a CUDA context)
+                from drafter_client.benchmarks.bare_grpc import BareServer
+                bare = BareServer(f"unix:{tmp / 'bare.sock'}")
             for row in rows if not a.rounds_only else []:
                 b = row["batch"]
                 t, parts, t_stream, t_channel, ch_parts, t_ipc, t_batch, t_unary_batch = asyncio.run(bench_sidecar(
@@ -641,9 +694,12 @@ def main() -> int:
                 prefill.update(channel_ms=t * 1e3, channel_gbps=prefill["hidden_bytes"] / t / 1e9)
             for row in rows if a.rounds else []:
                 got = asyncio.run(bench_rounds(rt, f"unix:{sock}", row["batch"], context, a.m, a.k, a.iters, width,
-                                               shape["vocab_size"], a.rounds, a.upload_streams))
+                                               shape["vocab_size"], a.rounds, a.upload_streams,
+                                               bare.address if bare else None))
                 ratios = {name: [t / t_in for t, t_in in zip(got[name], got["in_process"])]
                           for name in ("channel", "channel_batch_api", "unary_batch_api")}
+                if bare is not None:  # the unary path's floor: the in-process step plus gRPC's round trip alone
+                    ratios["unary_floor"] = [(t_in + t) / t_in for t, t_in in zip(got["bare_grpc"], got["in_process"])]
                 row["rounds"] = dict({f"{name}_ms": [t * 1e3 for t in ts] for name, ts in got.items()},
                                      **{f"{name}_over_in_process": r for name, r in ratios.items()})
                 row["rounds_median"] = {f"{name}_over_in_process": statistics.median(r) for name, r in ratios.items()}
@@ -653,9 +709,13 @@ def main() -> int:
                       f"{' '.join(f'{x:.2f}' for x in ratios['channel_batch_api'])} (median "
                       f"{row['rounds_median']['channel_batch_api_over_in_process']:.2f}), unary batch API / "
                       f"in-process {' '.join(f'{x:.2f}' for x in ratios['unary_batch_api'])} (median "
-                      f"{row['rounds_median']['unary_batch_api_over_in_process']:.2f})", flush=True)
+                      f"{row['rounds_median']['unary_batch_api_over_in_process']:.2f})"
+                      + (f", unary floor (in-process + bare gRPC) / in-process "
+                         f"{' '.join(f'{x:.2f}' for x in ratios['unary_floor'])}" if bare else ""), flush=True)
                 save(complete=False)
         finally:
+            if bare is not None:
+                bare.__exit__()
             server.terminate()
             server.wait(60)
     result = save(complete=True)
@@ -705,13 +765,20 @@ def main() -> int:
         print(f"{a.rounds} alternating rounds of {a.iters} steps each (per round: in-process, then the step channel, then "
               "the batch API through it, then the batch API by unary gRPC); ratio to the in-process step, median "
               "[min, max]:")
-        print(f"{'batch':>5} {'in-proc ms':>11} {'channel / in':>22} {'batch API / in':>22} {'unary batch API / in':>22}")
+        names = ("channel", "channel_batch_api", "unary_batch_api") + (("unary_floor",) if a.grpc_floor else ())
+        print(f"{'batch':>5} {'in-proc ms':>11} {'channel / in':>22} {'batch API / in':>22} {'unary batch API / in':>22}"
+              + (f" {'unary floor / in':>22} {'bare gRPC ms':>12}" if a.grpc_floor else ""))
         for r in rows:
             cells = ""
-            for name in ("channel", "channel_batch_api", "unary_batch_api"):
+            for name in names:
                 x = r["rounds"][f"{name}_over_in_process"]
                 cells += f" {statistics.median(x):>8.2f} [{min(x):.2f}, {max(x):.2f}] "
+            if a.grpc_floor:
+                cells += f" {statistics.median(r['rounds']['bare_grpc_ms']):>11.2f}"
             print(f"{r['batch']:>5} {statistics.median(r['rounds']['in_process_ms']):>11.2f}{cells}")
+        if a.grpc_floor:
+            print("unary floor: the in-process step plus the unary request's and reply's bytes through a bare grpc.aio "
+                  "server (bare_grpc.py), round by round")
     print(f"wrote {out}")
     return 0
 
