@@ -51,10 +51,14 @@ def test_bench_step_measures_every_path(tmp_path):
             assert r[key] > 0, (key, r)
         # --rounds: each round's medians and ratios, in-process and through the channel alternated
         rounds = r["rounds"]
-        for key in ("in_process_ms", "channel_ms", "channel_batch_api_ms", "unary_batch_api_ms",
-                    "channel_over_in_process", "channel_batch_api_over_in_process", "unary_batch_api_over_in_process"):
+        for key in ("in_process_ms", "in_process_columns_ms", "channel_ms", "channel_batch_api_ms", "unary_batch_api_ms",
+                    "channel_over_in_process", "channel_batch_api_over_in_process", "unary_batch_api_over_in_process",
+                    "channel_batch_api_over_in_process_columns", "unary_batch_api_over_in_process_columns"):
             assert len(rounds[key]) == 2 and all(x > 0 for x in rounds[key]), (key, rounds)
         assert rounds["channel_over_in_process"][0] == pytest.approx(rounds["channel_ms"][0] / rounds["in_process_ms"][0])
+        # the batch API (columns) like for like: against the in-process step from columns
+        assert rounds["unary_batch_api_over_in_process_columns"][1] == pytest.approx(
+            rounds["unary_batch_api_ms"][1] / rounds["in_process_columns_ms"][1])
         assert min(rounds["channel_over_in_process"]) <= r["rounds_median"]["channel_over_in_process"] <= max(
             rounds["channel_over_in_process"])
 
@@ -84,10 +88,10 @@ def test_bench_step_grpc_floor_times_the_unary_bytes_through_a_bare_server(tmp_p
     for r in result["rows"]:
         rounds = r["rounds"]
         assert len(rounds["bare_grpc_ms"]) == 2 and all(t > 0 for t in rounds["bare_grpc_ms"]), rounds
-        for t_in, t_bare, floor in zip(rounds["in_process_ms"], rounds["bare_grpc_ms"],
-                                       rounds["unary_floor_over_in_process"]):
+        for t_in, t_bare, floor in zip(rounds["in_process_columns_ms"], rounds["bare_grpc_ms"],
+                                       rounds["unary_floor_over_in_process_columns"]):
             assert floor == pytest.approx((t_in + t_bare) / t_in)
-        assert r["rounds_median"]["unary_floor_over_in_process"] > 1
+        assert r["rounds_median"]["unary_floor_over_in_process_columns"] > 1
     for extra, why in ((["--batches", "1"], "--grpc-floor needs --rounds"),
                        (["--rounds", "1", "--upload-streams", "2"], "one upload stream")):
         done = subprocess.run([sys.executable, "-m", "drafter_client.benchmarks.bench_step", "--grpc-floor", *extra],

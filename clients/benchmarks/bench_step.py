@@ -362,9 +362,9 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
                        upload_streams: int | None = None, bare: str | None = None) -> dict[str, list[float]]:
     """The step channel against the in-process step in alternating rounds (the in-process runtime rt alive beside
     the drafter): each round times iters steps of each of the in-process proposer (one StepInput per sequence, host
-    states), propose() through a step channel, propose_batch() through it and propose_batch() by unary gRPC (a second
-    client, no channel), one after the other, so that the ratios of a round come from the same minute of the
-    machine. upload_streams: the unary client's (DrafterClient's default when None). bare: the address of a
+    states; then the same step as columns, one BatchInput through Proposer.step_batch, host states), propose()
+    through a step channel, propose_batch() through it and propose_batch() by unary gRPC (a second client, no
+    channel), one after the other, so that the ratios of a round come from the same minute of the machine. upload_streams: the unary client's (DrafterClient's default when None). bare: the address of a
     bare_grpc server: each round then also times the unary step's request and reply bytes through it ("bare_grpc",
     the transport alone). Returns each one's median per round (seconds)."""
     import grpc
@@ -378,8 +378,10 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
         out = rt.proposer.step(to_inputs(prefill[chunk : chunk + 8]))
         assert all(o.code == 0 for o in out), out[0].message
     inputs = to_inputs(decode)
+    batch_inputs = to_batch_input(decode)
     as_batch = as_step_batch(decode)
-    result = {"in_process": [], "channel": [], "channel_batch_api": [], "unary_batch_api": []}
+    result = {"in_process": [], "in_process_columns": [], "channel": [], "channel_batch_api": [],
+              "unary_batch_api": []}
     if bare is not None:
         result["bare_grpc"] = []
     async with DrafterClient(target, namespace="bench", step_timeout_s=None) as c, \
@@ -411,6 +413,9 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
             t, out = await median_step(lambda: rt.proposer.step(inputs))
             assert all(o.code == 0 and len(o.drafts) == k for o in out), out[0].message
             result["in_process"].append(t)
+            t, out = await median_step(lambda: rt.proposer.step_batch(batch_inputs))
+            assert all(o.code == 0 and len(o.drafts) == k for o in out.to_outputs()), out.messages
+            result["in_process_columns"].append(t)
             t, r = await median_step(lambda: c.propose(decode))
             assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
             result["channel"].append(t)
@@ -696,22 +701,20 @@ def main() -> int:
                 got = asyncio.run(bench_rounds(rt, f"unix:{sock}", row["batch"], context, a.m, a.k, a.iters, width,
                                                shape["vocab_size"], a.rounds, a.upload_streams,
                                                bare.address if bare else None))
-                ratios = {name: [t / t_in for t, t_in in zip(got[name], got["in_process"])]
+                ratios = {f"{name}_over_in_process": [t / t_in for t, t_in in zip(got[name], got["in_process"])]
                           for name in ("channel", "channel_batch_api", "unary_batch_api")}
+                # like for like: the batch API (columns in and out) against the in-process step from columns
+                ratios.update({f"{name}_over_in_process_columns": [t / t_in for t, t_in in
+                                                                   zip(got[name], got["in_process_columns"])]
+                               for name in ("channel_batch_api", "unary_batch_api")})
                 if bare is not None:  # the unary path's floor: the in-process step plus gRPC's round trip alone
-                    ratios["unary_floor"] = [(t_in + t) / t_in for t, t_in in zip(got["bare_grpc"], got["in_process"])]
-                row["rounds"] = dict({f"{name}_ms": [t * 1e3 for t in ts] for name, ts in got.items()},
-                                     **{f"{name}_over_in_process": r for name, r in ratios.items()})
-                row["rounds_median"] = {f"{name}_over_in_process": statistics.median(r) for name, r in ratios.items()}
-                print(f"rounds, batch {row['batch']}: channel / in-process "
-                      f"{' '.join(f'{x:.2f}' for x in ratios['channel'])} (median "
-                      f"{row['rounds_median']['channel_over_in_process']:.2f}), batch API / in-process "
-                      f"{' '.join(f'{x:.2f}' for x in ratios['channel_batch_api'])} (median "
-                      f"{row['rounds_median']['channel_batch_api_over_in_process']:.2f}), unary batch API / "
-                      f"in-process {' '.join(f'{x:.2f}' for x in ratios['unary_batch_api'])} (median "
-                      f"{row['rounds_median']['unary_batch_api_over_in_process']:.2f})"
-                      + (f", unary floor (in-process + bare gRPC) / in-process "
-                         f"{' '.join(f'{x:.2f}' for x in ratios['unary_floor'])}" if bare else ""), flush=True)
+                    ratios["unary_floor_over_in_process_columns"] = [
+                        (t_in + t) / t_in for t, t_in in zip(got["bare_grpc"], got["in_process_columns"])]
+                row["rounds"] = dict({f"{name}_ms": [t * 1e3 for t in ts] for name, ts in got.items()}, **ratios)
+                row["rounds_median"] = {name: statistics.median(r) for name, r in ratios.items()}
+                print(f"rounds, batch {row['batch']}: "
+                      + ", ".join(f"{name} {' '.join(f'{x:.2f}' for x in r)} (median {statistics.median(r):.2f})"
+                                  for name, r in ratios.items()), flush=True)
                 save(complete=False)
         finally:
             if bare is not None:
@@ -762,23 +765,31 @@ def main() -> int:
               f"sidecar {prefill['sidecar_ms']:.1f} ms ({prefill['sidecar_gbps']:.2f} GB/s), through a step channel "
               f"{prefill['channel_ms']:.1f} ms ({prefill['channel_gbps']:.2f} GB/s)")
     if a.rounds:
-        print(f"{a.rounds} alternating rounds of {a.iters} steps each (per round: in-process, then the step channel, then "
-              "the batch API through it, then the batch API by unary gRPC); ratio to the in-process step, median "
-              "[min, max]:")
-        names = ("channel", "channel_batch_api", "unary_batch_api") + (("unary_floor",) if a.grpc_floor else ())
-        print(f"{'batch':>5} {'in-proc ms':>11} {'channel / in':>22} {'batch API / in':>22} {'unary batch API / in':>22}"
-              + (f" {'unary floor / in':>22} {'bare gRPC ms':>12}" if a.grpc_floor else ""))
+        print(f"{a.rounds} alternating rounds of {a.iters} steps each (per round: in-process per sequence, in-process "
+              "from columns, the step channel, the batch API through it, the batch API by unary gRPC"
+              + (", the unary request's bytes through a bare grpc.aio server" if a.grpc_floor else "")
+              + "); ratios, median [min, max]: the per-sequence API (propose) to the in-process step per sequence "
+              "(Proposer.step), the batch API (columns) to the in-process step from columns (Proposer.step_batch):")
+        cols = [("channel_over_in_process", "channel / in"),
+                ("channel_batch_api_over_in_process_columns", "batch API, chan. / cols"),
+                ("unary_batch_api_over_in_process_columns", "unary batch API / cols")]
+        if a.grpc_floor:
+            cols.append(("unary_floor_over_in_process_columns", "unary floor / cols"))
+        print(f"{'batch':>5} {'in-proc ms':>11} {'in, cols ms':>11}" + "".join(f" {title:>24}" for _, title in cols)
+              + (f" {'bare gRPC ms':>12}" if a.grpc_floor else ""))
         for r in rows:
             cells = ""
-            for name in names:
-                x = r["rounds"][f"{name}_over_in_process"]
-                cells += f" {statistics.median(x):>8.2f} [{min(x):.2f}, {max(x):.2f}] "
+            for key, _ in cols:
+                x = r["rounds"][key]
+                cells += f" {statistics.median(x):>10.2f} [{min(x):.2f}, {max(x):.2f}]"
             if a.grpc_floor:
-                cells += f" {statistics.median(r['rounds']['bare_grpc_ms']):>11.2f}"
-            print(f"{r['batch']:>5} {statistics.median(r['rounds']['in_process_ms']):>11.2f}{cells}")
+                cells += f" {statistics.median(r['rounds']['bare_grpc_ms']):>12.2f}"
+            print(f"{r['batch']:>5} {statistics.median(r['rounds']['in_process_ms']):>11.2f} "
+                  f"{statistics.median(r['rounds']['in_process_columns_ms']):>11.2f}{cells}")
         if a.grpc_floor:
-            print("unary floor: the in-process step plus the unary request's and reply's bytes through a bare grpc.aio "
-                  "server (bare_grpc.py), round by round")
+            print("unary floor: the in-process step from columns plus the unary request's and reply's bytes through a "
+                  "bare grpc.aio server (bare_grpc.py), round by round: no Python of the drafter's or the client's can "
+                  "bring the unary batch API below it")
     print(f"wrote {out}")
     return 0
 

@@ -1,11 +1,13 @@
 """Plot a bench_step JSON: ms per engine step against batch size for the in-process proposer (with and without
-CUDA graphs when measured), the sidecar (unary, stream, step channel when measured), and the floor.
+CUDA graphs when measured), the sidecar (unary, stream, step channel when measured), and the floor; with --rounds,
+each path's median over the rounds (and with --grpc-floor, the unary path's floor).
 
     python -m drafter_client.benchmarks.plot_step docs/bench/step_llama3-8b_h200_graphs_ab.json --out docs/step_h200.png
 """
 import argparse
 import json
 import pathlib
+import statistics
 import sys
 
 from drafter_client.benchmarks import pyplot
@@ -38,6 +40,17 @@ def main() -> int:
     for key, label in lines:
         if all(key in r for r in rows):
             ax.plot(b, [r[key] for r in rows], marker="o", label=label)
+    # --rounds: each path's median over the alternating rounds (a --rounds-only run has these only)
+    rounds = [("channel_ms", "step channel (rounds)"), ("channel_batch_api_ms", "step channel, batch API (rounds)"),
+              ("unary_batch_api_ms", "batch API by unary gRPC (rounds)"),
+              ("in_process_columns_ms", "in-process, as columns (rounds)")]
+    for key, label in rounds:
+        if all(key in r.get("rounds", {}) for r in rows):
+            ax.plot(b, [statistics.median(r["rounds"][key]) for r in rows], marker="s", linestyle=":", label=label)
+    if all("bare_grpc_ms" in r.get("rounds", {}) and "in_process_columns_ms" in r["rounds"] for r in rows):
+        ax.plot(b, [statistics.median([t + g for t, g in zip(r["rounds"]["in_process_columns_ms"],
+                                                             r["rounds"]["bare_grpc_ms"])]) for r in rows],
+                linestyle="-.", color="grey", label="unary floor: in-process columns + bare gRPC (rounds)")
     ax.plot(b, [r["floor_ms"] for r in rows], linestyle="--", color="k", label="floor (bytes / bandwidth)")
     ax.set(xscale="log", xlabel="batch (sequences)", ylabel="ms per engine step",
            title=f"{d['preset']}, {d['dtype']}, context {d['context']}, k={d['k']}\n{d['device']}, {d['date'][:10]}")
