@@ -1,8 +1,9 @@
-"""Proposer.step_batch (columns in, columns out: batch_io.py) answers exactly what Proposer.step answers for the same
-steps: drafts, accepted-draft counts, committed lengths, per-sequence statuses, the acceptance and step metrics, and
+"""Proposer.step_batch (columns in, columns out: batch_io.py) answers exactly what Proposer.step_per_sequence answers
+for the same steps: drafts, accepted-draft counts, committed lengths, per-sequence statuses, the acceptance and step metrics, and
 the KV it leaves behind (later steps draft the same), over random traffic with mixed m and k, rollbacks, block
 boundaries, sampling, sequences that fail their own checks, a full pool and a step that raises. Two drafters built
-from the same head get the same traffic, one step by step, one by columns."""
+from the same head get the same traffic, one sequence by sequence, one by columns. Proposer.step given StepInputs
+runs a step the columns path takes from its columns too (BatchInput.from_inputs), with the same answers."""
 import random
 
 import pytest
@@ -89,7 +90,7 @@ def test_columns_answer_as_the_per_sequence_step_over_random_traffic(tiny_model,
         steps = [t.step(sid, m=rng.randint(1, 5), k=rng.choice([0, 1, 3, 5, 8]),
                          back=rng.choice([0, 0, 0, 1, 3]), temperature=rng.choice([0.0, 0.8]) if sampled else 0.0)
                  for sid in sids]
-        out_a = a.proposer.step(steps)
+        out_a = a.proposer.step_per_sequence(steps)
         same(out_a, b.proposer.step_batch(as_batch(steps)))
         assert metrics_of(a) == metrics_of(b)
         t.answered(steps, out_a)
@@ -97,16 +98,58 @@ def test_columns_answer_as_the_per_sequence_step_over_random_traffic(tiny_model,
     assert b.proposer.columns_steps_run - fast_before >= 8
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_step_with_step_inputs_runs_from_the_columns_with_the_same_answers(tiny_model, tmp_path, device):
+    """Proposer.step: a step of known sequences that step_batch would run from its columns goes there from its
+    StepInputs (greedy, and sampled where the batch is large), and answers, counts and leaves behind what the
+    per-sequence step does; one sequence, log-probabilities, top-N or a new sequence stay per sequence."""
+    a, b = runtimes(tiny_model, tmp_path, device=device)
+    width, vocab = a.limits.hidden_states_width, a.limits.vocab_size
+    t = Traffic(7, width, vocab, 40)
+    first = [t.step(sid, 3, 4) for sid in t.tokens]  # (new sequences: the per-sequence path)
+    same(a.proposer.step_per_sequence(first), BatchOutput.from_outputs(b.proposer.step(first)))
+    for round in range(10):
+        rng = t.rng
+        sids = sorted(t.tokens, key=lambda _: rng.random())[: rng.randint(24, 40)]
+        sampled = round % 3 == 2
+        steps = [t.step(sid, m=rng.randint(1, 5), k=rng.choice([0, 1, 3, 5, 8]),
+                         back=rng.choice([0, 0, 0, 1, 3]), temperature=rng.choice([0.0, 0.8]) if sampled else 0.0)
+                 for sid in sids]
+        before = b.proposer.columns_steps_run
+        out_a, out_b = a.proposer.step_per_sequence(steps), b.proposer.step(steps)
+        assert b.proposer.columns_may_take(steps)
+        assert b.proposer.columns_steps_run - before == 1
+        same(out_a, BatchOutput.from_outputs(out_b))
+        assert metrics_of(a) == metrics_of(b)
+        t.answered(steps, out_a)
+    steps = [t.step(sid, 2, 3) for sid in sorted(t.tokens)[:12]]
+    for kind in ("one", "logprobs", "top_k", "new"):
+        if kind == "one":
+            ask = steps[:1]
+        elif kind == "new":
+            ask = [*steps[1:], StepInput(NS, "fresh", 0, torch.arange(4), torch.randn(4, width), 3, 2)]
+        else:
+            ask = [StepInput(**{**s.__dict__, "return_logprobs": kind == "logprobs",
+                                "top_k_probs": 2 if kind == "top_k" else 0}) for s in steps]
+        before = b.proposer.columns_steps_run
+        assert b.proposer.columns_may_take(ask) is (kind == "new")  # (a new sequence: the columns path declines it)
+        out_a, out_b = a.proposer.step_per_sequence(ask), b.proposer.step(ask)
+        assert b.proposer.columns_steps_run == before, kind
+        assert [(o.code, o.drafts, o.accepted_drafts, o.committed_length) for o in out_a] == [
+            (o.code, o.drafts, o.accepted_drafts, o.committed_length) for o in out_b], kind
+        t.answered(ask, out_a)
+
+
 def test_a_sequence_failing_its_own_check_gets_its_status_and_the_rest_draft(tiny_model, tmp_path):
     a, b = runtimes(tiny_model, tmp_path)
     t = Traffic(1, a.limits.hidden_states_width, a.limits.vocab_size, 30)
     first = [t.step(sid, 3, 4) for sid in t.tokens]
-    same(a.proposer.step(first), b.proposer.step_batch(as_batch(first)))
+    same(a.proposer.step_per_sequence(first), b.proposer.step_batch(as_batch(first)))
     steps = [t.step(sid, 3, 4) for sid in t.tokens]
     gap = steps[5]
     steps[5] = StepInput(NS, gap.sequence_id, gap.start_position + 7, gap.token_ids, gap.hidden_states,
                          gap.next_token, 4)  # beyond the committed length
-    out_a, out_b = a.proposer.step(steps), b.proposer.step_batch(as_batch(steps))
+    out_a, out_b = a.proposer.step_per_sequence(steps), b.proposer.step_batch(as_batch(steps))
     same(out_a, out_b)
     assert out_a[5].code == FAILED_PRECONDITION and all(o.code == OK for i, o in enumerate(out_a) if i != 5)
 
@@ -117,11 +160,11 @@ def test_a_full_pool_refuses_as_the_per_sequence_step_does(tiny_model, tmp_path)
     a, b = runtimes(tiny_model, tmp_path, kv_cache_tokens=1600)
     t = Traffic(2, a.limits.hidden_states_width, a.limits.vocab_size, 30)
     first = [t.step(sid, 3, 0) for sid in t.tokens]
-    same(a.proposer.step(first), b.proposer.step_batch(as_batch(first)))
+    same(a.proposer.step_per_sequence(first), b.proposer.step_batch(as_batch(first)))
     codes = set()
     for _ in range(4):
         steps = [t.step(sid, 3, 5) for sid in t.tokens]
-        out_a = a.proposer.step(steps)
+        out_a = a.proposer.step_per_sequence(steps)
         same(out_a, b.proposer.step_batch(as_batch(steps)))
         assert metrics_of(a) == metrics_of(b)
         t.answered(steps, out_a)
@@ -134,22 +177,22 @@ def test_a_step_that_raises_fails_its_sequences_and_keeps_their_earlier_kv(tiny_
     a, b = runtimes(tiny_model, tmp_path)
     t = Traffic(3, a.limits.hidden_states_width, a.limits.vocab_size, 30)
     first = [t.step(sid, 3, 4) for sid in t.tokens]
-    same(a.proposer.step(first), b.proposer.step_batch(as_batch(first)))
+    same(a.proposer.step_per_sequence(first), b.proposer.step_batch(as_batch(first)))
     second = [t.step(sid, 3, 4) for sid in t.tokens]
-    same(a.proposer.step(second), b.proposer.step_batch(as_batch(second)))
+    same(a.proposer.step_per_sequence(second), b.proposer.step_batch(as_batch(second)))
     steps = [t.step(sid, 3, 4) for sid in t.tokens]
     for rt in (a, b):
         def broken(*args, **kw):
             raise RuntimeError("injected")
         monkeypatch.setattr(rt.proposer.model, "forward", broken)
-    out_a, out_b = a.proposer.step(steps), b.proposer.step_batch(as_batch(steps))
+    out_a, out_b = a.proposer.step_per_sequence(steps), b.proposer.step_batch(as_batch(steps))
     same(out_a, out_b)
     assert {o.code for o in out_a} == {INTERNAL} and "injected" in out_a[0].message
     monkeypatch.undo()
     # the engine sends the failed step again: both drafters draft it, and the same
-    same(a.proposer.step(steps), b.proposer.step_batch(as_batch(steps)))
+    same(a.proposer.step_per_sequence(steps), b.proposer.step_batch(as_batch(steps)))
     again = [t.step(sid, 2, 5) for sid in t.tokens]
-    same(a.proposer.step(again), b.proposer.step_batch(as_batch(again)))
+    same(a.proposer.step_per_sequence(again), b.proposer.step_batch(as_batch(again)))
     assert metrics_of(a) == metrics_of(b)
 
 
@@ -159,17 +202,17 @@ def test_what_the_columns_cannot_carry_goes_the_per_sequence_way(tiny_model, tmp
     a, b = runtimes(tiny_model, tmp_path)
     t = Traffic(4, a.limits.hidden_states_width, a.limits.vocab_size, 30)
     first = [t.step(sid, 3, 4) for sid in t.tokens]
-    same(a.proposer.step(first), b.proposer.step_batch(as_batch(first)))
+    same(a.proposer.step_per_sequence(first), b.proposer.step_batch(as_batch(first)))
     steps = [t.step(sid, 3, 4) for sid in t.tokens]
     for s in steps:
         s.return_logprobs, s.top_k_probs = True, 3
     before = b.proposer.columns_steps_run
-    out_a, out_b = a.proposer.step(steps), b.proposer.step_batch(as_batch(steps))
+    out_a, out_b = a.proposer.step_per_sequence(steps), b.proposer.step_batch(as_batch(steps))
     same(out_a, out_b)
     assert out_b.outputs is not None and out_b.outputs[0].top_k_ids is not None
     assert [o.logprobs for o in out_a] == [o.logprobs for o in out_b.outputs]
     small = [t.step(sid, 1, 4) for sid in list(t.tokens)[:4]]  # 4 rows: below SMALL_STEP_ROWS
-    same(a.proposer.step(small), b.proposer.step_batch(as_batch(small)))
+    same(a.proposer.step_per_sequence(small), b.proposer.step_batch(as_batch(small)))
     assert b.proposer.columns_steps_run == before
 
 
@@ -181,12 +224,12 @@ def test_a_step_of_eight_sequences_with_few_rows_runs_from_its_columns(tiny_mode
     a, b = runtimes(tiny_model, tmp_path)
     t = Traffic(6, a.limits.hidden_states_width, a.limits.vocab_size, STEP_BATCH_MIN_SEQUENCES)
     first = [t.step(sid, 3, 4) for sid in t.tokens]
-    same(a.proposer.step(first), b.proposer.step_batch(as_batch(first)))
+    same(a.proposer.step_per_sequence(first), b.proposer.step_batch(as_batch(first)))
     before = b.proposer.columns_steps_run
     for _ in range(4):
         steps = [t.step(sid, t.rng.randint(1, 3), t.rng.randint(1, 5)) for sid in t.tokens]
         assert sum(s.num_tokens for s in steps) <= 24
-        out_a, out_b = a.proposer.step(steps), b.proposer.step_batch(as_batch(steps))
+        out_a, out_b = a.proposer.step_per_sequence(steps), b.proposer.step_batch(as_batch(steps))
         same(out_a, out_b)
         t.answered(steps, out_a)
     assert b.proposer.columns_steps_run == before + 4
@@ -199,14 +242,14 @@ def test_a_sequence_named_twice_in_one_batch_goes_the_per_sequence_way(tiny_mode
     a, b = runtimes(tiny_model, tmp_path)
     t = Traffic(5, a.limits.hidden_states_width, a.limits.vocab_size, 30)
     first = [t.step(sid, 3, 4) for sid in t.tokens]
-    same(a.proposer.step(first), b.proposer.step_batch(as_batch(first)))
+    same(a.proposer.step_per_sequence(first), b.proposer.step_batch(as_batch(first)))
     steps = [t.step(sid, 3, 4) for sid in t.tokens]
     steps.append(steps[0])
     before = b.proposer.columns_steps_run
-    same(a.proposer.step(steps), b.proposer.step_batch(as_batch(steps)))
+    same(a.proposer.step_per_sequence(steps), b.proposer.step_batch(as_batch(steps)))
     assert b.proposer.columns_steps_run == before
     later = [t.step(sid, 3, 4) for sid in t.tokens]  # and the state both left behind drafts the same
-    same(a.proposer.step(later), b.proposer.step_batch(as_batch(later)))
+    same(a.proposer.step_per_sequence(later), b.proposer.step_batch(as_batch(later)))
     assert b.proposer.columns_steps_run == before + 1
 
 
@@ -287,7 +330,7 @@ def test_merged_columnar_requests_run_as_one_batch_and_each_gets_its_share(tiny_
 
     for round, mixed in enumerate([False, False, False, True]):
         sa, sb = steps_of(ta, "na", 3, 4), steps_of(tb, "nb", 2, 5)
-        want = a.proposer.step([*sa, *sb])
+        want = a.proposer.step_per_sequence([*sa, *sb])
         ba, bb = as_batch(sa), as_batch(sb)
         ba.namespaces, bb.namespaces = ["na"] * len(sa), ["nb"] * len(sb)
         before = b.proposer.columns_steps_run
@@ -332,7 +375,7 @@ def test_early_work_sees_the_answer_before_its_drafts_and_is_dropped_when_the_st
 
     for _ in range(2):  # the first round creates the sequences (the per-sequence path: no early work)
         steps = [t.step(sid, 3, 4) for sid in sids]
-        out = a.proposer.step(steps)
+        out = a.proposer.step_per_sequence(steps)
         pending, seen, delivered = run_two_requests(steps)
         t.answered(steps, out)
     assert set(seen) == {0, 1} and all(drafts is None for drafts, _, _ in seen.values())

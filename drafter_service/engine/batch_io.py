@@ -3,8 +3,9 @@
 A columnar request (ProposeRequest.columns, the client's StepBatch) is decoded into one BatchInput: a handful of
 tensors for all B sequences, no Python object per sequence. Proposer.step_batch runs the common step (known
 sequences, sequential head, no pre-drafting, no log-probabilities or top-N) straight from these columns; any other
-step goes through Proposer.step after BatchInput.to_inputs, and its outputs come back as a BatchOutput that wraps
-them (BatchOutput.from_outputs), so every caller sees one type.
+step goes through Proposer.step_per_sequence after BatchInput.to_inputs, and its outputs come back as a BatchOutput
+that wraps them (BatchOutput.from_outputs), so every caller sees one type. Proposer.step, given StepInputs, builds a
+BatchInput (from_inputs) for a step the columns path may take.
 
   BatchInput (host tensors unless said)
     sequence_ids      list[str]  [B]
@@ -111,6 +112,26 @@ class BatchInput:
                    return_logprobs=torch.tensor(return_logprobs, dtype=torch.bool),
                    top_k_probs=torch.tensor(top_k_probs, dtype=i64),
                    predraft_branches=torch.tensor(predraft_branches, dtype=i64))
+
+    @classmethod
+    def from_inputs(cls, steps: list[StepInput]) -> "BatchInput":
+        """The same steps as columns (Proposer.step hands a batch that step_batch's columns path may take there): the
+        states stay each step's own tensor (state_parts; the step copies them to the device as one block where they
+        are consecutive rows of one tensor, else through one pinned concatenation: host_staging.rows_into)."""
+        i64 = torch.int64
+        return cls(sequence_ids=[s.sequence_id for s in steps], namespaces=[s.namespace for s in steps],
+                   owners=[s.owner for s in steps],
+                   start_positions=torch.tensor([s.start_position for s in steps], dtype=i64),
+                   num_tokens=torch.tensor([s.token_ids.shape[0] for s in steps], dtype=i64),
+                   token_ids=torch.cat([s.token_ids for s in steps]), hidden_states=None,
+                   next_tokens=torch.tensor([s.next_token for s in steps], dtype=i64),
+                   num_drafts=torch.tensor([s.num_drafts for s in steps], dtype=i64),
+                   temperatures=torch.tensor([s.temperature for s in steps], dtype=torch.float32),
+                   seeds=torch.tensor([seed_to_int64(s.seed) for s in steps], dtype=i64),
+                   return_logprobs=torch.tensor([s.return_logprobs for s in steps], dtype=torch.bool),
+                   top_k_probs=torch.tensor([s.top_k_probs for s in steps], dtype=i64),
+                   predraft_branches=torch.tensor([s.predraft_branches for s in steps], dtype=i64),
+                   state_parts=[s.hidden_states for s in steps])
 
     @classmethod
     def from_arrays(cls, namespace: str, sequence_ids: list[str], arrays: "BatchArrays", token_ids: torch.Tensor,

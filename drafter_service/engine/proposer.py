@@ -19,9 +19,11 @@ multi_layer (multi-layer EAGLE): _run_multi_layer
   shift cache, with the tokens shifted by j more; its output at row C-1 gives draft j+1 (multi_layer_inputs.py).
 After the step the sequence's committed length is C; scratch KV past it is overwritten by the next step.
 
-Two entry points: step(list[StepInput]) works sequence by sequence (admission with each sequence's own status,
-pre-drafting, log-probabilities, top-N, every head); step_batch(BatchInput) runs the common step of a sequential head
-from the step's columns (batch_io.py) with tensor ops over the batch, and hands anything else to step().
+Two entry points: step(list[StepInput]) and step_batch(BatchInput). The common step of a sequential head (known
+sequences, no pre-drafting, log-probabilities or top-N) runs from the step's columns (batch_io.py) with tensor ops
+over the batch, whichever entry point it came through (step() builds the columns for a step of two or more
+sequences); anything else runs sequence by sequence (step_per_sequence: admission with each sequence's own status,
+pre-drafting, log-probabilities, top-N, every head).
 
 On CUDA a greedy step of a sequential head replays CUDA graphs (cuda_graphs.py). Where its first step fits a
 first-step graph, both entry points hand the graph its raw columns (first_step_record.py) and the graph builds its
@@ -408,6 +410,35 @@ class Proposer:
 
     @torch.inference_mode()
     def step(self, steps: list[StepInput]) -> list[StepOutput]:
+        """One engine step, one StepInput per sequence. A step of two or more sequences that step_batch would run
+        from its columns (columns_may_take) runs there, as BatchInput.from_inputs: an engine calling the drafter in
+        its own process with StepInputs gets the columns path's speed (at batch 128 of the 8B EAGLE-3 shape on an
+        H200, 3.0 against 4.8 ms per step, docs/performance.md, eighteenth session) and the same answers
+        (tests/test_step_batch.py); any other step, and one the columns path declines, runs per sequence."""
+        if self.columns_may_take(steps):
+            outputs = self._step_columns(BatchInput.from_inputs(steps))
+            if outputs is not None:
+                return outputs.to_outputs()
+        return self.step_per_sequence(steps)
+
+    def columns_may_take(self, steps: list[StepInput]) -> bool:
+        """What of _fast_path_applies the StepInputs tell, read before any column is built: two or more sequences
+        of a sequential head where takes_columns, no log-probabilities, top-N or pre-drafting, greedy where the step
+        is small."""
+        n = len(steps)
+        if n < 2 or self.fatal is not None or self.model.drafting != "sequential":
+            return False
+        T = sum(s.token_ids.shape[0] for s in steps)
+        if not self.takes_columns(n, T):
+            return False
+        sampling_ok = large_enough_for_columns(n, T)
+        return not any(s.return_logprobs or s.top_k_probs or s.predraft_branches or (s.temperature and not sampling_ok)
+                       for s in steps)
+
+    @torch.inference_mode()
+    def step_per_sequence(self, steps: list[StepInput]) -> list[StepOutput]:
+        """The step sequence by sequence: each one's admission, status, metadata and answer of its own (new
+        sequences, pre-drafting, log-probabilities, top-N, sampling in small steps, a step the columns decline)."""
         t0 = time.perf_counter()
         outputs = [StepOutput() for _ in steps]
         # Touch every sequence of the step before admitting any: admission may evict idle sequences, and these are
@@ -482,13 +513,13 @@ class Proposer:
         the acceptance count, the step metadata and the reply are array ops over the batch, and the only work per
         sequence is the table lookup and a few attribute reads and writes in list comprehensions. Any other step
         (or one where a check fails: then the per-sequence path works out each sequence's own status) runs as
-        Proposer.step of b.to_inputs(); the answers are the same either way (tests/test_step_batch.py).
+        Proposer.step_per_sequence of b.to_inputs(); the answers are the same either way (tests/test_step_batch.py).
 
         early: on the columns path, called with the step's answer before its drafts are known (drafts None), while
         the GPU drafts on CUDA: the object returned is that one, its drafts filled in, unless the step failed (a new
         one then). A caller encodes there what of its reply needs no draft (scheduler.py, step_channels.py)."""
         outputs = self._step_columns(b, early)
-        return outputs if outputs is not None else BatchOutput.from_outputs(self.step(b.to_inputs()))
+        return outputs if outputs is not None else BatchOutput.from_outputs(self.step_per_sequence(b.to_inputs()))
 
     def takes_columns(self, num_sequences: int, num_tokens: int) -> bool:
         """Whether a step of this size goes step_batch's columns way (given as columns, greedy where it is small):
