@@ -30,7 +30,7 @@ pytestmark = pytest.mark.gpu
 async def lockstep_servers(configs, naive, channels: bool = False, stats: dict | None = None, **kw):
     """Start one server per config, drive them in lockstep through the client; the first is the reference.
     channels: the clients of the servers after the first send their steps through a step channel (request frames).
-    stats: filled with each server's columns steps and each client's steps through a channel."""
+    stats: filled with each server's columns steps during the traffic and each client's steps through a channel."""
     with ExitStack() as servers:
         threads = [servers.enter_context(ServerThread(c)) for c in configs]
         async with AsyncExitStack() as clients:
@@ -45,11 +45,14 @@ async def lockstep_servers(configs, naive, channels: bool = False, stats: dict |
                 kw.update(width=naive.H, vocab=naive.lm_head.shape[0])
             else:
                 kw.update(width=naive.width, vocab=naive.vocab)
+            # (the servers' own steps before the traffic, the warm-up's, are not counted in stats)
+            columns_before = [t.server.runtime.proposer.columns_steps_run for t in threads]
             records = await run_lockstep(drafters, naive=naive, **kw)
             graphs_used = [t.server.runtime.proposer.decode_graphs.steps_run for t in threads
                            if t.server.runtime.proposer.decode_graphs is not None]
             if stats is not None:
-                stats["columns_steps"] = [t.server.runtime.proposer.columns_steps_run for t in threads]
+                stats["columns_steps"] = [t.server.runtime.proposer.columns_steps_run - before
+                                          for t, before in zip(threads, columns_before)]
                 stats["channel_steps"] = [d.client.steps_through_channel for d in drafters]
             return records, graphs_used
 

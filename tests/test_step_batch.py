@@ -11,6 +11,7 @@ import torch
 
 from conftest import make_config
 from drafter_service.engine.batch_io import BatchInput, BatchOutput
+from drafter_service.engine.proposer import STEP_INPUTS_AS_COLUMNS_MIN
 from drafter_service.engine.step_io import FAILED_PRECONDITION, INTERNAL, OK, RESOURCE_EXHAUSTED, StepInput
 from drafter_service.runtime import build_runtime
 
@@ -102,15 +103,15 @@ def test_columns_answer_as_the_per_sequence_step_over_random_traffic(tiny_model,
 def test_step_with_step_inputs_runs_from_the_columns_with_the_same_answers(tiny_model, tmp_path, device):
     """Proposer.step: a step of known sequences that step_batch would run from its columns goes there from its
     StepInputs (greedy, and sampled where the batch is large), and answers, counts and leaves behind what the
-    per-sequence step does; one sequence, log-probabilities, top-N or a new sequence stay per sequence."""
+    per-sequence step does; fewer sequences, log-probabilities, top-N or a new sequence stay per sequence."""
     a, b = runtimes(tiny_model, tmp_path, device=device)
     width, vocab = a.limits.hidden_states_width, a.limits.vocab_size
-    t = Traffic(7, width, vocab, 40)
+    t = Traffic(7, width, vocab, 80)
     first = [t.step(sid, 3, 4) for sid in t.tokens]  # (new sequences: the per-sequence path)
     same(a.proposer.step_per_sequence(first), BatchOutput.from_outputs(b.proposer.step(first)))
     for round in range(10):
         rng = t.rng
-        sids = sorted(t.tokens, key=lambda _: rng.random())[: rng.randint(24, 40)]
+        sids = sorted(t.tokens, key=lambda _: rng.random())[: rng.randint(STEP_INPUTS_AS_COLUMNS_MIN, 80)]
         sampled = round % 3 == 2
         steps = [t.step(sid, m=rng.randint(1, 5), k=rng.choice([0, 1, 3, 5, 8]),
                          back=rng.choice([0, 0, 0, 1, 3]), temperature=rng.choice([0.0, 0.8]) if sampled else 0.0)
@@ -122,10 +123,10 @@ def test_step_with_step_inputs_runs_from_the_columns_with_the_same_answers(tiny_
         same(out_a, BatchOutput.from_outputs(out_b))
         assert metrics_of(a) == metrics_of(b)
         t.answered(steps, out_a)
-    steps = [t.step(sid, 2, 3) for sid in sorted(t.tokens)[:12]]
-    for kind in ("one", "logprobs", "top_k", "new"):
-        if kind == "one":
-            ask = steps[:1]
+    steps = [t.step(sid, 2, 3) for sid in sorted(t.tokens)[:STEP_INPUTS_AS_COLUMNS_MIN + 1]]
+    for kind in ("fewer", "logprobs", "top_k", "new"):
+        if kind == "fewer":
+            ask = steps[: STEP_INPUTS_AS_COLUMNS_MIN - 1]
         elif kind == "new":
             ask = [*steps[1:], StepInput(NS, "fresh", 0, torch.arange(4), torch.randn(4, width), 3, 2)]
         else:

@@ -21,8 +21,8 @@ After the step the sequence's committed length is C; scratch KV past it is overw
 
 Two entry points: step(list[StepInput]) and step_batch(BatchInput). The common step of a sequential head (known
 sequences, no pre-drafting, log-probabilities or top-N) runs from the step's columns (batch_io.py) with tensor ops
-over the batch, whichever entry point it came through (step() builds the columns for a step of two or more
-sequences); anything else runs sequence by sequence (step_per_sequence: admission with each sequence's own status,
+over the batch, whichever entry point it came through (step() builds the columns for a step of
+STEP_INPUTS_AS_COLUMNS_MIN sequences or more); anything else runs sequence by sequence (step_per_sequence: admission with each sequence's own status,
 pre-drafting, log-probabilities, top-N, every head).
 
 On CUDA a greedy step of a sequential head replays CUDA graphs (cuda_graphs.py). Where its first step fits a
@@ -181,6 +181,11 @@ MAX_FAILED_BATCHES_IN_A_ROW = 3  # after this many failed batches in a row the s
 # even at 4, 160 against 135 at 8, 280 against 150 at 16). Where first-step graphs run, a greedy step of any size goes
 # the columns way (Proposer.takes_columns).
 STEP_BATCH_MIN_SEQUENCES = 8
+# Proposer.step builds the columns of a step of StepInputs from this many sequences (BatchInput.from_inputs). Building
+# them costs what the columns path saves in small steps: H200, 8B shapes, alternating (docs/performance.md, eighteenth
+# session): at 8 sequences 1.89-1.96 against 1.74-1.78 ms per step per sequence (EAGLE-3), at 32 even (1.86-1.88 /
+# 1.86-1.89), at 128 3.17-3.26 against 3.44-3.49; 64 lies between the even and the faster points, not measured itself.
+STEP_INPUTS_AS_COLUMNS_MIN = 64
 
 
 def large_enough_for_columns(num_sequences: int, num_tokens: int,
@@ -410,11 +415,12 @@ class Proposer:
 
     @torch.inference_mode()
     def step(self, steps: list[StepInput]) -> list[StepOutput]:
-        """One engine step, one StepInput per sequence. A step of two or more sequences that step_batch would run
-        from its columns (columns_may_take) runs there, as BatchInput.from_inputs: an engine calling the drafter in
-        its own process with StepInputs gets the columns path's speed (at batch 128 of the 8B EAGLE-3 shape on an
-        H200, 3.0 against 4.8 ms per step, docs/performance.md, eighteenth session) and the same answers
-        (tests/test_step_batch.py); any other step, and one the columns path declines, runs per sequence."""
+        """One engine step, one StepInput per sequence. A step of STEP_INPUTS_AS_COLUMNS_MIN sequences or more that
+        step_batch would run from its columns (columns_may_take) runs there, as BatchInput.from_inputs, with the same
+        answers (tests/test_step_batch.py): an engine calling the drafter in its own process with StepInputs at
+        batch 128 of the 8B shapes on an H200 then took 3.18-3.26 against 3.44-3.49 ms per step (EAGLE-3, the fc
+        by the engine) and 4.26-4.33 against 4.57-4.63 (EAGLE-1); any other step, and one the columns path
+        declines, runs per sequence (step_per_sequence)."""
         if self.columns_may_take(steps):
             outputs = self._step_columns(BatchInput.from_inputs(steps))
             if outputs is not None:
@@ -422,11 +428,11 @@ class Proposer:
         return self.step_per_sequence(steps)
 
     def columns_may_take(self, steps: list[StepInput]) -> bool:
-        """What of _fast_path_applies the StepInputs tell, read before any column is built: two or more sequences
-        of a sequential head where takes_columns, no log-probabilities, top-N or pre-drafting, greedy where the step
-        is small."""
+        """What of _fast_path_applies the StepInputs tell, read before any column is built: at least
+        STEP_INPUTS_AS_COLUMNS_MIN sequences of a sequential head where takes_columns, no log-probabilities, top-N
+        or pre-drafting, greedy where the step is small."""
         n = len(steps)
-        if n < 2 or self.fatal is not None or self.model.drafting != "sequential":
+        if n < STEP_INPUTS_AS_COLUMNS_MIN or self.fatal is not None or self.model.drafting != "sequential":
             return False
         T = sum(s.token_ids.shape[0] for s in steps)
         if not self.takes_columns(n, T):
