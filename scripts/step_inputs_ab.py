@@ -3,7 +3,10 @@ Proposer.step_per_sequence and Proposer.step_batch with a prebuilt BatchInput, i
 rounds of 20 steps per batch size (8, 32, 128, 256), host states; the three must draft the same. An EAGLE-3 preset runs
 with the fc applied by the engine.
 
-    python scripts/step_inputs_ab.py llama3-8b-eagle3 out.json
+    python scripts/step_inputs_ab.py llama3-8b-eagle3 out.json [8,32,64,128,256 [2]]
+
+The optional third argument lists the batch sizes; the fourth sets STEP_INPUTS_AS_COLUMNS_MIN for the run (2: step()
+builds the columns at every size, to see where that pays).
 """
 import datetime
 import json
@@ -19,6 +22,10 @@ from drafter_client.benchmarks import bench_step as b
 from drafter_service.config import ServerConfig
 from drafter_service.runtime import build_runtime
 preset, out = sys.argv[1], sys.argv[2]
+batches = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [8, 32, 128, 256]
+if len(sys.argv) > 4:  # the smallest step Proposer.step builds columns for (to find the threshold: 2)
+    import drafter_service.engine.proposer as proposer_module
+    proposer_module.STEP_INPUTS_AS_COLUMNS_MIN = int(sys.argv[4])
 extra = dict(engine_applies_fc=True) if preset.endswith("eagle3") else {}
 shape = b.PRESETS[preset]; ctx = shape["context"]
 res = {"preset": preset, "gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -28,7 +35,7 @@ with tempfile.TemporaryDirectory() as tmp:
     rt = build_runtime(ServerConfig(model=str(head), target_model=str(target), device="cuda", dtype="bfloat16",
                                     kv_cache_tokens=300 * (ctx + 96), max_model_len=ctx + 64, max_batch_seqs=512, **extra))
     width = rt.limits.hidden_states_width
-    for batch in (8, 32, 128, 256):
+    for batch in batches:
         prefill, decode = b.make_steps(batch, ctx, 3, 5, width, shape["vocab_size"], seed=batch)
         for i in range(0, batch, 8):
             assert all(o.code == 0 for o in rt.proposer.step(b.to_inputs(prefill[i:i + 8])))

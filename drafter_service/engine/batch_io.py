@@ -116,22 +116,26 @@ class BatchInput:
     @classmethod
     def from_inputs(cls, steps: list[StepInput]) -> "BatchInput":
         """The same steps as columns (Proposer.step hands a batch that step_batch's columns path may take there): the
-        states stay each step's own tensor (state_parts; the step copies them to the device as one block where they
-        are consecutive rows of one tensor, else through one pinned concatenation: host_staging.rows_into)."""
-        i64 = torch.int64
-        return cls(sequence_ids=[s.sequence_id for s in steps], namespaces=[s.namespace for s in steps],
-                   owners=[s.owner for s in steps],
-                   start_positions=torch.tensor([s.start_position for s in steps], dtype=i64),
-                   num_tokens=torch.tensor([s.token_ids.shape[0] for s in steps], dtype=i64),
-                   token_ids=torch.cat([s.token_ids for s in steps]), hidden_states=None,
-                   next_tokens=torch.tensor([s.next_token for s in steps], dtype=i64),
-                   num_drafts=torch.tensor([s.num_drafts for s in steps], dtype=i64),
-                   temperatures=torch.tensor([s.temperature for s in steps], dtype=torch.float32),
-                   seeds=torch.tensor([seed_to_int64(s.seed) for s in steps], dtype=i64),
-                   return_logprobs=torch.tensor([s.return_logprobs for s in steps], dtype=torch.bool),
-                   top_k_probs=torch.tensor([s.top_k_probs for s in steps], dtype=i64),
-                   predraft_branches=torch.tensor([s.predraft_branches for s in steps], dtype=i64),
-                   state_parts=[s.hidden_states for s in steps])
+        scalar fields read in one pass into numpy columns (from_arrays: no torch op per column), the states left
+        each step's own tensor (state_parts; the step copies them to the device as one block where they are
+        consecutive rows of one tensor, else through one pinned concatenation: host_staging.rows_into)."""
+        # [6, B] int64, each row one contiguous column
+        ints = np.array([(s.start_position, s.token_ids.shape[0], s.next_token, s.num_drafts, s.top_k_probs,
+                          s.predraft_branches) for s in steps], dtype=np.int64).reshape(len(steps), 6).T.copy()
+        try:  # (the uint64 seeds' bits as int64, vectorized; a seed outside uint64 goes through seed_to_int64)
+            seeds = np.array([s.seed for s in steps], dtype=np.uint64).view(np.int64)
+        except OverflowError:
+            seeds = np.array([seed_to_int64(s.seed) for s in steps], dtype=np.int64)
+        token_ids = torch.cat([s.token_ids for s in steps])
+        arrays = BatchArrays(start_positions=ints[0], num_tokens=ints[1], token_ids=token_ids.numpy(),
+                             next_tokens=ints[2], num_drafts=ints[3],
+                             temperatures=np.array([s.temperature for s in steps], dtype=np.float32), seeds=seeds,
+                             return_logprobs=np.array([s.return_logprobs for s in steps], dtype=np.bool_),
+                             top_k_probs=ints[4], predraft_branches=ints[5])
+        b = cls.from_arrays(steps[0].namespace, [s.sequence_id for s in steps], arrays, token_ids, None)
+        b.namespaces, b.owners = [s.namespace for s in steps], [s.owner for s in steps]
+        b.state_parts = [s.hidden_states for s in steps]
+        return b
 
     @classmethod
     def from_arrays(cls, namespace: str, sequence_ids: list[str], arrays: "BatchArrays", token_ids: torch.Tensor,
