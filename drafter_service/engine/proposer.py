@@ -22,8 +22,8 @@ After the step the sequence's committed length is C; scratch KV past it is overw
 Two entry points: step(list[StepInput]) and step_batch(BatchInput). The common step of a sequential head (known
 sequences, no pre-drafting, log-probabilities or top-N) runs from the step's columns (batch_io.py) with tensor ops
 over the batch, whichever entry point it came through (step() builds the columns for a step of
-STEP_INPUTS_AS_COLUMNS_MIN sequences or more); anything else runs sequence by sequence (step_per_sequence: admission with each sequence's own status,
-pre-drafting, log-probabilities, top-N, every head).
+STEP_INPUTS_AS_COLUMNS_MIN sequences or more); anything else runs sequence by sequence (step_per_sequence: admission
+with each sequence's own status, pre-drafting, log-probabilities, top-N, every head).
 
 On CUDA a greedy step of a sequential head replays CUDA graphs (cuda_graphs.py). Where its first step fits a
 first-step graph, both entry points hand the graph its raw columns (first_step_record.py) and the graph builds its
@@ -181,11 +181,12 @@ MAX_FAILED_BATCHES_IN_A_ROW = 3  # after this many failed batches in a row the s
 # even at 4, 160 against 135 at 8, 280 against 150 at 16). Where first-step graphs run, a greedy step of any size goes
 # the columns way (Proposer.takes_columns).
 STEP_BATCH_MIN_SEQUENCES = 8
-# Proposer.step builds the columns of a step of StepInputs from this many sequences (BatchInput.from_inputs). Building
-# them costs what the columns path saves in small steps: H200, 8B shapes, alternating (docs/performance.md, eighteenth
-# session): at 8 sequences 1.89-1.96 against 1.74-1.78 ms per step per sequence (EAGLE-3), at 32 even (1.86-1.88 /
-# 1.86-1.89), at 128 3.17-3.26 against 3.44-3.49; 64 lies between the even and the faster points, not measured itself.
-STEP_INPUTS_AS_COLUMNS_MIN = 64
+# Proposer.step builds the columns of a step of StepInputs from this many sequences (BatchInput.from_inputs): below it
+# the conversion costs what the columns path saves. H200, 8B shapes, step() building columns at every size against the
+# per-sequence step, three alternating rounds (docs/performance.md, eighteenth session): at 8 sequences 1.57-1.72
+# against 1.53-1.56 ms (EAGLE-3), 2.52-2.93 against 2.49-2.91 (EAGLE-1); at 16 even; at 32 1.87-1.92 against
+# 1.92-2.02 and 2.95-3.02 against 3.06-3.11; at 128 3.29-3.56 against 3.92-4.03 and 4.98-5.33 against 5.80-6.18.
+STEP_INPUTS_AS_COLUMNS_MIN = 32
 
 
 def large_enough_for_columns(num_sequences: int, num_tokens: int,
@@ -418,9 +419,10 @@ class Proposer:
         """One engine step, one StepInput per sequence. A step of STEP_INPUTS_AS_COLUMNS_MIN sequences or more that
         step_batch would run from its columns (columns_may_take) runs there, as BatchInput.from_inputs, with the same
         answers (tests/test_step_batch.py): an engine calling the drafter in its own process with StepInputs at
-        batch 128 of the 8B shapes on an H200 then took 3.18-3.26 against 3.44-3.49 ms per step (EAGLE-3, the fc
-        by the engine) and 4.26-4.33 against 4.57-4.63 (EAGLE-1); any other step, and one the columns path
-        declines, runs per sequence (step_per_sequence)."""
+        batch 128 of the 8B shapes on an H200 then took 3.29-3.56 against 3.92-4.03 ms per step (EAGLE-3, the fc
+        by the engine) and 4.98-5.33 against 5.80-6.18 (EAGLE-1); any other step, and one the columns path
+        declines, runs per sequence (step_per_sequence). An engine holding its batch as tensors calls step_batch,
+        still the faster (2.70-2.76 and 4.09-4.32 ms there)."""
         if self.columns_may_take(steps):
             outputs = self._step_columns(BatchInput.from_inputs(steps))
             if outputs is not None:
