@@ -364,9 +364,10 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
     the drafter): each round times iters steps of each of the in-process proposer (one StepInput per sequence, host
     states; then the same step as columns, one BatchInput through Proposer.step_batch, host states), propose()
     through a step channel, propose_batch() through it and propose_batch() by unary gRPC (a second client, no
-    channel), one after the other, so that the ratios of a round come from the same minute of the machine. upload_streams: the unary client's (DrafterClient's default when None). bare: the address of a
-    bare_grpc server: each round then also times the unary step's request and reply bytes through it ("bare_grpc",
-    the transport alone). Returns each one's median per round (seconds)."""
+    channel), one after the other, so that the ratios of a round come from the same minute of the machine.
+    upload_streams: the unary client's (DrafterClient's default when None). bare: the address of a bare_grpc server:
+    each round then also times the unary step's request and reply bytes through it ("bare_grpc", the transport
+    alone). Returns each one's median per round (seconds)."""
     import grpc
 
     from drafter_client import DrafterClient
