@@ -1,9 +1,10 @@
 """Proposer.step_batch (columns in, columns out: batch_io.py) answers exactly what Proposer.step_per_sequence answers
 for the same steps: drafts, accepted-draft counts, committed lengths, per-sequence statuses, the acceptance and step
-metrics, and the KV it leaves behind (later steps draft the same), over random traffic with mixed m and k, rollbacks, block
-boundaries, sampling, sequences that fail their own checks, a full pool and a step that raises. Two drafters built
-from the same head get the same traffic, one sequence by sequence, one by columns. Proposer.step given StepInputs
-runs a step the columns path takes from its columns too (BatchInput.from_inputs), with the same answers."""
+metrics, and the KV it leaves behind (later steps draft the same), over random traffic with mixed m and k,
+rollbacks, block boundaries, sampling, sequences that fail their own checks, a full pool and a step that raises. Two
+drafters built from the same head get the same traffic, one sequence by sequence, one by columns. Proposer.step given
+StepInputs runs a step the columns path takes from its columns too (BatchInput.from_inputs), with the same
+answers."""
 import random
 
 import pytest
