@@ -76,12 +76,15 @@ class BareServer:
             self.process.kill()
             raise RuntimeError(f"the bare gRPC server did not listen on {address} within {ready_timeout_s} s")
 
+    def close(self) -> None:
+        self.process.kill()
+        self.process.join(10)
+
     def __enter__(self) -> "BareServer":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.process.kill()
-        self.process.join(10)
+        self.close()
 
 
 class BareClient:

@@ -719,7 +719,7 @@ def main() -> int:
                 save(complete=False)
         finally:
             if bare is not None:
-                bare.__exit__()
+                bare.close()
             server.terminate()
             server.wait(60)
     result = save(complete=True)
