@@ -126,7 +126,7 @@ class BatchInput:
             seeds = np.array([s.seed for s in steps], dtype=np.uint64).view(np.int64)
         except OverflowError:
             seeds = np.array([seed_to_int64(s.seed) for s in steps], dtype=np.int64)
-        token_ids = torch.cat([s.token_ids for s in steps])
+        token_ids = torch.cat([s.token_ids for s in steps]).to(torch.int64)  # (int64 already: no copy)
         arrays = BatchArrays(start_positions=ints[0], num_tokens=ints[1], token_ids=token_ids.numpy(),
                              next_tokens=ints[2], num_drafts=ints[3],
                              temperatures=np.array([s.temperature for s in steps], dtype=np.float32), seeds=seeds,
