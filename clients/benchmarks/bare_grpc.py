@@ -6,8 +6,9 @@ the step thread). This server receives the very messages the client library send
 or ProposeChunked's header and chunks), does nothing with them, and answers with as many bytes as the drafter's
 reply (the ``reply-bytes`` call metadata): what is left is gRPC's Python binding and the socket alone. It runs as
 the drafter does (a process of its own, its malloc setting, its message limits, uvloop where installed), over the
-same kind of socket, so that the in-process step plus this round trip is the unary path's floor: no change inside
-the drafter or the client library can bring the unary step below it (bench_step --grpc-floor times it in each round).
+same kind of socket, so that the in-process step plus this round trip is the unary path's floor: as long as the step
+starts once the whole request is in, no change inside the drafter or the client library can bring the unary step below
+it (bench_step --grpc-floor times it in each round).
 """
 import asyncio
 import multiprocessing

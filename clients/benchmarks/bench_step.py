@@ -789,8 +789,8 @@ def main() -> int:
                   f"{statistics.median(r['rounds']['in_process_columns_ms']):>11.2f}{cells}")
         if a.grpc_floor:
             print("unary floor: the in-process step from columns plus the unary request's and reply's bytes through a "
-                  "bare grpc.aio server (bare_grpc.py), round by round: no Python of the drafter's or the client's can "
-                  "bring the unary batch API below it")
+                  "bare grpc.aio server (bare_grpc.py), round by round: while the step waits for the whole request, no "
+                  "Python of the drafter's or the client's can bring the unary batch API below it")
     print(f"wrote {out}")
     return 0
 
