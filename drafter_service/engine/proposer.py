@@ -430,18 +430,13 @@ class Proposer:
         return self.step_per_sequence(steps)
 
     def columns_may_take(self, steps: list[StepInput]) -> bool:
-        """What of _fast_path_applies the StepInputs tell, read before any column is built: at least
-        STEP_INPUTS_AS_COLUMNS_MIN sequences of a sequential head where takes_columns, no log-probabilities, top-N
-        or pre-drafting, greedy where the step is small."""
-        n = len(steps)
-        if n < STEP_INPUTS_AS_COLUMNS_MIN or self.fatal is not None or self.model.drafting != "sequential":
+        """_fast_path_applies' rule (_columns_fit) read off the StepInputs before any column is built, for a step of
+        at least STEP_INPUTS_AS_COLUMNS_MIN sequences."""
+        if len(steps) < STEP_INPUTS_AS_COLUMNS_MIN:
             return False
-        T = sum(s.token_ids.shape[0] for s in steps)
-        if not self.takes_columns(n, T):
-            return False
-        sampling_ok = large_enough_for_columns(n, T)
-        return not any(s.return_logprobs or s.top_k_probs or s.predraft_branches or (s.temperature and not sampling_ok)
-                       for s in steps)
+        return self._columns_fit(len(steps), sum(s.token_ids.shape[0] for s in steps),
+                                 any(s.temperature for s in steps),
+                                 any(s.return_logprobs or s.top_k_probs or s.predraft_branches for s in steps))
 
     @torch.inference_mode()
     def step_per_sequence(self, steps: list[StepInput]) -> list[StepOutput]:
@@ -541,15 +536,20 @@ class Proposer:
         return large_enough_for_columns(num_sequences, num_tokens, least)
 
     def _fast_path_applies(self, b: BatchInput) -> bool:
-        """What the columns tell alone (no table lookup yet)."""
+        """What the columns tell alone (no table lookup yet): _columns_fit."""
         a = b.arrays  # (numpy views: a torch op on a small CPU tensor costs several microseconds, a numpy one about one)
         nonzero = np.count_nonzero  # (a C call: a quarter of ndarray.any()'s cost at these sizes, ~0.3 against 1.3-1.9 us)
-        n, T = len(b), b.total_tokens
+        return self._columns_fit(len(b), b.total_tokens, bool(nonzero(a.temperatures)),
+                                 bool(nonzero(a.return_logprobs) or nonzero(a.top_k_probs)
+                                      or nonzero(a.predraft_branches)))
+
+    def _columns_fit(self, n: int, T: int, sampled: bool, extras: bool) -> bool:
+        """Whether a step of n sequences and T committed rows may run from its columns, by what its inputs tell alone:
+        a sequential head and a working drafter, a size that takes_columns, greedy unless the step is large enough
+        (sampled: some temperature above 0; a small sampling step builds its metadata on the host, where the
+        per-sequence way is cheaper), and no log-probabilities, top-N or pre-drafting (extras)."""
         return (self.fatal is None and self.model.drafting == "sequential" and n > 0 and self.takes_columns(n, T)
-                # (a small sampling step builds its metadata on the host: the per-sequence way is cheaper there)
-                and (large_enough_for_columns(n, T) or not nonzero(a.temperatures))
-                and not nonzero(a.return_logprobs) and not nonzero(a.top_k_probs)
-                and not nonzero(a.predraft_branches))
+                and (large_enough_for_columns(n, T) or not sampled) and not extras)
 
     def _step_columns(self, b: BatchInput, early=None) -> BatchOutput | None:
         """step_batch's columnar path; None (having changed nothing a step would not) where it does not apply."""
