@@ -17,6 +17,7 @@ import time
 SERVICE = "bench.Bare"
 REPLY_BYTES_KEY = "reply-bytes"
 MAX_REPLY_BYTES = 64 << 20
+LARGE_MESSAGES = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
 
 
 def serve(address: str, max_message_bytes: int, ready) -> None:

@@ -339,6 +339,7 @@ async def unary_step_bytes(client, target: str, batch) -> tuple[list[bytes], boo
     import grpc
 
     from drafter_client.batch import COLUMNS_MIN_SEQUENCES, serialize_batch
+    from drafter_client.benchmarks.bare_grpc import LARGE_MESSAGES
     from drafter_client.messages import ChunkedRequest
 
     columns = len(batch) >= COLUMNS_MIN_SEQUENCES and (await client.get_info()).step_columns_supported
@@ -346,8 +347,7 @@ async def unary_step_bytes(client, target: str, batch) -> tuple[list[bytes], boo
     chunked = isinstance(payload, ChunkedRequest)
     messages = list(payload.messages(client.chunk_bytes)) if chunked else [bytes(payload)]
     identity = dict(request_serializer=None, response_deserializer=None)
-    async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 1 << 30),
-                                                          ("grpc.max_send_message_length", 1 << 30)]) as ch:
+    async with grpc.aio.insecure_channel(target, options=LARGE_MESSAGES) as ch:
         if chunked:
             async def pieces():
                 for message in messages:
@@ -368,10 +368,12 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
     upload_streams: the unary client's (DrafterClient's default when None). bare: the address of a bare_grpc server:
     each round then also times the unary step's request and reply bytes through it ("bare_grpc", the transport
     alone). Returns each one's median per round (seconds)."""
+    import contextlib
+
     import grpc
 
     from drafter_client import DrafterClient
-    from drafter_client.benchmarks.bare_grpc import BareClient
+    from drafter_client.benchmarks.bare_grpc import LARGE_MESSAGES, BareClient
     from drafter_client.messages import build_request
 
     prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
@@ -388,14 +390,14 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
     async with DrafterClient(target, namespace="bench", step_timeout_s=None) as c, \
             DrafterClient(target, namespace="bench", step_timeout_s=None,
                           **({} if upload_streams is None else {"upload_streams": upload_streams})) as unary, \
-            grpc.aio.insecure_channel(bare or target, options=[("grpc.max_receive_message_length", 1 << 30),
-                                                               ("grpc.max_send_message_length", 1 << 30)]) as bare_ch:
+            contextlib.AsyncExitStack() as stack:
         await c.wait_ready(600)  # (with --rounds-only nothing waited for the drafter's start before)
         for chunk in range(0, batch, 8):
             r = await c.propose(prefill[chunk : chunk + 8])
             assert all(s.ok for s in r.sequences), r.sequences[0].message
         if bare is not None:
-            bare_client = BareClient(bare_ch)
+            bare_client = BareClient(await stack.enter_async_context(
+                grpc.aio.insecure_channel(bare, options=LARGE_MESSAGES)))
             unary_messages, chunked, reply = await unary_step_bytes(unary, target, as_batch)
             reply_bytes = len(reply)
         request_bytes = max(16 * 2**20, 2 * build_request("bench", decode, None).ByteSize())
