@@ -124,6 +124,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     ap.add_argument("--no-step-channel-frames", action="store_true",
                     help="step channels carry protobuf only: a client asking for request frames gets none "
                          "(docs/step_channel.md, \"Request frames\")")
+    ap.add_argument("--no-step-channel-read-ahead", action="store_true",
+                    help="check a request frame only once its whole request is in, not from its head bell while the "
+                         "client still copies its states (docs/step_channel.md, \"Reading ahead\")")
     ap.add_argument("--otel-endpoint", default=None,
                     help="send OpenTelemetry traces (a span per engine step with its phases) to this OTLP/gRPC "
                          "endpoint, e.g. http://otel-collector:4317 (default: off, unless OTEL_EXPORTER_OTLP_ENDPOINT "
@@ -167,6 +170,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         merge_window_us=a.merge_window_us,
         step_channel_checksums={"auto": None, "on": True, "off": False}[a.step_channel_checksums],
         step_channel_frames=not a.no_step_channel_frames,
+        step_channel_read_ahead=not a.no_step_channel_read_ahead,
         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca, auth_token_file=a.auth_token_file,
         namespace_from_client_cert=a.namespace_from_client_cert, socket_group=a.socket_group,
         reflection=a.reflection, log_format=a.log_format, otel_endpoint=a.otel_endpoint)

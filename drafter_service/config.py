@@ -81,6 +81,9 @@ class ServerConfig:
     merge_window_us: int | None = None
     step_channel_checksums: bool | None = None  # crc32 over every message; None: only on weakly ordered CPUs
     step_channel_frames: bool = True  # request frames on channels whose client asks (step_frame.py); False: protobuf
+    # a request frame is checked from its head bell, while the client still copies its states (step_channels.py,
+    # "Reading ahead"); False: once the whole request is in
+    step_channel_read_ahead: bool = True
     step_channel_max: int = 64  # channels open at once
     step_channel_max_total_bytes: int = 2**30  # mailbox bytes of all open channels
     # Identity and isolation (transport/auth.py, docs/deployment.md "Security")

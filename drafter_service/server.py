@@ -181,6 +181,7 @@ class DrafterServer:
             encode=self.servicer.encode_propose, metrics=self.runtime.metrics,
             authorizer=self.servicer.authorizer, socket_group=cfg.socket_group,
             trace_file=self.servicer.trace_file,
+            may_read_ahead=lambda: cfg.step_channel_read_ahead and not self.servicer.ingest_only,
             read_buffer=pinned_bytes if self.runtime.proposer.device.type == "cuda" else None,
             pin=(functools.partial(pin_mapping, device=self.runtime.proposer.device)
                  if self.runtime.proposer.device.type == "cuda" else None),

@@ -14,6 +14,10 @@ socket (step_channels.py). Both map it read-write. One request is in flight at a
   80      request_crc                client: crc32 over request_seq (8 bytes LE) then the request bytes, or 0
   88      request_sent_ns            client: CLOCK_MONOTONIC (time.monotonic_ns) just before it rang the doorbell;
                                      0 from clients before it (the drafter then takes the time it saw the request)
+  96      request_head_seq           client, request frames only: the coming request_seq, set once the frame's
+                                     bytes before its states and request_len are written, before the states
+                                     (0 or stale from clients before it: the drafter then reads the frame at the
+                                     doorbell, as always)
   128     state                      drafter: 1 open, 2 closed (it takes no more requests)
   136     taken_seq                  drafter: the last request_seq it read
   192     reply_seq                  drafter: the request_seq it answers, bumped after the reply is written
@@ -29,6 +33,12 @@ it. On weakly ordered CPUs (ARM, POWER) it may not: there the drafter turns CHEC
 sequence number, and a reader that sees a new doorbell before the bytes finds a mismatch and reads again instead
 of taking the previous message for the new one. (zlib's crc32 costs 0.2-0.25 ms per MiB on each side, which is why it is
 not paid where the hardware already orders the stores.)
+
+The head bell (request_head_seq) lets the drafter check a request frame's head while the client still copies its
+states into the area (docs/step_channel.md, "Reading ahead"): a frame of 128 sequences carries 3 MiB of states, and
+their copy takes about as long as the head's check. It rings only without CHECKSUMS (the crc covers the whole
+request, which is not there yet) and is only a hint: the drafter takes the request at the doorbell, and uses what it
+read ahead only when request_len is still what it was.
 """
 import mmap
 import platform
@@ -45,7 +55,7 @@ CHECKSUMS = 1  # flags bit
 
 # word indices (offset // 8)
 _MAGIC, _REQUEST_CAPACITY, _REPLY_CAPACITY, _FLAGS = 0, 1, 2, 3
-_REQUEST_SEQ, _REQUEST_LEN, _REQUEST_CRC, _REQUEST_SENT_NS = 8, 9, 10, 11
+_REQUEST_SEQ, _REQUEST_LEN, _REQUEST_CRC, _REQUEST_SENT_NS, _REQUEST_HEAD_SEQ = 8, 9, 10, 11, 12
 _STATE, _TAKEN_SEQ = 16, 17
 _REPLY_SEQ, _REPLY_LEN, _REPLY_CRC = 24, 25, 26
 
@@ -67,6 +77,7 @@ class _Area:
     start: int  # byte offset of the area
     capacity: int
     sent_ns: int | None = None  # word index of the writer's send time (the request area only)
+    head_seq: int | None = None  # word index of the head bell (the request area only)
 
 
 class Mailbox:
@@ -81,7 +92,8 @@ class Mailbox:
         req_cap, rep_cap = self.words[_REQUEST_CAPACITY], self.words[_REPLY_CAPACITY]
         if HEADER_BYTES + req_cap + rep_cap > len(mm):
             raise ValueError("mailbox capacities exceed the segment")
-        self.request = _Area(_REQUEST_SEQ, _REQUEST_LEN, _REQUEST_CRC, HEADER_BYTES, req_cap, _REQUEST_SENT_NS)
+        self.request = _Area(_REQUEST_SEQ, _REQUEST_LEN, _REQUEST_CRC, HEADER_BYTES, req_cap, _REQUEST_SENT_NS,
+                             _REQUEST_HEAD_SEQ)
         self.reply = _Area(_REPLY_SEQ, _REPLY_LEN, _REPLY_CRC, HEADER_BYTES + req_cap, rep_cap)
 
     @staticmethod
@@ -129,7 +141,13 @@ class Mailbox:
             raise ValueError(f"{n} bytes do not fit the {area.capacity}-byte area")
         if hasattr(payload, "write_into"):
             with memoryview(self.mm) as whole, whole[area.start : area.start + n] as dest:
-                payload.write_into(dest)
+                if area.head_seq is not None and not self.checksums and getattr(payload, "head_first", False):
+                    def head_written() -> None:  # (a request frame, between its head and its states)
+                        self.words[area.length] = n
+                        self.words[area.head_seq] = seq
+                    payload.write_into(dest, head_written)
+                else:
+                    payload.write_into(dest)
                 crc = _crc(seq, dest) if self.checksums else 0
         else:
             self.mm[area.start : area.start + n] = payload
@@ -172,6 +190,11 @@ class Mailbox:
             payload.release()
             return None
         return payload
+
+    def head_bell(self) -> int:
+        """Drafter: the request_seq whose request frame's head is in the area (request_head_seq; the states may still be
+        coming): a hint, see the module docstring."""
+        return self.words[_REQUEST_HEAD_SEQ]
 
     def request_sent_ns(self) -> int:
         """The last request's request_sent_ns (CLOCK_MONOTONIC when its client rang the doorbell; 0: none written)."""

@@ -114,7 +114,10 @@ class FrameRequest:
     def __len__(self) -> int:
         return self.size
 
-    def write_into(self, dest: memoryview) -> None:
+    head_first = True  # (Mailbox.write: write_into calls head_written between the head and the states)
+
+    def write_into(self, dest: memoryview, head_written: Callable[[], None] | None = None) -> None:
+        """head_written: called once everything before the states is in dest (a mailbox's head bell)."""
         n, t = self.n, self.rows
         # everything before the states as one bytes object, written with one slice assignment (a numpy view per
         # section cost more than the sections' bytes at small batches)
@@ -128,6 +131,8 @@ class FrameRequest:
             np.ascontiguousarray(self.token_ids, dtype="<i8").tobytes(), pad(self.ids), pad(self.namespace)))
         at = len(head)
         dest[:at] = head
+        if head_written is not None:
+            head_written()
         self.write_states(dest[at : self.size])
 
     def __bytes__(self) -> bytes:

@@ -19,6 +19,12 @@ checked by validation.parse_frame, and answered with a reply frame (_handle_fram
 malformed as a whole gets a ProposeResponse with ``error`` set (the code a Propose would have failed with), and
 one whose namespace is not the channel's gets PERMISSION_DENIED.
 
+Reading ahead: a client rings a frame's head bell (Mailbox.head_bell) once the frame's bytes before its states are
+written, then copies the states. The step thread, polling, checks the head right then (_read_ahead), while the states
+are still being copied (at 128 sequences of 4096-wide states both take some 0.25-0.3 ms), and at the doorbell queues
+what it read instead of reading the frame again, as long as request_len is unchanged. On a mailbox with CHECKSUMS, a
+mapping read by copy (not in place), or an ingest-only drafter it waits for the doorbell, as before.
+
 Threads: an acceptor thread handles hellos; everything else about an open channel happens on the step thread.
 """
 import fcntl
@@ -72,16 +78,37 @@ class Channel:
     checked_at: float = 0.0
     closed: bool = False
     requests: int = 0
+    read_ahead: int = 0  # of them, request frames queued as read at their head bell
     # large requests are read in place (a view of the mailbox, no copy): on the CPU always, on CUDA when the mapping
     # could be registered as pinned memory (ChannelSet.pin), so that their states go to the device in one DMA
     in_place: bool = False
     unpin: Callable[[], None] | None = None  # undoes ChannelSet.pin (before the mapping is closed)
     frames: bool = False  # the client asked for request frames (step_frame.py) in its hello, and got them
+    ahead: "_ReadAhead | None" = None  # the next request frame, checked at its head bell (before its doorbell)
 
     @property
     def owner(self) -> str:
         """The owner of the sequences this channel creates (StepInput.owner)."""
         return f"step channel {self.id}"
+
+
+@dataclass
+class _ParsedFrame:
+    """A request frame read and checked (_parse_frame): its steps, or the error to answer it with."""
+    request_id: int
+    frame: "step_frame.RequestFrame | None"
+    steps: "BatchInput | list[StepInput] | None"
+    dry: bool
+    error: RequestError | None
+    t_enter: float  # time.perf_counter() when the read began / ended
+    t_parsed: float
+
+
+@dataclass
+class _ReadAhead:
+    seq: int  # the request_seq the head bell announced
+    length: int  # request_len when the head was read: what is read ahead is used only while it is the same
+    parsed: _ParsedFrame
 
 
 @dataclass
@@ -120,7 +147,11 @@ class ChannelSet:
     # raises when it cannot), so that large requests are read in place and their states DMA'd from the mailbox; a
     # channel it fails for copies them into read_buffer. None (the CPU): large requests are read in place
     pin: "Callable[[mmap.mmap], Callable[[], None]] | None" = None
+    # whether frames may be read ahead (module docstring) now: the server says no while it is ingest-only (that
+    # mode copies the states to the device as it parses)
+    may_read_ahead: Callable[[], bool] = lambda: True
     in_place_reads: int = 0  # requests read as a view of their mailbox (diagnostics, tests)
+    frames_read_ahead: int = 0  # request frames queued as checked at their head bell (diagnostics, tests)
     early_replies: int = 0  # replies whose all but the drafts was encoded while the step ran (diagnostics, tests)
     frames_taken: int = 0  # request frames checked and queued (diagnostics, tests)
     _open: list[Channel] = field(default_factory=list)  # step thread only
@@ -285,33 +316,45 @@ class ChannelSet:
         for ch in self._open:
             box = ch.box
             seq = box.doorbell(box.request)
-            if seq != ch.taken:
-                t_seen = time.perf_counter()
-                # when the client rang the doorbell (the mailbox's request_sent_ns), in this clock: a request that
-                # landed while the step thread ran a batch is seen only after it, but it arrived before
-                age = box.request_age_s(MAX_REQUEST_AGE_S)
-                arrived = t_seen if age is None else t_seen - age
-                large = box.words[box.request.length] >= MIN_SCAN_BYTES
-                # (a view of the mailbox: the client writes again only after the reply; a frame's states then go to
-                # the device from it, whatever its size)
-                if ch.in_place and (large or ch.frames):
-                    payload = box.view(box.request, seq)
-                    self.in_place_reads += payload is not None
-                else:
-                    payload = box.read(box.request, seq, self.read_buffer if large else None)
-                if payload is None:
-                    now = now or time.monotonic()
-                    if ch.unreadable_since is None:
-                        ch.unreadable_since = now
-                    elif now - ch.unreadable_since > STUCK_REQUEST_S:
-                        self._take(ch, seq)
-                        self._reply_error(ch, seq, 0, RequestError(
-                            grpc.StatusCode.INVALID_ARGUMENT, "request: its bytes do not match request_crc (or "
-                            "request_len exceeds the request area) a second after the doorbell rang"))
-                    continue
+            if seq == ch.taken:
+                if box.head_bell() == seq + 1 and (ch.ahead is None or ch.ahead.seq != seq + 1):
+                    self._read_ahead(ch, seq + 1)  # (the head of the next frame is in; its states are coming)
+                continue
+            t_seen = time.perf_counter()
+            # when the client rang the doorbell (the mailbox's request_sent_ns), in this clock: a request that
+            # landed while the step thread ran a batch is seen only after it, but it arrived before
+            age = box.request_age_s(MAX_REQUEST_AGE_S)
+            arrived = t_seen if age is None else t_seen - age
+            ahead, ch.ahead = ch.ahead, None
+            if ahead is not None and ahead.seq == seq and box.words[box.request.length] == ahead.length:
                 self._take(ch, seq)
                 found = True
-                self._handle(ch, seq, payload, enqueue, t_seen, arrived)
+                self.frames_read_ahead += 1
+                ch.read_ahead += 1
+                self.in_place_reads += 1  # (a view of the mailbox: _read_ahead)
+                self._queue_frame(ch, seq, ahead.parsed, enqueue, t_seen, arrived)
+                continue
+            large = box.words[box.request.length] >= MIN_SCAN_BYTES
+            # (a view of the mailbox: the client writes again only after the reply; a frame's states then go to
+            # the device from it, whatever its size)
+            if ch.in_place and (large or ch.frames):
+                payload = box.view(box.request, seq)
+                self.in_place_reads += payload is not None
+            else:
+                payload = box.read(box.request, seq, self.read_buffer if large else None)
+            if payload is None:
+                now = now or time.monotonic()
+                if ch.unreadable_since is None:
+                    ch.unreadable_since = now
+                elif now - ch.unreadable_since > STUCK_REQUEST_S:
+                    self._take(ch, seq)
+                    self._reply_error(ch, seq, 0, RequestError(
+                        grpc.StatusCode.INVALID_ARGUMENT, "request: its bytes do not match request_crc (or "
+                        "request_len exceeds the request area) a second after the doorbell rang"))
+                continue
+            self._take(ch, seq)
+            found = True
+            self._handle(ch, seq, payload, enqueue, t_seen, arrived)
         now = now or time.monotonic()
         for ch in self._open:
             if now - ch.checked_at > LIVENESS_PERIOD_S:
@@ -391,6 +434,26 @@ class ChannelSet:
     def _handle_frame(self, ch: Channel, seq: int, payload, enqueue, t_seen: float, arrived: float) -> None:
         """_handle for a request frame (step_frame.py): checked as a columnar request, answered with a reply frame
         (a request-level error: the ProposeResponse with ``error`` set that _handle answers)."""
+        self._queue_frame(ch, seq, self._parse_frame(ch, payload), enqueue, t_seen, arrived)
+
+    def _read_ahead(self, ch: Channel, seq: int) -> None:
+        """Check the request frame whose head bell rang (seq: the coming request_seq) while its states are still
+        being written (module docstring); its doorbell then queues what was read (poll)."""
+        box = ch.box
+        if not (ch.frames and ch.in_place and not box.checksums and self.may_read_ahead()):
+            return
+        payload = box.view(box.request, seq)  # (request_len bytes, the states' section still being written)
+        if payload is None:
+            return
+        if not step_frame.starts_with(payload, step_frame.REQUEST_MAGIC):  # (only frames ring the head bell)
+            payload.release()
+            return
+        # (read_request copies all but the states; the states stay a view, read by the step after the doorbell)
+        ch.ahead = _ReadAhead(seq, len(payload), self._parse_frame(ch, payload))
+
+    def _parse_frame(self, ch: Channel, payload) -> _ParsedFrame:
+        """Read and check a request frame: its steps (their sequences to be created belong to the channel), or the
+        RequestError to answer it with."""
         t_enter = time.perf_counter()
         request_id = 0
         try:
@@ -405,10 +468,18 @@ class ChannelSet:
                                    f"{ch.namespace!r}")
             steps, dry = self.decode_frame(frame)
         except RequestError as e:
-            self._reply_error(ch, seq, request_id, e)
-            return
+            return _ParsedFrame(request_id, None, None, False, e, t_enter, time.perf_counter())
         set_owner(steps, ch.owner)
-        t_parsed = time.perf_counter()
+        return _ParsedFrame(request_id, frame, steps, dry, None, t_enter, time.perf_counter())
+
+    def _queue_frame(self, ch: Channel, seq: int, parsed: _ParsedFrame, enqueue, t_seen: float,
+                     arrived: float) -> None:
+        """Queue a request frame read and checked (at its doorbell, or ahead of it), or answer its error."""
+        request_id, frame = parsed.request_id, parsed.frame
+        if parsed.error is not None:
+            self._reply_error(ch, seq, request_id, parsed.error)
+            return
+        t_enter, t_parsed = parsed.t_enter, parsed.t_parsed
         trace = {} if self.trace_file is not None else None
         head: list = []  # the reply frame but its drafts, encoded while the GPU drafted (frame_reply_head)
 
@@ -427,10 +498,11 @@ class ChannelSet:
             reply = frame_reply(outputs, request_id, early_head)
             return self._answer(ch, seq, request_id, reply, frame, trace, t_seen, t_enter, t_parsed, t_stepped)
 
+        steps = parsed.steps
         self.frames_taken += 1
-        enqueue(PendingRequest(steps, deliver, trace=trace, dry=dry, cancelled=lambda: ch.closed,
+        enqueue(PendingRequest(steps, deliver, trace=trace, dry=parsed.dry, cancelled=lambda: ch.closed,
                                enqueued_at=arrived,
-                               early=early if isinstance(steps, BatchInput) and not dry else None))
+                               early=early if isinstance(steps, BatchInput) and not parsed.dry else None))
 
     def _answer(self, ch: Channel, seq: int, request_id: int, reply: bytes, request, trace: dict | None,
                 t_seen: float, t_enter: float, t_parsed: float, t_stepped: float) -> "Callable[[], None] | None":
@@ -446,8 +518,9 @@ class ChannelSet:
         t_replied = time.perf_counter()
 
         def record() -> None:
-            self.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - t_parsed, t_replied - t_stepped,
-                                           channel=True)
+            # (a frame read ahead was parsed before its doorbell (t_seen): its wait counts from the doorbell)
+            self.metrics.record_rpc_timing(t_parsed - t_enter, t_stepped - max(t_parsed, t_seen),
+                                           t_replied - t_stepped, channel=True)
             if trace is not None:
                 trace.update(request_id=request_id, seen=t_seen, enter=t_enter, parsed=t_parsed, resumed=t_stepped,
                              replied=t_replied)
@@ -471,6 +544,7 @@ class ChannelSet:
         if ch.closed:
             return
         ch.closed = True
+        ch.ahead = None  # (its views of the mailbox)
         if client_gone:
             self.release_owner(ch.owner)
         size = Mailbox.segment_bytes(ch.box.request.capacity, ch.box.reply.capacity)
@@ -491,8 +565,8 @@ class ChannelSet:
         with self._lock:
             self._count -= 1
             self._bytes -= size
-        log.info("step channel %d of namespace %r closed after %d requests: %s", ch.id, ch.namespace, ch.requests,
-                 why)
+        log.info("step channel %d of namespace %r closed after %d requests (%d frames read ahead): %s", ch.id,
+                 ch.namespace, ch.requests, ch.read_ahead, why)
 
     def close_all(self, why: str) -> None:
         while self._new:
