@@ -9,13 +9,14 @@ import grpc
 import pytest
 import torch
 
+from drafter_client import SequenceStep
 from drafter_client.batch import frame_from_steps
 from drafter_client.protocol import pb, step_frame
 from drafter_client.protocol.mailbox import Mailbox
 from drafter_service.engine.batch_io import BatchInput
 from drafter_service.transport.step_channels import Channel, ChannelLimits, ChannelSet
 from drafter_service.transport.validation import parse_frame
-from test_step_frames import LIMITS, some_steps
+from test_step_frames import H, LIMITS, V, some_steps
 
 
 class Drafter:
@@ -173,3 +174,42 @@ def test_no_read_ahead_where_it_is_off(why):
     assert d.decoded == 0 and d.ch.ahead is None
     assert d.poll() and d.decoded == 1 and d.set.frames_read_ahead == 0 and len(d.queued) == 1
     d.close()
+
+
+def test_the_flag_and_ingest_only_turn_reading_ahead_off(tiny_model, tmp_path):
+    from conftest import ServerThread, make_config
+    from drafter_service.cli import parse_args
+
+    assert parse_args([]).step_channel_read_ahead and not parse_args(
+        ["--no-step-channel-read-ahead"]).step_channel_read_ahead
+    head, target = tiny_model
+    with ServerThread(make_config(head, target, tmp_path / "on")) as s:
+        channels = s.server.runtime.metrics.channels
+        assert channels.may_read_ahead()
+        s.server.servicer.ingest_only = True  # (benchmarks: its parse copies the states to the device)
+        assert not channels.may_read_ahead()
+    with ServerThread(make_config(head, target, tmp_path / "off", step_channel_read_ahead=False)) as s:
+        assert not s.server.runtime.metrics.channels.may_read_ahead()
+
+
+async def test_steps_through_a_channel_that_reads_ahead_draft_as_over_grpc(tiny_model, tmp_path):
+    """End to end (a real drafter and client; whether a given step is read ahead depends on timing): the same batch
+    steps through a frames channel and by unary gRPC draft alike, and the channel's frames were taken."""
+    from conftest import ServerThread, make_config
+    from drafter_client import DrafterClient
+    from test_batch_api import as_batch
+
+    head, target = tiny_model
+    g = torch.Generator().manual_seed(5)
+    with ServerThread(make_config(head, target, tmp_path)) as s:
+        async with DrafterClient(s.uds, namespace="a") as ch, DrafterClient(s.uds, namespace="b") as un:
+            assert await ch.open_step_channel() and ch.channel_frames
+            steps = [SequenceStep(f"s{i}", 0, torch.randint(0, V, (6,), generator=g).tolist(),
+                                  torch.randn(6, H, generator=g), 3, 4) for i in range(64)]
+            for _ in range(3):
+                a = await ch.propose_batch(as_batch(steps))
+                b = await un.propose_batch(as_batch(steps))
+                assert torch.equal(a.codes, b.codes) and torch.equal(a.draft_token_ids, b.draft_token_ids)
+                assert torch.equal(a.committed_lengths, b.committed_lengths)
+            assert ch.steps_as_frames == 3 and un.steps_through_channel == 0
+            assert s.server.runtime.metrics.channels.frames_taken == 3
