@@ -177,6 +177,8 @@ def main() -> int:
                          "out of step, which the merge window should rarely wait for")
     ap.add_argument("--merge-windows", default="300",
                     help="drafter --merge-window-us values, a drafter each (comma-separated; 0: no waits)")
+    ap.add_argument("--drafter-flag", action="append", default=[],
+                    help="an extra drafter-serve flag, e.g. --drafter-flag=--no-step-channel-read-ahead")
     ap.add_argument("--out", default="bench_out/merged_engines.json")
     a = ap.parse_args()
     shape = bs.PRESETS[a.preset]
@@ -209,7 +211,7 @@ def main() -> int:
             cmd = [sys.executable, "-m", "drafter_service.cli", "--model", str(head), "--target-model", str(target),
                    "--listen", f"unix:{sock}", "--device", a.device, "--dtype", dtype, "--kv-cache-tokens",
                    str(kv_tokens), "--max-model-len", str(a.context + 64), "--max-batch-seqs", "4096", "--log-level",
-                   "WARNING", "--metrics-port", str(port), "--merge-window-us", str(window)]
+                   "WARNING", "--metrics-port", str(port), "--merge-window-us", str(window), *a.drafter_flag]
             server = subprocess.Popen(cmd)
             try:
                 for n in counts:

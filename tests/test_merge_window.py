@@ -219,7 +219,7 @@ class _SlowReadChannels:
     def close_all(self, why):
         pass
 
-    def poll(self, enqueue) -> bool:
+    def poll(self, enqueue, read_ahead: bool = True) -> bool:
         with self.lock:
             found, self.inbox = self.inbox, []
         for p in found:

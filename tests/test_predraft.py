@@ -383,7 +383,7 @@ class _DyingChannel:
     def open_count(self) -> int:
         return 0 if self.closed else 1
 
-    def poll(self, enqueue) -> bool:
+    def poll(self, enqueue, read_ahead: bool = True) -> bool:
         import traceback
 
         if not self.closed and any(f.name == "_prepare_group" for f in traceback.extract_stack()):

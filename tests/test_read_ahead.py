@@ -155,6 +155,22 @@ def test_a_frame_refused_when_read_ahead_is_answered_at_its_doorbell_and_not_bef
     d.close()
 
 
+def test_no_read_ahead_while_a_batch_is_about_to_run():
+    """The scheduler's poll with requests queued (read_ahead False) leaves a rung head bell for later: checking a
+    frame that cannot join the coming batch would only delay the batch."""
+    d = Drafter()
+    polls = []
+
+    def between():
+        polls.append((d.set.poll(d.queued.append, read_ahead=False), d.ch.ahead is None, d.decoded))
+        polls.append((d.poll(), d.ch.ahead is None, d.decoded))  # (then, with nothing queued, it is read ahead)
+
+    d.box.write(d.box.request, 1, PollBetween(_frame(some_steps(12)), between))
+    assert polls == [(False, True, 0), (False, False, 1)]
+    assert d.poll() and d.set.frames_read_ahead == 1 and d.decoded == 1
+    d.close()
+
+
 @pytest.mark.parametrize("why", ["checksums", "ingest-only", "not in place"])
 def test_no_read_ahead_where_it_is_off(why):
     """A mailbox with CHECKSUMS gets no head bell (and a bell rung anyway is not read: the crc covers the whole

@@ -293,7 +293,8 @@ class StepScheduler:
             channels = self._channels
             self.proposer.expire_idle()  # (a clock read and a compare unless a lease may have run out)
             # (the step thread queues its own finds: no need to wake itself)
-            if channels is not None and channels.poll(self._queue.append):
+            # (no reading ahead when a batch is about to run: a frame not yet sent cannot join it)
+            if channels is not None and channels.poll(self._queue.append, read_ahead=not self._queue):
                 last_channel_request = time.monotonic()
             while self._jobs:
                 job = self._jobs.popleft()
@@ -377,7 +378,7 @@ class StepScheduler:
     def _request_waiting(self, channels) -> bool:
         """Whether a request or a job waits for the step thread (polls the step channels: what they hold is queued)."""
         if channels is not None:
-            channels.poll(self._queue.append)
+            channels.poll(self._queue.append, read_ahead=not self._queue)
         return bool(self._queue) or bool(self._jobs) or self._stopping
 
     def _observe_cycle(self, batch: list[PendingRequest]) -> None:

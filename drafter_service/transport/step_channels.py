@@ -304,21 +304,24 @@ class ChannelSet:
     def open_count(self) -> int:
         return len(self._open) + len(self._new)
 
-    def poll(self, enqueue: Callable[[PendingRequest], None]) -> bool:
+    def poll(self, enqueue: Callable[[PendingRequest], None], read_ahead: bool = True) -> bool:
         """Take every channel's new request (queued with enqueue, or answered at once when malformed); True when
-        there was any."""
+        there was any. read_ahead: whether a frame whose head bell rang may be read ahead (module docstring) when
+        no request was found; False when a batch is about to run (the scheduler's queue holds requests): reading a
+        frame that cannot join it would only delay it."""
         while self._new:
             self._open.append(self._new.popleft())
         if not self._open:
             return False
         found = False
         now = None
+        bells = []  # channels whose next frame's head bell rang
         for ch in self._open:
             box = ch.box
             seq = box.doorbell(box.request)
             if seq == ch.taken:
                 if box.head_bell() == seq + 1 and (ch.ahead is None or ch.ahead.seq != seq + 1):
-                    self._read_ahead(ch, seq + 1)  # (the head of the next frame is in; its states are coming)
+                    bells.append(ch)
                 continue
             t_seen = time.perf_counter()
             # when the client rang the doorbell (the mailbox's request_sent_ns), in this clock: a request that
@@ -355,6 +358,9 @@ class ChannelSet:
             self._take(ch, seq)
             found = True
             self._handle(ch, seq, payload, enqueue, t_seen, arrived)
+        if bells and read_ahead and not found:  # (the head of a next frame is in; its states are coming)
+            for ch in bells:
+                self._read_ahead(ch, ch.taken + 1)
         now = now or time.monotonic()
         for ch in self._open:
             if now - ch.checked_at > LIVENESS_PERIOD_S:
