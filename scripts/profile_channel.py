@@ -147,8 +147,10 @@ def main() -> int:
                "WARNING", "--metrics-port", str(a.metrics_port), *a.drafter_flag]
         server = subprocess.Popen(cmd)
         try:
-            # the width of the states the engine sends: the hidden size, three of them for an EAGLE-3 head
-            width = shape["hidden_size"] * (3 if shape.get("method") == "eagle3" else 1)
+            # the width of the states the engine sends: the hidden size, three of them for an EAGLE-3 head (one when
+            # the engine applies its fc: --drafter-flag=--engine-applies-fc)
+            three = shape.get("method") == "eagle3" and "--engine-applies-fc" not in a.drafter_flag
+            width = shape["hidden_size"] * (3 if three else 1)
             for batch in batches:
                 for api in a.api.split(","):
                     asyncio.run(run(f"unix:{tmp}/d.sock", batch, a, width, shape["vocab_size"], a.metrics_port, marks,

@@ -171,6 +171,27 @@ def test_no_read_ahead_while_a_batch_is_about_to_run():
     d.close()
 
 
+def test_a_head_bell_over_bytes_that_are_no_frame_is_looked_at_once():
+    """A head bell rung over bytes that are not a request frame (only a misbehaving client does that) is looked at by
+    one poll, not by every poll until its doorbell: the other engines' requests wait for no view per poll."""
+    d = Drafter()
+    box = d.box
+    views = []
+    view = box.view
+    box.view = lambda area, seq, *a: views.append(seq) or view(area, seq, *a)
+    junk = b"\x00" * 64
+    with memoryview(d.mm) as whole:
+        whole[box.request.start : box.request.start + len(junk)] = junk
+    box.words[box.request.length] = len(junk)
+    box.words[box.request.head_seq] = 1
+    for _ in range(5):
+        assert not d.poll()
+    assert views == [1] and d.ch.ahead is None and d.decoded == 0
+    box.write(box.request, 1, bytes(_frame(some_steps(3))))  # (then a frame, at its doorbell: read as always)
+    assert d.poll() and d.decoded == 1 and len(d.queued) == 1 and d.set.frames_read_ahead == 0
+    d.close()
+
+
 @pytest.mark.parametrize("why", ["checksums", "ingest-only", "not in place"])
 def test_no_read_ahead_where_it_is_off(why):
     """A mailbox with CHECKSUMS gets no head bell (and a bell rung anyway is not read: the crc covers the whole

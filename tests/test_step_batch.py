@@ -120,6 +120,8 @@ def test_step_with_step_inputs_runs_from_the_columns_with_the_same_answers(tiny_
         before = b.proposer.columns_steps_run
         out_a, out_b = a.proposer.step_per_sequence(steps), b.proposer.step(steps)
         assert b.proposer.columns_may_take(steps)
+        # (Proposer.step checks the rule once, off the StepInputs: it must imply the columns' own check)
+        assert b.proposer._fast_path_applies(BatchInput.from_inputs(steps))
         assert b.proposer.columns_steps_run - before == 1
         same(out_a, BatchOutput.from_outputs(out_b))
         assert metrics_of(a) == metrics_of(b)
@@ -135,6 +137,7 @@ def test_step_with_step_inputs_runs_from_the_columns_with_the_same_answers(tiny_
                                 "top_k_probs": 2 if kind == "top_k" else 0}) for s in steps]
         before = b.proposer.columns_steps_run
         assert b.proposer.columns_may_take(ask) is (kind == "new")  # (a new sequence: the columns path declines it)
+        assert b.proposer._fast_path_applies(BatchInput.from_inputs(ask)) is (kind in ("new", "fewer"))
         out_a, out_b = a.proposer.step_per_sequence(ask), b.proposer.step(ask)
         assert b.proposer.columns_steps_run == before, kind
         assert [(o.code, o.drafts, o.accepted_drafts, o.committed_length) for o in out_a] == [

@@ -521,7 +521,7 @@ class Proposer:
         early: on the columns path, called with the step's answer before its drafts are known (drafts None), while
         the GPU drafts on CUDA: the object returned is that one, its drafts filled in, unless the step failed (a new
         one then). A caller encodes there what of its reply needs no draft (scheduler.py, step_channels.py)."""
-        outputs = self._step_columns(b, early)
+        outputs = self._step_columns(b, early) if self._fast_path_applies(b) else None
         return outputs if outputs is not None else BatchOutput.from_outputs(self.step_per_sequence(b.to_inputs()))
 
     def takes_columns(self, num_sequences: int, num_tokens: int) -> bool:
@@ -552,9 +552,9 @@ class Proposer:
                 and (large_enough_for_columns(n, T) or not sampled) and not extras)
 
     def _step_columns(self, b: BatchInput, early=None) -> BatchOutput | None:
-        """step_batch's columnar path; None (having changed nothing a step would not) where it does not apply."""
-        if not self._fast_path_applies(b):
-            return None
+        """step_batch's columnar path, for a step whose inputs the caller found fit (_fast_path_applies, or
+        columns_may_take before the columns were built: the rule is checked once); None (having changed nothing a
+        step would not) where the sequences' state says no (a new sequence, pre-drafting, a gap, no room)."""
         t0 = time.perf_counter()
         self._step_serial += 1
         now, serial = self.clock(), self._step_serial

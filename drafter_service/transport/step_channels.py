@@ -85,6 +85,7 @@ class Channel:
     unpin: Callable[[], None] | None = None  # undoes ChannelSet.pin (before the mapping is closed)
     frames: bool = False  # the client asked for request frames (step_frame.py) in its hello, and got them
     ahead: "_ReadAhead | None" = None  # the next request frame, checked at its head bell (before its doorbell)
+    bell_looked_at: int = 0  # the last head bell _read_ahead answered, whatever it found: each bell is looked at once
 
     @property
     def owner(self) -> str:
@@ -320,7 +321,7 @@ class ChannelSet:
             box = ch.box
             seq = box.doorbell(box.request)
             if seq == ch.taken:
-                if box.head_bell() == seq + 1 and (ch.ahead is None or ch.ahead.seq != seq + 1):
+                if box.head_bell() == seq + 1 and ch.bell_looked_at != seq + 1:
                     bells.append(ch)
                 continue
             t_seen = time.perf_counter()
@@ -329,7 +330,8 @@ class ChannelSet:
             age = box.request_age_s(MAX_REQUEST_AGE_S)
             arrived = t_seen if age is None else t_seen - age
             ahead, ch.ahead = ch.ahead, None
-            if ahead is not None and ahead.seq == seq and box.words[box.request.length] == ahead.length:
+            length = box.words[box.request.length]
+            if ahead is not None and ahead.seq == seq and length == ahead.length:
                 self._take(ch, seq)
                 found = True
                 self.frames_read_ahead += 1
@@ -337,7 +339,7 @@ class ChannelSet:
                 self.in_place_reads += 1  # (a view of the mailbox: _read_ahead)
                 self._queue_frame(ch, seq, ahead.parsed, enqueue, t_seen, arrived)
                 continue
-            large = box.words[box.request.length] >= MIN_SCAN_BYTES
+            large = length >= MIN_SCAN_BYTES
             # (a view of the mailbox: the client writes again only after the reply; a frame's states then go to
             # the device from it, whatever its size)
             if ch.in_place and (large or ch.frames):
@@ -446,6 +448,7 @@ class ChannelSet:
         """Check the request frame whose head bell rang (seq: the coming request_seq) while its states are still
         being written (module docstring); its doorbell then queues what was read (poll)."""
         box = ch.box
+        ch.bell_looked_at = seq  # (whatever comes of it: a bell whose bytes are no frame is not viewed at every poll)
         if not (ch.frames and ch.in_place and not box.checksums and self.may_read_ahead()):
             return
         payload = box.view(box.request, seq)  # (request_len bytes, the states' section still being written)
