@@ -8,10 +8,19 @@
     python scripts/profile_step.py --batches 8 --columns --timeline     # every GPU activity of one step, and the
                                                                         # cost of the graphs' kernel boundaries
     python scripts/profile_step.py --batches 128 --columns --mixed-m    # steps of 1..m committed tokens each
+    python scripts/profile_step.py --preset llama3-8b-eagle3 --engine-applies-fc --columns --states-on-gpu \
+        --batches 1,8,32,64,128,256 --rounds 3 --out gpu_out/profile_step.json   # the JSON batch_scale_targets.py reads
 
 By default the steps' target hidden states are host tensors (as a sidecar receives them: the step stages them through
 pinned memory); --states-on-gpu gives them on the GPU, as an engine in the drafter's own process holds them.
+
+Per batch size, --rounds times: the wall time of 20 steps (no profiler) and the GPU kernel time of 5 steps under
+torch.profiler (the sum of the GPU activities' own time); the ratio wall / kernel time is #13's "in-process <= 1.15x
+the GPU kernel time of the step". --out writes each round's figures and their medians as JSON (device, date, command).
 """
+import datetime
+import platform
+import statistics
 import dataclasses
 import argparse
 import cProfile
@@ -25,8 +34,11 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from drafter_client.benchmarks import bench_step as b  # noqa: E402
+from drafter_client.benchmarks.report import write_json  # noqa: E402
 from drafter_service.config import ServerConfig  # noqa: E402
 from drafter_service.runtime import build_runtime  # noqa: E402
+
+PROFILED_STEPS = 5  # steps under torch.profiler per round: the kernel time of a step is their mean
 
 
 def profiled_steps(step, inputs, n: int):
@@ -52,8 +64,6 @@ def print_gaps(step, inputs, batch: int, n: int = 10) -> None:
     """Medians over n steps of: the step's wall time, the time from its start to its first GPU activity (kernel,
     copy or memset), the GPU's idle time between its first and last activity, and from the last activity to the
     step's return."""
-    import statistics
-
     events, steps = profiled_steps(step, inputs, n)
     gpu = sorted((e.time_range.start, e.time_range.end) for e in events if is_gpu_activity(e))
     rows = []
@@ -158,7 +168,6 @@ def print_phases(rt, step, inputs, batch: int, n: int = 30) -> None:
       wait      the step's one synchronization: the GPU still running
       after     drafts on the host -> the step returns (the sequences' state, the reply, metrics)
     The host work the GPU waits for is admit + metadata + copy-in before the GPU starts, and after."""
-    import statistics
     from drafter_service.engine import cuda_graphs, proposer as proposer_mod
 
     graphs = rt.proposer.decode_graphs
@@ -257,14 +266,32 @@ def main() -> int:
     ap.add_argument("--host-profile", action="store_true",
                     help="also run cProfile over 50 steps and print the python functions by own and by cumulative time "
                          "(host work)")
+    ap.add_argument("--engine-applies-fc", action="store_true",
+                    help="EAGLE-3 presets: the drafter runs with engine_applies_fc (--engine-applies-fc), its steps' "
+                         "states the fc's [T, H] output, as bench_step --engine-applies-fc")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time each batch size this many times (wall time and kernel time each round; the medians "
+                         "and the spread go to --out)")
+    ap.add_argument("--out", default=None, help="JSON file for the figures (per batch: each round's and the medians)")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
     shape = b.PRESETS[a.preset]
+    if a.engine_applies_fc and shape.get("method") != "eagle3":
+        ap.error(f"--engine-applies-fc is for EAGLE-3 presets; {a.preset} is not one")
+    result = dict(benchmark="profile_step", date=datetime.datetime.now().isoformat(timespec="seconds"),
+                  host=platform.node(), device=f"cuda: {torch.cuda.get_device_name()}", torch=torch.__version__,
+                  command=" ".join(["scripts/profile_step.py", *sys.argv[1:]]), preset=a.preset, context=a.context,
+                  m=a.m, mixed_m=a.mixed_m, k=a.k, columns=a.columns, states_on_gpu=a.states_on_gpu,
+                  engine_applies_fc=a.engine_applies_fc, cuda_graphs=not a.no_cuda_graphs, rounds=a.rounds, rows=[],
+                  complete=False)
     with tempfile.TemporaryDirectory() as tmp:
         head, target = b.write_random_head(pathlib.Path(tmp), shape, a.context + 64)
         cfg = ServerConfig(model=str(head), target_model=str(target), device="cuda", dtype="bfloat16",
                            kv_cache_tokens=max(200_000, 300 * (a.context + 64)),  # 256 sequences fit
                            max_model_len=a.context + 64, max_batch_seqs=512,
-                           cuda_graphs=not a.no_cuda_graphs, cpu_threads=a.cpu_threads)
+                           cuda_graphs=not a.no_cuda_graphs, cpu_threads=a.cpu_threads,
+                           engine_applies_fc=a.engine_applies_fc)
         rt = build_runtime(cfg)
         width = rt.limits.hidden_states_width
         for batch in [int(x) for x in a.batches.split(",")]:
@@ -284,25 +311,35 @@ def main() -> int:
                 inputs, step = b.to_batch_input(decode), rt.proposer.step_batch
             for _ in range(5):
                 step(inputs)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            n = 20
-            for _ in range(n):
-                step(inputs)
-            wall = (time.perf_counter() - t0) / n
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    step(inputs)
-            events = prof.key_averages()
-            gpu_total = sum(e.self_device_time_total for e in events) / 5 / 1e3  # ms per step
-            print(f"\n=== batch {batch} ({torch.get_num_threads()} host threads, "
-                  f"{'columns (step_batch)' if a.columns else 'StepInputs (step)'}, "
-                  f"{'m = 1..' if a.mixed_m else 'm = '}{a.m}, states on the "
-                  f"{'GPU' if a.states_on_gpu else 'host'}): wall {wall * 1e3:.2f} ms/step, "
-                  f"GPU kernel time {gpu_total:.2f} ms/step, "
-                  f"idle GPU {wall * 1e3 - gpu_total:.2f} ms ===")
-            print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
+            walls, kernels = [], []
+            for r in range(a.rounds):
+                wall, events = time_step(step, inputs)
+                gpu_total = sum(e.self_device_time_total for e in events) / PROFILED_STEPS / 1e3  # ms per step
+                walls.append(wall * 1e3)
+                kernels.append(gpu_total)
+                print(f"\n=== batch {batch} ({torch.get_num_threads()} host threads, "
+                      f"{'columns (step_batch)' if a.columns else 'StepInputs (step)'}, "
+                      f"{'m = 1..' if a.mixed_m else 'm = '}{a.m}, states on the "
+                      f"{'GPU' if a.states_on_gpu else 'host'}"
+                      f"{', fc by the engine' if a.engine_applies_fc else ''}"
+                      f"{f', round {r + 1} of {a.rounds}' if a.rounds > 1 else ''}): wall {wall * 1e3:.2f} ms/step, "
+                      f"GPU kernel time {gpu_total:.2f} ms/step, "
+                      f"idle GPU {wall * 1e3 - gpu_total:.2f} ms ===")
+                if r == 0:
+                    print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
+            ratios = [w / k for w, k in zip(walls, kernels)]
+            result["rows"].append(dict(
+                batch=batch, wall_ms=walls, kernel_ms=kernels, wall_over_kernel=ratios,
+                median=dict(wall_ms=statistics.median(walls), kernel_ms=statistics.median(kernels),
+                            idle_ms=statistics.median(w - k for w, k in zip(walls, kernels)),
+                            wall_over_kernel=statistics.median(ratios)),
+                top_kernels=[dict(name=e.key, ms_per_step=e.self_device_time_total / PROFILED_STEPS / 1e3)
+                             for e in sorted(events, key=lambda e: -e.self_device_time_total)[:8]]))
+            if a.rounds > 1:
+                print(f"--- batch {batch}: wall / GPU kernel time over {a.rounds} rounds: median "
+                      f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}] ---", flush=True)
+            if a.out:  # (after each batch size: a run stopped by a time limit keeps what it measured)
+                write_json(a.out, result, say=False)
             if a.gaps:
                 print_gaps(step, inputs, batch)
             if a.phases:
@@ -323,7 +360,25 @@ def main() -> int:
                 pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
             for s in decode:
                 rt.proposer.table.release("bench", s.sequence_id)
+    if a.out:
+        result["complete"] = True
+        write_json(a.out, result)
     return 0
+
+
+def time_step(step, inputs, n: int = 20):
+    """(the wall time of one step in seconds, the mean of n steps without the profiler; torch.profiler's
+    key_averages over PROFILED_STEPS more steps)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step(inputs)
+    wall = (time.perf_counter() - t0) / n
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED_STEPS):
+            step(inputs)
+    return wall, prof.key_averages()
 
 
 if __name__ == "__main__":

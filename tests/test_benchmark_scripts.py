@@ -344,3 +344,50 @@ def test_bench_grpc_options_times_every_option_set(tmp_path):
     assert set(result["echo_ms"]) == set(result["upload_ms"]) == {"base", "frame4M"}
     assert all(len(v) == 1 and v[0] > 0 for v in [*result["echo_ms"].values(), *result["upload_ms"].values()])
     assert result["options"]["frame4M"] == [["grpc.http2.max_frame_size", 4 << 20]]
+
+
+def _targets(args: list[str], tmp_path) -> dict:
+    return run(["scripts/batch_scale_targets.py", *args], tmp_path / "targets.json")
+
+
+def test_batch_scale_targets_reads_the_benchmarks_json_and_says_where_each_target_is_met(tmp_path):
+    """scripts/batch_scale_targets.py: issue #13's table from bench_step / profile_step JSON (synthetic figures in
+    the scripts' shapes here; the committed runs below): each target met, not met, or met at some batch sizes."""
+    rounds = lambda chan, cols, unary, floor: dict(  # noqa: E731  (bench_step's rounds_median)
+        channel_over_in_process=chan, channel_batch_api_over_in_process_columns=cols,
+        unary_batch_api_over_in_process_columns=unary, unary_floor_over_in_process_columns=floor)
+    bench = dict(command="bench_step ...", device="cuda: X", date="2026-11-27T00:00:00", rows=[
+        dict(batch=1, floor_ms=1.0, in_process_over_floor=1.3, in_process_columns_states_on_gpu_ms=1.2,
+             rounds_median=rounds(1.05, 1.08, 2.0, 1.4)),
+        dict(batch=128, floor_ms=2.0, in_process_over_floor=1.9, in_process_columns_states_on_gpu_ms=2.8,
+             rounds_median=rounds(1.12, 1.09, 2.4, 1.8))])
+    profile = dict(command="profile_step ...", device="cuda: X", date="2026-11-27T00:00:00", rows=[
+        dict(batch=b, median=dict(wall_over_kernel=r, idle_ms=0.2)) for b, r in ((1, 1.2), (128, 1.1))])
+    cpu = dict(command="bench_step --preset tiny", device="cpu: 2 cores", date="2026-11-27T00:00:00", rows=[
+        dict(batch=1, in_process_ms=2.0, channel_worker_over_in_process=1.1, rounds=dict(in_process_ms=[2.0, 2.2]),
+             rounds_median=dict(channel_over_in_process=1.2)),
+        dict(batch=128, in_process_ms=20.0, channel_worker_over_in_process=1.3, rounds=dict(in_process_ms=[20.0, 22.0]),
+             rounds_median=dict(channel_over_in_process=1.4))])
+    files = {}
+    for name, data in (("bench", bench), ("profile", profile), ("cpu", cpu)):
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(json.dumps(data))
+    result = _targets(["--bench", f"e1={files['bench']}", "--profile", f"e1={files['profile']}",
+                       "--cpu-bench", str(files["cpu"])], tmp_path)
+    met = {r["target"]: r["met"] for r in result["rows"]}
+    assert met == {"in-process <= 1.15x its GPU kernel time": "at batch 128",  # 1.2 at batch 1
+                   "in-process <= 1.5x the floor at batch 128": "yes",  # 2.8 / 2.0
+                   "step channel <= 1.10x in-process": "at batch 1",  # the worse of the two APIs at 128: 1.12
+                   "unary gRPC <= 1.5x in-process at batch 128": "no: below gRPC Python's floor",  # (the floor 1.8)
+                   "CPU: in-process batch 128 <= 8x batch 1": "no",  # 10x
+                   "CPU: the drafter's own step <= 1.2x the in-process step": "at batch 1",
+                   "CPU: step channel <= 1.3x in-process at batch 1 and 128": "at batch 1"}
+    floor = [r for r in result["rows"] if "floor at batch 128" in r["target"]]
+    assert len(floor) == 1 and floor[0]["met"] == "yes" and floor[0]["values"] == {"128": 1.4}
+    # the committed runs of the twentieth session read as they are
+    bench_dir = REPO / "docs" / "bench"
+    result = _targets(["--bench", f"eagle1={bench_dir / 'bench_step_b1-256_eagle1_h200_2026-11-27_twentieth.json'}",
+                       "--cpu-bench", str(bench_dir / "bench_step_tiny_cpu_2026-11-27_twentieth.json")], tmp_path)
+    assert {r["target"] for r in result["rows"]} >= {"step channel <= 1.10x in-process",
+                                                      "unary gRPC <= 1.5x in-process at batch 128"}
+    assert all(r["met"] for r in result["rows"])

@@ -1,0 +1,176 @@
+"""Issue #13's targets against measured figures: one table from the benchmarks' JSON (a script, not a test).
+
+    python scripts/batch_scale_targets.py \
+        --bench eagle1=docs/bench/bench_step_..._eagle1_....json --bench eagle3=docs/bench/..._eagle3_fc_....json \
+        --profile eagle1=docs/bench/profile_step_..._eagle1_....json --profile eagle3=... \
+        --cpu-bench docs/bench/bench_step_tiny_cpu_....json --out docs/bench/batch_scale_targets_....json
+
+Reads, per head, a GPU run of `bench_step --batches 1,8,32,64,128,256 --rounds N --rounds-only --grpc-floor` and one
+of `scripts/profile_step.py --columns --states-on-gpu --rounds N --out F` (the same --engine-applies-fc for both),
+and a CPU run of `bench_step --preset tiny --device cpu --batches 1,32,128 --rounds N` (not --rounds-only: the
+drafter's own step comes from the single pass). Prints the table (markdown) and writes it as JSON. What each target
+reads:
+
+  kernel      profile_step: the in-process step's wall time over its GPU kernel time, median of the rounds, per batch
+  floor       bench_step's single pass at batch 128: the in-process step from columns with the states on the GPU
+              (an engine holding its batch as tensors) over the floor; the per-sequence step beside it
+  channel     bench_step's rounds: the step channel over the in-process step (per-sequence API against
+              Proposer.step) and the batch API through it over the in-process step from columns (Proposer.step_batch)
+  unary       bench_step's rounds at batch 128: the batch API by unary gRPC over the in-process step from columns,
+              and the unary path's floor (--grpc-floor: the same bytes through a bare grpc.aio server)
+  cpu-scale   the CPU run: the in-process step at batch 128 over batch 1 (single pass, and the rounds' medians)
+  cpu-worker  the CPU run's single pass: the drafter's own step (inside the sidecar, through the channel) over the
+              in-process step
+  cpu-channel the CPU run's rounds: the step channel over the in-process step at batch 1 and 128
+
+`drafter-demo`'s speedup is not in any JSON: docs/demo.md has its runs. Ratios are medians: a target is "met" at a
+batch size when the median is within it.
+"""
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+KERNEL_MAX = 1.15  # in-process wall time / GPU kernel time, every batch size
+FLOOR_MAX = 1.5  # in-process / floor at batch 128
+CHANNEL_MAX = 1.10  # step channel / in-process, every batch size
+UNARY_MAX = 1.5  # unary gRPC / in-process at batch 128
+CPU_SCALE_MAX = 8.0  # CPU in-process batch 128 / batch 1
+CPU_WORKER_MAX = 1.2  # CPU: the drafter's own step / the in-process step
+CPU_CHANNEL_MAX = 1.3  # CPU: step channel / in-process at batch 1 and 128
+
+
+def load(path: str) -> dict:
+    return json.loads(pathlib.Path(path).read_text())
+
+
+def by_batch(run: dict) -> dict[int, dict]:
+    return {row["batch"]: row for row in run["rows"]}
+
+
+def verdict(values: dict[int, float], limit: float) -> str:
+    """'yes' when every batch size's value is within limit, 'no' when none is, else the sizes where it is."""
+    ok = [b for b, v in values.items() if v <= limit]
+    if len(ok) == len(values):
+        return "yes"
+    if not ok:
+        return "no"
+    return "at batch " + ", ".join(str(b) for b in ok)
+
+
+def fmt(values: dict[int, float]) -> str:
+    return " / ".join(f"{v:.2f}" for v in values.values()) + " at batch " + " / ".join(str(b) for b in values)
+
+
+def gpu_rows(head: str, bench: dict | None, profile: dict | None) -> list[dict]:
+    rows = []
+    if profile is not None:
+        ratios = {b: r["median"]["wall_over_kernel"] for b, r in by_batch(profile).items()}
+        idle = [r["median"]["idle_ms"] for r in profile["rows"]]
+        rows.append(dict(target=f"in-process <= {KERNEL_MAX}x its GPU kernel time", head=head, values=ratios,
+                         figures=fmt(ratios) + f" (GPU idle {min(idle):.2f}-{max(idle):.2f} ms per step)",
+                         met=verdict(ratios, KERNEL_MAX), source=profile.get("command", ""),
+                         device=profile.get("device", ""), date=profile.get("date", "")))
+    if bench is None:
+        return rows
+    rows_by_batch = by_batch(bench)
+    source = dict(source=bench.get("command", ""), device=bench.get("device", ""), date=bench.get("date", ""))
+    at128 = rows_by_batch.get(128)
+    if at128 is not None:
+        best = at128["in_process_columns_states_on_gpu_ms"] / at128["floor_ms"]
+        rows.append(dict(target=f"in-process <= {FLOOR_MAX}x the floor at batch 128", head=head, values={128: best},
+                         figures=f"{best:.2f} from columns with the states on the GPU "
+                                 f"({at128['in_process_over_floor']:.2f} per sequence, states staged)",
+                         met="yes" if best <= FLOOR_MAX else "no", **source))
+    rounds = {b: r["rounds_median"] for b, r in rows_by_batch.items() if r.get("rounds_median")}
+    if rounds:
+        per_seq = {b: m["channel_over_in_process"] for b, m in rounds.items()}
+        batch_api = {b: m["channel_batch_api_over_in_process_columns"] for b, m in rounds.items()}
+        worst = {b: max(per_seq[b], batch_api[b]) for b in rounds}
+        rows.append(dict(target=f"step channel <= {CHANNEL_MAX:.2f}x in-process", head=head, values=worst,
+                         figures=f"per-sequence API {fmt(per_seq)}; batch API {fmt(batch_api)}",
+                         met=verdict(worst, CHANNEL_MAX), **source))
+        m128 = rounds.get(128)
+        if m128 is not None:
+            unary = m128["unary_batch_api_over_in_process_columns"]
+            floor = m128.get("unary_floor_over_in_process_columns")
+            rows.append(dict(target=f"unary gRPC <= {UNARY_MAX}x in-process at batch 128", head=head,
+                             values={128: unary},
+                             figures=f"{unary:.2f}" + (f" (the same bytes through a bare grpc.aio server alone: "
+                                                       f"{floor:.2f})" if floor is not None else ""),
+                             met="yes" if unary <= UNARY_MAX else (
+                                 "no: below gRPC Python's floor" if floor is not None and floor > UNARY_MAX
+                                 else "no"), **source))
+    return rows
+
+
+def cpu_rows(run: dict) -> list[dict]:
+    rows_by_batch = by_batch(run)
+    source = dict(source=run.get("command", ""), device=run.get("device", ""), date=run.get("date", ""))
+    rows = []
+    one, big = rows_by_batch.get(1), rows_by_batch.get(128)
+    if one is not None and big is not None:
+        single = big["in_process_ms"] / one["in_process_ms"]
+        text = f"{single:.2f} single pass"
+        if one.get("rounds") and big.get("rounds"):
+            med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+            text += f", {med(big['rounds']['in_process_ms']) / med(one['rounds']['in_process_ms']):.2f} over the rounds"
+        rows.append(dict(target=f"CPU: in-process batch 128 <= {CPU_SCALE_MAX:g}x batch 1", head="tiny",
+                         values={128: single}, figures=text, met="yes" if single <= CPU_SCALE_MAX else "no", **source))
+    worker = {b: r["channel_worker_over_in_process"] for b, r in rows_by_batch.items()
+              if r.get("channel_worker_over_in_process") is not None}
+    if worker:
+        rows.append(dict(target=f"CPU: the drafter's own step <= {CPU_WORKER_MAX}x the in-process step", head="tiny",
+                         values=worker, figures=fmt(worker), met=verdict(worker, CPU_WORKER_MAX), **source))
+    channel = {b: r["rounds_median"]["channel_over_in_process"] for b, r in rows_by_batch.items()
+               if b in (1, 128) and r.get("rounds_median")}
+    if channel:
+        rows.append(dict(target=f"CPU: step channel <= {CPU_CHANNEL_MAX}x in-process at batch 1 and 128", head="tiny",
+                         values=channel, figures=fmt(channel), met=verdict(channel, CPU_CHANNEL_MAX), **source))
+    return rows
+
+
+def pairs(items: list[str], what: str) -> dict[str, dict]:
+    out = {}
+    for item in items:
+        head, sep, path = item.partition("=")
+        if not sep or not head or not path:
+            raise SystemExit(f"{what} wants HEAD=PATH, got {item!r}")
+        out[head] = load(path)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bench", action="append", default=[], help="HEAD=bench_step JSON (GPU, --rounds, --grpc-floor)")
+    ap.add_argument("--profile", action="append", default=[], help="HEAD=profile_step.py --out JSON")
+    ap.add_argument("--cpu-bench", default=None, help="bench_step JSON of the tiny preset on a CPU, with --rounds")
+    ap.add_argument("--out", default=None, help="JSON file for the table")
+    a = ap.parse_args(argv)
+    benches, profiles = pairs(a.bench, "--bench"), pairs(a.profile, "--profile")
+    rows = []
+    for head in dict.fromkeys([*benches, *profiles]):
+        rows += gpu_rows(head, benches.get(head), profiles.get(head))
+    if a.cpu_bench:
+        rows += cpu_rows(load(a.cpu_bench))
+    if not rows:
+        ap.error("nothing to read: give --bench, --profile or --cpu-bench")
+    print("| target | head | figures (medians) | met | device, date |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['target']} | {r['head']} | {r['figures']} | {r['met']} | {r['device']}, {r['date'][:10]} |")
+    if a.out:
+        from drafter_client.benchmarks.report import write_json
+
+        write_json(a.out, dict(benchmark="batch_scale_targets", date=datetime.datetime.now().isoformat(timespec="seconds"),
+                               command=" ".join(["scripts/batch_scale_targets.py", *sys.argv[1:]]),
+                               rows=[dict(r, values={str(b): v for b, v in r["values"].items()}) for r in rows]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
