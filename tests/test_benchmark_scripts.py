@@ -391,3 +391,36 @@ def test_batch_scale_targets_reads_the_benchmarks_json_and_says_where_each_targe
     assert {r["target"] for r in result["rows"]} >= {"step channel <= 1.10x in-process",
                                                       "unary gRPC <= 1.5x in-process at batch 128"}
     assert all(r["met"] for r in result["rows"])
+
+
+def test_bench_first_step_padding_distributions_and_its_gpu_requirement(tmp_path):
+    """benchmarks/bench_first_step_padding.py: the m distributions its docstring names; without a GPU it says it
+    needs one (it times CUDA graphs)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bfsp", REPO / "benchmarks" / "bench_first_step_padding.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    k = 5
+    low = [mod.m_of("low", i, k) for i in range(64)]
+    assert low.count(6) == 8 and low.count(1) == 56  # padded 64 x 6 = 384 rows for 104
+    assert [mod.m_of("spread", i, k) for i in range(7)] == [1, 2, 3, 4, 5, 6, 1]
+    assert {mod.m_of("uniform", i, k) for i in range(10)} == {3}
+    import torch
+
+    if not torch.cuda.is_available():
+        done = subprocess.run([sys.executable, "benchmarks/bench_first_step_padding.py", "--preset", "tiny"], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and "needs a GPU" in done.stderr
+
+
+@pytest.mark.gpu
+def test_bench_first_step_padding_times_every_way_on_a_gpu(tmp_path):
+    result = run(["benchmarks/bench_first_step_padding.py", "--preset", "tiny", "--batches", "8,64", "--rounds", "1",
+                  "--iters", "2", "--context", "128"], tmp_path / "fp.json")
+    assert result["complete"] is True and result["first_step_small_rows"] == 768
+    assert [(r["batch"], r["dist"]) for r in result["rows"]] == [
+        (b, d) for b in (8, 64) for d in ("low", "spread", "uniform")]
+    for r in result["rows"]:
+        assert all(len(r["ms"][w]) == 1 and r["ms"][w][0] > 0 for w in ("rule", "graph", "eager")), r
+        assert r["rule_path"] == ("graph" if r["padded_rows"] <= max(2 * r["rows"], 768) else "eager"), r

@@ -83,8 +83,8 @@ def test_which_batches_take_the_static_first_step(tiny_model, tmp_path):
 
 
 def test_first_step_graphs_skip_batches_mostly_padding(tiny_model, tmp_path):
-    """A big batch of mostly 1-token steps with one 8-token step would run 8x its rows through the graph: eager
-    instead (bs * M <= max(2 T, FIRST_STEP_SMALL_ROWS)); small padded batches still take the graph. And the flag is
+    """A big batch of mostly 1-token steps with one 7-token step would run 7x its rows through the graph: eager
+    instead (bs * M <= max(2 T, FIRST_STEP_SMALL_ROWS)); padded batches of up to 768 rows still take the graph. And the flag is
     bounded: one graph per (size, m) is captured."""
     from drafter_service.config import ServerConfig
 
@@ -96,8 +96,10 @@ def test_first_step_graphs_skip_batches_mostly_padding(tiny_model, tmp_path):
         return graphs.first_step_fits(20 + m, m, np.full(len(ms), 3))
 
     assert fits([1] * 31 + [8])  # 32 x 8 = 256 rows: small enough
-    assert not fits([1] * 63 + [8])  # 64 x 8 = 512 rows for 71 real ones
-    assert fits([4] * 63 + [8])  # 512 rows for 260: at most twice
+    assert fits([1] * 127 + [6])  # 128 x 6 = 768 rows for 133 real ones: still small enough (measured: faster)
+    assert not fits([1] * 127 + [7])  # 128 x 7 = 896 rows for 134 real ones
+    assert not fits([1] * 255 + [6])  # 256 x 6 = 1536 rows for 261 real ones
+    assert fits([4] * 127 + [8])  # 1024 rows for 516: at most twice
     assert fits([3] * 200)  # uniform
     with pytest.raises(ValueError, match="first_step_graph_tokens"):
         make_config(*tiny_model, tmp_path, first_step_graph_tokens=17)
