@@ -87,8 +87,8 @@ MAX_GRAPH_BATCH = 256  # larger batches run the eager decode loop
 MAX_FIRST_STEP_GRAPH_BATCH = MAX_GRAPH_BATCH  # batches of more sequences run the first step eagerly
 # Padded first steps of up to this many rows replay a graph whatever their padding; above it only those padded to at
 # most twice their rows. Measured (benchmarks/bench_first_step_padding.py, H200, both heads, context 1024 and 4096):
-# a batch of mostly 1-token steps padded to 384 or 768 rows (batch 64 / 128, M = 6) ran 1-31% faster through the
-# graph than eagerly; padded to 1536 (batch 256) 3-9% slower. (256 until then: a guess from FLOP counts.)
+# a batch of mostly 1-token steps padded to 384 or 768 rows (batch 64 / 128, M = 6) ran 4-31% faster through the
+# graph than eagerly; padded to 1536 (batch 256) 4-9% slower. (256 until then: a guess from FLOP counts.)
 FIRST_STEP_SMALL_ROWS = 768
 
 
