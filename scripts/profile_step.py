@@ -18,14 +18,14 @@ Per batch size, --rounds times: the wall time of 20 steps (no profiler) and the 
 torch.profiler (the sum of the GPU activities' own time); the ratio wall / kernel time is #13's "in-process <= 1.15x
 the GPU kernel time of the step". --out writes each round's figures and their medians as JSON (device, date, command).
 """
-import datetime
-import platform
-import statistics
-import dataclasses
 import argparse
 import cProfile
+import dataclasses
+import datetime
 import pathlib
+import platform
 import pstats
+import statistics
 import sys
 import tempfile
 import time
