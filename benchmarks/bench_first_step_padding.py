@@ -124,12 +124,8 @@ def main() -> int:
             for i in range(0, batch, 8):
                 rt.proposer.step(b.to_inputs(prefill[i : i + 8]))
             for dist in dists:
-                steps = []
-                for i, s in enumerate(decode):  # (a suffix of each: its positions are in the KV already)
-                    cut = M - m_of(dist, i, a.k)
-                    steps.append(dataclasses.replace(s, start_position=s.start_position + cut,
-                                                     token_ids=s.token_ids[cut:],
-                                                     hidden_states=s.hidden_states[cut:].cuda()))
+                steps = [b.last_tokens(s, m_of(dist, i, a.k)) for i, s in enumerate(decode)]
+                steps = [dataclasses.replace(s, hidden_states=s.hidden_states.cuda()) for s in steps]
                 batch_input = b.to_batch_input(steps)
                 rows = int(batch_input.num_tokens.sum())
                 padded = cuda_graphs.padded_batch_size(batch, rt.proposer.decode_graphs.first_sizes) * max(

@@ -30,6 +30,7 @@ import argparse
 import datetime
 import json
 import pathlib
+import statistics
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -116,7 +117,7 @@ def cpu_rows(run: dict) -> list[dict]:
         single = big["in_process_ms"] / one["in_process_ms"]
         text = f"{single:.2f} single pass"
         if one.get("rounds") and big.get("rounds"):
-            med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+            med = statistics.median
             text += f", {med(big['rounds']['in_process_ms']) / med(one['rounds']['in_process_ms']):.2f} over the rounds"
         rows.append(dict(target=f"CPU: in-process batch 128 <= {CPU_SCALE_MAX:g}x batch 1", head="tiny",
                          values={128: single}, figures=text, met="yes" if single <= CPU_SCALE_MAX else "no", **source))

@@ -298,11 +298,8 @@ def main() -> int:
             prefill, decode = b.make_steps(batch, a.context, a.m, a.k, width, shape["vocab_size"], seed=batch)
             for i in range(0, batch, 8):
                 rt.proposer.step(b.to_inputs(prefill[i : i + 8]))
-            if a.mixed_m:  # (a suffix of each decode step: its positions are in the KV already)
-                decode = [dataclasses.replace(s, start_position=s.start_position + a.m - (1 + i % a.m),
-                                              token_ids=s.token_ids[a.m - (1 + i % a.m):],
-                                              hidden_states=s.hidden_states[a.m - (1 + i % a.m):])
-                          for i, s in enumerate(decode)]
+            if a.mixed_m:
+                decode = [b.last_tokens(s, 1 + i % a.m) for i, s in enumerate(decode)]
             if a.states_on_gpu:
                 decode = [dataclasses.replace(s, hidden_states=s.hidden_states.cuda()) for s in decode]
             inputs = b.to_inputs(decode)

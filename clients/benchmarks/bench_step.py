@@ -173,6 +173,14 @@ def make_steps(batch: int, context: int, m: int, k: int, width: int, vocab: int,
     return prefill, decode
 
 
+def last_tokens(step, m: int):
+    """A decode step of make_steps re-sending only its last m committed tokens (their positions are in the KV
+    already): a step of m tokens, as after fewer accepted drafts (mixed m in one batch)."""
+    cut = len(step.token_ids) - m
+    return dataclasses.replace(step, start_position=step.start_position + cut, token_ids=step.token_ids[cut:],
+                               hidden_states=step.hidden_states[cut:])
+
+
 def as_step_batch(steps):
     """The steps as one StepBatch with their states in one tensor (an engine that keeps its batch as tensors:
     propose_batch)."""
