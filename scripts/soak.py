@@ -343,6 +343,9 @@ class CuttingProxy:
         await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
         self.transports.difference_update(pair)
 
+    def open_connections(self) -> int:
+        return len(self.transports) // 2  # (read from another thread: a set's len is one atomic look)
+
     def cut(self) -> int:
         """Abort every open connection; returns how many were cut (two transports each)."""
         async def go():
@@ -483,6 +486,12 @@ def main(argv: list[str] | None = None) -> int:
             kind = kinds[turn % len(kinds)]
             turn += 1
             if kind == "cut":
+                # a cut that lands before any engine has connected (a loaded 2-core runner: the engines' processes
+                # still importing torch at the first cut, 12 s in) resets nothing: wait for one (the later faults
+                # move with it)
+                while proxy.open_connections() == 0 and time.monotonic() < stop_at - 1.0:
+                    time.sleep(0.05)
+                fault_at = time.monotonic() + a.fault_every_s  # (the next fault a full period after this one)
                 n = proxy.cut()
                 connections_cut += n
                 print(f"[{time.monotonic() - t_start:6.1f}s] cut {n} connections", flush=True)
