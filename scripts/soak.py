@@ -486,9 +486,9 @@ def main(argv: list[str] | None = None) -> int:
             kind = kinds[turn % len(kinds)]
             turn += 1
             if kind == "cut":
-                # a cut that lands before any engine has connected (a loaded 2-core runner: the engines' processes
-                # still importing torch at the first cut, 12 s in) resets nothing: wait for one (the later faults
-                # move with it)
+                # a cut that lands before any engine has connected resets nothing (a loaded 2-core runner: the
+                # engines' processes were still starting at the first cut): wait for one (the later faults move with
+                # it)
                 while proxy.open_connections() == 0 and time.monotonic() < stop_at - 1.0:
                     time.sleep(0.05)
                 fault_at = time.monotonic() + a.fault_every_s  # (the next fault a full period after this one)
