@@ -427,20 +427,28 @@ def test_bench_first_step_padding_times_every_way_on_a_gpu(tmp_path):
         assert r["rule_path"] == ("graph" if r["padded_rows"] <= max(2 * r["rows"], 768) else "eager"), r
 
 
-def test_plot_step_draws_each_path_where_a_stopped_run_measured_it(tmp_path):
-    pytest.importorskip("matplotlib", reason="matplotlib is not installed (the plot is skipped, not the benchmark)")
-    # a --rounds-only run stopped by its time limit inside batch 256: rounds at 1 and 128 only
+def stopped_bench_step_run() -> dict:
+    """A --rounds-only bench_step JSON of a run stopped by its time limit inside batch 256: rounds at 1 and 128 only."""
     rounds = {"channel_ms": [2.0, 2.2, 2.1], "in_process_columns_ms": [1.5, 1.6, 1.4], "bare_grpc_ms": [0.5, 0.7, 0.6]}
-    result = {"preset": "llama3-8b", "dtype": "bfloat16", "context": 1024, "k": 5, "device": "cuda: test",
-              "date": "2026-11-27T00:00:00", "complete": False,
-              "rows": [{"batch": 1, "floor_ms": 1.0, "in_process_ms": 1.7, "rounds": rounds},
-                       {"batch": 128, "floor_ms": 2.0, "in_process_ms": 3.0, "rounds": rounds},
-                       {"batch": 256, "floor_ms": 3.0, "in_process_ms": 5.0}]}
+    return {"preset": "llama3-8b", "dtype": "bfloat16", "context": 1024, "k": 5, "device": "cuda: test",
+            "date": "2026-11-27T00:00:00", "complete": False,
+            "rows": [{"batch": 1, "floor_ms": 1.0, "in_process_ms": 1.7, "rounds": rounds},
+                     {"batch": 128, "floor_ms": 2.0, "in_process_ms": 3.0, "rounds": rounds},
+                     {"batch": 256, "floor_ms": 3.0, "in_process_ms": 5.0}]}
+
+
+def test_plot_step_takes_each_path_where_a_stopped_run_measured_it():
+    from drafter_client.benchmarks.plot_step import measured
+    rows = stopped_bench_step_run()["rows"]
+    assert measured(rows, lambda r: r["in_process_ms"]) == ([1, 128, 256], [1.7, 3.0, 5.0])
+    assert measured(rows, lambda r: statistics.median(r["rounds"]["channel_ms"])) == ([1, 128], [2.1, 2.1])
+    assert measured(rows, lambda r: r["sidecar_ms"]) == ([], [])
+
+
+def test_plot_step_draws_a_stopped_run(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (the plot is skipped, not the benchmark)")
     path = tmp_path / "run.json"
-    path.write_text(json.dumps(result))
-    from drafter_client.benchmarks.plot_step import main, measured
-    assert measured(result["rows"], lambda r: r["in_process_ms"]) == ([1, 128, 256], [1.7, 3.0, 5.0])
-    assert measured(result["rows"], lambda r: statistics.median(r["rounds"]["channel_ms"])) == ([1, 128], [2.1, 2.1])
-    assert measured(result["rows"], lambda r: r["sidecar_ms"]) == ([], [])
+    path.write_text(json.dumps(stopped_bench_step_run()))
+    from drafter_client.benchmarks.plot_step import main
     assert main([str(path), "--out", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").stat().st_size > 1000
