@@ -90,9 +90,9 @@ async def test_spread_only_from_its_threshold_and_where_the_drafter_allows(serve
         DrafterClient(server.tcp, upload_streams=9)
 
 
-async def raw(client: DrafterClient, rpc, messages: list[bytes]) -> "pb.ProposeResponse":
+async def raw(client: DrafterClient, rpc, messages: list[bytes], timeout: float = 30) -> "pb.ProposeResponse":
     try:
-        return await rpc(iter(messages), timeout=30)
+        return await rpc(iter(messages), timeout=timeout)
     except grpc.aio.AioRpcError as e:
         raise DrafterError(e.code(), e.details() or "") from None
 
@@ -122,16 +122,16 @@ async def test_parts_in_any_order_and_malformed_parts_are_refused_by_name(server
         ch, rpc2 = await second_rpc(c)
         one = c._propose_chunked
 
-        async def both(first: list[bytes], second: list[bytes], second_first: bool = False):
+        async def both(first: list[bytes], second: list[bytes], second_first: bool = False, second_timeout=30.0):
             """(the first call's outcome, the extra call's), each a response or a DrafterError"""
-            async def run(rpc, msgs, delay):
+            async def run(rpc, msgs, delay, timeout=30.0):
                 await asyncio.sleep(delay)
                 try:
-                    return await raw(c, rpc, msgs)
+                    return await raw(c, rpc, msgs, timeout)
                 except DrafterError as e:
                     return e
             return await asyncio.gather(run(one, first, 0.2 if second_first else 0.0),
-                                        run(rpc2, second, 0.0 if second_first else 0.2))
+                                        run(rpc2, second, 0.0 if second_first else 0.2, second_timeout))
 
         # the extra call first (it waits for the first call), or the first call first: the same drafts
         for n, second_first in enumerate((True, False)):
@@ -145,8 +145,9 @@ async def test_parts_in_any_order_and_malformed_parts_are_refused_by_name(server
             want = (await ref.propose([prefill("ok1", 100)])).draft_token_ids
         assert parse_response(r0).draft_token_ids.tolist() == want.tolist()
 
-        async def refused_pair(first, second, code, *fragments, second_code=grpc.StatusCode.ABORTED):
-            r0, r1 = await both(first, second)
+        async def refused_pair(first, second, code, *fragments, second_code=grpc.StatusCode.ABORTED,
+                               second_timeout=30.0):
+            r0, r1 = await both(first, second, second_timeout=second_timeout)
             assert isinstance(r0, DrafterError) and r0.code == code, r0
             for f in fragments:
                 assert f in r0.message, r0.message
@@ -175,9 +176,12 @@ async def test_parts_in_any_order_and_malformed_parts_are_refused_by_name(server
         bad_ids[0].token_ids[7] = V + 1
         await refused_pair([first_msg(bad_ids, "w6", 2)], [part_msg("w6", 1, 2, half, data[half:])], bad,
                            "token_ids[7]")
+        # (refused before its upload was registered: the extra call waits for a first part that never comes, until
+        # its own deadline, here 1 s; the drafter's --chunked-upload-timeout-s ends it otherwise)
         await refused_pair([first_msg(steps, "w7", 2) + pb.ProposeChunk(
             part=pb.UploadPart(namespace="other")).SerializeToString()], [part_msg("w7", 1, 2, half, data[half:])],
-                           bad, "part.namespace is 'other'", second_code=None)
+                           bad, "part.namespace is 'other'", second_code=grpc.StatusCode.DEADLINE_EXCEEDED,
+                           second_timeout=1.0)
         # malformed parts, alone
         for msg, frag in [(part_msg("x", 1, 1, 0, b""), "part.count is 1"),
                           (part_msg("x", 1, MAX_UPLOAD_PARTS + 1, 0, b""), f"2 to {MAX_UPLOAD_PARTS} calls"),
