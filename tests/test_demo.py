@@ -10,7 +10,14 @@ def test_demo_runs_and_stops_the_sidecar(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "sidecar SERVING at unix:" in out
     assert "mean acceptance length: " in out and "per-position acceptance: 1: " in out
-    assert "speculative output identical to plain greedy decoding: yes" in out
+    assert "speculative output identical to plain greedy decoding: yes (every run of the 5 rounds)" in out
+    # five timed rounds, speculative and plain alternated; the speedup printed is the middle round's
+    lines = [x for x in out.splitlines() if x.startswith("round ")]
+    assert [x.split(" (")[0] for x in lines] == [f"round {i}/5" for i in range(1, 6)], lines
+    assert [("speculative first" in x) for x in lines] == [True, False, True, False, True], lines
+    speedups = sorted(float(x.rsplit(" ", 1)[1].rstrip("x")) for x in lines)
+    line = next(x for x in out.splitlines() if x.startswith("speedup: "))
+    assert line.startswith(f"speedup: {speedups[2]:.2f}x (median of 5 alternated rounds: "), (line, speedups)
     assert "sidecar stopped with SIGTERM, exit code 0" in out
     # the steps go where the header says: through the step channel, none by gRPC (warm-up and timed runs)
     assert "steps through a shared-memory step channel" in out
@@ -31,3 +38,8 @@ def test_demo_reports_a_sidecar_that_cannot_start(tmp_path, capsys):
     assert main(["--models", str(models), "--device", "cpu", "--chart", ""]) == 1
     captured = capsys.readouterr()
     assert "the sidecar exited with code 1 before serving" in captured.err
+
+
+def test_demo_refuses_zero_rounds(capsys):
+    assert main(["--rounds", "0", "--device", "cpu", "--chart", ""]) == 2
+    assert "--rounds must be 1 or more" in capsys.readouterr().err

@@ -36,6 +36,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--models", default=str(MODELS), help="directory holding target/ and the heads")
     ap.add_argument("-k", "--num-drafts", type=int, default=3, help="drafts per sequence per step")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="timed pairs of runs, speculative and plain, alternated (which of the two goes first "
+                         "alternates too); the speedup printed is the middle round's: on a busy machine one run "
+                         "of ~1 s is moved by whatever else runs then, the median of alternated pairs much less")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = speculative sampling")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for several; default: 3 code "
@@ -130,18 +134,35 @@ async def run_engine(args: argparse.Namespace, address: str, device: str, target
         warm = dataclasses.replace(cfg, max_new_tokens=4)  # first calls pay one-time costs: keep them out of timing
         await engine.generate(ids, warm)
         await engine.generate_plain(ids, warm)
-        progress = Progress("speculative", total)
-        spec = await engine.generate(ids, cfg, on_step=progress)
-        progress.end()
-        progress = Progress("plain      ", total)
-        plain = await engine.generate_plain(ids, cfg, on_step=progress)
-        progress.end()
+        rounds = []
+        for i in range(args.rounds):
+            shown = i == 0  # (progress for the first round's runs; one line for each later round)
+            got = {}
+            for kind in (("speculative", "plain") if i % 2 == 0 else ("plain", "speculative")):
+                progress = Progress(f"{kind:11s}", total) if shown else None
+                run = engine.generate if kind == "speculative" else engine.generate_plain
+                got[kind] = await run(ids, cfg, on_step=progress)
+                if progress is not None:
+                    progress.end()
+            rounds.append((got["speculative"], got["plain"]))
+            if args.rounds > 1:
+                print(f"round {i + 1}/{args.rounds} ({'speculative first' if i % 2 == 0 else 'plain first'}): "
+                      f"speculative {got['speculative'].tokens_per_s:.1f} tok/s, plain "
+                      f"{got['plain'].tokens_per_s:.1f} tok/s: {speedup_of(rounds[-1]):.2f}x", flush=True)
         args.channel_steps, args.grpc_steps = drafter.steps_through_channel, drafter.steps_through_grpc
-    report(args, prompts, tokenizer, spec, plain, cfg)
+    report(args, prompts, tokenizer, rounds, cfg)
 
 
-def report(args, prompts: list[str], tokenizer, spec: GenerationResult, plain: GenerationResult,
+def speedup_of(pair: tuple[GenerationResult, GenerationResult]) -> float:
+    spec, plain = pair
+    return spec.tokens_per_s / plain.tokens_per_s
+
+
+def report(args, prompts: list[str], tokenizer, rounds: list[tuple[GenerationResult, GenerationResult]],
            cfg: SpecConfig) -> None:
+    """rounds: (speculative, plain) per timed round. The code and the acceptance are the first round's speculative
+    run's; the speed is the middle round's by speedup (the lower middle one for an even count)."""
+    spec = rounds[0][0]
     acc = spec.acceptance
     print("\n== generated code (speculative) ==")
     for i, (prompt, tokens) in enumerate(zip(prompts, spec.tokens)):
@@ -155,18 +176,25 @@ def report(args, prompts: list[str], tokenizer, spec: GenerationResult, plain: G
         print(f"pre-drafting ({cfg.predraft_branches} branches): {acc.predrafted_steps} of {acc.answered_steps} "
               f"drafter answers were prepared during the verification (hit rate {acc.predraft_hit_rate:.2f}); "
               f"acceptance length of those drafts {acc.predrafted_acceptance_length:.2f}")
-    print("\n== speed (all prompts, prefill included) ==")
-    for name, r in (("speculative", spec), ("plain", plain)):
+    by_speedup = sorted(range(len(rounds)), key=lambda i: speedup_of(rounds[i]))
+    middle = by_speedup[(len(rounds) - 1) // 2]
+    spec_m, plain_m = rounds[middle]
+    print("\n== speed (all prompts, prefill included" +
+          (f"; round {middle + 1} of {len(rounds)}, the middle one by speedup) ==" if len(rounds) > 1 else ") =="))
+    for name, r in (("speculative", spec_m), ("plain", plain_m)):
         print(f"{name:12s} {r.num_tokens:5d} tokens in {r.elapsed_s:6.2f} s = {r.tokens_per_s:7.1f} tok/s, "
               f"{r.target_forwards} target forwards")
-    speedup = spec.tokens_per_s / plain.tokens_per_s
-    print(f"speedup: {speedup:.2f}x")
+    speedups = [speedup_of(r) for r in rounds]
+    print(f"speedup: {speedups[middle]:.2f}x" + (
+        f" (median of {len(rounds)} alternated rounds: {', '.join(f'{x:.2f}x' for x in speedups)})"
+        if len(rounds) > 1 else ""))
     if args.channel_steps or args.grpc_steps:  # (a ProposeStream's steps are counted by neither)
         print(f"drafter steps: {args.channel_steps} through the step channel, {args.grpc_steps} by unary gRPC")
-    explain_speed(spec, plain, acc.mean_acceptance_length, cfg.num_drafts, args.target_parameters)
+    explain_speed(spec_m, plain_m, acc.mean_acceptance_length, cfg.num_drafts, args.target_parameters)
     if cfg.temperature == 0:
-        same = spec.tokens == plain.tokens
-        print(f"speculative output identical to plain greedy decoding: {'yes' if same else 'NO'}")
+        same = all(s.tokens == p.tokens == spec.tokens for s, p in rounds)
+        print(f"speculative output identical to plain greedy decoding: {'yes' if same else 'NO'}"
+              + (f" (every run of the {len(rounds)} rounds)" if len(rounds) > 1 else ""))
     if args.chart:
         title = (f"{HEADS[args.head]} head, k = {cfg.num_drafts}: mean acceptance length "
                  f"{acc.mean_acceptance_length:.2f}")
@@ -209,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         env["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
         print(f"CPU: {threads} thread(s) for the sidecar and {threads} for the engine", flush=True)
+    if args.rounds < 1:
+        print("drafter-demo: --rounds must be 1 or more", file=sys.stderr)
+        return 2
     if args.engine_applies_fc and args.head != "eagle3":
         print("drafter-demo: --engine-applies-fc is for the eagle3 head (an fc over three target layers)",
               file=sys.stderr)
