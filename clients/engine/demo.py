@@ -222,6 +222,9 @@ def explain_speed(spec: GenerationResult, plain: GenerationResult, acceptance_le
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.rounds < 1:
+        print("drafter-demo: --rounds must be 1 or more", file=sys.stderr)
+        return 2
     models = pathlib.Path(args.models)
     head_dir, target_dir = models / args.head, models / "target"
     for d in (head_dir, target_dir):
@@ -237,9 +240,6 @@ def main(argv: list[str] | None = None) -> int:
         env["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
         print(f"CPU: {threads} thread(s) for the sidecar and {threads} for the engine", flush=True)
-    if args.rounds < 1:
-        print("drafter-demo: --rounds must be 1 or more", file=sys.stderr)
-        return 2
     if args.engine_applies_fc and args.head != "eagle3":
         print("drafter-demo: --engine-applies-fc is for the eagle3 head (an fc over three target layers)",
               file=sys.stderr)
