@@ -385,6 +385,21 @@ def test_batch_scale_targets_reads_the_benchmarks_json_and_says_where_each_targe
                    "CPU: step channel <= 1.3x in-process at batch 1 and 128": "at batch 1"}
     floor = [r for r in result["rows"] if "floor at batch 128" in r["target"]]
     assert len(floor) == 1 and floor[0]["met"] == "yes" and floor[0]["values"] == {"128": 1.4}
+    # drafter-demo --json runs: met in every run, in some, or not where the output differed from plain greedy
+    demo = lambda speedup, same=True: dict(  # noqa: E731
+        benchmark="drafter_demo", command="drafter-demo --json F", device="cpu: x86_64, 2 cores",
+        date="2026-11-27T00:00:00", head="eagle3", speedup=speedup, identical_to_plain=same,
+        rounds=[dict(speedup=speedup)] * 5)
+    for runs, want in (([1.26, 1.3], "yes"), ([1.26, 1.17], "in 1 runs of 2"), ([1.1], "no")):
+        paths = []
+        for i, x in enumerate(runs):
+            paths += ["--demo", str(tmp_path / f"demo{i}.json")]
+            (tmp_path / f"demo{i}.json").write_text(json.dumps(demo(x)))
+        row = _targets(paths, tmp_path)["rows"][0]
+        assert row["met"] == want and row["values"] == {str(i + 1): x for i, x in enumerate(runs)}, row
+        assert "each the median of 5 alternated rounds" in row["figures"], row
+    (tmp_path / "demo0.json").write_text(json.dumps(demo(1.5, same=False)))
+    assert _targets(["--demo", str(tmp_path / "demo0.json")], tmp_path)["rows"][0]["met"].startswith("no: the output")
     # the committed runs of the twentieth session read as they are
     bench_dir = REPO / "docs" / "bench"
     result = _targets(["--bench", f"eagle1={bench_dir / 'bench_step_b1-256_eagle1_h200_2026-11-27_twentieth.json'}",

@@ -1,12 +1,13 @@
 """`drafter-demo` end to end, short: the sidecar as a child process, the engine, the report, SIGTERM at the end."""
 import importlib.util
+import json
 
 from drafter_client.engine.demo import main
 
 
 def test_demo_runs_and_stops_the_sidecar(tmp_path, capsys):
     chart = tmp_path / "acceptance.png"
-    assert main(["--max-new-tokens", "8", "--device", "cpu", "--chart", str(chart)]) == 0
+    assert main(["--max-new-tokens", "8", "--device", "cpu", "--chart", str(chart), "--json", str(tmp_path / "run.json")]) == 0
     out = capsys.readouterr().out
     assert "sidecar SERVING at unix:" in out
     assert "mean acceptance length: " in out and "per-position acceptance: 1: " in out
@@ -18,6 +19,13 @@ def test_demo_runs_and_stops_the_sidecar(tmp_path, capsys):
     speedups = sorted(float(x.rsplit(" ", 1)[1].rstrip("x")) for x in lines)
     line = next(x for x in out.splitlines() if x.startswith("speedup: "))
     assert line.startswith(f"speedup: {speedups[2]:.2f}x (median of 5 alternated rounds: "), (line, speedups)
+    # --json: the same figures, for scripts/batch_scale_targets.py --demo
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["benchmark"] == "drafter_demo" and run["device"].startswith("cpu") and run["date"] and run["command"]
+    assert [r["speculative_first"] for r in run["rounds"]] == [True, False, True, False, True]
+    assert [f"{r['speedup']:.2f}" for r in run["rounds"]] == [x.rsplit(" ", 1)[1].rstrip("x") for x in lines]
+    assert f"{run['speedup']:.2f}" == f"{speedups[2]:.2f}" and run["identical_to_plain"] is True
+    assert run["head"] == "eagle3" and run["k"] == 3 and run["max_new_tokens"] == 8 and run["step_channel"] is True
     assert "sidecar stopped with SIGTERM, exit code 0" in out
     # the steps go where the header says: through the step channel, none by gRPC (warm-up and timed runs)
     assert "steps through a shared-memory step channel" in out

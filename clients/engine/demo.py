@@ -9,8 +9,11 @@ acceptance figures and tokens/s with and without speculation; writes a chart of 
 import argparse
 import asyncio
 import dataclasses
+import datetime
 import os
 import pathlib
+import platform
+import shlex
 import sys
 
 import torch
@@ -56,6 +59,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present) for both processes")
     ap.add_argument("--chart", default=str(DEFAULT_CHART),
                     help="PNG of acceptance by draft position (its folder is made); '' for none")
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="also write the run's figures as JSON (device, date, command, every round's tok/s and "
+                         "speedup, their median, the acceptance, whether the output matched plain greedy): what "
+                         "scripts/batch_scale_targets.py --demo reads")
     return ap.parse_args(argv)
 
 
@@ -151,6 +158,27 @@ async def run_engine(args: argparse.Namespace, address: str, device: str, target
                       f"{got['plain'].tokens_per_s:.1f} tok/s: {speedup_of(rounds[-1]):.2f}x", flush=True)
         args.channel_steps, args.grpc_steps = drafter.steps_through_channel, drafter.steps_through_grpc
     report(args, prompts, tokenizer, rounds, cfg)
+    if args.json:
+        write_run_json(args, device, rounds, cfg)
+
+
+def write_run_json(args, device: str, rounds: list[tuple[GenerationResult, GenerationResult]],
+                   cfg: SpecConfig) -> None:
+    from drafter_client.benchmarks.report import write_json
+
+    name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
+    speedups = [speedup_of(r) for r in rounds]
+    acc = rounds[0][0].acceptance
+    write_json(args.json, dict(
+        benchmark="drafter_demo", date=datetime.datetime.now().isoformat(timespec="seconds"),
+        device=f"{device}: {name}, {os.cpu_count()} cores", torch=torch.__version__,
+        command=" ".join(shlex.quote(x) for x in sys.argv), head=args.head, k=cfg.num_drafts,
+        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, prompts=len(rounds[0][0].tokens),
+        step_channel=bool(args.channel_steps), mean_acceptance_length=acc.mean_acceptance_length,
+        rounds=[dict(speculative_first=i % 2 == 0, speculative_tokens_per_s=s.tokens_per_s,
+                     plain_tokens_per_s=p.tokens_per_s, speedup=x) for i, ((s, p), x) in enumerate(zip(rounds, speedups))],
+        speedup=sorted(speedups)[(len(rounds) - 1) // 2],  # (the middle round's, as printed)
+        identical_to_plain=(all(s.tokens == p.tokens for s, p in rounds) if cfg.temperature == 0 else None)))
 
 
 def speedup_of(pair: tuple[GenerationResult, GenerationResult]) -> float:
