@@ -23,6 +23,7 @@ batch that mostly rejected its drafts; padded/real about 3.7x at k = 5), "spread
         --out docs/bench/first_step_padding.json
 """
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import pathlib
@@ -55,24 +56,20 @@ def m_of(dist: str, i: int, k: int) -> int:
     raise ValueError(dist)
 
 
+@contextlib.contextmanager
 def forced(way: str):
-    """A context that makes DecodeGraphs.first_step_fits decide as `way` says (rule: as it is)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def patch():
-        original = cuda_graphs.DecodeGraphs.first_step_fits
-        small_rows = cuda_graphs.FIRST_STEP_SMALL_ROWS
-        if way == "graph":
-            cuda_graphs.FIRST_STEP_SMALL_ROWS = 1 << 30  # (the row budget lifted; every other condition stays)
-        elif way == "eager":
-            cuda_graphs.DecodeGraphs.first_step_fits = lambda self, *a: False
-        try:
-            yield
-        finally:
-            cuda_graphs.DecodeGraphs.first_step_fits = original
-            cuda_graphs.FIRST_STEP_SMALL_ROWS = small_rows
-    return patch()
+    """DecodeGraphs.first_step_fits decides as `way` says inside (rule: as it is)."""
+    original = cuda_graphs.DecodeGraphs.first_step_fits
+    small_rows = cuda_graphs.FIRST_STEP_SMALL_ROWS
+    if way == "graph":
+        cuda_graphs.FIRST_STEP_SMALL_ROWS = 1 << 30  # (the row budget lifted; every other condition stays)
+    elif way == "eager":
+        cuda_graphs.DecodeGraphs.first_step_fits = lambda self, *a: False
+    try:
+        yield
+    finally:
+        cuda_graphs.DecodeGraphs.first_step_fits = original
+        cuda_graphs.FIRST_STEP_SMALL_ROWS = small_rows
 
 
 def time_steps(rt, batch_input, iters: int) -> tuple[float, int]:
@@ -121,15 +118,14 @@ def main() -> int:
         M = a.k + 1
         for batch in [int(x) for x in a.batches.split(",")]:
             prefill, decode = b.make_steps(batch, a.context, M, a.k, width, shape["vocab_size"], seed=batch)
-            for i in range(0, batch, 8):
-                rt.proposer.step(b.to_inputs(prefill[i : i + 8]))
+            b.run_prefill(rt, prefill)
             for dist in dists:
-                steps = [b.last_tokens(s, m_of(dist, i, a.k)) for i, s in enumerate(decode)]
+                ms = [m_of(dist, i, a.k) for i in range(batch)]
+                steps = [b.last_tokens(s, m) for s, m in zip(decode, ms)]
                 steps = [dataclasses.replace(s, hidden_states=s.hidden_states.cuda()) for s in steps]
                 batch_input = b.to_batch_input(steps)
-                rows = int(batch_input.num_tokens.sum())
-                padded = cuda_graphs.padded_batch_size(batch, rt.proposer.decode_graphs.first_sizes) * max(
-                    m_of(dist, i, a.k) for i in range(batch))
+                rows = sum(ms)
+                padded = cuda_graphs.padded_batch_size(batch, rt.proposer.decode_graphs.first_sizes) * max(ms)
                 times = {w: [] for w in WAYS}
                 graphed = {w: 0 for w in WAYS}
                 for way in WAYS:  # warm-up, each way (a first use compiles nothing new, but allocations settle)

@@ -63,8 +63,7 @@ def main() -> int:
               f"{a.steps - 2} steps per round", flush=True)
         for batch in batches:
             prefill, decode = b.make_steps(batch, a.context, 3, 5, width, shape["vocab_size"], seed=batch)
-            for i in range(0, batch, 8):
-                rt.proposer.step(b.to_inputs(prefill[i:i + 8]))
+            b.run_prefill(rt, prefill)
             inputs = b.to_inputs(decode)
             times = {name: [] for name in variants}
             for _ in range(a.rounds):

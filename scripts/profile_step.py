@@ -296,8 +296,7 @@ def main() -> int:
         width = rt.limits.hidden_states_width
         for batch in [int(x) for x in a.batches.split(",")]:
             prefill, decode = b.make_steps(batch, a.context, a.m, a.k, width, shape["vocab_size"], seed=batch)
-            for i in range(0, batch, 8):
-                rt.proposer.step(b.to_inputs(prefill[i : i + 8]))
+            b.run_prefill(rt, prefill)
             if a.mixed_m:
                 decode = [b.last_tokens(s, 1 + i % a.m) for i, s in enumerate(decode)]
             if a.states_on_gpu:

@@ -55,8 +55,7 @@ def main() -> int:
         width = rt.limits.hidden_states_width
         for batch in batches:
             prefill, decode = b.make_steps(batch, context, 3, 5, width, shape["vocab_size"], seed=batch)
-            for i in range(0, batch, 8):
-                assert all(o.code == 0 for o in rt.proposer.step(b.to_inputs(prefill[i : i + 8])))
+            b.run_prefill(rt, prefill)
             inputs, columns = b.to_inputs(decode), b.to_batch_input(decode)
             arms = {"step_per_sequence": lambda: rt.proposer.step_per_sequence(inputs),
                     "step": lambda: rt.proposer.step(inputs),

@@ -173,6 +173,14 @@ def make_steps(batch: int, context: int, m: int, k: int, width: int, vocab: int,
     return prefill, decode
 
 
+def run_prefill(rt, prefill) -> None:
+    """make_steps' prefill steps through the runtime's proposer, eight sequences a step; each must be accepted (a
+    refused one would leave the timed decode steps to measure an error path)."""
+    for chunk in range(0, len(prefill), 8):
+        out = rt.proposer.step(to_inputs(prefill[chunk : chunk + 8]))
+        assert all(o.code == 0 for o in out), out[0].message
+
+
 def last_tokens(step, m: int):
     """A decode step of make_steps re-sending only its last m committed tokens (their positions are in the KV
     already): a step of m tokens, as after fewer accepted drafts (mixed m in one batch)."""
@@ -215,9 +223,7 @@ def bench_in_process(rt, batch, context, m, k, iters, width, vocab, states_devic
     else on the host. columns: the step as columns through Proposer.step_batch (one BatchInput), else one StepInput
     per sequence through Proposer.step."""
     prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
-    for chunk in range(0, batch, 8):
-        out = rt.proposer.step(to_inputs(prefill[chunk : chunk + 8]))
-        assert all(o.code == 0 for o in out), out[0].message
+    run_prefill(rt, prefill)
     if states_device is not None:
         decode = [dataclasses.replace(s, hidden_states=s.hidden_states.to(states_device)) for s in decode]
     inputs, step = (to_batch_input(decode), rt.proposer.step_batch) if columns else (to_inputs(decode), rt.proposer.step)
@@ -385,9 +391,7 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
     from drafter_client.messages import build_request
 
     prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
-    for chunk in range(0, batch, 8):
-        out = rt.proposer.step(to_inputs(prefill[chunk : chunk + 8]))
-        assert all(o.code == 0 for o in out), out[0].message
+    run_prefill(rt, prefill)
     inputs = to_inputs(decode)
     batch_inputs = to_batch_input(decode)
     as_batch = as_step_batch(decode)

@@ -177,13 +177,18 @@ def write_run_json(args, device: str, rounds: list[tuple[GenerationResult, Gener
         step_channel=bool(args.channel_steps), mean_acceptance_length=acc.mean_acceptance_length,
         rounds=[dict(speculative_first=i % 2 == 0, speculative_tokens_per_s=s.tokens_per_s,
                      plain_tokens_per_s=p.tokens_per_s, speedup=x) for i, ((s, p), x) in enumerate(zip(rounds, speedups))],
-        speedup=sorted(speedups)[(len(rounds) - 1) // 2],  # (the middle round's, as printed)
+        speedup=speedups[middle_round(rounds)],  # (the middle round's, as printed)
         identical_to_plain=(all(s.tokens == p.tokens for s, p in rounds) if cfg.temperature == 0 else None)))
 
 
 def speedup_of(pair: tuple[GenerationResult, GenerationResult]) -> float:
     spec, plain = pair
     return spec.tokens_per_s / plain.tokens_per_s
+
+
+def middle_round(rounds: list[tuple[GenerationResult, GenerationResult]]) -> int:
+    """The index of the middle round by speedup (the lower middle one for an even count): the one printed."""
+    return sorted(range(len(rounds)), key=lambda i: speedup_of(rounds[i]))[(len(rounds) - 1) // 2]
 
 
 def report(args, prompts: list[str], tokenizer, rounds: list[tuple[GenerationResult, GenerationResult]],
@@ -204,8 +209,7 @@ def report(args, prompts: list[str], tokenizer, rounds: list[tuple[GenerationRes
         print(f"pre-drafting ({cfg.predraft_branches} branches): {acc.predrafted_steps} of {acc.answered_steps} "
               f"drafter answers were prepared during the verification (hit rate {acc.predraft_hit_rate:.2f}); "
               f"acceptance length of those drafts {acc.predrafted_acceptance_length:.2f}")
-    by_speedup = sorted(range(len(rounds)), key=lambda i: speedup_of(rounds[i]))
-    middle = by_speedup[(len(rounds) - 1) // 2]
+    middle = middle_round(rounds)
     spec_m, plain_m = rounds[middle]
     print("\n== speed (all prompts, prefill included" +
           (f"; round {middle + 1} of {len(rounds)}, the middle one by speedup) ==" if len(rounds) > 1 else ") =="))
