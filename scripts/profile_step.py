@@ -16,7 +16,11 @@ pinned memory); --states-on-gpu gives them on the GPU, as an engine in the draft
 
 Per batch size, --rounds times: the wall time of 20 steps (no profiler) and the GPU kernel time of 5 steps under
 torch.profiler (the sum of the GPU activities' own time); the ratio wall / kernel time is #13's "in-process <= 1.15x
-the GPU kernel time of the step". --out writes each round's figures and their medians as JSON (device, date, command).
+the GPU kernel time of the step". Every wall time (and --phases) is taken first, round by round over all batch
+sizes, before the process runs any profiler session: after one, the process's CUDA calls stay slower (+35-300 us per
+step at batch 1-128 on an H200 and an H100; scripts/profiler_after_effect.py), which the wall times of every round but
+the first carried until the twenty-second session. --out writes each round's figures and their medians as JSON
+(device, date, command; "walls_ms" once the wall times are in).
 """
 import argparse
 import cProfile
@@ -284,7 +288,7 @@ def main() -> int:
                   command=" ".join(["scripts/profile_step.py", *sys.argv[1:]]), preset=a.preset, context=a.context,
                   m=a.m, mixed_m=a.mixed_m, k=a.k, columns=a.columns, states_on_gpu=a.states_on_gpu,
                   engine_applies_fc=a.engine_applies_fc, cuda_graphs=not a.no_cuda_graphs, rounds=a.rounds, rows=[],
-                  complete=False)
+                  wall_timed="before any profiler session", complete=False)
     with tempfile.TemporaryDirectory() as tmp:
         head, target = b.write_random_head(pathlib.Path(tmp), shape, a.context + 64)
         cfg = ServerConfig(model=str(head), target_model=str(target), device="cuda", dtype="bfloat16",
@@ -294,40 +298,56 @@ def main() -> int:
                            engine_applies_fc=a.engine_applies_fc)
         rt = build_runtime(cfg)
         width = rt.limits.hidden_states_width
-        for batch in [int(x) for x in a.batches.split(",")]:
-            prefill, decode = b.make_steps(batch, a.context, a.m, a.k, width, shape["vocab_size"], seed=batch)
-            b.run_prefill(rt, prefill)
-            if a.mixed_m:
-                decode = [b.last_tokens(s, 1 + i % a.m) for i, s in enumerate(decode)]
-            if a.states_on_gpu:
-                decode = [dataclasses.replace(s, hidden_states=s.hidden_states.cuda()) for s in decode]
-            inputs = b.to_inputs(decode)
-            step = rt.proposer.step
-            if a.columns:
-                inputs, step = b.to_batch_input(decode), rt.proposer.step_batch
+        batches = [int(x) for x in a.batches.split(",")]
+        # Every batch's sequences prefilled up front (make_steps names them b0, b1, ...: a batch's decode step runs
+        # over the first B of them, each re-sending its last m tokens at the same context, whichever prefill wrote
+        # them last), so that the rounds can go over the batch sizes in turn.
+        prepared = {batch: prepare(rt, a, shape, width, batch) for batch in batches}
+        # Phase 1, before any torch.profiler session in this process: the wall times (and --phases). A profiler
+        # session leaves the process's CUDA calls slower after it ends (H200 and H100, torch 2.11: a small op's
+        # launch +2-4 us, the step's wall +35-300 us at batch 1-128; scripts/profiler_after_effect.py, twenty-second
+        # session), which every round after the first used to carry. Round r times every batch size before round
+        # r + 1, so that a slow spell of the host lands on one round of several sizes, not on all rounds of one.
+        walls = {batch: [] for batch in batches}
+        for _ in range(a.rounds):
+            for batch in batches:
+                _, inputs, step = prepared[batch]
+                for _ in range(5):  # (the step before was another batch's)
+                    step(inputs)
+                walls[batch].append(time_wall(step, inputs) * 1e3)
+        if a.phases:
+            for batch in batches:
+                _, inputs, step = prepared[batch]
+                print_phases(rt, step, inputs, batch)
+        if a.out:  # (a run stopped by a time limit in phase 2 keeps these)
+            result["walls_ms"] = {str(k): v for k, v in walls.items()}
+            write_json(a.out, result, say=False)
+        # Phase 2: the kernel times under the profiler, then what else uses it (or cProfile)
+        for batch in batches:
+            _, inputs, step = prepared[batch]
             for _ in range(5):
                 step(inputs)
-            walls, kernels = [], []
+            kernels = []
             for r in range(a.rounds):
-                wall, events = time_step(step, inputs)
+                events = profiled_kernels(step, inputs)
                 gpu_total = sum(e.self_device_time_total for e in events) / PROFILED_STEPS / 1e3  # ms per step
-                walls.append(wall * 1e3)
                 kernels.append(gpu_total)
+                wall = walls[batch][r]
                 print(f"\n=== batch {batch} ({torch.get_num_threads()} host threads, "
                       f"{'columns (step_batch)' if a.columns else 'StepInputs (step)'}, "
                       f"{'m = 1..' if a.mixed_m else 'm = '}{a.m}, states on the "
                       f"{'GPU' if a.states_on_gpu else 'host'}"
                       f"{', fc by the engine' if a.engine_applies_fc else ''}"
-                      f"{f', round {r + 1} of {a.rounds}' if a.rounds > 1 else ''}): wall {wall * 1e3:.2f} ms/step, "
+                      f"{f', round {r + 1} of {a.rounds}' if a.rounds > 1 else ''}): wall {wall:.2f} ms/step, "
                       f"GPU kernel time {gpu_total:.2f} ms/step, "
-                      f"idle GPU {wall * 1e3 - gpu_total:.2f} ms ===")
+                      f"idle GPU {wall - gpu_total:.2f} ms ===")
                 if r == 0:
                     print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
-            ratios = [w / k for w, k in zip(walls, kernels)]
+            ratios = [w / k for w, k in zip(walls[batch], kernels)]
             result["rows"].append(dict(
-                batch=batch, wall_ms=walls, kernel_ms=kernels, wall_over_kernel=ratios,
-                median=dict(wall_ms=statistics.median(walls), kernel_ms=statistics.median(kernels),
-                            idle_ms=statistics.median(w - k for w, k in zip(walls, kernels)),
+                batch=batch, wall_ms=walls[batch], kernel_ms=kernels, wall_over_kernel=ratios,
+                median=dict(wall_ms=statistics.median(walls[batch]), kernel_ms=statistics.median(kernels),
+                            idle_ms=statistics.median(w - k for w, k in zip(walls[batch], kernels)),
                             wall_over_kernel=statistics.median(ratios)),
                 top_kernels=[dict(name=e.key, ms_per_step=e.self_device_time_total / PROFILED_STEPS / 1e3)
                              for e in sorted(events, key=lambda e: -e.self_device_time_total)[:8]]))
@@ -338,8 +358,6 @@ def main() -> int:
                 write_json(a.out, result, say=False)
             if a.gaps:
                 print_gaps(step, inputs, batch)
-            if a.phases:
-                print_phases(rt, step, inputs, batch)
             if a.timeline:
                 print_timeline(step, inputs, batch)
                 replay_rate(rt.proposer.decode_graphs, batch)
@@ -354,27 +372,47 @@ def main() -> int:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(40)
                 print(f"--- batch {batch}: the same by cumulative time ---")
                 pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
-            for s in decode:
-                rt.proposer.table.release("bench", s.sequence_id)
+        for s in prepared[max(batches)][0]:  # (the largest batch names every sequence)
+            rt.proposer.table.release("bench", s.sequence_id)
     if a.out:
         result["complete"] = True
         write_json(a.out, result)
     return 0
 
 
-def time_step(step, inputs, n: int = 20):
-    """(the wall time of one step in seconds, the mean of n steps without the profiler; torch.profiler's
-    key_averages over PROFILED_STEPS more steps)."""
+def prepare(rt, a, shape: dict, width: int, batch: int):
+    """The batch's sequences prefilled (context - m tokens each) and its decode step built and run 5 times:
+    (the decode steps, the step's inputs, the step function)."""
+    prefill, decode = b.make_steps(batch, a.context, a.m, a.k, width, shape["vocab_size"], seed=batch)
+    b.run_prefill(rt, prefill)
+    if a.mixed_m:
+        decode = [b.last_tokens(s, 1 + i % a.m) for i, s in enumerate(decode)]
+    if a.states_on_gpu:
+        decode = [dataclasses.replace(s, hidden_states=s.hidden_states.cuda()) for s in decode]
+    inputs, step = b.to_inputs(decode), rt.proposer.step
+    if a.columns:
+        inputs, step = b.to_batch_input(decode), rt.proposer.step_batch
+    for _ in range(5):
+        step(inputs)
+    return decode, inputs, step
+
+
+def time_wall(step, inputs, n: int = 20) -> float:
+    """The wall time of one step in seconds: the mean of n steps, no profiler."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
         step(inputs)
-    wall = (time.perf_counter() - t0) / n
+    return (time.perf_counter() - t0) / n
+
+
+def profiled_kernels(step, inputs):
+    """torch.profiler's key_averages over PROFILED_STEPS steps."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(PROFILED_STEPS):
             step(inputs)
-    return wall, prof.key_averages()
+    return prof.key_averages()
 
 
 if __name__ == "__main__":
