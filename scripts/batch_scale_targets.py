@@ -13,6 +13,8 @@ drafter's own step comes from the single pass). Prints the table (markdown) and 
 reads:
 
   kernel      profile_step: the in-process step's wall time over its GPU kernel time, median of the rounds, per batch
+              (a JSON without "wall_timed", from before the twenty-second session, is said to be biased high: its
+              walls were timed after profiler sessions)
   floor       bench_step's single pass at batch 128: the in-process step from columns with the states on the GPU
               (an engine holding its batch as tensors) over the floor; the per-sequence step beside it
   channel     bench_step's rounds: the step channel over the in-process step (per-sequence API against
@@ -75,8 +77,11 @@ def gpu_rows(head: str, bench: dict | None, profile: dict | None) -> list[dict]:
     if profile is not None:
         ratios = {b: r["median"]["wall_over_kernel"] for b, r in by_batch(profile).items()}
         idle = [r["median"]["idle_ms"] for r in profile["rows"]]
+        # (a run from before the twenty-second session timed its walls after profiler sessions, which leave the
+        # process's CUDA calls slower: its ratios are high by 35-300 us per step)
+        biased = "" if profile.get("wall_timed") else "; walls timed after profiler sessions: biased high"
         rows.append(dict(target=f"in-process <= {KERNEL_MAX}x its GPU kernel time", head=head, values=ratios,
-                         figures=fmt(ratios) + f" (GPU idle {min(idle):.2f}-{max(idle):.2f} ms per step)",
+                         figures=fmt(ratios) + f" (GPU idle {min(idle):.2f}-{max(idle):.2f} ms per step{biased})",
                          met=verdict(ratios, KERNEL_MAX), source=profile.get("command", ""),
                          device=profile.get("device", ""), date=profile.get("date", "")))
     if bench is None:

@@ -385,6 +385,11 @@ def test_batch_scale_targets_reads_the_benchmarks_json_and_says_where_each_targe
                    "CPU: step channel <= 1.3x in-process at batch 1 and 128": "at batch 1"}
     floor = [r for r in result["rows"] if "floor at batch 128" in r["target"]]
     assert len(floor) == 1 and floor[0]["met"] == "yes" and floor[0]["values"] == {"128": 1.4}
+    # a profile_step JSON from before its walls came first (no "wall_timed") is said to be biased; a newer one is not
+    kernel = lambda res: [r for r in res["rows"] if "kernel time" in r["target"]][0]["figures"]  # noqa: E731
+    assert "biased high" in kernel(result)
+    files["profile"].write_text(json.dumps(dict(profile, wall_timed="before any profiler session")))
+    assert "biased" not in kernel(_targets(["--profile", f"e1={files['profile']}"], tmp_path))
     # drafter-demo --json runs: met in every run, in some, or not where the output differed from plain greedy
     demo = lambda speedup, same=True: dict(  # noqa: E731
         benchmark="drafter_demo", command="drafter-demo --json F", device="cpu: x86_64, 2 cores",
