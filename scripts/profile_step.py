@@ -20,7 +20,8 @@ the GPU kernel time of the step". Every wall time (and --phases) is taken first,
 sizes, before the process runs any profiler session: after one, the process's CUDA calls stay slower (+35-300 us per
 step at batch 1-128 on an H200 and an H100; scripts/profiler_after_effect.py), which the wall times of every round but
 the first carried until the twenty-second session. --out writes each round's figures and their medians as JSON
-(device, date, command; "walls_ms" once the wall times are in).
+(device, date, command; "walls_ms" once the wall times are in; beside each round's mean step, its median step,
+"step_median_ms": how much a slow spell of the host added to the mean, which the ratio uses).
 """
 import argparse
 import cProfile
@@ -309,12 +310,15 @@ def main() -> int:
         # session), which every round after the first used to carry. Round r times every batch size before round
         # r + 1, so that a slow spell of the host lands on one round of several sizes, not on all rounds of one.
         walls = {batch: [] for batch in batches}
+        step_medians = {batch: [] for batch in batches}  # (beside the mean: the median step of each round's 20)
         for _ in range(a.rounds):
             for batch in batches:
                 _, inputs, step = prepared[batch]
                 for _ in range(5):  # (the step before was another batch's)
                     step(inputs)
-                walls[batch].append(time_wall(step, inputs) * 1e3)
+                mean, median = time_wall(step, inputs)
+                walls[batch].append(mean * 1e3)
+                step_medians[batch].append(median * 1e3)
         if a.phases:
             for batch in batches:
                 _, inputs, step = prepared[batch]
@@ -345,15 +349,19 @@ def main() -> int:
                     print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
             ratios = [w / k for w, k in zip(walls[batch], kernels)]
             result["rows"].append(dict(
-                batch=batch, wall_ms=walls[batch], kernel_ms=kernels, wall_over_kernel=ratios,
+                batch=batch, wall_ms=walls[batch], step_median_ms=step_medians[batch], kernel_ms=kernels,
+                wall_over_kernel=ratios,
                 median=dict(wall_ms=statistics.median(walls[batch]), kernel_ms=statistics.median(kernels),
                             idle_ms=statistics.median(w - k for w, k in zip(walls[batch], kernels)),
-                            wall_over_kernel=statistics.median(ratios)),
+                            wall_over_kernel=statistics.median(ratios),
+                            step_median_over_kernel=statistics.median(
+                                w / k for w, k in zip(step_medians[batch], kernels))),
                 top_kernels=[dict(name=e.key, ms_per_step=e.self_device_time_total / PROFILED_STEPS / 1e3)
                              for e in sorted(events, key=lambda e: -e.self_device_time_total)[:8]]))
             if a.rounds > 1:
                 print(f"--- batch {batch}: wall / GPU kernel time over {a.rounds} rounds: median "
-                      f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}] ---", flush=True)
+                      f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}] (the median step / "
+                      f"kernel time {result['rows'][-1]['median']['step_median_over_kernel']:.3f}) ---", flush=True)
             if a.out:  # (after each batch size: a run stopped by a time limit keeps what it measured)
                 write_json(a.out, result, say=False)
             if a.gaps:
@@ -397,13 +405,16 @@ def prepare(rt, a, shape: dict, width: int, batch: int):
     return decode, inputs, step
 
 
-def time_wall(step, inputs, n: int = 20) -> float:
-    """The wall time of one step in seconds: the mean of n steps, no profiler."""
+def time_wall(step, inputs, n: int = 20) -> tuple[float, float]:
+    """The wall time of one step in seconds, no profiler: (the mean of n steps, the median one). The ratio uses the
+    mean; the median beside it shows how much of the mean a slow spell of the host added."""
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(n):
+        t0 = time.perf_counter()
         step(inputs)
-    return (time.perf_counter() - t0) / n
+        times.append(time.perf_counter() - t0)
+    return sum(times) / n, statistics.median(times)
 
 
 def profiled_kernels(step, inputs):
