@@ -389,8 +389,8 @@ def main() -> int:
 
 
 def prepare(rt, a, shape: dict, width: int, batch: int):
-    """The batch's sequences prefilled (context - m tokens each) and its decode step built and run 5 times:
-    (the decode steps, the step's inputs, the step function)."""
+    """The batch's sequences prefilled (context - m tokens each) and its decode step built: (the decode steps, the
+    step's inputs, the step function). (Each phase warms the step up before it times it.)"""
     prefill, decode = b.make_steps(batch, a.context, a.m, a.k, width, shape["vocab_size"], seed=batch)
     b.run_prefill(rt, prefill)
     if a.mixed_m:
@@ -400,8 +400,6 @@ def prepare(rt, a, shape: dict, width: int, batch: int):
     inputs, step = b.to_inputs(decode), rt.proposer.step
     if a.columns:
         inputs, step = b.to_batch_input(decode), rt.proposer.step_batch
-    for _ in range(5):
-        step(inputs)
     return decode, inputs, step
 
 

@@ -178,12 +178,18 @@ def write_run_json(args, device: str, rounds: list[tuple[GenerationResult, Gener
         rounds=[dict(speculative_first=i % 2 == 0, speculative_tokens_per_s=s.tokens_per_s,
                      plain_tokens_per_s=p.tokens_per_s, speedup=x) for i, ((s, p), x) in enumerate(zip(rounds, speedups))],
         speedup=speedups[middle_round(rounds)],  # (the middle round's, as printed)
-        identical_to_plain=(all(s.tokens == p.tokens for s, p in rounds) if cfg.temperature == 0 else None)))
+        identical_to_plain=identical_to_plain(rounds) if cfg.temperature == 0 else None))
 
 
 def speedup_of(pair: tuple[GenerationResult, GenerationResult]) -> float:
     spec, plain = pair
     return spec.tokens_per_s / plain.tokens_per_s
+
+
+def identical_to_plain(rounds: list[tuple[GenerationResult, GenerationResult]]) -> bool:
+    """Whether every round's speculative output and plain output are the first round's speculative output (greedy)."""
+    first = rounds[0][0].tokens
+    return all(s.tokens == p.tokens == first for s, p in rounds)
 
 
 def middle_round(rounds: list[tuple[GenerationResult, GenerationResult]]) -> int:
@@ -224,8 +230,7 @@ def report(args, prompts: list[str], tokenizer, rounds: list[tuple[GenerationRes
         print(f"drafter steps: {args.channel_steps} through the step channel, {args.grpc_steps} by unary gRPC")
     explain_speed(spec_m, plain_m, acc.mean_acceptance_length, cfg.num_drafts, args.target_parameters)
     if cfg.temperature == 0:
-        same = all(s.tokens == p.tokens == spec.tokens for s, p in rounds)
-        print(f"speculative output identical to plain greedy decoding: {'yes' if same else 'NO'}"
+        print(f"speculative output identical to plain greedy decoding: {'yes' if identical_to_plain(rounds) else 'NO'}"
               + (f" (every run of the {len(rounds)} rounds)" if len(rounds) > 1 else ""))
     if args.chart:
         title = (f"{HEADS[args.head]} head, k = {cfg.num_drafts}: mean acceptance length "
