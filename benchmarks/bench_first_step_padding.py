@@ -39,9 +39,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from drafter_client.benchmarks import bench_step as b  # noqa: E402
 from drafter_client.benchmarks.report import write_json  # noqa: E402
-from drafter_service.config import ServerConfig  # noqa: E402
 from drafter_service.engine import cuda_graphs  # noqa: E402
-from drafter_service.runtime import build_runtime  # noqa: E402
 
 WAYS = ("rule", "graph", "eager")
 
@@ -109,16 +107,12 @@ def main() -> int:
           f"[min, max]; 'rule': what the drafter does now (its path in parentheses)")
     print(f"{'batch':>5} {'dist':>8} {'rows':>5} {'padded':>6}  {'rule':>22} {'graph':>20} {'eager':>20}")
     with tempfile.TemporaryDirectory() as tmp:
-        head, target = b.write_random_head(pathlib.Path(tmp), shape, a.context + 64)
-        cfg = ServerConfig(model=str(head), target_model=str(target), device="cuda", dtype="bfloat16",
-                           kv_cache_tokens=max(200_000, 300 * (a.context + 64)), max_model_len=a.context + 64,
-                           max_batch_seqs=512, engine_applies_fc=a.engine_applies_fc)
-        rt = build_runtime(cfg)
-        width = rt.limits.hidden_states_width
+        rt = b.random_head_runtime(pathlib.Path(tmp), shape, a.context + 64, device="cuda",
+                                   kv_cache_tokens=max(200_000, 300 * (a.context + 64)),
+                                   engine_applies_fc=a.engine_applies_fc)
         M = a.k + 1
         for batch in [int(x) for x in a.batches.split(",")]:
-            prefill, decode = b.make_steps(batch, a.context, M, a.k, width, shape["vocab_size"], seed=batch)
-            b.run_prefill(rt, prefill)
+            decode = b.prefilled_decode(rt, batch, a.context, M, a.k, shape["vocab_size"])
             for dist in dists:
                 ms = [m_of(dist, i, a.k) for i in range(batch)]
                 steps = [b.last_tokens(s, m) for s, m in zip(decode, ms)]

@@ -201,7 +201,7 @@ def main() -> int:
                                         kv_cache_tokens=kv_tokens, max_model_len=a.context + 64,
                                         max_batch_seqs=4096))
         width, vocab = rt.limits.hidden_states_width, shape["vocab_size"]
-        in_process = bs.bench_in_process(rt, a.batch, a.context, a.m, a.k, a.iters, width, vocab, columns=True)
+        in_process = bs.bench_in_process(rt, a.batch, a.context, a.m, a.k, a.iters, vocab, columns=True)
         print(f"in-process step, batch {a.batch}, as columns: {in_process * 1e3:.2f} ms", flush=True)
         del rt
         if a.device == "cuda":

@@ -22,8 +22,6 @@ sys.path.insert(0, str(REPO))
 from drafter_client.benchmarks import bench_step as b  # noqa: E402
 from drafter_kernels import ops  # noqa: E402
 from drafter_kernels import paged_attention as current  # noqa: E402
-from drafter_service.config import ServerConfig  # noqa: E402
-from drafter_service.runtime import build_runtime  # noqa: E402
 
 
 def revision_module(rev: str, tmp: pathlib.Path):
@@ -47,23 +45,21 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12)
     a = ap.parse_args()
+    if a.steps < 3:
+        ap.error("--steps must be at least 3 (the first two of each round are warm-ups)")
     torch.set_num_threads(a.threads)
     shape = b.PRESETS[a.preset]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         old = revision_module(a.rev, tmp)
         variants = {a.rev: old.paged_attention_batched, "working tree": current.paged_attention_batched}
-        head, target = b.write_random_head(tmp, shape, a.context + 64)
         batches = [int(x) for x in a.batches.split(",")]
-        rt = build_runtime(ServerConfig(model=str(head), target_model=str(target), device="cpu", dtype="float32",
-                                        kv_cache_tokens=(max(batches) + 8) * (a.context + 96),
-                                        max_model_len=a.context + 64, max_batch_seqs=4096))
-        width = rt.limits.hidden_states_width
+        rt = b.random_head_runtime(tmp, shape, a.context + 64, device="cpu",
+                                   kv_cache_tokens=(max(batches) + 8) * (a.context + 96), max_batch_seqs=4096)
         print(f"{a.preset}, context {a.context}, m=3, k=5, {a.threads} thread(s); ms per step, median of "
               f"{a.steps - 2} steps per round", flush=True)
         for batch in batches:
-            prefill, decode = b.make_steps(batch, a.context, 3, 5, width, shape["vocab_size"], seed=batch)
-            b.run_prefill(rt, prefill)
+            decode = b.prefilled_decode(rt, batch, a.context, 3, 5, shape["vocab_size"])
             inputs = b.to_inputs(decode)
             times = {name: [] for name in variants}
             for _ in range(a.rounds):

@@ -15,8 +15,6 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from drafter_client.benchmarks import bench_step as bs  # noqa: E402
-from drafter_service.config import ServerConfig  # noqa: E402
-from drafter_service.runtime import build_runtime  # noqa: E402
 
 
 def main() -> int:
@@ -33,13 +31,10 @@ def main() -> int:
     torch.set_num_threads(1)
     shape, batches = bs.PRESETS[a.preset], [int(b) for b in a.batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        head, target = bs.write_random_head(pathlib.Path(tmp), shape, a.context + 64)
-        rt = build_runtime(ServerConfig(model=str(head), target_model=str(target), device="cpu", dtype="float32",
-                                        kv_cache_tokens=(max(batches) + 8) * (a.context + 96),
-                                        max_model_len=a.context + 64, max_batch_seqs=4096))
+        rt = bs.random_head_runtime(pathlib.Path(tmp), shape, a.context + 64, device="cpu",
+                                    kv_cache_tokens=(max(batches) + 8) * (a.context + 96), max_batch_seqs=4096)
         for b in batches:
-            t = bs.bench_in_process(rt, b, a.context, a.m, a.k, a.iters, rt.limits.hidden_states_width,
-                                    shape["vocab_size"], columns=a.columns)
+            t = bs.bench_in_process(rt, b, a.context, a.m, a.k, a.iters, shape["vocab_size"], columns=a.columns)
             print(f"batch {b}: median {t * 1e3:.2f} ms", flush=True)
     return 0
 

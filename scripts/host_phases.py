@@ -25,9 +25,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from drafter_client.benchmarks.report import write_json  # noqa: E402
 from drafter_client.benchmarks import bench_step as b  # noqa: E402
-from drafter_service.config import ServerConfig  # noqa: E402
 from drafter_service.engine.step_metadata import StepMetadata  # noqa: E402
-from drafter_service.runtime import build_runtime  # noqa: E402
 
 
 def main() -> int:
@@ -51,11 +49,8 @@ def main() -> int:
         torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        head, target = b.write_random_head(pathlib.Path(tmp), shape, context + 64)
-        rt = build_runtime(ServerConfig(
-            model=str(head), target_model=str(target), device=a.device,
-            dtype="bfloat16" if device.type == "cuda" else "float32",
-            kv_cache_tokens=(max(batches) + 8) * (context + 96), max_model_len=context + 64, max_batch_seqs=4096))
+        rt = b.random_head_runtime(pathlib.Path(tmp), shape, context + 64, device=a.device,
+                                   kv_cache_tokens=(max(batches) + 8) * (context + 96), max_batch_seqs=4096)
         p = rt.proposer
         marks: dict[str, float] = {}
         admitted, run = p.predraft.on_step, p._run
@@ -101,7 +96,7 @@ def main() -> int:
         for batch in batches:
             for v in phases.values():
                 v.clear()
-            b.bench_in_process(rt, batch, context, a.m, a.k, a.iters, rt.limits.hidden_states_width,
+            b.bench_in_process(rt, batch, context, a.m, a.k, a.iters,
                                shape["vocab_size"],  # (prefill, 3 warm-up steps, then --iters timed ones)
                                device if a.states_on_gpu else None)
             row = dict(batch=batch, **{f"{k}_ms": statistics.median(v[-a.iters:]) * 1e3 for k, v in phases.items()})

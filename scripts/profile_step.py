@@ -25,7 +25,6 @@ the first carried until the twenty-second session. --out writes each round's fig
 """
 import argparse
 import cProfile
-import dataclasses
 import datetime
 import pathlib
 import platform
@@ -40,8 +39,6 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from drafter_client.benchmarks import bench_step as b  # noqa: E402
 from drafter_client.benchmarks.report import write_json  # noqa: E402
-from drafter_service.config import ServerConfig  # noqa: E402
-from drafter_service.runtime import build_runtime  # noqa: E402
 
 PROFILED_STEPS = 5  # steps under torch.profiler per round: the kernel time of a step is their mean
 
@@ -291,19 +288,15 @@ def main() -> int:
                   engine_applies_fc=a.engine_applies_fc, cuda_graphs=not a.no_cuda_graphs, rounds=a.rounds, rows=[],
                   wall_timed="before any profiler session", complete=False)
     with tempfile.TemporaryDirectory() as tmp:
-        head, target = b.write_random_head(pathlib.Path(tmp), shape, a.context + 64)
-        cfg = ServerConfig(model=str(head), target_model=str(target), device="cuda", dtype="bfloat16",
-                           kv_cache_tokens=max(200_000, 300 * (a.context + 64)),  # 256 sequences fit
-                           max_model_len=a.context + 64, max_batch_seqs=512,
-                           cuda_graphs=not a.no_cuda_graphs, cpu_threads=a.cpu_threads,
-                           engine_applies_fc=a.engine_applies_fc)
-        rt = build_runtime(cfg)
-        width = rt.limits.hidden_states_width
+        rt = b.random_head_runtime(pathlib.Path(tmp), shape, a.context + 64, device="cuda",
+                                   kv_cache_tokens=max(200_000, 300 * (a.context + 64)),  # 256 sequences fit
+                                   cuda_graphs=not a.no_cuda_graphs, cpu_threads=a.cpu_threads,
+                                   engine_applies_fc=a.engine_applies_fc)
         batches = [int(x) for x in a.batches.split(",")]
         # Every batch's sequences prefilled up front (make_steps names them b0, b1, ...: a batch's decode step runs
         # over the first B of them, each re-sending its last m tokens at the same context, whichever prefill wrote
         # them last), so that the rounds can go over the batch sizes in turn.
-        prepared = {batch: prepare(rt, a, shape, width, batch) for batch in batches}
+        prepared = {batch: prepare(rt, a, shape, batch) for batch in batches}
         # Phase 1, before any torch.profiler session in this process: the wall times (and --phases). A profiler
         # session leaves the process's CUDA calls slower after it ends (H200 and H100, torch 2.11: a small op's
         # launch +2-4 us, the step's wall +35-300 us at batch 1-128; scripts/profiler_after_effect.py, twenty-second
@@ -388,15 +381,11 @@ def main() -> int:
     return 0
 
 
-def prepare(rt, a, shape: dict, width: int, batch: int):
+def prepare(rt, a, shape: dict, batch: int):
     """The batch's sequences prefilled (context - m tokens each) and its decode step built: (the decode steps, the
     step's inputs, the step function). (Each phase warms the step up before it times it.)"""
-    prefill, decode = b.make_steps(batch, a.context, a.m, a.k, width, shape["vocab_size"], seed=batch)
-    b.run_prefill(rt, prefill)
-    if a.mixed_m:
-        decode = [b.last_tokens(s, 1 + i % a.m) for i, s in enumerate(decode)]
-    if a.states_on_gpu:
-        decode = [dataclasses.replace(s, hidden_states=s.hidden_states.cuda()) for s in decode]
+    decode = b.prefilled_decode(rt, batch, a.context, a.m, a.k, shape["vocab_size"], mixed_m=a.mixed_m,
+                                states_device="cuda" if a.states_on_gpu else None)
     inputs, step = b.to_inputs(decode), rt.proposer.step
     if a.columns:
         inputs, step = b.to_batch_input(decode), rt.proposer.step_batch

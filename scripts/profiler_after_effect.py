@@ -12,7 +12,6 @@ drafter-serve process, which freezes its start-up heap (gc.freeze), might not se
 Prints a line per (state, batch) and writes JSON (device, date, command, rows).
 """
 import argparse
-import dataclasses
 import datetime
 import gc
 import pathlib
@@ -27,8 +26,6 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from drafter_client.benchmarks import bench_step as b  # noqa: E402
 from drafter_client.benchmarks.report import write_json  # noqa: E402
-from drafter_service.config import ServerConfig  # noqa: E402
-from drafter_service.runtime import build_runtime  # noqa: E402
 
 BLOCKS, STEPS = 10, 20
 
@@ -95,19 +92,13 @@ def main() -> int:
                   engine_applies_fc=a.engine_applies_fc, context=a.context, m=a.m, k=a.k, rows=[])
     with tempfile.TemporaryDirectory() as tmp:
         batches = [int(x) for x in a.batches.split(",")]
-        head, target = b.write_random_head(pathlib.Path(tmp), shape, a.context + 64)
-        cfg = ServerConfig(model=str(head), target_model=str(target), device="cuda", dtype="bfloat16",
-                           kv_cache_tokens=max(200_000, (sum(batches) + 8) * (a.context + 64)),  # every batch kept
-                           max_model_len=a.context + 64, max_batch_seqs=512, cuda_graphs=True,
-                           engine_applies_fc=a.engine_applies_fc)
-        rt = build_runtime(cfg)
-        width = rt.limits.hidden_states_width
+        rt = b.random_head_runtime(pathlib.Path(tmp), shape, a.context + 64, device="cuda",
+                                   kv_cache_tokens=max(200_000, (sum(batches) + 8) * (a.context + 64)),  # every batch
+                                   cuda_graphs=True, engine_applies_fc=a.engine_applies_fc)
         inputs_by_batch = {}
         for batch in batches:
-            prefill, decode = b.make_steps(batch, a.context, a.m, a.k, width, shape["vocab_size"], seed=batch)
-            b.run_prefill(rt, prefill)
-            decode = [b.last_tokens(s, 1 + i % a.m) for i, s in enumerate(decode)]
-            decode = [dataclasses.replace(s, hidden_states=s.hidden_states.cuda()) for s in decode]
+            decode = b.prefilled_decode(rt, batch, a.context, a.m, a.k, shape["vocab_size"], mixed_m=True,
+                                        states_device="cuda")
             inputs_by_batch[batch] = b.to_batch_input(decode)
         step = rt.proposer.step_batch
         x = torch.zeros(1, device="cuda")

@@ -31,9 +31,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from drafter_client.benchmarks import bench_step as b  # noqa: E402
 from drafter_client.client import build_request  # noqa: E402
-from drafter_service.config import ServerConfig  # noqa: E402
 from drafter_client.protocol import pb  # noqa: E402
-from drafter_service.runtime import build_runtime  # noqa: E402
 from drafter_service.transport.validation import parse_propose  # noqa: E402
 
 WARMUP = 10
@@ -64,10 +62,7 @@ def main() -> int:
                   preset=a.preset, m=a.m, k=a.k, context=context, cpus=os.cpu_count(),
                   command=" ".join([pathlib.Path(sys.argv[0]).name, *sys.argv[1:]]))
     with tempfile.TemporaryDirectory() as tmp:
-        head, target = b.write_random_head(pathlib.Path(tmp), shape, context + 64)
-        rt = build_runtime(ServerConfig(model=str(head), target_model=str(target), device=a.device,
-                                        dtype="bfloat16" if a.device.startswith("cuda") else "float32",
-                                        kv_cache_tokens=200_000, max_model_len=context + 64, max_batch_seqs=512))
+        rt = b.random_head_runtime(pathlib.Path(tmp), shape, context + 64, device=a.device, kv_cache_tokens=200_000)
         if a.device.startswith("cuda"):
             result["gpu"] = torch.cuda.get_device_name()
         prefill, decode = b.make_steps(1, context, a.m, a.k, rt.limits.hidden_states_width, shape["vocab_size"], 1)

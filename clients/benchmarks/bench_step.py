@@ -101,6 +101,21 @@ def write_random_head(root: pathlib.Path, shape: dict, max_len: int, seed: int =
     return head, target
 
 
+def random_head_runtime(root: pathlib.Path, shape: dict, max_len: int, *, device: str, kv_cache_tokens: int,
+                        max_batch_seqs: int = 512, **config):
+    """The drafter's runtime (drafter_service.runtime.build_runtime: proposer, KV pool, graphs) on a random head of
+    this shape written under root, for timing the proposer in-process (the benchmark scripts): max_model_len max_len,
+    bf16 on CUDA and fp32 on the CPU; config: other ServerConfig fields (cuda_graphs, engine_applies_fc, ...)."""
+    from drafter_service.config import ServerConfig
+    from drafter_service.runtime import build_runtime
+
+    head, target = write_random_head(root, shape, max_len)
+    dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return build_runtime(ServerConfig(model=str(head), target_model=str(target), device=device, dtype=dtype,
+                                      kv_cache_tokens=kv_cache_tokens, max_model_len=max_len,
+                                      max_batch_seqs=max_batch_seqs, **config))
+
+
 def measure_bandwidth(device: torch.device) -> float:
     """Bytes/s of a large copy, counting bytes read plus bytes written."""
     n = (1 << 30) if device.type == "cuda" else (1 << 28)
@@ -181,6 +196,21 @@ def run_prefill(rt, prefill) -> None:
         assert all(o.code == 0 for o in out), out[0].message
 
 
+def prefilled_decode(rt, batch: int, context: int, m: int, k: int, vocab: int, mixed_m: bool = False,
+                     states_device: torch.device | str | None = None) -> list:
+    """make_steps' sequences b0..b{batch-1} prefilled through rt (context - m tokens each), and their decode step (one
+    SequenceStep each, k drafts): m committed tokens each, or 1 + i % m for sequence i with mixed_m (as after varying
+    acceptance); the hidden states moved to states_device when given (an engine in the drafter's process holds its
+    target's states on the GPU), else on the host."""
+    prefill, decode = make_steps(batch, context, m, k, rt.limits.hidden_states_width, vocab, seed=batch)
+    run_prefill(rt, prefill)
+    if mixed_m:
+        decode = [last_tokens(s, 1 + i % m) for i, s in enumerate(decode)]
+    if states_device is not None:
+        decode = [dataclasses.replace(s, hidden_states=s.hidden_states.to(states_device)) for s in decode]
+    return decode
+
+
 def last_tokens(step, m: int):
     """A decode step of make_steps re-sending only its last m committed tokens (their positions are in the KV
     already): a step of m tokens, as after fewer accepted drafts (mixed m in one batch)."""
@@ -216,16 +246,13 @@ def to_batch_input(steps):
         [0] * len(steps))
 
 
-def bench_in_process(rt, batch, context, m, k, iters, width, vocab, states_device: torch.device | None = None,
+def bench_in_process(rt, batch, context, m, k, iters, vocab, states_device: torch.device | None = None,
                      columns: bool = False):
     """Median seconds of the proposer's step called in-process. states_device: the decode steps' hidden states live
     there (a GPU: as an engine in the drafter's process holds its target's states; none to stage through the host),
     else on the host. columns: the step as columns through Proposer.step_batch (one BatchInput), else one StepInput
     per sequence through Proposer.step."""
-    prefill, decode = make_steps(batch, context, m, k, width, vocab, seed=batch)
-    run_prefill(rt, prefill)
-    if states_device is not None:
-        decode = [dataclasses.replace(s, hidden_states=s.hidden_states.to(states_device)) for s in decode]
+    decode = prefilled_decode(rt, batch, context, m, k, vocab, states_device=states_device)
     inputs, step = (to_batch_input(decode), rt.proposer.step_batch) if columns else (to_inputs(decode), rt.proposer.step)
     times = []
     for i in range(iters + 3):
@@ -617,7 +644,7 @@ def main() -> int:
         rt = build_runtime(cfg)
         width = rt.limits.hidden_states_width
         for b in batches:
-            t = bench_in_process(rt, b, context, a.m, a.k, a.iters, width, shape["vocab_size"])
+            t = bench_in_process(rt, b, context, a.m, a.k, a.iters, shape["vocab_size"])
             fb = floor_bytes(shape, dtype_bytes, b, context, a.m, a.k, a.engine_applies_fc)
             rows.append(dict(batch=b, in_process_ms=t * 1e3, floor_ms=fb / bw * 1e3, floor_bytes=fb,
                              in_process_over_floor=t * 1e3 / (fb / bw * 1e3)))
@@ -626,14 +653,14 @@ def main() -> int:
                 rows[-1]["engine_fc_ms"] = time_engine_fc(head, b * a.m, device, dtype, a.iters) * 1e3
                 print(f"the engine's fc for batch {b} ({b * a.m} rows): {rows[-1]['engine_fc_ms']:.3f} ms",
                       flush=True)
-            t = bench_in_process(rt, b, context, a.m, a.k, a.iters, width, shape["vocab_size"], columns=True)
+            t = bench_in_process(rt, b, context, a.m, a.k, a.iters, shape["vocab_size"], columns=True)
             rows[-1]["in_process_columns_ms"] = t * 1e3
             print(f"in-process batch {b}, as columns (step_batch): {t * 1e3:.2f} ms", flush=True)
             if device.type == "cuda":  # the same step with the states already on the GPU (no host staging)
-                t = bench_in_process(rt, b, context, a.m, a.k, a.iters, width, shape["vocab_size"], device)
+                t = bench_in_process(rt, b, context, a.m, a.k, a.iters, shape["vocab_size"], device)
                 rows[-1]["in_process_states_on_gpu_ms"] = t * 1e3
                 print(f"in-process batch {b}, states on the GPU: {t * 1e3:.2f} ms", flush=True)
-                t = bench_in_process(rt, b, context, a.m, a.k, a.iters, width, shape["vocab_size"], device,
+                t = bench_in_process(rt, b, context, a.m, a.k, a.iters, shape["vocab_size"], device,
                                      columns=True)
                 rows[-1]["in_process_columns_states_on_gpu_ms"] = t * 1e3
                 print(f"in-process batch {b}, as columns, states on the GPU: {t * 1e3:.2f} ms", flush=True)
@@ -650,7 +677,7 @@ def main() -> int:
         if a.graphs_ab and device.type == "cuda":
             eager = build_runtime(dataclasses.replace(cfg, cuda_graphs=False))
             for row in rows:
-                t = bench_in_process(eager, row["batch"], context, a.m, a.k, a.iters, width, shape["vocab_size"])
+                t = bench_in_process(eager, row["batch"], context, a.m, a.k, a.iters, shape["vocab_size"])
                 row["in_process_eager_ms"] = t * 1e3
                 print(f"in-process, no CUDA graphs, batch {row['batch']}: {t * 1e3:.2f} ms", flush=True)
             del eager
