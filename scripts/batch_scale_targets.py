@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         from drafter_client.benchmarks.report import write_json
 
         write_json(a.out, dict(benchmark="batch_scale_targets", date=datetime.datetime.now().isoformat(timespec="seconds"),
-                               command=" ".join(["scripts/batch_scale_targets.py", *sys.argv[1:]]),
+                               command=" ".join(["scripts/batch_scale_targets.py", *(sys.argv[1:] if argv is None else argv)]),
                                rows=[dict(r, values={str(b): v for b, v in r["values"].items()}) for r in rows]))
     return 0
 
