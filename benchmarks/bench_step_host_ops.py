@@ -42,10 +42,8 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from drafter_client.benchmarks.report import write_json  # noqa: E402
 from drafter_client.benchmarks import bench_step  # noqa: E402
-from drafter_service.config import ServerConfig  # noqa: E402
 from drafter_service.engine import step_metadata as sm  # noqa: E402
 from drafter_service.engine.first_step_record import FirstStepRecord  # noqa: E402
-from drafter_service.runtime import build_runtime  # noqa: E402
 
 
 def make_step(B: int, m: int, width: int, table_width: int, device: torch.device, gen: torch.Generator):
@@ -135,11 +133,10 @@ def main() -> int:
     rows = []
     context = 1024
     with tempfile.TemporaryDirectory() as tmp:
-        head, target = bench_step.write_random_head(pathlib.Path(tmp), bench_step.PRESETS["tiny"], context + 64)
         batches = [int(x) for x in a.batches.split(",")]
-        rt = build_runtime(ServerConfig(
-            model=str(head), target_model=str(target), device=a.device, max_model_len=context + 64,
-            kv_cache_tokens=(max(batches) + 8) * (context + 96), max_batch_seqs=4096, cuda_graphs=False))
+        rt = bench_step.random_head_runtime(pathlib.Path(tmp), bench_step.PRESETS["tiny"], context + 64,
+                                            device=a.device, kv_cache_tokens=(max(batches) + 8) * (context + 96),
+                                            max_batch_seqs=4096, cuda_graphs=False)
     gc.collect()
     gc.freeze()
     for B in batches:
