@@ -532,7 +532,7 @@ def cpu_list(text: str) -> set[int]:
     return cpus
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -578,7 +578,7 @@ def main() -> int:
     ap.add_argument("--drafter-cpus", default=None,
                     help="Linux: CPUs the drafter-serve subprocess runs on, e.g. 4-9 (default: all)")
     ap.add_argument("--out", default="bench_out/bench_step.json")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.rounds_only and not a.rounds:
         ap.error("--rounds-only needs --rounds N")
     if a.grpc_floor and not a.rounds:
@@ -621,7 +621,7 @@ def main() -> int:
         that a run stopped by a time limit keeps what it measured."""
         result = dict(benchmark="bench_step", date=started, complete=complete,
                       device=f"{device.type}: {dev_name}, {os.cpu_count()} cores", torch=torch.__version__,
-                      command=" ".join(shlex.quote(x) for x in sys.argv), drafter_flags=a.drafter_flag,
+                      command=" ".join(shlex.quote(x) for x in (sys.argv if argv is None else ["bench_step", *argv])), drafter_flags=a.drafter_flag,
                       preset=a.preset, shape=shape, dtype=dtype, context=context, m=a.m, k=a.k, iters=a.iters,
                       cuda_graphs=a.cuda_graphs and device.type == "cuda",
                       bandwidth_gbps=bw / 1e9 if bw else None, rows=rows,
