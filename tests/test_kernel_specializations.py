@@ -103,7 +103,8 @@ def test_draft_step_compiles_a_few_variants_across_batch_sizes(recorded):
             draft_step.advance_draft_step_triton(
                 torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, blocks, dtype=torch.int32),
                 torch.ones(rows, dtype=torch.int32), 16, 4096,
-                torch.empty(rows, dtype=torch.int64), torch.empty(rows + 3, dtype=torch.int64))
+                torch.empty(rows, dtype=torch.int64), torch.empty(rows + 3, dtype=torch.int64),
+                torch.zeros(1, dtype=torch.int64), rows % 17)  # (the graphs' variant: a draft column, any limit)
     assert len(main.keys) <= 10, sorted(main.keys)  # BLOCK: a power of two up to 1024 (36 keys before)
 
 

@@ -177,8 +177,10 @@ class DecodeGraphs:
         positions, seq_lens, slots = self.positions[:bs], self.seq_lens[:bs], self.slot_mapping[:bs]
         input_ids, hidden, steps_left = self.input_ids[:bs], self.hidden[:bs], self.steps_left[:bs]
         block_tables = self.block_tables[:bs]
+        # (and this step's column of drafts_out / hidden_steps: draft_column + 1, clamped; the clamp only matters for
+        # the warm-up and capture runs)
         ops.advance_draft_step(positions, block_tables, seq_lens, self.block_size, self.max_model_len,
-                               positions, slots)
+                               positions, slots, self.draft_column, self.max_drafts)
         # padding rows and rows past their own k (steps_left <= 0): no KV write, seq_len 1, zero inputs; steps - 1
         ops.mask_finished_rows(steps_left, slots, seq_lens, input_ids, hidden)
         meta = AttentionMetadata(positions=positions, slot_mapping=slots,
@@ -187,8 +189,6 @@ class DecodeGraphs:
         head_out = self.model.forward(input_ids, hidden, meta, self.kv_layers)  # [bs, H]
         logits = self.model.compute_logits(head_out)  # [bs, V_draft]
         draft = ops.argmax(logits, out=self.draft_ids[:bs])  # [bs]
-        # this step's column of drafts_out / hidden_steps (the clamp only matters for the warm-up and capture runs)
-        self.draft_column.add_(1).clamp_(max=self.max_drafts)
         # input_ids and drafts_out[:, column] = the draft (target vocabulary), hidden and hidden_steps[:, column] =
         # the next hidden input: one kernel (kernels/store_draft_step.py)
         ops.store_draft_step(draft, self.model.d2t, self.model.next_hidden(head_out), self.draft_column, input_ids,
