@@ -7,14 +7,18 @@
         --out docs/bench/batch_scale_targets_....json
 
 Reads, per head, a GPU run of `bench_step --batches 1,8,32,64,128,256 --rounds N --rounds-only --grpc-floor` and one
-of `scripts/profile_step.py --columns --states-on-gpu --rounds N --out F` (the same --engine-applies-fc for both),
+or more of `scripts/profile_step.py --columns --states-on-gpu --rounds N --out F` (the same --engine-applies-fc for
+both; several --profile for one head: runs in separate processes, see "kernel" below),
 and a CPU run of `bench_step --preset tiny --device cpu --batches 1,32,128 --rounds N` (not --rounds-only: the
 drafter's own step comes from the single pass). Prints the table (markdown) and writes it as JSON. What each target
 reads:
 
   kernel      profile_step: the in-process step's wall time over its GPU kernel time, median of the rounds, per batch
               (a JSON without "wall_timed", from before the twenty-second session, is said to be biased high: its
-              walls were timed after profiler sessions)
+              walls were timed after profiler sessions). With several runs for one head, the median of the runs'
+              figures and their range: on a VM host each process draws its own host speed (the host work the GPU
+              waits for moved 0.11-0.33 ms between processes of one script on one H200 host, twenty-third session),
+              so one process's figure is one draw
   floor       bench_step's single pass at batch 128: the in-process step from columns with the states on the GPU
               (an engine holding its batch as tensors) over the floor; the per-sequence step beside it
   channel     bench_step's rounds: the step channel over the in-process step (per-sequence API against
@@ -72,18 +76,29 @@ def fmt(values: dict[int, float]) -> str:
     return " / ".join(f"{v:.2f}" for v in values.values()) + " at batch " + " / ".join(str(b) for b in values)
 
 
-def gpu_rows(head: str, bench: dict | None, profile: dict | None) -> list[dict]:
-    rows = []
-    if profile is not None:
-        ratios = {b: r["median"]["wall_over_kernel"] for b, r in by_batch(profile).items()}
-        idle = [r["median"]["idle_ms"] for r in profile["rows"]]
-        # (a run from before the twenty-second session timed its walls after profiler sessions, which leave the
-        # process's CUDA calls slower: its ratios are high by 35-300 us per step)
-        biased = "" if profile.get("wall_timed") else "; walls timed after profiler sessions: biased high"
-        rows.append(dict(target=f"in-process <= {KERNEL_MAX}x its GPU kernel time", head=head, values=ratios,
-                         figures=fmt(ratios) + f" (GPU idle {min(idle):.2f}-{max(idle):.2f} ms per step{biased})",
-                         met=verdict(ratios, KERNEL_MAX), source=profile.get("command", ""),
-                         device=profile.get("device", ""), date=profile.get("date", "")))
+def kernel_row(head: str, profiles: list[dict]) -> dict:
+    """The kernel target from one or more profile_step runs of one head (each its own process): per batch size, the
+    median over the runs of each run's median ratio; with several runs, their range beside it."""
+    per_run = [{b: r["median"]["wall_over_kernel"] for b, r in by_batch(run).items()} for run in profiles]
+    batches = [b for b in per_run[0] if all(b in run for run in per_run)]
+    ratios = {b: statistics.median(run[b] for run in per_run) for b in batches}
+    idle = [r["median"]["idle_ms"] for run in profiles for r in run["rows"]]
+    # (a run from before the twenty-second session timed its walls after profiler sessions, which leave the
+    # process's CUDA calls slower: its ratios are high by 35-300 us per step)
+    biased = "" if all(run.get("wall_timed") for run in profiles) else "; walls timed after profiler sessions: biased high"
+    figures = fmt(ratios)
+    if len(profiles) > 1:
+        spread = " / ".join(f"{min(run[b] for run in per_run):.2f}-{max(run[b] for run in per_run):.2f}" for b in batches)
+        figures += f", each the median of {len(profiles)} processes (their range: {spread})"
+    first = profiles[0]
+    return dict(target=f"in-process <= {KERNEL_MAX}x its GPU kernel time", head=head, values=ratios,
+                figures=figures + f" (GPU idle {min(idle):.2f}-{max(idle):.2f} ms per step{biased})",
+                met=verdict(ratios, KERNEL_MAX), source=first.get("command", ""), device=first.get("device", ""),
+                date=first.get("date", ""), processes=len(profiles))
+
+
+def gpu_rows(head: str, bench: dict | None, profiles: list[dict]) -> list[dict]:
+    rows = [kernel_row(head, profiles)] if profiles else []
     if bench is None:
         return rows
     rows_by_batch = by_batch(bench)
@@ -162,28 +177,34 @@ def demo_rows(runs: list[dict]) -> list[dict]:
                  device=last.get("device", ""), date=last.get("date", ""))]
 
 
-def pairs(items: list[str], what: str) -> dict[str, dict]:
-    out = {}
+def pairs(items: list[str], what: str) -> dict[str, list[dict]]:
+    """HEAD=PATH items: each head's JSON runs, in the order given."""
+    out: dict[str, list[dict]] = {}
     for item in items:
         head, sep, path = item.partition("=")
         if not sep or not head or not path:
             raise SystemExit(f"{what} wants HEAD=PATH, got {item!r}")
-        out[head] = load(path)
+        out.setdefault(head, []).append(load(path))
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--bench", action="append", default=[], help="HEAD=bench_step JSON (GPU, --rounds, --grpc-floor)")
-    ap.add_argument("--profile", action="append", default=[], help="HEAD=profile_step.py --out JSON")
+    ap.add_argument("--bench", action="append", default=[],
+                    help="HEAD=bench_step JSON (GPU, --rounds, --grpc-floor); one per head")
+    ap.add_argument("--profile", action="append", default=[],
+                    help="HEAD=profile_step.py --out JSON; repeat a head for runs in separate processes")
     ap.add_argument("--cpu-bench", default=None, help="bench_step JSON of the tiny preset on a CPU, with --rounds")
     ap.add_argument("--demo", action="append", default=[], help="a `drafter-demo --json` run (repeat for several)")
     ap.add_argument("--out", default=None, help="JSON file for the table")
     a = ap.parse_args(argv)
     benches, profiles = pairs(a.bench, "--bench"), pairs(a.profile, "--profile")
+    several = [head for head, runs in benches.items() if len(runs) > 1]
+    if several:
+        ap.error(f"--bench: one run per head ({', '.join(several)} given more)")
     rows = []
     for head in dict.fromkeys([*benches, *profiles]):
-        rows += gpu_rows(head, benches.get(head), profiles.get(head))
+        rows += gpu_rows(head, benches.get(head, [None])[0], profiles.get(head, []))
     if a.cpu_bench:
         rows += cpu_rows(load(a.cpu_bench))
     if a.demo:

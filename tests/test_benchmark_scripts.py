@@ -396,6 +396,18 @@ def test_batch_scale_targets_reads_the_benchmarks_json_and_says_where_each_targe
     assert "biased high" in kernel(result)
     files["profile"].write_text(json.dumps(dict(profile, wall_timed="before any profiler session")))
     assert "biased" not in kernel(_targets(["--profile", f"e1={files['profile']}"], tmp_path))
+    # several runs of one head (separate processes): per batch, the median of the runs, their range beside it
+    runs = []
+    for i, (r1, r128) in enumerate(((1.2, 1.1), (1.1, 1.3), (1.14, 1.12))):
+        runs.append(tmp_path / f"profile{i}.json")
+        runs[-1].write_text(json.dumps(dict(profile, wall_timed="before any profiler session", rows=[
+            dict(batch=b, median=dict(wall_over_kernel=r, idle_ms=0.2)) for b, r in ((1, r1), (128, r128))])))
+    got = [r for r in _targets([x for path in runs for x in ("--profile", f"e1={path}")], tmp_path)["rows"]
+           if "kernel time" in r["target"]][0]
+    assert got["values"] == {"1": 1.14, "128": 1.12} and got["met"] == "yes" and got["processes"] == 3, got
+    assert "each the median of 3 processes (their range: 1.10-1.20 / 1.10-1.30)" in got["figures"], got
+    with pytest.raises(SystemExit):  # (bench_step: one run per head)
+        _targets(["--bench", f"e1={files['bench']}", "--bench", f"e1={files['bench']}"], tmp_path)
     # drafter-demo --json runs: met in every run, in some, or not where the output differed from plain greedy
     demo = lambda speedup, same=True: dict(  # noqa: E731
         benchmark="drafter_demo", command="drafter-demo --json F", device="cpu: x86_64, 2 cores",
