@@ -192,14 +192,13 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
-        head, target = bs.write_random_head(tmp, shape, a.context + 64)
-        from drafter_service.config import ServerConfig
         from drafter_service.runtime import build_runtime
 
         kv_tokens = (a.batch + 8) * (a.context + 96)
-        rt = build_runtime(ServerConfig(model=str(head), target_model=str(target), device=a.device, dtype=dtype,
-                                        kv_cache_tokens=kv_tokens, max_model_len=a.context + 64,
-                                        max_batch_seqs=4096))
+        cfg = bs.random_head_config(tmp, shape, a.context + 64, device=a.device, dtype=dtype,
+                                    kv_cache_tokens=kv_tokens, max_batch_seqs=4096)
+        head, target = cfg.model, cfg.target_model
+        rt = build_runtime(cfg)
         width, vocab = rt.limits.hidden_states_width, shape["vocab_size"]
         in_process = bs.bench_in_process(rt, a.batch, a.context, a.m, a.k, a.iters, vocab, columns=True)
         print(f"in-process step, batch {a.batch}, as columns: {in_process * 1e3:.2f} ms", flush=True)

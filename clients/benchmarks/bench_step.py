@@ -101,19 +101,25 @@ def write_random_head(root: pathlib.Path, shape: dict, max_len: int, seed: int =
     return head, target
 
 
-def random_head_runtime(root: pathlib.Path, shape: dict, max_len: int, *, device: str, kv_cache_tokens: int,
-                        max_batch_seqs: int = 512, **config):
-    """The drafter's runtime (drafter_service.runtime.build_runtime: proposer, KV pool, graphs) on a random head of
-    this shape written under root, for timing the proposer in-process (the benchmark scripts): max_model_len max_len,
-    bf16 on CUDA and fp32 on the CPU; config: other ServerConfig fields (cuda_graphs, engine_applies_fc, ...)."""
+def random_head_config(root: pathlib.Path, shape: dict, max_len: int, *, device: str, kv_cache_tokens: int,
+                       max_batch_seqs: int = 512, dtype: str | None = None, **config):
+    """A drafter ServerConfig for a random head of this shape, written under root (its model and target_model are
+    the head's and the target's directories): max_model_len max_len, dtype bf16 on CUDA and fp32 on the CPU unless
+    given; config: other ServerConfig fields (cuda_graphs, engine_applies_fc, ...)."""
     from drafter_service.config import ServerConfig
-    from drafter_service.runtime import build_runtime
 
     head, target = write_random_head(root, shape, max_len)
-    dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    return build_runtime(ServerConfig(model=str(head), target_model=str(target), device=device, dtype=dtype,
-                                      kv_cache_tokens=kv_cache_tokens, max_model_len=max_len,
-                                      max_batch_seqs=max_batch_seqs, **config))
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    return ServerConfig(model=str(head), target_model=str(target), device=device, dtype=dtype,
+                        kv_cache_tokens=kv_cache_tokens, max_model_len=max_len, max_batch_seqs=max_batch_seqs, **config)
+
+
+def random_head_runtime(root: pathlib.Path, shape: dict, max_len: int, **kwargs):
+    """The drafter's runtime (drafter_service.runtime.build_runtime: proposer, KV pool, graphs) on random_head_config's
+    head, for timing the proposer in-process (the benchmark scripts)."""
+    from drafter_service.runtime import build_runtime
+
+    return build_runtime(random_head_config(root, shape, max_len, **kwargs))
 
 
 def measure_bandwidth(device: torch.device) -> float:
@@ -607,7 +613,6 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(threads)
             a.drafter_flag = [f"--cpu-threads={threads}", *a.drafter_flag]
         print(f"CPU: {torch.get_num_threads()} torch thread(s) in-process and in the drafter", flush=True)
-    from drafter_service.config import ServerConfig
     from drafter_service.runtime import build_runtime
 
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
@@ -635,10 +640,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         print(f"writing a random {a.preset} head ...", flush=True)
-        head, target = write_random_head(tmp, shape, max_len)
-        cfg = ServerConfig(model=str(head), target_model=str(target), device=a.device, dtype=dtype,
-                           kv_cache_tokens=kv_tokens, max_model_len=max_len, max_batch_seqs=4096,
-                           cuda_graphs=a.cuda_graphs, engine_applies_fc=a.engine_applies_fc)
+        cfg = random_head_config(tmp, shape, max_len, device=a.device, dtype=dtype, kv_cache_tokens=kv_tokens,
+                                 max_batch_seqs=4096, cuda_graphs=a.cuda_graphs, engine_applies_fc=a.engine_applies_fc)
+        head, target = pathlib.Path(cfg.model), pathlib.Path(cfg.target_model)
         bw = measure_bandwidth(device)
         print(f"memory bandwidth (copy, read+write): {bw / 1e9:.1f} GB/s", flush=True)
         rt = build_runtime(cfg)
