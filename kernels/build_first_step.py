@@ -32,6 +32,8 @@ and per sequence i < bs (the decode graphs' buffers):
   seq_lens[i] = seq_len_i;  for i < B: positions[i] = seq_len_i - 1, steps_left[i] = draft_steps[i],
   block_tables[i, :w] = the sequence's blocks;  for B <= i < bs: steps_left[i] = 0 (masked; nothing else written)
 
+and draft_column[0] = 0: the column of drafts_out that draft 1 goes to (the decode steps advance it).
+
 These are the values engine/step_metadata.py packs on the host for the eager path (positions, slot_mapping, the
 shifted input ids) followed by what kernels/load_first_step.py laid out before this kernel replaced both.
 """
@@ -60,6 +62,7 @@ def build_first_step_rows_ref(
     out_fs_input_ids: torch.Tensor,  # [bs * M] int64 (written)
     out_fs_slots: torch.Tensor,  # [bs * M] int64 (written)
     out_fs_hidden: torch.Tensor,  # [bs * M, W] (real rows written)
+    out_draft_column: torch.Tensor,  # [1] int64 (set to 0)
 ) -> None:
     B, w = (int(x) for x in header[:2].tolist())
     M, bs, dev = rows_per_seq, out_seq_lens.shape[0], out_seq_lens.device
@@ -91,13 +94,15 @@ def build_first_step_rows_ref(
     out_fs_slots[dest] = slots
     out_fs_input_ids[dest] = ids
     out_fs_hidden[dest] = hidden_states[:T].to(out_fs_hidden.dtype)
+    out_draft_column.zero_()
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Triton
 #
 # Grid: (bs * M,): one program per padded row r = i * M + j. It writes the row's fields and copies its hidden row in
-# BLOCK_W chunks; the program of row j == 0 also writes sequence i's fields (its block-table row in BLOCK_W chunks).
+# BLOCK_W chunks; the program of row j == 0 also writes sequence i's fields (its block-table row in BLOCK_W chunks),
+# program 0 the draft column.
 # B and w are read from the header (device memory): the kernel is captured once per (bs, M) in a CUDA graph and
 # replayed for every step of that shape, whatever its B and w. Every integer argument is do_not_specialize, so that
 # no M or width compiles another variant.
@@ -107,11 +112,13 @@ def build_first_step_rows_ref(
 def _build_first_step_rows_kernel(
     header_ptr, p_ptr, qsl_ptr, next_ptr, steps_ptr, tokens_ptr, tables_ptr, hidden_ptr,
     out_pos_ptr, out_seq_lens_ptr, out_tables_ptr, out_steps_ptr, out_fs_pos_ptr, out_fs_ids_ptr, out_fs_slots_ptr,
-    out_fs_hidden_ptr,
+    out_fs_hidden_ptr, out_column_ptr,
     block_size, rows_per_seq, width, hidden_stride, out_hidden_stride, out_table_stride,
     BLOCK_W: tl.constexpr,
 ):
     r = tl.program_id(0)
+    if r == 0:
+        tl.store(out_column_ptr, tl.zeros((), dtype=tl.int64))
     i = r // rows_per_seq
     j = r % rows_per_seq
     num_seqs = tl.load(header_ptr)
@@ -165,6 +172,7 @@ def build_first_step_rows_triton(
     block_size: int, rows_per_seq: int, out_positions: torch.Tensor, out_seq_lens: torch.Tensor,
     out_block_tables: torch.Tensor, out_steps_left: torch.Tensor, out_fs_positions: torch.Tensor,
     out_fs_input_ids: torch.Tensor, out_fs_slots: torch.Tensor, out_fs_hidden: torch.Tensor,
+    out_draft_column: torch.Tensor,
 ) -> None:
     M, bs, width = rows_per_seq, out_seq_lens.shape[0], hidden_states.shape[1]
     assert out_fs_positions.shape[0] == bs * M and out_fs_hidden.shape[0] >= bs * M
@@ -172,12 +180,14 @@ def build_first_step_rows_triton(
     assert hidden_states.stride(1) == 1 and out_fs_hidden.stride(1) == 1 and out_block_tables.stride(1) == 1
     assert all(x.dtype == torch.int32 for x in (header, start_positions, query_start_loc, next_tokens, draft_steps,
                                                 token_ids, block_tables))
+    assert out_draft_column.dtype == torch.int64 and out_draft_column.numel() == 1
     if bs * M == 0:
+        out_draft_column.zero_()  # (as the reference: nothing else to build)
         return
     _build_first_step_rows_kernel[(bs * M,)](
         header, start_positions, query_start_loc, next_tokens, draft_steps, token_ids, block_tables, hidden_states,
         out_positions, out_seq_lens, out_block_tables, out_steps_left, out_fs_positions, out_fs_input_ids,
-        out_fs_slots, out_fs_hidden,
+        out_fs_slots, out_fs_hidden, out_draft_column,
         block_size, M, width, hidden_states.stride(0), out_fs_hidden.stride(0), out_block_tables.stride(0),
         BLOCK_W=1024,
     )

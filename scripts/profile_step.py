@@ -154,6 +154,25 @@ def replay_rate(graphs, batch: int, n: int = 50) -> None:
     print(f"--- batch {batch}: one decode-step graph (padded batch {bs}) replayed {n} times: {per_replay:.3f} ms per "
           f"replay, kernels {own:.3f} ms ({len(kernels) // n} per replay): {(per_replay - own) * 1e3:.1f} us between "
           f"them, {(per_replay - own) * 1e3 / max(1, len(kernels) // n):.2f} us per kernel ---", flush=True)
+    # the decode steps as chains (cuda_graphs.DECODE_CHAIN_LENGTHS) against as many single replays, alternated
+    for length in graphs.chain_lengths:
+        chain = graphs.chains.get((bs, length))
+        if chain is None:
+            continue
+        singles, chains = [], []
+        for _ in range(3):
+            for times, run in ((singles, lambda: [graphs._replay(bs) for _ in range(length)]), (chains, chain.replay)):
+                run()
+                start.record()
+                for _ in range(n):
+                    run()
+                stop.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(stop) / n)
+        single, chained = statistics.median(singles), statistics.median(chains)
+        print(f"--- batch {batch}: {length} decode steps (padded batch {bs}), back to back, median of 3 x {n}: "
+              f"{length} single-step replays {single:.3f} ms, one chain {chained:.3f} ms: "
+              f"{(single - chained) * 1e3 / length:.1f} us less per step ---", flush=True)
 
 
 def print_phases(rt, step, inputs, batch: int, n: int = 30) -> None:

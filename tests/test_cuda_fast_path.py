@@ -62,6 +62,7 @@ def test_graphs_captured_at_startup(tiny_model, tmp_path, monkeypatch):
     graphs = rt.proposer.decode_graphs
     assert graphs.sizes == graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 48]
     assert sorted(graphs.graphs) == graphs.sizes
+    assert sorted(graphs.chains) == sorted((bs, n) for bs in graphs.sizes for n in (4, 2))  # (k <= 8: --max-draft-tokens)
     assert graphs.capture_seconds > 0
     assert build_runtime(make_config(*tiny_model, tmp_path, device="cuda", cuda_graphs=False)).proposer \
         .decode_graphs is None
@@ -162,12 +163,24 @@ def test_graphs_in_process_same_drafts_and_kv_as_eager(tiny_model, tmp_path):
     naive = NaiveEagle1(*tiny_model)
     on = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32"))
     off = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32", cuda_graphs=False))
+    chains_replayed = []  # (the decode steps of k = 3..8 replay chains of 4 and 2 steps: counted, then run)
+
+    class Counted:
+        def __init__(self, key, chain):
+            self.key, self.chain = key, chain
+
+        def replay(self):
+            chains_replayed.append(self.key)
+            self.chain.replay()
+    chains = on.proposer.decode_graphs.chains
+    chains.update({key: Counted(key, chain) for key, chain in chains.items()})
     records = asyncio.run(run_lockstep([ProposerDrafter(off.proposer), ProposerDrafter(on.proposer)], naive=naive,
                                        width=naive.H, vocab=naive.lm_head.shape[0], seed=5, engine_steps=30,
                                        num_seqs=33, max_model_len=1024, max_k=8))
     for r in records:
         assert [a.drafts for a in r.replies] == [r.expected, r.expected], r
     assert on.proposer.decode_graphs.steps_run >= 20
+    assert {n for _, n in chains_replayed} == {4, 2}, chains_replayed
     torch.testing.assert_close(on.kv.kv, off.kv.kv, atol=1e-4, rtol=1e-4)
 
 

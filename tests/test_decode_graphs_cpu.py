@@ -101,3 +101,35 @@ def test_sampling_steps_take_the_eager_loop(tiny_model, tmp_path):
         replies = asyncio.run(ProposerDrafter(rt.proposer).propose(batch))
         assert all(r.code == 0 and len(r.drafts) == 4 for r in replies)
     assert calls == []
+
+
+def test_decode_steps_replay_the_longest_chains_first(tiny_model, tmp_path):
+    """n decode steps replay the captured chains that fit, longest first, then single steps; a batch size without
+    chains, or none captured (the CPU), runs n single steps."""
+    rt = cpu_runtime(*tiny_model, tmp_path, True)
+    graphs = rt.proposer.decode_graphs
+    assert graphs.chain_lengths == (4, 2)
+    replayed = []
+
+    class Recorded:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            replayed.append(self.name)
+
+    graphs.graphs = {4: Recorded(1), 8: Recorded(1)}
+    graphs.chains = {(4, 4): Recorded(4), (4, 2): Recorded(2)}
+    for n, expected in [(0, []), (1, [1]), (2, [2]), (3, [2, 1]), (4, [4]), (5, [4, 1]), (7, [4, 2, 1]),
+                        (11, [4, 4, 2, 1])]:
+        replayed.clear()
+        graphs._replay_steps(4, n)
+        assert replayed == expected, n
+    replayed.clear()
+    graphs._replay_steps(8, 3)  # no chains at this size
+    assert replayed == [1, 1, 1]
+    # --max-draft-tokens caps the decode steps at k - 1: no chain longer than that is captured
+    for k, lengths in [(2, ()), (3, (2,)), (4, (2,)), (5, (4, 2))]:
+        p = rt.proposer
+        assert DecodeGraphs(p.model, p.kv_layers, rt.config.block_size, rt.max_model_len, 8, rt.dtype, rt.device,
+                            max_drafts=k).chain_lengths == lengths, k

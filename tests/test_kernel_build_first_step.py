@@ -58,9 +58,10 @@ def run(fn, fields: dict, M: int, bs: int, width: int, block_size: int, device, 
         out_fs_input_ids=poisoned((bs * M + 1,), torch.int64, device),
         out_fs_slots=poisoned((bs * M + 1,), torch.int64, device),
         out_fs_hidden=poisoned((bs * M + 1, width), torch.bfloat16, device),
+        out_draft_column=poisoned((2,), torch.int64, device),
     )
     views = {k: (v[:bs] if k in ("out_positions", "out_seq_lens", "out_steps_left", "out_block_tables")
-                 else v[: bs * M]) for k, v in out.items()}
+                 else v[:1] if k == "out_draft_column" else v[: bs * M]) for k, v in out.items()}
     fn(**fields, block_size=block_size, rows_per_seq=M, **views)
     return out
 
@@ -90,6 +91,7 @@ def test_worked_example(device, function):
     hidden = out["out_fs_hidden"].float()
     assert hidden[1:6].tolist() == torch.arange(10.).view(5, 2).tolist()
     assert hidden[[0, 6, 7, 8, 9]].isnan().all()  # padding rows and the row past the batch: not written
+    assert out["out_draft_column"].tolist() == [0, P]  # draft 1's column of drafts_out
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -136,7 +136,7 @@ def cross_compile_all() -> int:
         build_first_step.build_first_step_rows_triton(
             *i32, zeros(12, 100, dtype=dtype), 16, 3, zeros(4), zeros(4, dtype=torch.int32),
             zeros(4, 5, dtype=torch.int32), zeros(4, dtype=torch.int32), zeros(12), zeros(12), zeros(12),
-            zeros(12, 100, dtype=dtype))
+            zeros(12, 100, dtype=dtype), zeros(1))
     for dtype in (torch.int64, torch.int32):
         shift_and_cache.shift_and_cache_triton(zeros(20, dtype=dtype), zeros(20, dtype=dtype),
                                                zeros(3, 4, dtype=dtype), *[zeros(2)] * 6)

@@ -124,7 +124,8 @@ def test_build_first_step_compiles_one_variant_across_batches_and_widths(recorde
                         torch.zeros(bs * 65, **i32), torch.zeros(R, width, dtype=torch.bfloat16), block_size, M,
                         torch.empty(bs, dtype=torch.int64), torch.empty(bs, **i32), torch.empty(bs, 65, **i32),
                         torch.empty(bs, **i32), torch.empty(R, dtype=torch.int64), torch.empty(R, dtype=torch.int64),
-                        torch.empty(R, dtype=torch.int64), torch.empty(R, width, dtype=torch.bfloat16))
+                        torch.empty(R, dtype=torch.int64), torch.empty(R, width, dtype=torch.bfloat16),
+                        torch.empty(1, dtype=torch.int64))
     assert len(main.keys) == 1, sorted(main.keys)
 
 

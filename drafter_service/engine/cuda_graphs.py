@@ -26,9 +26,13 @@ advance_draft_step (admission cuts k to fit), masked rows may: the clamp keeps t
 cache and their slot at -1.
 
 The host copies the drafting rows' inputs into the static buffers with device->device copies (a step whose first
-step replays a graph too: its first-step graph builds them, below), replays the graph max(k) - 1 times, and
-copies drafts_out to the host once (into a pinned buffer of its own): the step's only device->host synchronization.
-(K = --max-draft-tokens.)
+step replays a graph too: its first-step graph builds them, below), runs max(k) - 1 decode steps, and copies
+drafts_out to the host once (into a pinned buffer of its own): the step's only device->host synchronization.
+(K = --max-draft-tokens.) The decode steps replay *chains* where they can: per padded batch size, one more graph
+holds DECODE_CHAIN_LENGTHS[0] decode steps back to back, and one DECODE_CHAIN_LENGTHS[1] (the same kernels as that
+many replays of the one-step graph, reading and advancing the same buffers), so that k = 5 is one replay instead of
+four and any k up to 8 at most three: between two graphs the GPU idles ~5 us (H200), between two kernels of one graph
+~0.4 us. Pre-drafting (run_rows, run_forced), which looks at the host between decode steps, replays single steps.
 Only greedy steps use the graphs (every sequence at temperature 0, no logprobs, no top-k); the proposer runs the
 others, and batches of more than MAX_GRAPH_BATCH drafting sequences, with its eager decode loop.
 
@@ -90,6 +94,9 @@ MAX_FIRST_STEP_GRAPH_BATCH = MAX_GRAPH_BATCH  # batches of more sequences run th
 # a batch of mostly 1-token steps padded to 384 or 768 rows (batch 64 / 128, M = 6) ran 4-31% faster through the
 # graph than eagerly; padded to 1536 (batch 256) 4-9% slower. (256 until then: a guess from FLOP counts.)
 FIRST_STEP_SMALL_ROWS = 768
+# Decode-step chains captured per padded batch size (longest first; only those shorter than --max-draft-tokens):
+# n decode steps replay the longest chains that fit, then single steps (DecodeGraphs._replay_steps).
+DECODE_CHAIN_LENGTHS = (4, 2)
 
 
 def graph_batch_sizes(max_batch_seqs: int) -> list[int]:
@@ -110,8 +117,9 @@ def padded_batch_size(n: int, sizes: list[int]) -> int | None:
 
 
 class DecodeGraphs:
-    """Static buffers, one CUDA graph per padded batch size for one greedy decode step, and one per (padded batch
-    size, M) for the first step (every sequence's rows padded to the batch's largest m, M)."""
+    """Static buffers, one CUDA graph per padded batch size for one greedy decode step (and one per chain length
+    for that many steps back to back), and one per (padded batch size, M) for the first step (every sequence's rows
+    padded to the batch's largest m, M)."""
 
     def __init__(self, model, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  max_model_len: int, max_batch_seqs: int, dtype: torch.dtype, device: torch.device,
@@ -163,6 +171,9 @@ class DecodeGraphs:
         # the raw columns of a step whose first step replays a graph (first_step_record.py)
         self.record = FirstStepRecord(max_fs, R, W, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded batch size -> graph; empty: run eagerly
+        # (padded batch size, L) -> a graph of L decode steps back to back; empty: single steps
+        self.chain_lengths = tuple(n for n in DECODE_CHAIN_LENGTHS if 1 < n < max_drafts)
+        self.chains: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.first_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (padded batch size, M) -> graph
         self.capture_seconds = 0.0
         self.capture_bytes = 0
@@ -201,7 +212,8 @@ class DecodeGraphs:
         T = bs * m
         ops.build_first_step_rows(*self.record.fields, self.fs_states, self.block_size, m, self.positions[:bs],
                                   self.seq_lens[:bs], self.block_tables[:bs], self.steps_left[:bs],
-                                  self.fs_positions[:T], self.fs_input_ids[:T], self.fs_slots[:T], self.fs_hidden[:T])
+                                  self.fs_positions[:T], self.fs_input_ids[:T], self.fs_slots[:T], self.fs_hidden[:T],
+                                  self.draft_column)  # (draft 1 goes to column 0)
         meta = AttentionMetadata(positions=self.fs_positions[:T], slot_mapping=self.fs_slots[:T],
                                  query_start_loc=self.fs_query_start_loc[m][: bs + 1], seq_lens=self.seq_lens[:bs],
                                  block_tables=self.block_tables[:bs], max_query_len=m)
@@ -209,7 +221,6 @@ class DecodeGraphs:
         head_out = self.model.forward(self.fs_input_ids[:T], hidden_in, meta, self.kv_layers)  # [T, H]
         last = head_out[self.fs_last_rows[m][:bs]]  # [bs, H]
         draft = ops.argmax(self.model.compute_logits(last), out=self.draft_ids[:bs])
-        self.draft_column.zero_()  # (draft 1 goes to column 0)
         ops.store_draft_step(draft, self.model.d2t, self.model.next_hidden(last), self.draft_column,
                              self.input_ids[:bs], self.hidden[:bs], self.drafts_out[:bs], self.hidden_steps[:bs])
 
@@ -226,6 +237,17 @@ class DecodeGraphs:
             self._step(bs)
         else:
             graph.replay()
+
+    def _replay_steps(self, bs: int, n: int) -> None:
+        """n decode steps of rows [0, bs): the longest captured chains that fit, then single steps (4 + 2 + 1 for
+        seven; on the CPU, with nothing captured, n single steps)."""
+        for length in self.chain_lengths:
+            chain = self.chains.get((bs, length))
+            while chain is not None and n >= length:
+                chain.replay()
+                n -= length
+        for _ in range(n):
+            self._replay(bs)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -256,6 +278,12 @@ class DecodeGraphs:
                     self._step(bs)
                 pool = graph.pool() if pool is None else pool
                 self.graphs[bs] = graph
+                for length in self.chain_lengths:  # (compiled above: the chain's steps are the same launches)
+                    chain = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(chain, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                        for _ in range(length):
+                            self._step(bs)
+                    self.chains[(bs, length)] = chain
             # first-step graphs: every row a padding row (slot PADDING_SLOT_ID: no KV write), seq_len m
             for bs in reversed(self.first_sizes):
                 for m in range(self.first_step_tokens, 0, -1):
@@ -277,10 +305,11 @@ class DecodeGraphs:
             self.steps_left, self.query_start_loc, self.draft_ids, self.fs_input_ids, self.fs_hidden,
             self.fs_positions, self.fs_slots, self.fs_states, self.record.on_device, self.drafts_out,
             self.hidden_steps))
-        log.info("captured %d decode CUDA graphs (batch sizes %s) and %d first-step graphs (batches of up to "
-                 "%d sequences with up to 1..%d tokens each) in %.2f s; they hold %.1f MiB of device memory "
-                 "(graph pool, kernels, workspaces), plus %.1f MiB of static buffers", len(self.graphs),
-                 ",".join(map(str, self.sizes)), len(self.first_graphs), self.first_sizes[-1] if self.first_sizes else 0,
+        log.info("captured %d decode CUDA graphs (batch sizes %s; and %d chains of %s decode steps) and %d first-step "
+                 "graphs (batches of up to %d sequences with up to 1..%d tokens each) in %.2f s; they hold %.1f MiB of "
+                 "device memory (graph pool, kernels, workspaces), plus %.1f MiB of static buffers", len(self.graphs),
+                 ",".join(map(str, self.sizes)), len(self.chains), "/".join(map(str, self.chain_lengths)),
+                 len(self.first_graphs), self.first_sizes[-1] if self.first_sizes else 0,
                  self.first_step_tokens, self.capture_seconds, self.capture_bytes / 2**20, buffer_bytes / 2**20)
 
     # ---- one engine step ----
@@ -413,8 +442,7 @@ class DecodeGraphs:
         asked for ks[r] drafts): replay the decode steps, copy all drafts to the host once, give each sequence its
         first k of them."""
         num_steps = max(ks) - 1
-        for _ in range(num_steps):
-            self._replay(bs)  # each writes its draft into the next column of drafts_out
+        self._replay_steps(bs, num_steps)  # each step writes its draft into the next column of drafts_out
         if self.drafts_host is None:  # CPU
             rows = self.drafts_out[:n, : num_steps + 1].clone()
         else:
