@@ -155,7 +155,7 @@ def replay_rate(graphs, batch: int, n: int = 50) -> None:
           f"replay, kernels {own:.3f} ms ({len(kernels) // n} per replay): {(per_replay - own) * 1e3:.1f} us between "
           f"them, {(per_replay - own) * 1e3 / max(1, len(kernels) // n):.2f} us per kernel ---", flush=True)
     # the decode steps as chains (cuda_graphs.DECODE_CHAIN_LENGTHS) against as many single replays, alternated
-    for length in graphs.chain_lengths:
+    for length in getattr(graphs, "chain_lengths", ()):  # (a tree before the chains: none)
         chain = graphs.chains.get((bs, length))
         if chain is None:
             continue
