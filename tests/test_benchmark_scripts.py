@@ -466,6 +466,29 @@ def test_bench_first_step_padding_times_every_way_on_a_gpu(tmp_path):
         assert r["rule_path"] == ("graph" if r["padded_rows"] <= max(2 * r["rows"], 768) else "eager"), r
 
 
+def test_bench_graph_capture_needs_a_gpu():
+    """benchmarks/bench_graph_capture.py captures CUDA graphs: without a GPU it says so and fails."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: test_bench_graph_capture_with_and_without_chains_on_a_gpu runs the script")
+    done = subprocess.run([sys.executable, "benchmarks/bench_graph_capture.py", "--preset", "tiny"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "needs a GPU" in done.stderr
+
+
+@pytest.mark.gpu
+def test_bench_graph_capture_with_and_without_chains_on_a_gpu(tmp_path):
+    result = run(["benchmarks/bench_graph_capture.py", "--preset", "tiny", "--max-batch-seqs", "16", "--rounds", "1"],
+                 tmp_path / "gc.json")
+    rows = {r["arm"]: r for r in result["rows"]}
+    sizes = 5  # 1, 2, 4, 8, 16
+    assert rows["chains"]["decode_graphs"] == rows["none"]["decode_graphs"] == sizes
+    assert rows["chains"]["chains"] == 2 * sizes and rows["chains"]["chain_lengths"] == [4, 2]
+    assert rows["none"]["chains"] == 0 and rows["none"]["chain_lengths"] == []
+    assert all(r["capture_seconds"][0] > 0 and r["first_step_graphs"] == sizes * 8 for r in rows.values())
+
+
 def stopped_bench_step_run() -> dict:
     """A --rounds-only bench_step JSON of a run stopped by its time limit inside batch 256: rounds at 1 and 128 only."""
     rounds = {"channel_ms": [2.0, 2.2, 2.1], "in_process_columns_ms": [1.5, 1.6, 1.4], "bare_grpc_ms": [0.5, 0.7, 0.6]}
