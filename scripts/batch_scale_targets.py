@@ -10,7 +10,7 @@ Reads, per head, a GPU run of `bench_step --batches 1,8,32,64,128,256 --rounds N
 or more of `scripts/profile_step.py --columns --states-on-gpu --rounds N --out F` (the same --engine-applies-fc for
 both; several --profile for one head: runs in separate processes, see "kernel" below),
 and a CPU run of `bench_step --preset tiny --device cpu --batches 1,32,128 --rounds N` (not --rounds-only: the
-drafter's own step comes from the single pass). Prints the table (markdown) and writes it as JSON. What each target
+single pass gives the CPU's batch-128 / batch-1 figure). Prints the table (markdown) and writes it as JSON. What each target
 reads:
 
   kernel      profile_step: the in-process step's wall time over its GPU kernel time, median of the rounds, per batch
@@ -26,8 +26,10 @@ reads:
   unary       bench_step's rounds at batch 128: the batch API by unary gRPC over the in-process step from columns,
               and the unary path's floor (--grpc-floor: the same bytes through a bare grpc.aio server)
   cpu-scale   the CPU run: the in-process step at batch 128 over batch 1 (single pass, and the rounds' medians)
-  cpu-worker  the CPU run's single pass: the drafter's own step (inside the sidecar, through the channel) over the
-              in-process step
+  cpu-worker  the CPU run's rounds: the drafter's own step (its step worker's time per batch, read from its /metrics,
+              for the batch API through the channel) over the in-process step from columns, means over the same steps,
+              round by round; the median of the rounds (a JSON from before the twenty-fourth session: the single
+              pass's channel worker over the in-process step, minutes apart)
   cpu-channel the CPU run's rounds: the step channel over the in-process step at batch 1 and 128
   demo        `drafter-demo --json F` runs (one --demo each): each run's speedup (the median of its alternated
               rounds) and whether its output was the plain greedy output in every run
@@ -52,6 +54,8 @@ CPU_SCALE_MAX = 8.0  # CPU in-process batch 128 / batch 1
 CPU_WORKER_MAX = 1.2  # CPU: the drafter's own step / the in-process step
 CPU_CHANNEL_MAX = 1.3  # CPU: step channel / in-process at batch 1 and 128
 DEMO_MIN = 1.2  # drafter-demo on a 2-core CPU: speculative / plain tokens per second
+# bench_step's rounds (since the twenty-fourth session): the drafter's own step, like for like with the in-process step
+ROUNDS_WORKER = "drafter_step_batch_api_over_in_process_columns"
 
 
 def load(path: str) -> dict:
@@ -145,11 +149,16 @@ def cpu_rows(run: dict) -> list[dict]:
             text += f", {med(big['rounds']['in_process_ms']) / med(one['rounds']['in_process_ms']):.2f} over the rounds"
         rows.append(dict(target=f"CPU: in-process batch 128 <= {CPU_SCALE_MAX:g}x batch 1", head="tiny",
                          values={128: single}, figures=text, met="yes" if single <= CPU_SCALE_MAX else "no", **source))
-    worker = {b: r["channel_worker_over_in_process"] for b, r in rows_by_batch.items()
-              if r.get("channel_worker_over_in_process") is not None}
+    rounds_worker = {b: r["rounds_median"][ROUNDS_WORKER] for b, r in rows_by_batch.items()
+                     if ROUNDS_WORKER in (r.get("rounds_median") or {})}
+    worker = rounds_worker or {b: r["channel_worker_over_in_process"] for b, r in rows_by_batch.items()
+                               if r.get("channel_worker_over_in_process") is not None}
     if worker:
+        how = ("the median of the rounds (the batch API's step inside the drafter over the in-process step from "
+               "columns, means over the same steps)" if rounds_worker else "single pass")
         rows.append(dict(target=f"CPU: the drafter's own step <= {CPU_WORKER_MAX}x the in-process step", head="tiny",
-                         values=worker, figures=fmt(worker), met=verdict(worker, CPU_WORKER_MAX), **source))
+                         values=worker, figures=f"{fmt(worker)} ({how})", met=verdict(worker, CPU_WORKER_MAX),
+                         **source))
     channel = {b: r["rounds_median"]["channel_over_in_process"] for b, r in rows_by_batch.items()
                if b in (1, 128) and r.get("rounds_median")}
     if channel:

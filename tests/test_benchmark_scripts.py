@@ -84,6 +84,13 @@ def test_bench_step_rounds_only_with_the_grpc_floor(tmp_path):
                                        rounds["unary_floor_over_in_process_columns"]):
             assert floor == pytest.approx((t_in + t_bare) / t_in)
         assert r["rounds_median"]["unary_floor_over_in_process_columns"] > 1
+        # the drafter's own step, round by round from its /metrics (the bench asserts one batch per step), over the
+        # in-process step's mean
+        for key in ("drafter_step_ms", "drafter_step_batch_api_ms", "in_process_mean_ms", "in_process_columns_mean_ms"):
+            assert len(rounds[key]) == 2 and all(t > 0 for t in rounds[key]), (key, rounds)
+        for t, t_in, ratio in zip(rounds["drafter_step_batch_api_ms"], rounds["in_process_columns_mean_ms"],
+                                  rounds["drafter_step_batch_api_over_in_process_columns"]):
+            assert ratio == pytest.approx(t / t_in)
 
 
 @pytest.mark.parametrize("args,why", [
@@ -391,6 +398,14 @@ def test_batch_scale_targets_reads_the_benchmarks_json_and_says_where_each_targe
                    "CPU: step channel <= 1.3x in-process at batch 1 and 128": "at batch 1"}
     floor = [r for r in result["rows"] if "floor at batch 128" in r["target"]]
     assert len(floor) == 1 and floor[0]["met"] == "yes" and floor[0]["values"] == {"128": 1.4}
+    # a CPU run whose rounds read the drafter's own step (bench_step since the twenty-fourth session): those, like for
+    # like, not the single pass's
+    for row, x in zip(cpu["rows"], (1.3, 1.15)):
+        row["rounds_median"]["drafter_step_batch_api_over_in_process_columns"] = x
+    files["cpu"].write_text(json.dumps(cpu))
+    worker = [r for r in _targets(["--cpu-bench", str(files["cpu"])], tmp_path)["rows"] if "own step" in r["target"]]
+    assert worker[0]["values"] == {"1": 1.3, "128": 1.15} and worker[0]["met"] == "at batch 128", worker
+    assert "the median of the rounds" in worker[0]["figures"]
     # a profile_step JSON from before its walls came first (no "wall_timed") is said to be biased; a newer one is not
     kernel = lambda res: [r for r in res["rows"] if "kernel time" in r["target"]][0]["figures"]  # noqa: E731
     assert "biased high" in kernel(result)

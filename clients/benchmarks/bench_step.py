@@ -406,7 +406,8 @@ async def unary_step_bytes(client, target: str, batch) -> tuple[list[bytes], boo
 
 
 async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, rounds: int,
-                       upload_streams: int | None = None, bare: str | None = None) -> dict[str, list[float]]:
+                       upload_streams: int | None = None, bare: str | None = None,
+                       metrics_port: int | None = None) -> dict[str, list[float]]:
     """The step channel against the in-process step in alternating rounds (the in-process runtime rt alive beside
     the drafter): each round times iters steps of each of the in-process proposer (one StepInput per sequence, host
     states; then the same step as columns, one BatchInput through Proposer.step_batch, host states), propose()
@@ -414,7 +415,12 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
     channel), one after the other, so that the ratios of a round come from the same minute of the machine.
     upload_streams: the unary client's (DrafterClient's default when None). bare: the address of a bare_grpc server:
     each round then also times the unary step's request and reply bytes through it ("bare_grpc", the transport
-    alone). Returns each one's median per round (seconds)."""
+    alone). metrics_port: the drafter's; each round then also reads the drafter's own step (its step worker's seconds
+    per batch, from /metrics before and after) through the channel, both APIs ("drafter_step",
+    "drafter_step_batch_api"), and the in-process steps' means over the same number of steps ("in_process_mean",
+    "in_process_columns_mean"): like for like, minutes apart no more. Returns each one's median per round
+    (seconds; the drafter's and the in-process means: means over all iters + 3 steps, warm-up included, as the
+    drafter's counters see them)."""
     import contextlib
 
     import grpc
@@ -432,6 +438,8 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
               "unary_batch_api": []}
     if bare is not None:
         result["bare_grpc"] = []
+    if metrics_port is not None:
+        result.update(in_process_mean=[], in_process_columns_mean=[], drafter_step=[], drafter_step_batch_api=[])
     async with DrafterClient(target, namespace="bench", step_timeout_s=None) as c, \
             DrafterClient(target, namespace="bench", step_timeout_s=None,
                           **({} if upload_streams is None else {"upload_streams": upload_streams})) as unary, \
@@ -447,6 +455,8 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
             reply_bytes = len(reply)
         request_bytes = max(16 * 2**20, 2 * build_request("bench", decode, None).ByteSize())
         assert await c.open_step_channel(request_bytes=request_bytes), "no step channel"
+        means = []  # the mean of median_step's last run, all its steps
+
         async def median_step(call) -> tuple[float, object]:  # (seconds per step after 3 warm-up steps, last answer)
             times = []
             for _ in range(iters + 3):
@@ -455,21 +465,39 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
                 if asyncio.iscoroutine(answer):
                     answer = await answer
                 times.append(time.perf_counter() - t0)
+            means.append(statistics.fmean(times))
             return statistics.median(times[3:]), answer
+
+        async def drafter_step(call) -> tuple[float, object, float | None]:
+            """median_step through the drafter, and its step worker's mean seconds per batch over those steps."""
+            before = scrape_server_seconds(metrics_port) if metrics_port is not None else None
+            t, answer = await median_step(call)
+            if before is None:
+                return t, answer, None
+            after = scrape_server_seconds(metrics_port)
+            batches = after["batches"] - before["batches"]
+            assert batches == iters + 3, (batches, iters)  # (one client, one batch a step: nothing merged or lost)
+            return t, answer, (after["worker"] - before["worker"]) / batches
 
         for _ in range(rounds):
             t, out = await median_step(lambda: rt.proposer.step(inputs))
             assert all(o.code == 0 and len(o.drafts) == k for o in out), out[0].message
             result["in_process"].append(t)
+            in_process_mean = means[-1]
             t, out = await median_step(lambda: rt.proposer.step_batch(batch_inputs))
             assert all(o.code == 0 and len(o.drafts) == k for o in out.to_outputs()), out.messages
             result["in_process_columns"].append(t)
-            t, r = await median_step(lambda: c.propose(decode))
+            t, r, worker = await drafter_step(lambda: c.propose(decode))
             assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
             result["channel"].append(t)
-            t, r = await median_step(lambda: c.propose_batch(as_batch))
+            t, r, worker_batch_api = await drafter_step(lambda: c.propose_batch(as_batch))
             assert not r.fallback and int(r.codes.abs().sum()) == 0 and bool((r.num_drafts == k).all())
             result["channel_batch_api"].append(t)
+            if metrics_port is not None:
+                result["in_process_mean"].append(in_process_mean)
+                result["in_process_columns_mean"].append(means[-3])
+                result["drafter_step"].append(worker)
+                result["drafter_step_batch_api"].append(worker_batch_api)
             t, r = await median_step(lambda: unary.propose_batch(as_batch))
             assert not r.fallback and int(r.codes.abs().sum()) == 0 and bool((r.num_drafts == k).all())
             result["unary_batch_api"].append(t)
@@ -746,13 +774,18 @@ def main(argv: list[str] | None = None) -> int:
             for row in rows if a.rounds else []:
                 got = asyncio.run(bench_rounds(rt, f"unix:{sock}", row["batch"], context, a.m, a.k, a.iters, width,
                                                shape["vocab_size"], a.rounds, a.upload_streams,
-                                               bare.address if bare else None))
+                                               bare.address if bare else None, a.metrics_port))
                 ratios = {f"{name}_over_in_process": [t / t_in for t, t_in in zip(got[name], got["in_process"])]
                           for name in ("channel", "channel_batch_api", "unary_batch_api")}
                 # like for like: the batch API (columns in and out) against the in-process step from columns
                 ratios.update({f"{name}_over_in_process_columns": [t / t_in for t, t_in in
                                                                    zip(got[name], got["in_process_columns"])]
                                for name in ("channel_batch_api", "unary_batch_api")})
+                if "drafter_step" in got:  # the drafter's own step (its worker, inside the sidecar), like for like
+                    ratios["drafter_step_over_in_process"] = [
+                        t / t_in for t, t_in in zip(got["drafter_step"], got["in_process_mean"])]
+                    ratios["drafter_step_batch_api_over_in_process_columns"] = [
+                        t / t_in for t, t_in in zip(got["drafter_step_batch_api"], got["in_process_columns_mean"])]
                 if bare is not None:  # the unary path's floor: the in-process step plus gRPC's round trip alone
                     ratios["unary_floor_over_in_process_columns"] = [
                         (t_in + t) / t_in for t, t_in in zip(got["bare_grpc"], got["in_process_columns"])]
@@ -821,6 +854,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("unary_batch_api_over_in_process_columns", "unary batch API / cols")]
         if a.grpc_floor:
             cols.append(("unary_floor_over_in_process_columns", "unary floor / cols"))
+        if all("drafter_step_batch_api_over_in_process_columns" in r["rounds"] for r in rows):
+            cols.append(("drafter_step_batch_api_over_in_process_columns", "drafter's step / cols"))
         print(f"{'batch':>5} {'in-proc ms':>11} {'in, cols ms':>11}" + "".join(f" {title:>24}" for _, title in cols)
               + (f" {'bare gRPC ms':>12}" if a.grpc_floor else ""))
         for r in rows:
@@ -832,6 +867,10 @@ def main(argv: list[str] | None = None) -> int:
                 cells += f" {statistics.median(r['rounds']['bare_grpc_ms']):>12.2f}"
             print(f"{r['batch']:>5} {statistics.median(r['rounds']['in_process_ms']):>11.2f} "
                   f"{statistics.median(r['rounds']['in_process_columns_ms']):>11.2f}{cells}")
+        if any(key.startswith("drafter_step") for key, _ in cols):
+            print("drafter's step: the drafter's own step (its step worker's seconds per batch, from its /metrics) for "
+                  "the batch API through the channel, over the in-process step from columns, means over the same "
+                  "steps, round by round")
         if a.grpc_floor:
             print("unary floor: the in-process step from columns plus the unary request's and reply's bytes through a "
                   "bare grpc.aio server (bare_grpc.py), round by round: while the step waits for the whole request, no "
