@@ -32,7 +32,8 @@ drafts_out to the host once (into a pinned buffer of its own): the step's only d
 holds DECODE_CHAIN_LENGTHS[0] decode steps back to back, and one DECODE_CHAIN_LENGTHS[1] (the same kernels as that
 many replays of the one-step graph, reading and advancing the same buffers), so that k = 5 is one replay instead of
 four and any k up to 8 at most three: a decode step in a chain takes 1-2 us less GPU time than a replay of its own
-(H200, graphs queued back to back; profile_step --timeline), and a step of k = 3..8 makes 1-4 launches fewer. Pre-drafting (run_rows, run_forced), which looks at the host between decode steps, replays single steps.
+(H200, graphs queued back to back; profile_step --timeline), and a step of k = 3..8 makes 1-4 launches fewer.
+Pre-drafting (run_rows, run_forced), which looks at the host between decode steps, replays single steps.
 Only greedy steps use the graphs (every sequence at temperature 0, no logprobs, no top-k); the proposer runs the
 others, and batches of more than MAX_GRAPH_BATCH drafting sequences, with its eager decode loop.
 
