@@ -481,6 +481,20 @@ def test_bench_first_step_padding_times_every_way_on_a_gpu(tmp_path):
         assert r["rule_path"] == ("graph" if r["padded_rows"] <= max(2 * r["rows"], 768) else "eager"), r
 
 
+def test_bench_host_speed_times_both_loops_in_each_process(tmp_path):
+    """benchmarks/bench_host_speed.py: per fresh process, each loop's rounds, median and fastest; the spread over the
+    processes is the slowest median over the fastest."""
+    result = run(["benchmarks/bench_host_speed.py", "--processes", "2", "--rounds", "3", "--iters", "200"],
+                 tmp_path / "hs.json")
+    assert result["benchmark"] == "host_speed" and [r["process"] for r in result["rows"]] == [1, 2]
+    for kind in ("python", "numpy"):
+        for r in result["rows"]:
+            x = r[kind]
+            assert len(x["rounds_us"]) == 3 and 0 < x["fastest_us"] <= x["median_us"], r
+        medians = [r[kind]["median_us"] for r in result["rows"]]
+        assert result["spread"][kind] == pytest.approx(max(medians) / min(medians))
+
+
 def test_bench_graph_capture_needs_a_gpu():
     """benchmarks/bench_graph_capture.py captures CUDA graphs: without a GPU it says so and fails."""
     import torch
