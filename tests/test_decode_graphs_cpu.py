@@ -133,3 +133,54 @@ def test_decode_steps_replay_the_longest_chains_first(tiny_model, tmp_path):
         p = rt.proposer
         assert DecodeGraphs(p.model, p.kv_layers, rt.config.block_size, rt.max_model_len, 8, rt.dtype, rt.device,
                             max_drafts=k).chain_lengths == lengths, k
+
+
+def test_capture_takes_every_graph_into_one_pool(tiny_model, tmp_path, monkeypatch):
+    """DecodeGraphs.capture's bookkeeping, with torch.cuda's graph calls faked on the CPU: per padded batch size one
+    decode-step graph and a chain of each length (that many decode steps inside one capture), per (size, M) a
+    first-step graph; the first capture makes the pool and every later one captures into it."""
+    import contextlib
+
+    rt = cpu_runtime(*tiny_model, tmp_path, False)
+    p = rt.proposer
+    graphs = DecodeGraphs(p.model, p.kv_layers, rt.config.block_size, rt.max_model_len, 4, rt.dtype, rt.device,
+                          first_step_tokens=2, max_drafts=8)
+    captures = []  # (pool given, what ran inside the capture)
+    running: list | None = None
+
+    class FakeGraph:
+        def pool(self):
+            return "the pool"
+
+    @contextlib.contextmanager
+    def fake_capture(graph, pool=None, stream=None, capture_error_mode=None):
+        nonlocal running
+        running = []
+        yield
+        captures.append((pool, running))
+        running = None
+
+    def counted(name, method):
+        def run(*args):
+            if running is not None:
+                running.append((name, *args))
+            return method(*args)
+        return run
+
+    for name, value in (("synchronize", lambda *a: None), ("empty_cache", lambda: None),
+                        ("mem_get_info", lambda *a: (0, 0)), ("Stream", lambda **kw: None),
+                        ("CUDAGraph", FakeGraph), ("graph", fake_capture)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(graphs, "_step", counted("step", graphs._step))
+    monkeypatch.setattr(graphs, "_first_step", counted("first", graphs._first_step))
+    graphs.capture()
+    assert graphs.sizes == [1, 2, 4] and graphs.chain_lengths == (4, 2)
+    assert sorted(graphs.graphs) == [1, 2, 4] and sorted(graphs.chains) == [(bs, n) for bs in (1, 2, 4) for n in (2, 4)]
+    assert sorted(graphs.first_graphs) == [(bs, m) for bs in (1, 2, 4) for m in (1, 2)]
+    assert [pool for pool, _ in captures] == [None] + ["the pool"] * (len(captures) - 1)
+    expected = []
+    for bs in (4, 2, 1):  # largest first
+        expected += [[("step", bs)], [("step", bs)] * 4, [("step", bs)] * 2]
+    for bs in (4, 2, 1):
+        expected += [[("first", bs, m)] for m in (2, 1)]
+    assert [ran for _, ran in captures] == expected

@@ -270,30 +270,33 @@ class DecodeGraphs:
         # current at the first capture, and capturing on it switches to that device (a process with drafters on two
         # GPUs would capture the second one's Triton launches on the first device's stream)
         stream = torch.cuda.Stream(device=dev)
+
+        def captured(run, *args) -> torch.cuda.CUDAGraph:
+            """run(*args) captured into a graph of the shared pool (the first capture makes the pool)."""
+            nonlocal pool
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                run(*args)
+            pool = graph.pool() if pool is None else pool
+            return graph
+
+        def steps(bs: int, length: int) -> None:  # (a chain: the same launches as `length` one-step replays)
+            for _ in range(length):
+                self._step(bs)
+
         try:
             for bs in reversed(self.sizes):
                 self._step(bs)  # warm-up: compiles this size's Triton specializations outside the capture
                 torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    self._step(bs)
-                pool = graph.pool() if pool is None else pool
-                self.graphs[bs] = graph
-                for length in self.chain_lengths:  # (compiled above: the chain's steps are the same launches)
-                    chain = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(chain, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                        for _ in range(length):
-                            self._step(bs)
-                    self.chains[(bs, length)] = chain
+                self.graphs[bs] = captured(self._step, bs)
+                for length in self.chain_lengths:
+                    self.chains[(bs, length)] = captured(steps, bs, length)
             # first-step graphs: every row a padding row (slot PADDING_SLOT_ID: no KV write), seq_len m
             for bs in reversed(self.first_sizes):
                 for m in range(self.first_step_tokens, 0, -1):
                     self._first_step(bs, m)  # warm-up
                     torch.cuda.synchronize(dev)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                        self._first_step(bs, m)
-                    self.first_graphs[(bs, m)] = graph
+                    self.first_graphs[(bs, m)] = captured(self._first_step, bs, m)
             self.seq_lens.fill_(1)
         finally:
             gc.enable()
