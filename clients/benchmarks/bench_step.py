@@ -487,6 +487,7 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
             t, out = await median_step(lambda: rt.proposer.step_batch(batch_inputs))
             assert all(o.code == 0 and len(o.drafts) == k for o in out.to_outputs()), out.messages
             result["in_process_columns"].append(t)
+            in_process_columns_mean = means[-1]
             t, r, worker = await drafter_step(lambda: c.propose(decode))
             assert all(s.ok and s.drafts.numel() == k for s in r.sequences)
             result["channel"].append(t)
@@ -495,7 +496,7 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
             result["channel_batch_api"].append(t)
             if metrics_port is not None:
                 result["in_process_mean"].append(in_process_mean)
-                result["in_process_columns_mean"].append(means[-3])
+                result["in_process_columns_mean"].append(in_process_columns_mean)
                 result["drafter_step"].append(worker)
                 result["drafter_step_batch_api"].append(worker_batch_api)
             t, r = await median_step(lambda: unary.propose_batch(as_batch))
