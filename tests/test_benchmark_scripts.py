@@ -543,3 +543,25 @@ def test_plot_step_draws_a_stopped_run(tmp_path):
     from drafter_client.benchmarks.plot_step import main
     assert main([str(path), "--out", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_admission_rehearsal_ab_needs_a_gpu():
+    """scripts/admission_rehearsal_ab.py times graph-replayed steps: without a GPU it says so and fails."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: test_admission_rehearsal_ab_times_both_arms_on_a_gpu runs the script")
+    done = subprocess.run([sys.executable, "scripts/admission_rehearsal_ab.py", "--preset", "tiny"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "needs a GPU" in done.stderr
+
+
+@pytest.mark.gpu
+def test_admission_rehearsal_ab_times_both_arms_on_a_gpu(tmp_path):
+    result = run(["scripts/admission_rehearsal_ab.py", "--preset", "tiny", "--batches", "1,8", "--rounds", "2"],
+                 tmp_path / "ab.json")
+    rows = result["rows"]
+    assert sorted((r["round"], r["rehearsal"], r["batch"]) for r in rows) == sorted(
+        (r, on, batch) for r in range(2) for on in (False, True) for batch in (1, 8))
+    assert all(r["wall_mean_ms"] > 0 and "admit" in r["phases"] and "did not replay" not in r["phases"] for r in rows)
+    assert [(s["batch"], s["rehearsal"]) for s in result["summary"]] == [(1, False), (1, True), (8, False), (8, True)]
