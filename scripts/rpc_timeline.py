@@ -11,7 +11,9 @@ median and 90th percentile of each phase. With --batch N (N > 1) it times N-sequ
 (propose_batch: columns in and out), by unary gRPC ("batch-unary-sN": ProposeChunked where the states reach the
 client's 2 MiB threshold, as at batch 128 of an 8B shape, spread over N connections; --upload-streams 1,2 --rounds R
 alternates clients of both), on a ProposeStream session ("batch-stream", taking its turn in each round; one message
-per step) and through a step channel ("batch-channel"):
+per step) and through a step channel ("batch-channel"; with --engine-gap-ms 0,5,20 also "batch-channel-gap5ms" and
+"batch-channel-gap20ms": before each of their steps the client spins that long, as an engine runs its target's forward
+between two steps, so that the drafter's side of a step runs as long after its last one as it does in serving):
 
   to handler      client's call -> handler entered (client packing, gRPC both sides, the server's event loop;
                   for the channel: packing, the mailbox write, the step thread's poll, reading the request)
@@ -130,7 +132,8 @@ async def run_batch_client(address: str, shape: dict, a) -> dict[str, dict[int, 
 
     streams = [int(x) for x in str(a.upload_streams).split(",")]
     unary_modes = [f"batch-unary-s{n}" for n in streams]
-    times: dict = {mode: {} for mode in (*unary_modes, "batch-stream", "batch-channel")}
+    channel_modes = {gap: "batch-channel" if gap == 0 else f"batch-channel-gap{gap:g}ms" for gap in a.engine_gap_ms}
+    times: dict = {mode: {} for mode in (*unary_modes, "batch-stream", *channel_modes.values())}
     marks: dict[str, float] = {}  # the current call's client-side marks: packed (first message made), answered
     messages, call = ChunkedRequest.messages, DrafterClient._call
 
@@ -184,11 +187,14 @@ async def run_batch_client(address: str, shape: dict, a) -> dict[str, dict[int, 
         ChunkedRequest.messages, DrafterClient._call = messages, call
         request_bytes = batch.hidden_states.numel() * 2 + a.batch * a.m * 8 + 2**20
         if await c.open_step_channel(request_bytes=request_bytes):
-            for _ in range(a.iters):
-                rid, t0 = c._next_request_id, time.perf_counter()
-                r = await c.propose_batch(batch)
-                times["batch-channel"][rid] = (t0, time.perf_counter())
-                assert bool((r.codes == 0).all())
+            for _ in range(a.rounds):  # (the engine gaps take turns, as the unary clients do)
+                for gap, mode in channel_modes.items():
+                    for _ in range(per_round):
+                        engine_work(gap)
+                        rid, t0 = c._next_request_id, time.perf_counter()
+                        r = await c.propose_batch(batch)
+                        times[mode][rid] = (t0, time.perf_counter())
+                        assert bool((r.codes == 0).all())
             c.close_step_channel()
         pack = []
         for _ in range(a.iters):
@@ -199,6 +205,14 @@ async def run_batch_client(address: str, shape: dict, a) -> dict[str, dict[int, 
             pack.append(time.perf_counter() - t0)
         times["client packing us"] = statistics.median(pack) * 1e6
     return times
+
+
+def engine_work(ms: float) -> None:
+    """The engine's own work between two of its steps (its target's forward), as a spin of ms milliseconds on this
+    thread: the drafter meanwhile waits for the next request as it does in a serving engine's loop."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
 
 
 def build_reply(k: int) -> bytes:
@@ -224,9 +238,18 @@ def main() -> int:
     ap.add_argument("--upload-streams", default="1", help="--batch: DrafterClient(upload_streams=N) for ProposeChunked "
                     "uploads of 2 MiB or more; a comma list (1,2): one client per value, taking turns")
     ap.add_argument("--rounds", type=int, default=1, help="--batch: the unary clients' turns (iters steps in all)")
+    ap.add_argument("--engine-gap-ms", default="0",
+                    help="--batch: the engine's own work before each step-channel step, ms (a spin on the client's "
+                         "thread, as a target's forward between two steps); a comma list (0,5,20): one "
+                         "batch-channel mode per gap, the gaps taking turns over --rounds")
     ap.add_argument("--out", default=None, help="JSON file for the medians")
     ap.add_argument("server_args", nargs="*", help="extra drafter-serve flags (after --)")
     a = ap.parse_args()
+    a.engine_gap_ms = [float(x) for x in a.engine_gap_ms.split(",")]
+    if any(gap < 0 for gap in a.engine_gap_ms) or len(set(a.engine_gap_ms)) != len(a.engine_gap_ms):
+        ap.error("--engine-gap-ms: distinct values >= 0")
+    if a.engine_gap_ms != [0.0] and a.batch <= 1:
+        ap.error("--engine-gap-ms is for the batch API's channel mode (--batch N, N > 1)")
     shape = b.PRESETS[a.preset]
     a.context = a.context or shape["context"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -252,6 +275,7 @@ def main() -> int:
     result["client packing us"] = client_times.pop("client packing us")
     result["client parsing us"] = client_times.pop("client parsing us", float("nan"))
     result["batch"], result["upload_streams"], result["rounds"] = a.batch, a.upload_streams, a.rounds
+    result["engine_gap_ms"] = a.engine_gap_ms
     for key in ("chunked steps", "spread steps"):
         if key in client_times:
             result[key] = client_times.pop(key)

@@ -343,16 +343,26 @@ def test_rpc_timeline_splits_batch_steps_by_path(tmp_path):
     """--batch: the batch API by unary calls of two kinds of client taking turns, on a ProposeStream session and
     through a step channel, each with the server's phases lined up with the client's (a few steps each)."""
     got = run(["scripts/rpc_timeline.py", "--preset", "tiny", "--device", "cpu", "--batch", "4", "--iters", "14",
-               "--rounds", "2", "--upload-streams", "1,2"], tmp_path / "timeline.json")
+               "--rounds", "2", "--upload-streams", "1,2", "--engine-gap-ms", "0,2"], tmp_path / "timeline.json")
     assert got["batch"] == 4 and got["upload_streams"] == "1,2" and got["rounds"] == 2
+    assert got["engine_gap_ms"] == [0, 2]
     modes = got["modes"]
-    assert set(modes) == {"batch-unary-s1", "batch-unary-s2", "batch-stream", "batch-channel"}
+    assert set(modes) == {"batch-unary-s1", "batch-unary-s2", "batch-stream", "batch-channel", "batch-channel-gap2ms"}
+    assert {"noticed", "worker", "reply", "total"} <= set(modes["batch-channel-gap2ms"])
     for mode in ("batch-unary-s1", "batch-unary-s2"):  # (the client's own marks: a step this small is one message)
         assert {"client packing", "to handler", "parse", "worker", "reply to the client", "client parsing",
                 "total"} <= set(modes[mode]), modes[mode]
     assert {"to handler", "parse", "worker", "to client", "total"} <= set(modes["batch-stream"])
     assert {"noticed", "worker", "reply", "total"} <= set(modes["batch-channel"])
     assert all(v >= 0 for m in modes.values() for v in m.values())
+
+
+@pytest.mark.parametrize("args", [["--engine-gap-ms", "5"], ["--batch", "4", "--engine-gap-ms", "0,-1"],
+                                  ["--batch", "4", "--engine-gap-ms", "5,5"]])
+def test_rpc_timeline_refuses_engine_gaps_it_cannot_run(args):
+    done = subprocess.run([sys.executable, "scripts/rpc_timeline.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "--engine-gap-ms" in done.stderr
 
 
 def test_bench_grpc_options_times_every_option_set(tmp_path):
