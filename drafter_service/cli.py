@@ -113,6 +113,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                     help="Unix socket where clients open step channels (default: the unix --listen path + .steps)")
     ap.add_argument("--step-channel-spin-s", type=float, default=d.step_channel_spin_s,
                     help="after a channel request, the step thread busy-polls the channels this long (one core)")
+    ap.add_argument("--step-channel-rehearse-after-s", type=float, default=d.step_channel_rehearse_after_s,
+                    help="while it spins for channel requests, this long after its last batch the step thread starts "
+                         "re-reading the last request frame every 0.5 ms, so that the next step's parse runs warm "
+                         "(docs/step_channel.md); 0: never")
     ap.add_argument("--merge-window-us", type=int, default=d.merge_window_us,
                     help="before a batch starts, wait for the engines (step channels, streams) that arrived within "
                          "this many microseconds of the queued ones at their previous step, so that engines stepping "
@@ -167,6 +171,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         predraft_min_all_hit=a.predraft_min_all_hit,
         step_channels=not a.no_step_channels,
         step_channel_socket=a.step_channel_socket, step_channel_spin_s=a.step_channel_spin_s,
+        step_channel_rehearse_after_s=a.step_channel_rehearse_after_s,
         merge_window_us=a.merge_window_us,
         step_channel_checksums={"auto": None, "on": True, "off": False}[a.step_channel_checksums],
         step_channel_frames=not a.no_step_channel_frames,

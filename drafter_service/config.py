@@ -75,6 +75,9 @@ class ServerConfig:
     step_channel_socket: str | None = None  # None: "<the first unix --listen path>.steps"; no unix listener: off
     step_channel_spin_s: float = 0.05  # after a channel request the step thread busy-polls (one core) this long
     step_channel_idle_poll_s: float = 0.0002  # then it polls this often
+    # while it spins, this long after its last batch the step thread starts re-reading the last request frame every
+    # 0.5 ms, to keep that code warm for the next step (step_channels.ChannelSet.rehearse); 0: never
+    step_channel_rehearse_after_s: float = 0.0
     # Batching (engine/merge_window.py): before a batch starts, wait for the engines that arrived within this many
     # microseconds of the queued ones at their previous step; 0: never wait; None: DEFAULT_MERGE_WINDOW_US on CUDA, 0 on
     # CPU (merge_window_us_for)
@@ -137,6 +140,8 @@ class ServerConfig:
             raise ValueError("namespace_pool_share must be in (0, 1]")
         if self.step_channel_spin_s < 0 or self.step_channel_idle_poll_s <= 0:
             raise ValueError("step_channel_spin_s must be >= 0 and step_channel_idle_poll_s > 0")
+        if self.step_channel_rehearse_after_s < 0:
+            raise ValueError("step_channel_rehearse_after_s must be >= 0 (0: no rehearsals)")
         if self.merge_window_us is not None and not 0 <= self.merge_window_us <= MAX_MERGE_WINDOW_US:
             raise ValueError(f"merge_window_us must be in [0, {MAX_MERGE_WINDOW_US}] (got {self.merge_window_us}): "
                              "a wait longer than a step costs more than the step it saves")

@@ -144,7 +144,8 @@ class DrafterServer:
         rt = self.runtime
         self.scheduler = StepScheduler(rt.proposer, rt.limits.max_request_tokens, cfg.max_batch_seqs,
                                        cfg.step_channel_spin_s, cfg.step_channel_idle_poll_s,
-                                       cfg.merge_window_us_for(rt.device.type) * 1e-6)
+                                       cfg.merge_window_us_for(rt.device.type) * 1e-6,
+                                       cfg.step_channel_rehearse_after_s)
         self.servicer.attach(rt, self.scheduler)
         rt.metrics.queue_depth = self.scheduler.queue_depth
         rt.metrics.merge_window_counters = self.scheduler.merge_window.counters

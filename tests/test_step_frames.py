@@ -7,8 +7,10 @@ sequence, packed states) answer exactly what the same steps answer as protobuf; 
 (log-probabilities, top-N) go as protobuf on the same channel; a malformed frame, or one of another namespace, gets
 an error reply and the channel stays usable; a drafter without frames leaves the client on protobuf.
 """
+import asyncio
 import dataclasses
 import random
+import time
 
 import grpc
 import numpy as np
@@ -60,6 +62,25 @@ def test_a_request_frame_reads_back_what_was_written(dtype):
     # the batch API writes the same frame
     batch = dataclasses.replace(steps_as_batch(steps), hidden_states=torch.cat([s.hidden_states for s in steps]))
     assert bytes(frame_from_batch("namespace-ü", batch, 2**63 + 5)) == frame_bytes(steps, "namespace-ü", 2**63 + 5)
+
+
+def test_a_frame_cut_before_its_states_reads_back_with_states_that_take_no_memory():
+    """without_states / read_request(with_states=False): the copy of its last frame that the drafter rehearses."""
+    data = frame_bytes(some_steps(dtype=torch.bfloat16))
+    whole = step_frame.read_request(data)
+    cut = step_frame.without_states(data, whole)
+    assert len(cut) == len(data) - whole.states.numel() * 2
+    f = step_frame.read_request(cut, with_states=False)
+    assert (f.namespace, f.request_id, f.sequence_ids) == (whole.namespace, whole.request_id, whole.sequence_ids)
+    assert all(np.array_equal(f.columns[k], whole.columns[k]) for k in step_frame.REQUEST_COLUMNS)
+    assert np.array_equal(f.token_ids, whole.token_ids) and np.array_equal(f.temperatures, whole.temperatures)
+    assert f.states.shape == whole.states.shape and f.states.dtype == torch.bfloat16
+    assert f.states.stride() == (0, 0) and not f.states.any()
+    for bad in (cut + b"\0" * 8, data):  # (a cut frame is read only as one, and a whole one only as whole)
+        with pytest.raises(step_frame.FrameError, match="describes"):
+            step_frame.read_request(bad, with_states=False)
+    with pytest.raises(step_frame.FrameError, match="describes"):
+        step_frame.read_request(cut)
 
 
 def test_steps_a_frame_cannot_carry_are_left_to_protobuf():
@@ -326,6 +347,73 @@ async def test_the_client_rehearses_the_last_reply_while_it_waits(frames_server,
         assert all(x.ok for x in r.sequences) and fr._step_channel.rehearse is not None
         await fr.release(list(seqs))
         await pbc.release(list(seqs))
+
+
+@pytest.fixture(scope="module")
+def rehearsing_server(tiny_model, tmp_path_factory):
+    head, target = tiny_model
+    with ServerThread(make_config(head, target, tmp_path_factory.mktemp("rehearse"),
+                                  step_channel_rehearse_after_s=0.002, step_channel_spin_s=5.0)) as s:
+        # (a long spin: rehearsals happen while the thread spins, and a loaded test machine may not run it for a
+        # while)
+        yield s
+
+
+async def test_the_step_thread_rehearses_the_last_frame_once_it_has_waited(rehearsing_server, frames_server):
+    """--step-channel-rehearse-after-s: once the step thread has spun that long after its last batch it re-reads and
+    re-checks the last request frame (ChannelSet.rehearse). Rehearsals change nothing: the same steps through a drafter that never rehearses draft the
+    same. A rehearsal that fails is dropped and the steps go on. (When one is due:
+    test_rehearsals_are_due_only_once_the_thread_has_waited.)"""
+    channels = rehearsing_server.server.channels
+    assert channels.rehearse_frames and not frames_server.server.channels.rehearse_frames
+    rng, g = random.Random(5), torch.Generator().manual_seed(5)
+    async with DrafterClient(rehearsing_server.uds, namespace="re") as re_, \
+            DrafterClient(frames_server.uds, namespace="plain") as plain:
+        assert await re_.open_step_channel() and re_.channel_frames
+        assert await plain.open_step_channel() and plain.channel_frames
+        seqs = {f"r{i}": dict(tokens=[rng.randrange(V) for _ in range(rng.randint(2, 6) + 1)], sent=0)
+                for i in range(3)}
+        for s in seqs.values():
+            s["hidden"] = torch.randn(len(s["tokens"]) - 1, H, generator=g)
+        counts = []
+        for step in range(5):
+            steps = next_steps(seqs, rng, step, False)
+            by_re = await re_.propose(steps)
+            counts.append(channels.rehearsals)
+            await asyncio.sleep(0.02)  # (an engine's target forward: the step thread spins, then rehearses)
+            by_plain = await plain.propose(steps)
+            assert torch.equal(by_re.draft_token_ids, by_plain.draft_token_ids)
+            assert [r.committed_length for r in by_re.sequences] == [r.committed_length for r in by_plain.sequences]
+            commit_some(seqs, steps, by_plain.sequences, rng, g)
+        assert channels.rehearsals > counts[0] and channels._rehearsal is not None
+        assert all(x.ok for x in (await re_.propose(next_steps(seqs, rng, 5, False))).sequences)
+        channels._rehearsal = b"not a frame"  # a rehearsal that fails is dropped (within the thread's spin)
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if channels._rehearsal is None:
+                break
+        assert channels._rehearsal is None
+        r = await re_.propose(next_steps(seqs, rng, 6, False))
+        assert all(x.ok for x in r.sequences) and channels._rehearsal is not None
+        await re_.release(list(seqs))
+
+
+def test_rehearsals_are_due_only_once_the_thread_has_waited():
+    """StepScheduler._rehearsal_due: never with rehearse_after_s 0 or before the first batch; after a batch, only
+    once rehearse_after_s has passed (a step back to back with the last finds its code warm and no rehearsal in its
+    way)."""
+    from drafter_service.engine.scheduler import StepScheduler
+
+    waited = StepScheduler(object(), 1024, 64, rehearse_after_s=10.0)
+    assert not waited._rehearsal_due()  # (no batch yet)
+    waited._last_batch_end = time.perf_counter()
+    assert not waited._rehearsal_due()
+    waited.rehearse_after_s = 0.002
+    waited._last_batch_end = time.perf_counter() - 1.0
+    assert waited._rehearsal_due()
+    never = StepScheduler(object(), 1024, 64)
+    never._last_batch_end = time.perf_counter() - 1.0
+    assert never.rehearse_after_s == 0 and not never._rehearsal_due()
 
 
 async def test_a_bad_frame_gets_an_error_reply_and_the_channel_goes_on(frames_server):

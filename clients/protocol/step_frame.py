@@ -141,9 +141,11 @@ class FrameRequest:
         return bytes(buf)
 
 
-def read_request(buf) -> RequestFrame:
+def read_request(buf, with_states: bool = True) -> RequestFrame:
     """The request frame in buf (bytes, or a memoryview of shared memory); raises FrameError when its structure is
-    wrong. Everything but the states is copied out of buf first."""
+    wrong. Everything but the states is copied out of buf first. with_states False: buf is a frame cut before its
+    states (without_states: the drafter's rehearsal of its last request), whose states come back as a [t, w] tensor
+    of zeros that takes no memory (stride 0)."""
     size = len(buf)
     if size < REQUEST_HEADER.size:
         raise FrameError(f"frame: {size} bytes, shorter than its {REQUEST_HEADER.size}-byte header")
@@ -158,10 +160,11 @@ def read_request(buf) -> RequestFrame:
     if max(n, t, w, ids_bytes, namespace_bytes) > MAX_COUNT:
         raise FrameError("frame: a count in its header is out of range")
     itemsize = ITEMSIZE[dtype]
-    want = request_size(n, t, w, itemsize, ids_bytes, namespace_bytes)
+    states_bytes = t * w * itemsize if with_states else 0
+    want = request_size(n, t, w, itemsize, ids_bytes, namespace_bytes) - t * w * itemsize + states_bytes
     if want != size:
         raise FrameError(f"frame: its header describes {want} bytes; it has {size}")
-    head = bytearray(buf[REQUEST_HEADER.size : size - t * w * itemsize])  # (all but the states: a copy)
+    head = bytearray(buf[REQUEST_HEADER.size : size - states_bytes])  # (all but the states: a copy)
     at = 0
     cols = np.frombuffer(head, np.int64, 6 * n, at).reshape(6, n)
     at += 48 * n
@@ -182,11 +185,21 @@ def read_request(buf) -> RequestFrame:
         namespace = bytes(head[at : at + namespace_bytes]).decode()
     except UnicodeDecodeError:
         raise FrameError("frame: a sequence id or the namespace is not UTF-8") from None
-    states = torch.frombuffer(buf, dtype=dtype, count=t * w, offset=size - t * w * itemsize) if t * w else \
-        torch.empty(0, dtype=dtype)
+    if not with_states:
+        states = torch.zeros(1, dtype=dtype).expand(t * w)
+    elif t * w:
+        states = torch.frombuffer(buf, dtype=dtype, count=t * w, offset=size - states_bytes)
+    else:
+        states = torch.empty(0, dtype=dtype)
     return RequestFrame(namespace=namespace, request_id=request_id, sequence_ids=sequence_ids,
                         columns=dict(zip(REQUEST_COLUMNS, cols)), temperatures=temperatures,
                         token_ids=token_ids, states=states.view(t, w))
+
+
+def without_states(buf, frame: RequestFrame) -> bytes:
+    """A copy of the request frame in buf (read as frame) cut before its states: read_request(..., with_states=False)
+    reads it back."""
+    return bytes(buf[: len(buf) - frame.states.numel() * frame.states.element_size()])
 
 
 @dataclass

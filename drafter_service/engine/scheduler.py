@@ -172,12 +172,16 @@ class _StallTrace:
 
 class StepScheduler:
     def __init__(self, proposer: Proposer, max_batch_tokens: int, max_batch_seqs: int,
-                 channel_spin_s: float = 0.05, channel_idle_poll_s: float = 0.0002, merge_window_s: float = 0.0):
+                 channel_spin_s: float = 0.05, channel_idle_poll_s: float = 0.0002, merge_window_s: float = 0.0,
+                 rehearse_after_s: float = 0.0):
         self.proposer = proposer
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
         self.channel_spin_s = channel_spin_s
         self.channel_idle_poll_s = channel_idle_poll_s
+        # while it spins for channel requests, this long after its last batch the thread starts re-reading the last
+        # request frame now and then (ChannelSet.rehearse); 0: never
+        self.rehearse_after_s = rehearse_after_s
         self._queue: deque[PendingRequest] = deque()  # appended by the event loop and by channel polls; taken here
         self._jobs: deque[_Job] = deque()
         self._wake = threading.Event()
@@ -195,6 +199,7 @@ class StepScheduler:
 
     def attach_channels(self, channels) -> None:
         self._channels = channels
+        channels.rehearse_frames = self.rehearse_after_s > 0
         channels.wake = self._wake.set  # a new channel wakes a sleeping thread so that it starts polling
         # a channel whose client went frees its sequences, as a job between batches: a poll from inside a pre-drafting
         # pass must not change the table under it (the job also stops the pass)
@@ -322,6 +327,8 @@ class StepScheduler:
                 continue
             if channels is not None and channels.open_count():
                 if time.monotonic() - last_channel_request < self.channel_spin_s:
+                    if self._rehearsal_due():
+                        channels.rehearse()  # (the last request frame's parse, now and then: keeps it warm)
                     yield_gil()  # (to the event loop's thread too: gil_yield.py), then poll again
                     continue
                 self._wake.wait(self.channel_idle_poll_s)
@@ -330,6 +337,13 @@ class StepScheduler:
             self._wake.clear()
         if self._channels is not None:
             self._channels.close_all("the drafter is shutting down")
+
+    def _rehearsal_due(self) -> bool:
+        """Whether the thread, spinning for channel requests, has waited rehearse_after_s since its last batch (an
+        engine's step comes back to back with the last one from a short GPU step, where the code is still warm, or a
+        target forward later, where it is not: docs/performance.md, twenty-fifth session)."""
+        end = self._last_batch_end
+        return self.rehearse_after_s > 0 and end is not None and time.perf_counter() - end >= self.rehearse_after_s
 
     def _wait_for_partners(self, channels) -> None:
         """Before a batch: poll for the engines that arrived together with the queued ones last time (merge_window.py)

@@ -362,16 +362,19 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 torch.cuda.synchronize(rt.device)
         return steps, self.ingest_only
 
-    def decode_frame(self, frame: "step_frame.RequestFrame") -> "tuple[BatchInput | list[StepInput], bool]":
+    def decode_frame(self, frame: "step_frame.RequestFrame",
+                     rehearsal: bool = False) -> "tuple[BatchInput | list[StepInput], bool]":
         """decode_propose for a step channel's request frame: checked by validation.parse_frame (the same limits as a
         columnar request; a frame carries no shared-memory references). A step too small for the proposer's columns
         path (Proposer.takes_columns: batch 1 to 7 and a few rows, where no first-step graph runs) comes back as one
         StepInput per sequence, and so does a frame of one sequence of a few rows: its columnar parse costs about
         what the columns path saves (dev CPU: 90-107 against 67-84 us for the parse, 121 against 146 us before the
-        replay), while from two sequences the columnar parse is the faster one too (105-110 against 125-131 us)."""
+        replay), while from two sequences the columnar parse is the faster one too (105-110 against 125-131 us).
+        rehearsal: the parse alone (the step thread re-reading its last frame while it waits, to keep this code warm:
+        step_channels.ChannelSet.rehearse)."""
         rt = self.runtime
         steps = parse_frame(frame, rt.limits, self.steps_as_columns(len(frame.sequence_ids), frame.token_ids.shape[0]))
-        if self.ingest_only and len(steps):  # (as decode_propose: the states onto the device, one copy)
+        if self.ingest_only and len(steps) and not rehearsal:  # (as decode_propose: the states onto the device)
             frame.states.to(rt.device)
             if rt.device.type == "cuda":
                 torch.cuda.synchronize(rt.device)

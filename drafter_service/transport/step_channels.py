@@ -63,6 +63,7 @@ MIN_AREA_BYTES = 4096
 LIVENESS_PERIOD_S = 0.1  # how often the step thread checks that each channel's client is still connected
 STUCK_REQUEST_S = 1.0  # a doorbell whose bytes never check out is answered with an error after this
 MAX_REQUEST_AGE_S = 1.0  # a request's send time (mailbox request_sent_ns) older than this is not believed: seen time
+REHEARSE_EVERY_S = 0.0005  # the step thread re-reads the last request frame at most this often (ChannelSet.rehearse)
 
 
 @dataclass
@@ -155,6 +156,12 @@ class ChannelSet:
     frames_read_ahead: int = 0  # request frames queued as checked at their head bell (diagnostics, tests)
     early_replies: int = 0  # replies whose all but the drafts was encoded while the step ran (diagnostics, tests)
     frames_taken: int = 0  # request frames checked and queued (diagnostics, tests)
+    # whether each request frame's bytes before its states are kept for rehearse() (set by the scheduler when its
+    # step thread rehearses: --step-channel-rehearse-after-s)
+    rehearse_frames: bool = False
+    rehearsals: int = 0  # rehearse() runs (diagnostics, tests)
+    _rehearsal: bytes | None = None  # the last request frame cut before its states (step thread only)
+    _rehearsed_at: float = 0.0
     _open: list[Channel] = field(default_factory=list)  # step thread only
     _new: deque = field(default_factory=deque)  # acceptor -> step thread
     _listener: socket.socket | None = None
@@ -479,7 +486,28 @@ class ChannelSet:
         except RequestError as e:
             return _ParsedFrame(request_id, None, None, False, e, t_enter, time.perf_counter())
         set_owner(steps, ch.owner)
-        return _ParsedFrame(request_id, frame, steps, dry, None, t_enter, time.perf_counter())
+        t_parsed = time.perf_counter()
+        if self.rehearse_frames and not dry:  # (a copy of its head, a few hundred bytes a sequence: rehearse)
+            self._rehearsal = step_frame.without_states(payload, frame)
+        return _ParsedFrame(request_id, frame, steps, dry, None, t_enter, t_parsed)
+
+    def rehearse(self) -> None:
+        """Re-read and re-check the last request frame (its copy cut before the states; the results are dropped), at
+        most every REHEARSE_EVERY_S. The step thread calls this while it spins waiting for the next request, once it
+        has waited --step-channel-rehearse-after-s since its last batch: Python work that last ran milliseconds ago
+        runs several times slower than warm on the VM hosts measured (docs/performance.md, thirteenth and
+        twenty-fifth sessions), and an engine's next step comes a target forward after its last one. A rehearsal that
+        fails (it should not: the frame passed these checks) is not tried again until the next frame."""
+        r = self._rehearsal
+        if r is None or time.perf_counter() - self._rehearsed_at < REHEARSE_EVERY_S:
+            return
+        try:
+            self.decode_frame(step_frame.read_request(r, with_states=False), rehearsal=True)
+        except Exception:
+            log.debug("rehearsing the last request frame failed", exc_info=True)
+            self._rehearsal = None
+        self.rehearsals += 1
+        self._rehearsed_at = time.perf_counter()
 
     def _queue_frame(self, ch: Channel, seq: int, parsed: _ParsedFrame, enqueue, t_seen: float,
                      arrived: float) -> None:
