@@ -115,8 +115,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                     help="after a channel request, the step thread busy-polls the channels this long (one core)")
     ap.add_argument("--step-channel-rehearse-after-s", type=float, default=d.step_channel_rehearse_after_s,
                     help="while it spins for channel requests, this long after its last batch the step thread starts "
-                         "re-reading the last request frame every 0.5 ms, so that the next step's parse runs warm "
-                         "(docs/step_channel.md); 0: never")
+                         "re-reading the last request frame every 0.5 ms (at most a fifth of the time), so that the "
+                         "next step's parse runs warm after the engine's target forward (docs/step_channel.md); "
+                         "0: never")
     ap.add_argument("--merge-window-us", type=int, default=d.merge_window_us,
                     help="before a batch starts, wait for the engines (step channels, streams) that arrived within "
                          "this many microseconds of the queued ones at their previous step, so that engines stepping "

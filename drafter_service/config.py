@@ -76,8 +76,9 @@ class ServerConfig:
     step_channel_spin_s: float = 0.05  # after a channel request the step thread busy-polls (one core) this long
     step_channel_idle_poll_s: float = 0.0002  # then it polls this often
     # while it spins, this long after its last batch the step thread starts re-reading the last request frame every
-    # 0.5 ms, to keep that code warm for the next step (step_channels.ChannelSet.rehearse); 0: never
-    step_channel_rehearse_after_s: float = 0.0
+    # 0.5 ms (at most a fifth of the time), to keep that code warm for the next step, which an engine sends a target
+    # forward after its last one (step_channels.ChannelSet.rehearse; docs/step_channel.md); 0: never
+    step_channel_rehearse_after_s: float = 0.002
     # Batching (engine/merge_window.py): before a batch starts, wait for the engines that arrived within this many
     # microseconds of the queued ones at their previous step; 0: never wait; None: DEFAULT_MERGE_WINDOW_US on CUDA, 0 on
     # CPU (merge_window_us_for)

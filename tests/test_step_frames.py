@@ -359,16 +359,24 @@ def rehearsing_server(tiny_model, tmp_path_factory):
         yield s
 
 
-async def test_the_step_thread_rehearses_the_last_frame_once_it_has_waited(rehearsing_server, frames_server):
+@pytest.fixture(scope="module")
+def unrehearsed_server(tiny_model, tmp_path_factory):
+    head, target = tiny_model
+    with ServerThread(make_config(head, target, tmp_path_factory.mktemp("unrehearsed"),
+                                  step_channel_rehearse_after_s=0)) as s:
+        yield s
+
+
+async def test_the_step_thread_rehearses_the_last_frame_once_it_has_waited(rehearsing_server, unrehearsed_server):
     """--step-channel-rehearse-after-s: once the step thread has spun that long after its last batch it re-reads and
     re-checks the last request frame (ChannelSet.rehearse). Rehearsals change nothing: the same steps through a drafter that never rehearses draft the
     same. A rehearsal that fails is dropped and the steps go on. (When one is due:
     test_rehearsals_are_due_only_once_the_thread_has_waited.)"""
     channels = rehearsing_server.server.channels
-    assert channels.rehearse_frames and not frames_server.server.channels.rehearse_frames
+    assert channels.rehearse_frames and not unrehearsed_server.server.channels.rehearse_frames
     rng, g = random.Random(5), torch.Generator().manual_seed(5)
     async with DrafterClient(rehearsing_server.uds, namespace="re") as re_, \
-            DrafterClient(frames_server.uds, namespace="plain") as plain:
+            DrafterClient(unrehearsed_server.uds, namespace="plain") as plain:
         assert await re_.open_step_channel() and re_.channel_frames
         assert await plain.open_step_channel() and plain.channel_frames
         seqs = {f"r{i}": dict(tokens=[rng.randrange(V) for _ in range(rng.randint(2, 6) + 1)], sent=0)
@@ -396,6 +404,35 @@ async def test_the_step_thread_rehearses_the_last_frame_once_it_has_waited(rehea
         r = await re_.propose(next_steps(seqs, rng, 6, False))
         assert all(x.ok for x in r.sequences) and channels._rehearsal is not None
         await re_.release(list(seqs))
+
+
+def test_a_rehearsal_takes_at_most_a_fifth_of_the_spin():
+    """ChannelSet.rehearse: after a rehearsal of d seconds the next one waits d / REHEARSE_DUTY (at least
+    REHEARSE_EVERY_S), so that a long check (a large frame's) is not what the next request waits behind most of the
+    time; rehearse() before then does nothing. The frame is checked as a rehearsal (decode_frame(..., rehearsal=True))."""
+    from drafter_service.transport import step_channels as sc
+
+    calls = []
+
+    def decode_frame(frame, rehearsal=False):
+        calls.append((frame.request_id, rehearsal))
+        time.sleep(0.004)  # (a long check)
+        return [], False
+
+    data = frame_bytes(some_steps(), request_id=9)
+    cs = sc.ChannelSet("unused", sc.ChannelLimits(1, 4096, 4096), decode=None, encode=None, metrics=None,
+                       checksums=False, decode_frame=decode_frame)
+    cs.rehearse()
+    assert cs.rehearsals == 0  # (no frame yet)
+    cs._rehearsal = step_frame.without_states(data, step_frame.read_request(data))
+    cs.rehearse()
+    assert calls == [(9, True)] and cs.rehearsals == 1
+    assert cs._next_rehearsal - time.perf_counter() > 0.004 / sc.REHEARSE_DUTY - 0.004 - 0.001  # (>= 20 ms after)
+    cs.rehearse()
+    assert cs.rehearsals == 1
+    cs._next_rehearsal = 0.0
+    cs.rehearse()
+    assert cs.rehearsals == 2
 
 
 def test_rehearsals_are_due_only_once_the_thread_has_waited():
