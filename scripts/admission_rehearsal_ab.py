@@ -43,8 +43,8 @@ SCRATCH_SEQS, SCRATCH_ROWS_PER_SEQ, SCRATCH_TABLE_WIDTH = 256, 8, 64
 def scratch_record() -> dict[str, np.ndarray]:
     """Host int32 fields shaped as FirstStepRecord's (first_step_record.py), for the dry run to write into."""
     n = SCRATCH_SEQS
-    sizes = dict(header=2, start_positions=n, qsl=n + 1, next_tokens=n, draft_steps=n, token_ids=SCRATCH_ROWS_PER_SEQ * n,
-                 block_tables=n * SCRATCH_TABLE_WIDTH)
+    sizes = dict(header=2, start_positions=n, qsl=n + 1, next_tokens=n, draft_steps=n,
+                 token_ids=SCRATCH_ROWS_PER_SEQ * n, block_tables=n * SCRATCH_TABLE_WIDTH)
     return {name: np.zeros(size, dtype=np.int32) for name, size in sizes.items()}
 
 

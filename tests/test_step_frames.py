@@ -369,9 +369,9 @@ def unrehearsed_server(tiny_model, tmp_path_factory):
 
 async def test_the_step_thread_rehearses_the_last_frame_once_it_has_waited(rehearsing_server, unrehearsed_server):
     """--step-channel-rehearse-after-s: once the step thread has spun that long after its last batch it re-reads and
-    re-checks the last request frame (ChannelSet.rehearse). Rehearsals change nothing: the same steps through a drafter that never rehearses draft the
-    same. A rehearsal that fails is dropped and the steps go on. (When one is due:
-    test_rehearsals_are_due_only_once_the_thread_has_waited.)"""
+    re-checks the last request frame (ChannelSet.rehearse). Rehearsals change nothing: the same steps through a
+    drafter that never rehearses draft the same. A rehearsal that fails is dropped and the steps go on. (When one is
+    due: test_rehearsals_are_due_only_once_the_thread_has_waited.)"""
     channels = rehearsing_server.server.channels
     assert channels.rehearse_frames and not unrehearsed_server.server.channels.rehearse_frames
     rng, g = random.Random(5), torch.Generator().manual_seed(5)
@@ -409,7 +409,8 @@ async def test_the_step_thread_rehearses_the_last_frame_once_it_has_waited(rehea
 def test_a_rehearsal_takes_at_most_a_fifth_of_the_spin():
     """ChannelSet.rehearse: after a rehearsal of d seconds the next one waits d / REHEARSE_DUTY (at least
     REHEARSE_EVERY_S), so that a long check (a large frame's) is not what the next request waits behind most of the
-    time; rehearse() before then does nothing. The frame is checked as a rehearsal (decode_frame(..., rehearsal=True))."""
+    time; rehearse() before then does nothing. The frame is checked as a rehearsal (decode_frame(...,
+    rehearsal=True))."""
     from drafter_service.transport import step_channels as sc
 
     calls = []

@@ -64,7 +64,7 @@ LIVENESS_PERIOD_S = 0.1  # how often the step thread checks that each channel's 
 STUCK_REQUEST_S = 1.0  # a doorbell whose bytes never check out is answered with an error after this
 MAX_REQUEST_AGE_S = 1.0  # a request's send time (mailbox request_sent_ns) older than this is not believed: seen time
 REHEARSE_EVERY_S = 0.0005  # the step thread re-reads the last request frame at most this often (ChannelSet.rehearse)
-REHEARSE_DUTY = 0.2  # and for at most this share of its spin: after a rehearsal of d seconds, none for d / REHEARSE_DUTY
+REHEARSE_DUTY = 0.2  # and for at most this share of its spin: after a rehearsal of d seconds, none for d / 0.2
 
 
 @dataclass
@@ -495,11 +495,12 @@ class ChannelSet:
     def rehearse(self) -> None:
         """Re-read and re-check the last request frame (its copy cut before the states; the results are dropped), at
         most every REHEARSE_EVERY_S and for at most REHEARSE_DUTY of the time (the check of a large frame lasts a few
-        hundred microseconds: a request that comes meanwhile waits for it to end). The step thread calls this while it spins waiting for the next request, once it
-        has waited --step-channel-rehearse-after-s since its last batch: Python work that last ran milliseconds ago
-        runs several times slower than warm on the VM hosts measured (docs/performance.md, thirteenth and
-        twenty-fifth sessions), and an engine's next step comes a target forward after its last one. A rehearsal that
-        fails (it should not: the frame passed these checks) is not tried again until the next frame."""
+        hundred microseconds: a request that comes meanwhile waits for it to end). The step thread calls this while it
+        spins waiting for the next request, once it has waited --step-channel-rehearse-after-s since its last batch:
+        Python work that last ran milliseconds ago runs several times slower than warm on the VM hosts measured
+        (docs/performance.md, thirteenth and twenty-fifth sessions), and an engine's next step comes a target forward
+        after its last one. A rehearsal that fails (it should not: the frame passed these checks) is not tried again
+        until the next frame."""
         r = self._rehearsal
         start = time.perf_counter()
         if r is None or start < self._next_rehearsal:
