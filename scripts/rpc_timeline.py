@@ -190,7 +190,7 @@ async def run_batch_client(address: str, shape: dict, a) -> dict[str, dict[int, 
             for _ in range(a.rounds):  # (the engine gaps take turns, as the unary clients do)
                 for gap, mode in channel_modes.items():
                     for _ in range(per_round):
-                        engine_work(gap)
+                        b.engine_work(gap)  # (the engine's own work: its target's forward)
                         rid, t0 = c._next_request_id, time.perf_counter()
                         r = await c.propose_batch(batch)
                         times[mode][rid] = (t0, time.perf_counter())
@@ -205,14 +205,6 @@ async def run_batch_client(address: str, shape: dict, a) -> dict[str, dict[int, 
             pack.append(time.perf_counter() - t0)
         times["client packing us"] = statistics.median(pack) * 1e6
     return times
-
-
-def engine_work(ms: float) -> None:
-    """The engine's own work between two of its steps (its target's forward), as a spin of ms milliseconds on this
-    thread: the drafter meanwhile waits for the next request as it does in a serving engine's loop."""
-    end = time.perf_counter() + ms / 1e3
-    while time.perf_counter() < end:
-        pass
 
 
 def build_reply(k: int) -> bytes:

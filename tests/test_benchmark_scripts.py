@@ -81,11 +81,12 @@ def test_bench_step_rounds_only_with_the_grpc_floor(tmp_path):
     """--rounds-only: the in-process step, its floor and the rounds, no single pass through the sidecar; the JSON says
     the run finished (a run stopped by its time limit leaves complete: false and the rows measured so far).
     --grpc-floor: each round also sends the unary batch API's bytes through a bare grpc.aio server; the floor is the
-    in-process step plus that round trip."""
+    in-process step plus that round trip. --engine-gap-ms: each step of every path after the engine's own work
+    (test_the_engine_gap_is_a_spin_of_at_least_its_length)."""
     result = run(["-m", "drafter_client.benchmarks.bench_step", "--preset", "tiny", "--device", "cpu",
                   "--batches", "1,32", "--iters", "2", "--prefill-tokens", "0", "--threads", "1", "--rounds", "2",
-                  "--rounds-only", "--grpc-floor"], tmp_path / "bs.json")
-    assert result["complete"] is True and result["rounds_only"] is True
+                  "--rounds-only", "--grpc-floor", "--engine-gap-ms", "1"], tmp_path / "bs.json")
+    assert result["complete"] is True and result["rounds_only"] is True and result["engine_gap_ms"] == 1
     for r in result["rows"]:
         assert r["in_process_ms"] > 0 and r["floor_ms"] > 0 and r["in_process_over_floor"] > 0
         assert "sidecar_ms" not in r and "sidecar_channel_ms" not in r
@@ -109,13 +110,27 @@ def test_bench_step_rounds_only_with_the_grpc_floor(tmp_path):
     (["--rounds-only"], "--rounds-only needs --rounds"),
     (["--grpc-floor", "--batches", "1"], "--grpc-floor needs --rounds"),
     (["--grpc-floor", "--rounds", "1", "--upload-streams", "2"], "one upload stream"),
-    (["--preset", "tiny", "--engine-applies-fc"], "--engine-applies-fc is for EAGLE-3 presets")])
+    (["--preset", "tiny", "--engine-applies-fc"], "--engine-applies-fc is for EAGLE-3 presets"),
+    (["--engine-gap-ms", "5"], "--engine-gap-ms needs --rounds"),
+    (["--rounds", "1", "--engine-gap-ms", "-1"], "--engine-gap-ms must be >= 0")])
 def test_bench_step_refuses_arguments_that_do_not_go_together(args, why, capsys):
     from drafter_client.benchmarks import bench_step
 
     with pytest.raises(SystemExit) as stopped:
         bench_step.main(["--device", "cpu", "--out", "unused.json", *args])
     assert stopped.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_the_engine_gap_is_a_spin_of_at_least_its_length():
+    """bench_step.engine_work (bench_step and rpc_timeline --engine-gap-ms): it returns no sooner than its length."""
+    import time
+
+    from drafter_client.benchmarks.bench_step import engine_work
+
+    for ms in (0.0, 2.0, 5.0):
+        t0 = time.perf_counter()
+        engine_work(ms)
+        assert time.perf_counter() - t0 >= ms / 1e3
 
 
 async def test_the_bare_server_takes_the_unary_steps_messages_in_each_form(server, tmp_path):

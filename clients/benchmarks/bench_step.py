@@ -7,6 +7,7 @@ proposer called in-process, with the floor (bytes a step must read over measured
     ... --device cuda --graphs-ab      # also the in-process proposer with --no-cuda-graphs, in the same run
     ... --rounds 5                     # then the channel / in-process ratio over 5 alternating rounds
     ... --rounds 2 --rounds-only       # the in-process step, its floor and the rounds only
+    ... --rounds 3 --engine-gap-ms 20  # the rounds' steps each after 20 ms of the engine's own work (a spin)
 
 The head has random weights of the preset's shape (written once to a temp dir as a Hugging Face checkpoint, which
 the server process loads). Each timed step is a decode step: every sequence sends m committed tokens at a context
@@ -405,9 +406,18 @@ async def unary_step_bytes(client, target: str, batch) -> tuple[list[bytes], boo
     return messages, chunked, reply
 
 
+def engine_work(ms: float) -> None:
+    """The engine's own work between two of its steps (its target's forward), as a spin of ms milliseconds on the
+    calling thread: the next step then runs as long after the last one as in a serving engine's loop, where the host
+    code of both processes has gone cold (docs/performance.md, twenty-fifth session)."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
 async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, rounds: int,
                        upload_streams: int | None = None, bare: str | None = None,
-                       metrics_port: int | None = None) -> dict[str, list[float]]:
+                       metrics_port: int | None = None, engine_gap_ms: float = 0.0) -> dict[str, list[float]]:
     """The step channel against the in-process step in alternating rounds (the in-process runtime rt alive beside
     the drafter): each round times iters steps of each of the in-process proposer (one StepInput per sequence, host
     states; then the same step as columns, one BatchInput through Proposer.step_batch, host states), propose()
@@ -418,7 +428,8 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
     alone). metrics_port: the drafter's; each round then also reads the drafter's own step (its step worker's seconds
     per batch, from /metrics before and after) through the channel, both APIs ("drafter_step",
     "drafter_step_batch_api"), and the in-process steps' means over the same number of steps ("in_process_mean",
-    "in_process_columns_mean"): like for like, minutes apart no more. Returns each one's median per round
+    "in_process_columns_mean"): like for like, minutes apart no more. engine_gap_ms: before each step of every path,
+    the engine's own work (engine_work, outside the timed call). Returns each one's median per round
     (seconds; the drafter's and the in-process means: means over all iters + 3 steps, warm-up included, as the
     drafter's counters see them)."""
     import contextlib
@@ -460,6 +471,7 @@ async def bench_rounds(rt, target, batch, context, m, k, iters, width, vocab, ro
         async def median_step(call) -> tuple[float, object]:  # (seconds per step after 3 warm-up steps, last answer)
             times = []
             for _ in range(iters + 3):
+                engine_work(engine_gap_ms)
                 t0 = time.perf_counter()
                 answer = call()
                 if asyncio.iscoroutine(answer):
@@ -602,6 +614,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds-only", action="store_true",
                     help="with --rounds: skip the single pass through the sidecar (unary, stream, step channel, batch "
                          "API, CUDA IPC) and time only the in-process step and the rounds")
+    ap.add_argument("--engine-gap-ms", type=float, default=0.0,
+                    help="with --rounds: before each step of every path the engine's own work, a spin of this many "
+                         "ms (a target's forward between two steps; default 0: steps back to back)")
     ap.add_argument("--upload-streams", type=int, default=None,
                     help="the rounds' unary batch API: DrafterClient(upload_streams=N) (default: the client's, 1)")
     ap.add_argument("--grpc-floor", action="store_true",
@@ -618,6 +633,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--rounds-only needs --rounds N")
     if a.grpc_floor and not a.rounds:
         ap.error("--grpc-floor needs --rounds N")
+    if a.engine_gap_ms and not a.rounds:
+        ap.error("--engine-gap-ms needs --rounds N")
+    if a.engine_gap_ms < 0:
+        ap.error("--engine-gap-ms must be >= 0")
     if a.grpc_floor and (a.upload_streams or 1) != 1:
         ap.error("--grpc-floor times one upload stream (the bare server's Upload is one call)")
     if a.client_cpus:
@@ -660,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
                       cuda_graphs=a.cuda_graphs and device.type == "cuda",
                       bandwidth_gbps=bw / 1e9 if bw else None, rows=rows,
                       cpu_threads=torch.get_num_threads(),  # host threads of the in-process proposer
-                      prefill=prefill, rounds=a.rounds, rounds_only=a.rounds_only,
+                      prefill=prefill, rounds=a.rounds, rounds_only=a.rounds_only, engine_gap_ms=a.engine_gap_ms,
                       engine_applies_fc=a.engine_applies_fc,
                       upload_streams=a.upload_streams if a.upload_streams is not None else "client default")
         write_json(a.out, result, say=False)
@@ -775,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
             for row in rows if a.rounds else []:
                 got = asyncio.run(bench_rounds(rt, f"unix:{sock}", row["batch"], context, a.m, a.k, a.iters, width,
                                                shape["vocab_size"], a.rounds, a.upload_streams,
-                                               bare.address if bare else None, a.metrics_port))
+                                               bare.address if bare else None, a.metrics_port, a.engine_gap_ms))
                 ratios = {f"{name}_over_in_process": [t / t_in for t, t_in in zip(got[name], got["in_process"])]
                           for name in ("channel", "channel_batch_api", "unary_batch_api")}
                 # like for like: the batch API (columns in and out) against the in-process step from columns
