@@ -48,6 +48,19 @@ def test_demo_reports_a_sidecar_that_cannot_start(tmp_path, capsys):
     assert "the sidecar exited with code 1 before serving" in captured.err
 
 
+def test_demo_passes_sidecar_flags_to_the_sidecar(tmp_path, capsys):
+    """--sidecar-flag: an extra drafter-serve flag on the sidecar's command line (printed as it starts), recorded in
+    the JSON; a flag drafter-serve refuses stops the sidecar before it serves, and the demo says so."""
+    assert main(["--max-new-tokens", "4", "--rounds", "1", "--device", "cpu", "--chart", "",
+                 "--sidecar-flag=--step-channel-rehearse-after-s=0", "--json", str(tmp_path / "run.json")]) == 0
+    out = capsys.readouterr().out
+    start = next(x for x in out.splitlines() if x.startswith("starting the sidecar: "))
+    assert start.endswith(" --step-channel-rehearse-after-s=0"), start
+    assert json.loads((tmp_path / "run.json").read_text())["sidecar_flags"] == ["--step-channel-rehearse-after-s=0"]
+    assert main(["--rounds", "1", "--device", "cpu", "--chart", "", "--sidecar-flag=--no-such-flag"]) == 1
+    assert "before serving" in capsys.readouterr().err
+
+
 def test_demo_refuses_zero_rounds(capsys):
     assert main(["--rounds", "0", "--device", "cpu", "--chart", ""]) == 2
     assert "--rounds must be 1 or more" in capsys.readouterr().err

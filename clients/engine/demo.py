@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="eagle3: the sidecar runs with --engine-applies-fc and this engine applies the head's fc to "
                          "its three layers' states before sending them (a third of the bytes; docs/methods.md)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present) for both processes")
+    ap.add_argument("--sidecar-flag", action="append", default=[], metavar="FLAG",
+                    help="an extra drafter-serve flag for the sidecar, e.g. --sidecar-flag=--step-channel-rehearse-"
+                         "after-s=0 (repeatable; the JSON records them)")
     ap.add_argument("--chart", default=str(DEFAULT_CHART),
                     help="PNG of acceptance by draft position (its folder is made); '' for none")
     ap.add_argument("--json", default=None, metavar="PATH",
@@ -174,7 +177,8 @@ def write_run_json(args, device: str, rounds: list[tuple[GenerationResult, Gener
         device=f"{device}: {name}, {os.cpu_count()} cores", torch=torch.__version__,
         command=" ".join(shlex.quote(x) for x in sys.argv), head=args.head, k=cfg.num_drafts,
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, prompts=len(rounds[0][0].tokens),
-        step_channel=bool(args.channel_steps), mean_acceptance_length=acc.mean_acceptance_length,
+        step_channel=bool(args.channel_steps), sidecar_flags=args.sidecar_flag,
+        mean_acceptance_length=acc.mean_acceptance_length,
         rounds=[dict(speculative_first=i % 2 == 0, speculative_tokens_per_s=s.tokens_per_s,
                      plain_tokens_per_s=p.tokens_per_s, speedup=x) for i, ((s, p), x) in enumerate(zip(rounds, speedups))],
         speedup=speedups[middle_round(rounds)],  # (the middle round's, as printed)
@@ -283,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.head_dir = head_dir
     sidecar = SidecarProcess(head_dir, target_dir, device=device, env=env,
-                             extra_args=["--engine-applies-fc"] if args.engine_applies_fc else [])
+                             extra_args=(["--engine-applies-fc"] if args.engine_applies_fc else []) + args.sidecar_flag)
     print(f"starting the sidecar: {' '.join(sidecar.command())}", flush=True)
     code = 0
     try:
