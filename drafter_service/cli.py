@@ -118,6 +118,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                          "re-reading the last request frame every 0.5 ms (at most a fifth of the time), so that the "
                          "next step's parse runs warm after the engine's target forward (docs/step_channel.md); "
                          "0: never")
+    ap.add_argument("--no-step-channel-rehearse-admission", action="store_true",
+                    help="rehearse the last request frame's parse alone, not also the proposer's admission and the "
+                         "rest of its host work before the step's launches (nothing changed, nothing sent to the GPU)")
     ap.add_argument("--merge-window-us", type=int, default=d.merge_window_us,
                     help="before a batch starts, wait for the engines (step channels, streams) that arrived within "
                          "this many microseconds of the queued ones at their previous step, so that engines stepping "
@@ -173,6 +176,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         step_channels=not a.no_step_channels,
         step_channel_socket=a.step_channel_socket, step_channel_spin_s=a.step_channel_spin_s,
         step_channel_rehearse_after_s=a.step_channel_rehearse_after_s,
+        step_channel_rehearse_admission=not a.no_step_channel_rehearse_admission,
         merge_window_us=a.merge_window_us,
         step_channel_checksums={"auto": None, "on": True, "off": False}[a.step_channel_checksums],
         step_channel_frames=not a.no_step_channel_frames,

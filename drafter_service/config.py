@@ -79,6 +79,9 @@ class ServerConfig:
     # 0.5 ms (at most a fifth of the time), to keep that code warm for the next step, which an engine sends a target
     # forward after its last one (step_channels.ChannelSet.rehearse; docs/step_channel.md); 0: never
     step_channel_rehearse_after_s: float = 0.002
+    # and, where the last request ran from columns, the proposer's host work before that step's launches with nothing
+    # changed or sent (Proposer.rehearse_columns: lookup, admission, acceptance count, the record's host copy)
+    step_channel_rehearse_admission: bool = True
     # Batching (engine/merge_window.py): before a batch starts, wait for the engines that arrived within this many
     # microseconds of the queued ones at their previous step; 0: never wait; None: DEFAULT_MERGE_WINDOW_US on CUDA, 0 on
     # CPU (merge_window_us_for)

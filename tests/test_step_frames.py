@@ -406,6 +406,54 @@ async def test_the_step_thread_rehearses_the_last_frame_once_it_has_waited(rehea
         await re_.release(list(seqs))
 
 
+async def test_a_columns_step_is_rehearsed_up_to_its_launches(rehearsing_server, unrehearsed_server):
+    """A request of 8 greedy sequences runs from its columns: the step thread's rehearsal then also runs the proposer's host
+    work before that step's launches (Proposer.rehearse_columns; nothing changed: the same steps through a drafter that
+    never rehearses draft the same). With the servicer's rehearse_admission off (--no-step-channel-rehearse-admission)
+    the parse alone is rehearsed."""
+    from drafter_service.cli import parse_args
+
+    assert parse_args([]).step_channel_rehearse_admission
+    assert parse_args(["--no-step-channel-rehearse-admission"]).step_channel_rehearse_admission is False
+    proposer = rehearsing_server.server.runtime.proposer
+    servicer = rehearsing_server.server.servicer
+    assert servicer.rehearse_admission  # (from the config: attach)
+    rng, g = random.Random(8), torch.Generator().manual_seed(8)
+    async with DrafterClient(rehearsing_server.uds, namespace="re-cols") as re_, \
+            DrafterClient(unrehearsed_server.uds, namespace="plain-cols") as plain:
+        assert await re_.open_step_channel() and re_.channel_frames
+        assert await plain.open_step_channel() and plain.channel_frames
+        seqs = {f"c{i}": dict(tokens=[rng.randrange(V) for _ in range(rng.randint(2, 5) + 1)], sent=0)
+                for i in range(8)}
+        for s in seqs.values():
+            s["hidden"] = torch.randn(len(s["tokens"]) - 1, H, generator=g)
+
+        async def steps_alike(n):
+            for step in range(n):
+                steps = [dataclasses.replace(s, temperature=0.0, seed=0) for s in next_steps(seqs, rng, step, False)]
+                by_re = await re_.propose(steps)
+                await asyncio.sleep(0.02)  # (the engine's target forward: the step thread spins, then rehearses)
+                by_plain = await plain.propose(steps)
+                assert torch.equal(by_re.draft_token_ids, by_plain.draft_token_ids)
+                assert [r.committed_length for r in by_re.sequences] == [r.committed_length for r in by_plain.sequences]
+                commit_some(seqs, steps, by_plain.sequences, rng, g)
+
+        columns_before, rehearsed_before = proposer.columns_steps_run, proposer.columns_rehearsals
+        await steps_alike(4)
+        assert proposer.columns_steps_run - columns_before >= 3  # (the first step creates the sequences)
+        assert proposer.columns_rehearsals > rehearsed_before
+        servicer.rehearse_admission = False
+        try:
+            rehearsed, parses = proposer.columns_rehearsals, rehearsing_server.server.channels.rehearsals
+            await steps_alike(2)
+            assert proposer.columns_rehearsals == rehearsed
+            assert rehearsing_server.server.channels.rehearsals > parses
+        finally:
+            servicer.rehearse_admission = True
+        await re_.release(list(seqs))
+        await plain.release(list(seqs))
+
+
 def test_a_rehearsal_takes_at_most_a_fifth_of_the_spin():
     """ChannelSet.rehearse: after a rehearsal of d seconds the next one waits d / REHEARSE_DUTY (at least
     REHEARSE_EVERY_S), so that a long check (a large frame's) is not what the next request waits behind most of the

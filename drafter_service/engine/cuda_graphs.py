@@ -180,6 +180,7 @@ class DecodeGraphs:
         self.capture_bytes = 0
         self.steps_run = 0  # engine steps whose decode steps ran here
         self.first_steps_run = 0  # engine steps whose first step ran here too
+        self.first_step_rehearsals = 0  # rehearse_columns calls: the record's host copy written, nothing sent
         self.rows_runs = 0  # run_rows calls (pre-drafting branch passes)
 
     # ---- the step that is captured ----
@@ -370,6 +371,14 @@ class DecodeGraphs:
         self._replay_first(bs, M)
         self.first_steps_run += 1
         return self._decode_and_collect(out, list(range(B)), num_drafts.tolist(), B, bs)
+
+    def rehearse_columns(self, start_positions: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray,
+                         next_tokens: np.ndarray, num_drafts: np.ndarray, block_tables: np.ndarray) -> None:
+        """draft_columns' host work before its copies and replays, with nothing sent: the padded size and the record's
+        host copy (Proposer.rehearse_columns; the next step rewrites the record before its copy)."""
+        padded_batch_size(num_tokens.shape[0], self.first_sizes)
+        self.record.write(start_positions, num_tokens, next_tokens, num_drafts, token_ids, block_tables, send=False)
+        self.first_step_rehearsals += 1
 
     def kept_features(self, n: int, k: int) -> torch.Tensor:
         """After an engine step of uniform k: g_0..g_{k-1} of its n drafting rows, [n, k, H] (a copy: the next

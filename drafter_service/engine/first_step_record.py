@@ -55,11 +55,15 @@ class FirstStepRecord:
         self._in_flight = False  # the copy of the last write may still read the host copy
 
     def write(self, start_positions: np.ndarray, num_tokens: np.ndarray, next_tokens: np.ndarray,
-              num_drafts: np.ndarray, token_ids: np.ndarray, block_tables: np.ndarray) -> None:
+              num_drafts: np.ndarray, token_ids: np.ndarray, block_tables: np.ndarray, send: bool = True) -> None:
         """A step's columns into the record, and the record to the device (non_blocking). start_positions, num_tokens,
         next_tokens, num_drafts: [B] integers (k >= 1); token_ids: [T] the committed tokens; block_tables: [B, w]
-        int32 (each row holds the sequence's blocks for every position the step writes)."""
+        int32 (each row holds the sequence's blocks for every position the step writes). send False: the host copy
+        only, and only if no copy from it may be running (a rehearsal between steps: the next step rewrites it
+        whole; the device copy, which a graph replays from, is left alone)."""
         if self._in_flight:  # (the step of the last write failed before its synchronization)
+            if not send:
+                return
             torch.cuda.synchronize(self.on_device.device)
             self._in_flight = False
         B, w = block_tables.shape
@@ -72,7 +76,7 @@ class FirstStepRecord:
         np.subtract(num_drafts, 1, out=self._draft_steps[:B], casting="unsafe")
         self._token_ids[:T] = token_ids
         self._block_tables[: B * w].reshape(B, w)[:] = block_tables
-        if self.on_device is not self.host:
+        if send and self.on_device is not self.host:
             used = self._tables_at + B * w
             views = self._copy_views.get(used)
             if views is None:

@@ -232,6 +232,7 @@ class Proposer:
         self.on_fatal = lambda reason: None
         self._failed_in_a_row = 0
         self.columns_steps_run = 0  # steps step_batch ran from the columns (the rest went the per-sequence way)
+        self.columns_rehearsals = 0  # rehearse_columns runs that went through the admission (diagnostics, tests)
         # diagnostics (the scheduler sets it while a traced request runs: DRAFTER_TRACE_RPC, scripts/rpc_timeline.py):
         # a columns step writes the time.perf_counter() of its phases here (admitted, launched, synced)
         self.phase_marks: dict | None = None
@@ -562,24 +563,15 @@ class Proposer:
         if rows.shape[0] != len(seqs):
             return None  # a new sequence: the per-sequence path
         B = len(seqs)
-        # The sequences' state is read and written as columns by table row (sequence_rows.py), and the batch
-        # arithmetic below is numpy over views of the step's columns: some twenty ops on [B] arrays, each about a
-        # microsecond where a torch op on a small CPU tensor costs several.
+        admitted = self._admit_columns(b, rows)
+        if admitted is None:
+            return None
+        C, k, needed, blocks, have = admitted
         R = self.table.rows
         nonzero = np.count_nonzero  # (for any(): _fast_path_applies)
-        if nonzero(R.predrafting[rows]) or not self.table.distinct(rows):
-            return None  # a sequence that pre-drafts, or one named twice: the per-sequence path
         a = b.arrays
         p, m = a.start_positions, a.num_tokens
-        C = p + m  # [B] committed length after the step
-        committed, have = R.committed_len[rows], R.num_blocks[rows]
-        if nonzero(C >= self.max_model_len) or nonzero(p > committed):
-            return None  # OUT_OF_RANGE or a gap: the per-sequence path names it
-        k = np.maximum(np.minimum(a.num_drafts, self.max_model_len - 1 - C), 0)  # [B] after the cut
         # ---- blocks: only the sequences whose table changes size go through the table (a few per step) ----
-        needed = C + np.maximum(k - 1, 0)  # positions the step writes KV for (scratch KV of all drafts but the last)
-        bs = self.block_size
-        blocks = (needed + bs - 1) // bs
         resized = blocks != have
         for i in (np.flatnonzero(resized).tolist() if nonzero(resized) else ()):
             seq, missing = seqs[i], int(blocks[i] - have[i])
@@ -651,10 +643,63 @@ class Proposer:
         self.metrics.live_sequences = len(self.table)
         return out
 
-    def _count_accepted_columns(self, rows: np.ndarray, b: BatchInput, C: np.ndarray) -> np.ndarray:
+    def _admit_columns(self, b: BatchInput, rows: np.ndarray):
+        """The columns path's admission arithmetic, which reads the sequences' rows and changes nothing: None where
+        the per-sequence path must take the step (a sequence that pre-drafts or is named twice, a position out of
+        range, a gap), else ([B] int64 each, numpy) C = p + m the committed length after the step, k the drafts after
+        the max_model_len cut, needed the positions the step writes KV for, blocks the blocks that takes, and have
+        the blocks held now. (_step_columns and rehearse_columns.)"""
+        # The sequences' state is read and written as columns by table row (sequence_rows.py), and the batch
+        # arithmetic below is numpy over views of the step's columns: some twenty ops on [B] arrays, each about a
+        # microsecond where a torch op on a small CPU tensor costs several.
+        R = self.table.rows
+        nonzero = np.count_nonzero  # (for any(): _fast_path_applies)
+        if nonzero(R.predrafting[rows]) or not self.table.distinct(rows):
+            return None  # a sequence that pre-drafts, or one named twice: the per-sequence path
+        a = b.arrays
+        p = a.start_positions
+        C = p + a.num_tokens  # [B] committed length after the step
+        committed, have = R.committed_len[rows], R.num_blocks[rows]
+        if nonzero(C >= self.max_model_len) or nonzero(p > committed):
+            return None  # OUT_OF_RANGE or a gap: the per-sequence path names it
+        k = np.maximum(np.minimum(a.num_drafts, self.max_model_len - 1 - C), 0)  # [B] after the cut
+        needed = C + np.maximum(k - 1, 0)  # positions the step writes KV for (scratch KV of all drafts but the last)
+        bs = self.block_size
+        return C, k, needed, (needed + bs - 1) // bs, have
+
+    def rehearse_columns(self, b: BatchInput) -> bool:
+        """The host work of _step_columns before its launches, on a step already run (the drafter's rehearsal of its
+        last request while it waits for the next: transport/step_channels.py ChannelSet.rehearse), with nothing
+        changed and nothing sent to the device: the table lookup (without marking the sequences used), the
+        admission, the acceptance count (not recorded), the block tables' gather and, where a first-step graph would
+        replay, the record's host copy (FirstStepRecord.write without its copy). Work that last ran milliseconds ago
+        runs several times slower than warm on the hosts measured (docs/performance.md). Step thread only. Whether
+        it ran: False where the step would not take the columns path now."""
+        if not self._fast_path_applies(b):
+            return False
+        rows = self.table.rows_of(b.namespaces, b.sequence_ids)
+        if rows is None:
+            return False
+        admitted = self._admit_columns(b, rows)
+        if admitted is None:
+            return False
+        C, k, _, blocks, _ = admitted
+        self.columns_rehearsals += 1
+        self._count_accepted_columns(rows, b, C, record=False)
+        a = b.arrays
+        tables = self.table.rows.block_tables_np[rows, : int(blocks.max())]
+        graphs = self.decode_graphs
+        if not np.count_nonzero(a.temperatures > 0) and graphs is not None and graphs.first_step_fits(
+                C, a.num_tokens, k):
+            graphs.rehearse_columns(a.start_positions, a.num_tokens, a.token_ids, a.next_tokens, k, tables)
+        return True
+
+    def _count_accepted_columns(self, rows: np.ndarray, b: BatchInput, C: np.ndarray,
+                                record: bool = True) -> np.ndarray:
         """[B] int64: _count_accepted for every sequence at once (the drafts given at its last step, n of them for
         positions base + 1, ..., against the committed tokens this step brings), recorded in the acceptance
-        metrics. rows: [B] the sequences' table rows; C: [B] p + m (numpy int64)."""
+        metrics (record False: not; rehearse_columns). rows: [B] the sequences' table rows; C: [B] p + m (numpy
+        int64)."""
         R = self.table.rows
         n, base = R.num_drafts[rows], R.drafts_base[rows]
         B, K = rows.shape[0], int(n.max())
@@ -670,7 +715,7 @@ class Proposer:
         truth = np.where(pos < C[:, None], a.token_ids[rows_in], a.next_tokens[:, None])  # committed
         match = (pos <= C[:, None]) & (truth == given) & (np.arange(K) < n[:, None])
         accepted = np.cumprod(match, axis=1).sum(1) * evaluated
-        if evaluated.any():
+        if record and evaluated.any():
             self.metrics.record_acceptance_columns(n[evaluated], accepted[evaluated])
         return accepted
 

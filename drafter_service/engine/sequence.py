@@ -268,6 +268,18 @@ class SequenceTable:
         self._touches += len(found)
         return seqs, rows
 
+    def rows_of(self, namespaces: list[str], sequence_ids: list[str]) -> np.ndarray | None:
+        """[n] int64: the table rows of these sequences, in order, or None if one is unknown; touch_batch's lookup
+        with nothing marked (Proposer.rehearse_columns)."""
+        last = self._last_lookup
+        if (last is not None and last.membership == self._membership and last.sequence_ids == sequence_ids
+                and last.namespaces == namespaces):
+            return last.rows
+        seqs = list(map(self._seqs.get, zip(namespaces, sequence_ids)))
+        if None in seqs:
+            return None
+        return np.fromiter([seq.table_row for seq in seqs], dtype=np.int64, count=len(seqs))
+
     def distinct(self, rows: np.ndarray) -> bool:
         """Whether touch_batch's rows name no row twice: known for its last answer, counted otherwise."""
         last = self._last_lookup

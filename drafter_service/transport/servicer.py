@@ -253,6 +253,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         # Benchmarks only (benchmarks/bench_data_plane.py): decode, check and stage the tensors, then answer with
         # no drafts and without running the head, to time the data plane alone.
         self.ingest_only = False
+        self.rehearse_admission = False  # (attach: --no-step-channel-rehearse-admission; decode_frame)
         self.step_channel_socket = ""  # where step channels open (server.py), "" when they are off
         self.authorizer = None  # auth.Authorizer (server.py); the AuthInterceptor applies it to every call
         self.on_drain = None  # async (grace_s) -> (live sequences, grace in force): server.py's DrafterServer.drain
@@ -270,6 +271,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.runtime, self.scheduler = runtime, scheduler
         self.regions = shared_memory_table(runtime)
         cfg = runtime.config
+        self.rehearse_admission = cfg.step_channel_rehearse_admission
         self.staging = StagingBudget(cfg.max_chunked_bytes, cfg.max_chunked_bytes_per_namespace)
         self.uploads = UploadRegistry()
         runtime.metrics.shm = self.regions
@@ -370,11 +372,16 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         StepInput per sequence, and so does a frame of one sequence of a few rows: its columnar parse costs about
         what the columns path saves (dev CPU: 90-107 against 67-84 us for the parse, 121 against 146 us before the
         replay), while from two sequences the columnar parse is the faster one too (105-110 against 125-131 us).
-        rehearsal: the parse alone (the step thread re-reading its last frame while it waits, to keep this code warm:
-        step_channels.ChannelSet.rehearse)."""
+        rehearsal: the step thread re-reading its last frame while it waits, to keep this code warm
+        (step_channels.ChannelSet.rehearse): the parse, and for steps that come as columns the proposer's host work
+        before their launches, nothing changed (Proposer.rehearse_columns; --no-step-channel-rehearse-admission: the
+        parse alone)."""
         rt = self.runtime
         steps = parse_frame(frame, rt.limits, self.steps_as_columns(len(frame.sequence_ids), frame.token_ids.shape[0]))
-        if self.ingest_only and len(steps) and not rehearsal:  # (as decode_propose: the states onto the device)
+        if rehearsal:
+            if self.rehearse_admission and not self.ingest_only and isinstance(steps, BatchInput):
+                rt.proposer.rehearse_columns(steps)
+        elif self.ingest_only and len(steps):  # (as decode_propose: the states onto the device)
             frame.states.to(rt.device)
             if rt.device.type == "cuda":
                 torch.cuda.synchronize(rt.device)
