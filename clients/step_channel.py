@@ -193,7 +193,7 @@ class StepChannel:
                 if self.rehearse is not None and now - rehearsed > pause:
                     self._rehearse()
                     rehearsed = time.monotonic()
-                    pause = max(REHEARSE_EVERY_S, (rehearsed - now) * (1 / REHEARSE_DUTY - 1))
+                    pause = step_frame.rehearsal_pause(rehearsed - now, REHEARSE_EVERY_S, REHEARSE_DUTY)
                 yield 0 if now - started < self.spin_s else self.poll_s  # spin, then poll
         except BaseException:  # the channel's state is unknown (or closed): nobody uses it again
             self.close()

@@ -455,8 +455,8 @@ async def test_a_columns_step_is_rehearsed_up_to_its_launches(rehearsing_server,
 
 
 def test_a_rehearsal_takes_at_most_a_fifth_of_the_spin():
-    """ChannelSet.rehearse: after a rehearsal of d seconds the next one waits d / REHEARSE_DUTY (at least
-    REHEARSE_EVERY_S), so that a long check (a large frame's) is not what the next request waits behind most of the
+    """ChannelSet.rehearse: after a rehearsal of d seconds the next one waits d * (1 / REHEARSE_DUTY - 1) (at least
+    REHEARSE_EVERY_S: step_frame.rehearsal_pause, the client's rule too), so that a long check (a large frame's) is not what the next request waits behind most of the
     time; rehearse() before then does nothing. The frame is checked as a rehearsal (decode_frame(...,
     rehearsal=True))."""
     from drafter_service.transport import step_channels as sc
@@ -476,7 +476,7 @@ def test_a_rehearsal_takes_at_most_a_fifth_of_the_spin():
     cs._rehearsal = step_frame.without_states(data, step_frame.read_request(data))
     cs.rehearse()
     assert calls == [(9, True)] and cs.rehearsals == 1
-    assert cs._next_rehearsal - time.perf_counter() > 0.004 / sc.REHEARSE_DUTY - 0.004 - 0.001  # (>= 20 ms after)
+    assert cs._next_rehearsal - time.perf_counter() > 0.004 * (1 / sc.REHEARSE_DUTY - 1) - 0.001  # (16 ms after)
     cs.rehearse()
     assert cs.rehearsals == 1
     cs._next_rehearsal = 0.0

@@ -196,6 +196,13 @@ def read_request(buf, with_states: bool = True) -> RequestFrame:
                         token_ids=token_ids, states=states.view(t, w))
 
 
+def rehearsal_pause(seconds: float, every: float, duty: float) -> float:
+    """How long both ends wait after a rehearsal (a re-parse of their last frame while they wait, to keep that code
+    warm: the client's StepChannel, the drafter's ChannelSet.rehearse) that took `seconds`: at least `every`, and long
+    enough that rehearsals take at most `duty` of the time (a rehearsal of d, then a pause of d * (1 / duty - 1))."""
+    return max(every, seconds * (1 / duty - 1))
+
+
 def without_states(buf, frame: RequestFrame) -> bytes:
     """A copy of the request frame in buf (read as frame) cut before its states: read_request(..., with_states=False)
     reads it back."""

@@ -64,7 +64,7 @@ LIVENESS_PERIOD_S = 0.1  # how often the step thread checks that each channel's 
 STUCK_REQUEST_S = 1.0  # a doorbell whose bytes never check out is answered with an error after this
 MAX_REQUEST_AGE_S = 1.0  # a request's send time (mailbox request_sent_ns) older than this is not believed: seen time
 REHEARSE_EVERY_S = 0.0005  # the step thread re-reads the last request frame at most this often (ChannelSet.rehearse)
-REHEARSE_DUTY = 0.2  # and for at most this share of its spin: after a rehearsal of d seconds, none for d / 0.2
+REHEARSE_DUTY = 0.2  # and for at most this share of its spin: after a rehearsal of d seconds, none for 4d
 
 
 @dataclass
@@ -512,7 +512,7 @@ class ChannelSet:
             self._rehearsal = None
         self.rehearsals += 1
         end = time.perf_counter()
-        self._next_rehearsal = end + max(REHEARSE_EVERY_S, (end - start) / REHEARSE_DUTY)
+        self._next_rehearsal = end + step_frame.rehearsal_pause(end - start, REHEARSE_EVERY_S, REHEARSE_DUTY)
 
     def _queue_frame(self, ch: Channel, seq: int, parsed: _ParsedFrame, enqueue, t_seen: float,
                      arrived: float) -> None:
