@@ -8,6 +8,7 @@ sequence, packed states) answer exactly what the same steps answer as protobuf; 
 an error reply and the channel stays usable; a drafter without frames leaves the client on protobuf.
 """
 import asyncio
+import contextlib
 import dataclasses
 import random
 import time
@@ -367,6 +368,25 @@ def unrehearsed_server(tiny_model, tmp_path_factory):
         yield s
 
 
+@contextlib.asynccontextmanager
+async def frame_clients(rehearsing_server, unrehearsed_server, tag: str):
+    """A client of each drafter (namespaces re-TAG and plain-TAG), each with a step channel that speaks frames."""
+    async with DrafterClient(rehearsing_server.uds, namespace=f"re-{tag}") as re_, \
+            DrafterClient(unrehearsed_server.uds, namespace=f"plain-{tag}") as plain:
+        assert await re_.open_step_channel() and re_.channel_frames
+        assert await plain.open_step_channel() and plain.channel_frames
+        yield re_, plain
+
+
+def random_sequences(rng: random.Random, g: torch.Generator, n: int, prefix: str, most: int) -> dict:
+    """n sequences (next_steps' form) of 3 to most + 1 random tokens and their random states."""
+    seqs = {f"{prefix}{i}": dict(tokens=[rng.randrange(V) for _ in range(rng.randint(2, most) + 1)], sent=0)
+            for i in range(n)}
+    for s in seqs.values():
+        s["hidden"] = torch.randn(len(s["tokens"]) - 1, H, generator=g)
+    return seqs
+
+
 async def test_the_step_thread_rehearses_the_last_frame_once_it_has_waited(rehearsing_server, unrehearsed_server):
     """--step-channel-rehearse-after-s: once the step thread has spun that long after its last batch it re-reads and
     re-checks the last request frame (ChannelSet.rehearse). Rehearsals change nothing: the same steps through a
@@ -375,14 +395,8 @@ async def test_the_step_thread_rehearses_the_last_frame_once_it_has_waited(rehea
     channels = rehearsing_server.server.channels
     assert channels.rehearse_frames and not unrehearsed_server.server.channels.rehearse_frames
     rng, g = random.Random(5), torch.Generator().manual_seed(5)
-    async with DrafterClient(rehearsing_server.uds, namespace="re") as re_, \
-            DrafterClient(unrehearsed_server.uds, namespace="plain") as plain:
-        assert await re_.open_step_channel() and re_.channel_frames
-        assert await plain.open_step_channel() and plain.channel_frames
-        seqs = {f"r{i}": dict(tokens=[rng.randrange(V) for _ in range(rng.randint(2, 6) + 1)], sent=0)
-                for i in range(3)}
-        for s in seqs.values():
-            s["hidden"] = torch.randn(len(s["tokens"]) - 1, H, generator=g)
+    async with frame_clients(rehearsing_server, unrehearsed_server, "frames") as (re_, plain):
+        seqs = random_sequences(rng, g, 3, "r", 6)
         counts = []
         for step in range(5):
             steps = next_steps(seqs, rng, step, False)
@@ -419,14 +433,8 @@ async def test_a_columns_step_is_rehearsed_up_to_its_launches(rehearsing_server,
     servicer = rehearsing_server.server.servicer
     assert servicer.rehearse_admission  # (from the config: attach)
     rng, g = random.Random(8), torch.Generator().manual_seed(8)
-    async with DrafterClient(rehearsing_server.uds, namespace="re-cols") as re_, \
-            DrafterClient(unrehearsed_server.uds, namespace="plain-cols") as plain:
-        assert await re_.open_step_channel() and re_.channel_frames
-        assert await plain.open_step_channel() and plain.channel_frames
-        seqs = {f"c{i}": dict(tokens=[rng.randrange(V) for _ in range(rng.randint(2, 5) + 1)], sent=0)
-                for i in range(8)}
-        for s in seqs.values():
-            s["hidden"] = torch.randn(len(s["tokens"]) - 1, H, generator=g)
+    async with frame_clients(rehearsing_server, unrehearsed_server, "columns") as (re_, plain):
+        seqs = random_sequences(rng, g, 8, "c", 5)
 
         async def steps_alike(n):
             for step in range(n):
