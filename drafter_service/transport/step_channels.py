@@ -632,7 +632,7 @@ def _send_line(conn: socket.socket, obj: dict) -> None:
 def _still_connected(conn: socket.socket) -> bool:
     """False when the client closed its end (or sent anything: a client says goodbye by closing)."""
     try:
-        data = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except BlockingIOError:
         return True
     except OSError:
