@@ -260,14 +260,16 @@ async def test_reading_the_requests_that_are_here_does_not_use_up_the_window():
                 channels.inbox.append(PendingRequest(_step(owner, i), deliver))
             return done
 
-        for i in range(6):
+        for i in range(10):
             a, b = channel_request("engine a", i), channel_request("engine b", i)
             await asyncio.sleep(0.001)
             await asyncio.gather(a, b, channel_request("engine c", i))
             await asyncio.sleep(0.02)
-        # (the first round teaches the window who steps together; a loaded machine may spare one round more)
-        merged = proposer.batches[-4:].count(["engine a", "engine b", "engine c"])
-        assert merged >= 3, proposer.batches
+        # Counted from a's arrival, c never joins. (The first round teaches the window who steps together; a loaded
+        # machine may delay c past the window now and then, and the group then splits for two rounds, until the
+        # window has seen them together again: four rounds in eight spared.)
+        merged = proposer.batches[-8:].count(["engine a", "engine b", "engine c"])
+        assert merged >= 4, proposer.batches
         assert sched.merge_window.counters.late == 0
 
 
