@@ -49,21 +49,16 @@ def scratch_record() -> dict[str, np.ndarray]:
 
 
 def dry_admission(p, batch, rows: np.ndarray, rec: dict[str, np.ndarray]) -> None:
-    """The numpy and torch calls of Proposer._step_columns' admission and of FirstStepRecord.write, on the step's
-    columns and table rows, with every result dropped (rows: the batch's table rows, looked up once beforehand)."""
+    """The numpy and torch calls of Proposer._step_columns' admission (Proposer._admit_columns itself, which changes
+    nothing) and of FirstStepRecord.write, on the step's columns and table rows, with every result dropped (rows: the
+    batch's table rows, looked up once beforehand). The record's fields go into a scratch copy: during the GPU wait
+    the record's own copy may still be in flight (Proposer.rehearse_columns skips it then)."""
     nonzero = np.count_nonzero
     p._fast_path_applies(batch)
     R = p.table.rows
-    nonzero(R.predrafting[rows])
-    p.table.distinct(rows)
+    C, k, _, blocks, have = p._admit_columns(batch, rows)
     a = batch.arrays
     start, m = a.start_positions, a.num_tokens
-    C = start + m
-    committed, have = R.committed_len[rows], R.num_blocks[rows]
-    nonzero(C >= p.max_model_len) or nonzero(start > committed)
-    k = np.maximum(np.minimum(a.num_drafts, p.max_model_len - 1 - C), 0)
-    needed = C + np.maximum(k - 1, 0)
-    blocks = (needed + p.block_size - 1) // p.block_size
     nonzero(blocks != have)
     torch.from_numpy(k)
     tables = R.block_tables_np[rows, : int(blocks.max())]
