@@ -8,11 +8,19 @@
     python scripts/profile_step.py --batches 8 --columns --timeline     # every GPU activity of one step, and the
                                                                         # cost of the graphs' kernel boundaries
     python scripts/profile_step.py --batches 128 --columns --mixed-m    # steps of 1..m committed tokens each
+    python scripts/profile_step.py --batches 128 --columns --advance    # contexts that grow as in serving
     python scripts/profile_step.py --preset llama3-8b-eagle3 --engine-applies-fc --columns --states-on-gpu \
         --batches 1,8,32,64,128,256 --rounds 3 --out gpu_out/profile_step.json   # the JSON batch_scale_targets.py reads
 
 By default the steps' target hidden states are host tensors (as a sidecar receives them: the step stages them through
 pinned memory); --states-on-gpu gives them on the GPU, as an engine in the drafter's own process holds them.
+
+By default every step re-sends the same positions (a fixed context: no sequence ever needs a new KV block). With
+--advance (columns only) each step starts where the last one ended, as an engine's decode loop does: the contexts
+grow by m a step and each sequence takes a new block every block_size / m steps (at batch 128, m = 3 and 16-token
+blocks, some 24 sequences a step), which is host work a serving step does and the fixed-context step does not. The
+positions go back to the first step's before each timed phase (a rollback, which the protocol allows), so that every
+phase times the same contexts (1024 + up to 3 x 20 at the default); they also go back after ADVANCE_WINDOW positions.
 
 Per batch size, --rounds times: the wall time of 20 steps (no profiler) and the GPU kernel time of 5 steps under
 torch.profiler (the sum of the GPU activities' own time); the ratio wall / kernel time is #13's "in-process <= 1.15x
@@ -41,6 +49,41 @@ from drafter_client.benchmarks import bench_step as b  # noqa: E402
 from drafter_client.benchmarks.report import write_json  # noqa: E402
 
 PROFILED_STEPS = 5  # steps under torch.profiler per round: the kernel time of a step is their mean
+ADVANCE_WINDOW = 1024  # --advance: how far the positions move on before they go back to the first step's
+
+
+class Advancing:
+    """--advance: a columns step (Proposer.step_batch of one BatchInput) as an engine's decode loop runs it: after each
+    step, every sequence's next step starts where this one ended (the m tokens it committed later). The move is an
+    in-place add on the BatchInput's numpy column (about a microsecond, timed with the step). rewind(): back to the
+    first step's positions, after checking that the last step committed what it was given (no sequence refused:
+    the timed steps were the steps meant)."""
+
+    def __init__(self, step, inputs):
+        self.step, self.positions = step, inputs.arrays.start_positions
+        self.first, self.m = self.positions.copy(), inputs.arrays.num_tokens.copy()
+        self.last = None
+        self.steps = 0
+
+    def __call__(self, inputs):
+        out = self.last = self.step(inputs)
+        self.positions += self.m
+        self.steps += 1
+        if self.positions[0] > self.first[0] + ADVANCE_WINDOW:
+            self.rewind()
+        return out
+
+    def rewind(self) -> None:
+        if self.last is not None:
+            assert int(self.last.codes.abs().sum()) == 0, self.last.messages[:3]
+            assert (self.last.committed_lengths.numpy() == self.positions).all(), "a step did not commit its tokens"
+        self.positions[:] = self.first
+
+
+def rewind(step) -> None:
+    """An --advance step back to its first positions (before each timed phase); nothing for any other step."""
+    if isinstance(step, Advancing):
+        step.rewind()
 
 
 def profiled_steps(step, inputs, n: int):
@@ -269,6 +312,9 @@ def main() -> int:
     ap.add_argument("--mixed-m", action="store_true",
                     help="sequence i re-sends 1 + i %% m committed tokens (mixed m, as after varying acceptance) "
                          "instead of m each")
+    ap.add_argument("--advance", action="store_true",
+                    help="with --columns: each step starts where the last one ended (contexts and block tables grow "
+                         "as in serving) instead of re-sending the same positions")
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--cpu-threads", type=int, default=0, help="torch threads for the host side (0: the server's "
                     "default on CUDA, 1)")
@@ -298,17 +344,20 @@ def main() -> int:
     if a.rounds < 1:
         ap.error("--rounds must be at least 1")
     shape = b.PRESETS[a.preset]
+    if a.advance and not a.columns:
+        ap.error("--advance is for --columns steps")
     if a.engine_applies_fc and shape.get("method") != "eagle3":
         ap.error(f"--engine-applies-fc is for EAGLE-3 presets; {a.preset} is not one")
     result = dict(benchmark="profile_step", date=datetime.datetime.now().isoformat(timespec="seconds"),
                   host=platform.node(), device=f"cuda: {torch.cuda.get_device_name()}", torch=torch.__version__,
                   command=" ".join(["scripts/profile_step.py", *sys.argv[1:]]), preset=a.preset, context=a.context,
-                  m=a.m, mixed_m=a.mixed_m, k=a.k, columns=a.columns, states_on_gpu=a.states_on_gpu,
+                  m=a.m, mixed_m=a.mixed_m, k=a.k, columns=a.columns, advance=a.advance, states_on_gpu=a.states_on_gpu,
                   engine_applies_fc=a.engine_applies_fc, cuda_graphs=not a.no_cuda_graphs, rounds=a.rounds, rows=[],
                   wall_timed="before any profiler session", complete=False)
     with tempfile.TemporaryDirectory() as tmp:
-        rt = b.random_head_runtime(pathlib.Path(tmp), shape, a.context + 64, device="cuda",
-                                   kv_cache_tokens=max(200_000, 300 * (a.context + 64)),  # 256 sequences fit
+        max_len = a.context + 64 + (ADVANCE_WINDOW + 64 if a.advance else 0)
+        rt = b.random_head_runtime(pathlib.Path(tmp), shape, max_len, device="cuda",
+                                   kv_cache_tokens=max(200_000, 300 * max_len),  # 256 sequences fit
                                    cuda_graphs=not a.no_cuda_graphs, cpu_threads=a.cpu_threads,
                                    engine_applies_fc=a.engine_applies_fc)
         batches = [int(x) for x in a.batches.split(",")]
@@ -326,6 +375,7 @@ def main() -> int:
         for _ in range(a.rounds):
             for batch in batches:
                 _, inputs, step = prepared[batch]
+                rewind(step)
                 for _ in range(5):  # (the step before was another batch's)
                     step(inputs)
                 mean, median = time_wall(step, inputs)
@@ -334,6 +384,9 @@ def main() -> int:
         if a.phases:
             for batch in batches:
                 _, inputs, step = prepared[batch]
+                rewind(step)
+                for _ in range(5):
+                    step(inputs)
                 print_phases(rt, step, inputs, batch)
         if a.out:  # (a run stopped by a time limit in phase 2 keeps these)
             result["walls_ms"] = {str(k): v for k, v in walls.items()}
@@ -341,6 +394,7 @@ def main() -> int:
         # Phase 2: the kernel times under the profiler, then what else uses it (or cProfile)
         for batch in batches:
             _, inputs, step = prepared[batch]
+            rewind(step)
             for _ in range(5):
                 step(inputs)
             kernels = []
@@ -354,6 +408,7 @@ def main() -> int:
                       f"{'m = 1..' if a.mixed_m else 'm = '}{a.m}, states on the "
                       f"{'GPU' if a.states_on_gpu else 'host'}"
                       f"{', fc by the engine' if a.engine_applies_fc else ''}"
+                      f"{', contexts advancing' if a.advance else ''}"
                       f"{f', round {r + 1} of {a.rounds}' if a.rounds > 1 else ''}): wall {wall:.2f} ms/step, "
                       f"GPU kernel time {gpu_total:.2f} ms/step, "
                       f"idle GPU {wall - gpu_total:.2f} ms ===")
@@ -392,6 +447,11 @@ def main() -> int:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(40)
                 print(f"--- batch {batch}: the same by cumulative time ---")
                 pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
+        if a.advance:
+            taken = {batch: prepared[batch][2].steps for batch in batches}
+            print(f"--- advancing: steps per batch size {taken}; KV blocks in use at the end "
+                  f"{rt.kv.pool.num_blocks - rt.kv.pool.num_free} of {rt.kv.pool.num_blocks} ---", flush=True)
+            result["advanced_steps"] = {str(k): v for k, v in taken.items()}
         for s in prepared[max(batches)][0]:  # (the largest batch names every sequence)
             rt.proposer.table.release("bench", s.sequence_id)
     if a.out:
@@ -408,6 +468,8 @@ def prepare(rt, a, shape: dict, batch: int):
     inputs, step = b.to_inputs(decode), rt.proposer.step
     if a.columns:
         inputs, step = b.to_batch_input(decode), rt.proposer.step_batch
+    if a.advance:
+        step = Advancing(step, inputs)
     return decode, inputs, step
 
 

@@ -588,3 +588,16 @@ def test_admission_rehearsal_ab_times_both_arms_on_a_gpu(tmp_path):
         (r, on, batch) for r in range(2) for on in (False, True) for batch in (1, 8))
     assert all(r["wall_mean_ms"] > 0 and "admit" in r["phases"] and "did not replay" not in r["phases"] for r in rows)
     assert [(s["batch"], s["rehearsal"]) for s in result["summary"]] == [(1, False), (1, True), (8, False), (8, True)]
+
+
+@pytest.mark.gpu
+def test_profile_step_times_contexts_that_advance_on_a_gpu(tmp_path):
+    """scripts/profile_step.py --advance: each step starts where the last one ended (the script checks at each rewind
+    that every step committed its tokens); walls, phases and kernel times as for fixed contexts."""
+    result = run(["scripts/profile_step.py", "--preset", "tiny", "--batches", "1,32", "--columns", "--advance",
+                  "--states-on-gpu", "--phases", "--context", "256"], tmp_path / "ps.json")
+    assert result["complete"] is True and result["advance"] is True
+    assert [r["batch"] for r in result["rows"]] == [1, 32]
+    assert all(r["wall_ms"][0] > 0 and r["kernel_ms"][0] > 0 for r in result["rows"])
+    # warm-up, 20 timed, phases (5 + 30) and kernels (5 + 5) steps: every one of them advanced
+    assert all(n >= 65 for n in result["advanced_steps"].values()), result["advanced_steps"]

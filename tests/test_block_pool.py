@@ -1,6 +1,9 @@
 """Block allocator and per-sequence block tables."""
 import random
 
+import numpy as np
+import pytest
+
 from drafter_service.engine.kv_cache import BlockPool
 from drafter_service.engine.sequence import Sequence, SequenceTable
 
@@ -347,3 +350,43 @@ def test_eviction_and_expiry_follow_the_lru_order_under_random_operations():
         assert table.counters.evicted > 50 and table.counters.expired > 0
     finally:
         mp.undo()
+
+
+def test_grow_rows_takes_what_a_resize_of_each_in_turn_takes():
+    """SequenceTable.grow_rows (a step's growing sequences at once): the same block ids in the same rows as resize()
+    of each sequence in turn, the same pool left, the namespaces' counts; a pool too short changes nothing, and a
+    sequence past a row's width raises before a block is taken."""
+    rng = random.Random(3)
+    tables = [SequenceTable(BlockPool(400), block_size=4, max_model_len=256) for _ in range(2)]
+    seqs = [[], []]
+    for t, mine in zip(tables, seqs):
+        for i in range(20):
+            s = Sequence("x" if i % 3 else "y", f"s{i}")
+            assert t.resize(s, 1 + (i * 7) % 13)
+            t.add(s)
+            mine.append(s)
+    for _ in range(15):
+        pick = sorted(rng.sample(range(20), rng.randint(1, 12)))
+        more = [rng.randint(1, 4) for _ in pick]
+        one, each = tables
+        for i, n in zip(pick, more):  # one sequence at a time
+            assert each.resize(seqs[1][i], (seqs[1][i].num_blocks + n) * 4)
+        rows = np.array([seqs[0][i].table_row for i in pick], dtype=np.int64)
+        have = one.rows.num_blocks[rows].copy()
+        by_ns = {}
+        for i, n in zip(pick, more):
+            by_ns[seqs[0][i].namespace] = by_ns.get(seqs[0][i].namespace, 0) + n
+        assert one.grow_rows(rows, have, have + np.array(more), by_ns)
+        assert [s.block_table for s in seqs[0]] == [s.block_table for s in seqs[1]]
+        assert list(one.pool._free) == list(each.pool._free)
+        assert one._ns_blocks == each._ns_blocks
+    check_tensor_rows(one, seqs[0])
+    one = tables[0]
+    rows = np.array([seqs[0][0].table_row], dtype=np.int64)
+    have = one.rows.num_blocks[rows].copy()
+    before = ([s.block_table for s in seqs[0]], list(one.pool._free), dict(one._ns_blocks))
+    assert not one.grow_rows(rows, have, have + one.pool.num_free + 1, {"y": one.pool.num_free + 1})
+    assert before == ([s.block_table for s in seqs[0]], list(one.pool._free), dict(one._ns_blocks))
+    with pytest.raises(ValueError, match="at most 64"):
+        one.grow_rows(rows, have, np.array([65]), {"y": int(65 - have[0])})
+    assert before == ([s.block_table for s in seqs[0]], list(one.pool._free), dict(one._ns_blocks))

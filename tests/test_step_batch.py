@@ -100,6 +100,47 @@ def test_columns_answer_as_the_per_sequence_step_over_random_traffic(tiny_model,
     assert b.proposer.columns_steps_run - fast_before >= 8
 
 
+@pytest.mark.parametrize("share", [1.0, 0.3])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_growing_sequences_take_their_blocks_in_one_call_as_one_at_a_time(tiny_model, tmp_path, device, share,
+                                                                           monkeypatch):
+    """A columns step's growing sequences take their blocks in one call (SequenceTable.grow_rows) where the pool and
+    the namespaces' shares hold the growth: the same answers, block tables, free list, namespace counts and live
+    sequences as a drafter that takes them one sequence at a time (its _growth_fits always declines), over traffic
+    of two namespaces in one batch with rollbacks (a table that shrinks: one at a time) and, with a namespace's
+    share of the pool at 0.3, steps whose growth passes the share (one at a time: idle sequences evicted)."""
+    a, b = runtimes(tiny_model, tmp_path, device=device, kv_cache_tokens=4096, namespace_pool_share=share)
+    monkeypatch.setattr(a.proposer, "_growth_fits", lambda *args: None)
+    grown, real = [], b.proposer.table.grow_rows
+    monkeypatch.setattr(b.proposer.table, "grow_rows", lambda *args: grown.append(len(args[0])) or real(*args))
+    t = Traffic(11, a.limits.hidden_states_width, a.limits.vocab_size, 40)
+    namespace = {sid: NS if i % 2 else "other" for i, sid in enumerate(t.tokens)}
+    for round in range(14):
+        rng = t.rng
+        sids = sorted(t.tokens, key=lambda _: rng.random())[: rng.randint(24, 40)]
+        steps = [t.step(sid, m=rng.randint(1, 5), k=rng.choice([1, 3, 5, 8]), back=rng.choice([0, 0, 0, 0, 2, 9]))
+                 for sid in sids]
+        for s in steps:
+            s.namespace = namespace[s.sequence_id]
+        batches = [as_batch(steps), as_batch(steps)]
+        for batch in batches:
+            batch.namespaces = [s.namespace for s in steps]
+        out_a, out_b = a.proposer.step_batch(batches[0]), b.proposer.step_batch(batches[1])
+        same(out_a.to_outputs(), out_b)
+        assert metrics_of(a) == metrics_of(b)
+        for sid in t.tokens:
+            sa, sb = a.proposer.table.get(namespace[sid], sid), b.proposer.table.get(namespace[sid], sid)
+            assert (sa is None) == (sb is None) and (sa is None or sa.block_table == sb.block_table), sid
+        assert list(a.kv.pool._free) == list(b.kv.pool._free)
+        assert a.proposer.table._ns_blocks == b.proposer.table._ns_blocks
+        t.answered(steps, out_a.to_outputs())
+    # (with the share, evicted sequences and refused steps send some steps the per-sequence way)
+    assert a.proposer.columns_steps_run == b.proposer.columns_steps_run >= (8 if share == 1.0 else 5)
+    assert len(grown) >= 5 and sum(grown) > 3 * len(grown)  # (many sequences grew together, in one call a step)
+    if share < 1.0:
+        assert b.proposer.table.counters.evicted + b.proposer.table.counters.quota_refusals > 0  # (one at a time)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_step_with_step_inputs_runs_from_the_columns_with_the_same_answers(tiny_model, tmp_path, device):
     """Proposer.step: a step of known sequences that step_batch would run from its columns goes there from its

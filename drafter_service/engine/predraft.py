@@ -500,7 +500,7 @@ class Predrafter:
         limit = t.namespace_block_limit
         if missing and limit is not None and t.namespace_blocks(seq.namespace) + missing > limit:
             return False
-        return t.resize(seq, max(positions, len(seq.block_table) * t.block_size))
+        return t.resize(seq, max(positions, seq.num_blocks * t.block_size))
 
     def _prepare_group(self, seqs: list[Sequence], k: int, flight: _InFlight) -> bool:
         # (host tensors go to the device with non_blocking=True: a blocking copy synchronizes the stream, and the pass
@@ -529,7 +529,7 @@ class Predrafter:
         served_dev = served.to(dev, non_blocking=True)
         if bases[0].features is not None:  # (a group either has them all or none)
             # ---- forced pass, shortened: the plain step kept g_0..g_{k-1}; only the row of D_k runs ----
-            w = max(len(seq.block_table) for seq in seqs)
+            w = max(seq.num_blocks for seq in seqs)
             tables = p.table.rows.gather([seq.table_row for seq in seqs], w)  # [n, w] int32
             kept = torch.stack([b.features for b in bases])  # [n, k, H]
             meta = self._decode_meta(C - 1 + k, tables, tables.to(dev, non_blocking=True))

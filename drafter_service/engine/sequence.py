@@ -101,7 +101,6 @@ class Sequence:
                  last_step: int = 0):
         self.namespace = namespace
         self.sequence_id = sequence_id
-        self.block_table: list[int] = []  # block ids, in position order
         self.table_row = -1  # its row of SequenceTable.rows; -1: none (not admitted yet, or dropped)
         self.rows: SequenceRows | None = None  # the table's columns while table_row >= 0
         self.shift_cache: object | None = None  # multi-layer EAGLE only: multi_layer_inputs.ShiftCache
@@ -116,7 +115,21 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (f"Sequence({self.namespace!r}, {self.sequence_id!r}, row {self.table_row}, "
-                f"{len(self.block_table)} blocks, committed_len {self.committed_len})")
+                f"{self.num_blocks} blocks, committed_len {self.committed_len})")
+
+    @property
+    def block_table(self) -> list[int]:
+        """Its block ids, in position order (a new list: the table's row holds them, SequenceTable.resize and
+        grow_rows change them; a sequence without a row holds none)."""
+        if self.rows is None:
+            return []
+        row = self.table_row
+        return self.rows.block_tables_np[row, : self.rows.num_blocks_mv[row]].tolist()
+
+    @property
+    def num_blocks(self) -> int:
+        """len(block_table), without building the list."""
+        return 0 if self.rows is None else self.rows.num_blocks_mv[self.table_row]
 
     @property
     def last_drafts(self) -> list[int]:
@@ -327,18 +340,17 @@ class SequenceTable:
         """Make seq's block table cover exactly positions [0, num_positions): allocate what is missing, give back
         what is past the end. False, with nothing changed, when the pool is short."""
         want = self.blocks_for(num_positions)
-        have = len(seq.block_table)
+        have = seq.num_blocks
         if want > have:
-            blocks = self.pool.allocate(want - have)
-            if blocks is None:
+            if want - have > self.pool.num_free:
                 return False
-            seq.block_table.extend(blocks)
+            self.rows.check_fits(want)  # (raises before anything is taken)
+            blocks = self.pool.allocate(want - have)
             if seq.table_row < 0:
                 seq.take_row(self.rows, self.rows.assign())
             self.rows.write(seq.table_row, have, blocks)
         elif want < have:
-            self.pool.free(seq.block_table[want:])
-            del seq.block_table[want:]
+            self.pool.free(self.rows.block_tables_np[seq.table_row, want:have].tolist())
             self.rows.clear(seq.table_row, want)
         if want != have:
             self._ns_blocks[seq.namespace] = self._ns_blocks.get(seq.namespace, 0) + want - have
@@ -349,7 +361,29 @@ class SequenceTable:
         return -(-num_positions // self.block_size)
 
     def blocks_missing(self, seq: Sequence, num_positions: int) -> int:
-        return max(0, self.blocks_for(num_positions) - len(seq.block_table))
+        return max(0, self.blocks_for(num_positions) - seq.num_blocks)
+
+    def grow_rows(self, rows: np.ndarray, have: np.ndarray, want: np.ndarray, namespace_blocks: dict[str, int]) -> bool:
+        """resize for a whole step's growing sequences at once (Proposer._step_columns): the sequences holding `rows`
+        ([n] int64, distinct, every one a member) go from have[i] to want[i] > have[i] blocks ([n] int64 each), all
+        taken from the pool in one call, in row order (the blocks a resize of each in turn would take), written into
+        the rows with one array op. namespace_blocks: how many more blocks each namespace takes (they sum to the
+        blocks taken). False, with nothing changed, when the pool is short."""
+        missing = want - have
+        total = int(missing.sum())
+        if total > self.pool.num_free:
+            return False
+        self.rows.check_fits(int(want.max()))  # (raises before anything is taken)
+        blocks = self.pool.allocate(total)
+        # block j of the step's allocation goes to row rows[i] at column have[i] + (j - first[i]), where first[i] is
+        # the first block of row i's share
+        first = np.cumsum(missing) - missing
+        self.rows.block_tables_np[np.repeat(rows, missing),
+                                  np.repeat(have - first, missing) + np.arange(total)] = blocks
+        self.rows.num_blocks[rows] = want
+        for namespace, n in namespace_blocks.items():
+            self._ns_blocks[namespace] = self._ns_blocks.get(namespace, 0) + n
+        return True
 
     def namespace_sequences(self, namespace: str) -> int:
         return len(self._by_ns.get(namespace, ()))
@@ -467,13 +501,13 @@ class SequenceTable:
         del ns_seqs[seq.sequence_id]
         if not ns_seqs:
             del self._by_ns[seq.namespace]
-        held = self._ns_blocks.get(seq.namespace, 0) - len(seq.block_table)
+        blocks = seq.block_table
+        held = self._ns_blocks.get(seq.namespace, 0) - len(blocks)
         if held:
             self._ns_blocks[seq.namespace] = held
         else:
             self._ns_blocks.pop(seq.namespace, None)
-        self.pool.free(seq.block_table)
-        seq.block_table = []
+        self.pool.free(blocks)
         if seq.table_row >= 0:
             self._row_seq[seq.table_row] = None
             self.rows.release(seq.give_row_back())

@@ -3,7 +3,7 @@ and writes that state with array ops instead of attribute accesses per sequence 
 the per-sequence reads and writes were a quarter of its host work on the dev CPU).
 
   block_tables   [rows, max_blocks] int32 (torch)  the block ids, in position order, then zeros
-  num_blocks     [rows] int64     how many of them (len(Sequence.block_table))
+  num_blocks     [rows] int64     how many of them
   committed_len  [rows] int64     Sequence.committed_len
   drafts_base    [rows] int64     Sequence.last_drafts_base
   num_drafts     [rows] int64     len(Sequence.last_drafts)
@@ -14,9 +14,9 @@ the per-sequence reads and writes were a quarter of its host work on the dev CPU
   touch_order    [rows] int64     the table's count of touches when the sequence was last touched or added: the
                                   least recently used sequence has the smallest (SequenceTable's LRU order)
 
-The list ``Sequence.block_table`` stays the allocator's source of truth: SequenceTable.resize / _drop mirror every
-change of it into block_tables and num_blocks (sequence.py). The other columns *are* the state while a sequence holds
-a row: Sequence's properties read and write them. A free row is all zero. Rows are handed out lowest first and every
+The columns *are* the state while a sequence holds a row, its block table included (SequenceTable.resize and
+grow_rows change it, _drop frees it; ``Sequence.block_table`` reads it): Sequence's properties read and write them. A
+sequence holds blocks only while it holds a row. A free row is all zero. Rows are handed out lowest first and every
 column doubles its rows when full; max_blocks is cdiv(max_model_len, block_size), the most blocks a sequence can hold.
 
 Batch steps read and write the columns with numpy ops; one sequence (Sequence's properties, and read_steps /
@@ -50,6 +50,7 @@ class SequenceRows:
 
     def _make_views(self) -> None:
         """Scalar access to the columns (memoryviews of the arrays; made again whenever an array is replaced)."""
+        self.num_blocks_mv = memoryview(self.num_blocks)
         self.committed_mv = memoryview(self.committed_len)
         self.drafts_base_mv = memoryview(self.drafts_base)
         self.num_drafts_mv = memoryview(self.num_drafts)
@@ -85,10 +86,14 @@ class SequenceRows:
             getattr(self, name)[row] = 0
         self._free.append(row)
 
+    def check_fits(self, num_blocks: int) -> None:
+        """Raise unless a row holds num_blocks blocks (before any is taken from the pool)."""
+        if num_blocks > self.max_blocks:
+            raise ValueError(f"a sequence of {num_blocks} blocks; at most {self.max_blocks}")
+
     def write(self, row: int, start: int, blocks: list[int]) -> None:
         """Blocks start, start + 1, ... of the row's sequence are `blocks` (its last ones)."""
-        if len(blocks) + start > self.max_blocks:
-            raise ValueError(f"a sequence of {len(blocks) + start} blocks; at most {self.max_blocks}")
+        self.check_fits(len(blocks) + start)
         self.block_tables_np[row, start : start + len(blocks)] = blocks
         self.num_blocks[row] = start + len(blocks)
 
