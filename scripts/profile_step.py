@@ -18,9 +18,11 @@ pinned memory); --states-on-gpu gives them on the GPU, as an engine in the draft
 By default every step re-sends the same positions (a fixed context: no sequence ever needs a new KV block). With
 --advance (columns only) each step starts where the last one ended, as an engine's decode loop does: the contexts
 grow by m a step and each sequence takes a new block every block_size / m steps (at batch 128, m = 3 and 16-token
-blocks, some 24 sequences a step), which is host work a serving step does and the fixed-context step does not. The
-positions go back to the first step's before each timed phase (a rollback, which the protocol allows), so that every
-phase times the same contexts (1024 + up to 3 x 20 at the default); they also go back after ADVANCE_WINDOW positions.
+blocks, some 24 sequences a step), which is host work a serving step does and the fixed-context step does not
+(sequence i starts i % block_size positions back, so that they do not all cross a block boundary on the same step).
+The positions go back to the first step's before each timed phase (a rollback, which the protocol allows), so that
+every phase times the same contexts (1024 + up to 3 x 20 at the default); they also go back after ADVANCE_WINDOW
+positions (bench_step.AdvancingStep).
 
 Per batch size, --rounds times: the wall time of 20 steps (no profiler) and the GPU kernel time of 5 steps under
 torch.profiler (the sum of the GPU activities' own time); the ratio wall / kernel time is #13's "in-process <= 1.15x
@@ -52,37 +54,10 @@ PROFILED_STEPS = 5  # steps under torch.profiler per round: the kernel time of a
 ADVANCE_WINDOW = 1024  # --advance: how far the positions move on before they go back to the first step's
 
 
-class Advancing:
-    """--advance: a columns step (Proposer.step_batch of one BatchInput) as an engine's decode loop runs it: after each
-    step, every sequence's next step starts where this one ended (the m tokens it committed later). The move is an
-    in-place add on the BatchInput's numpy column (about a microsecond, timed with the step). rewind(): back to the
-    first step's positions, after checking that the last step committed what it was given (no sequence refused:
-    the timed steps were the steps meant)."""
-
-    def __init__(self, step, inputs):
-        self.step, self.positions = step, inputs.arrays.start_positions
-        self.first, self.m = self.positions.copy(), inputs.arrays.num_tokens.copy()
-        self.last = None
-        self.steps = 0
-
-    def __call__(self, inputs):
-        out = self.last = self.step(inputs)
-        self.positions += self.m
-        self.steps += 1
-        if self.positions[0] > self.first[0] + ADVANCE_WINDOW:
-            self.rewind()
-        return out
-
-    def rewind(self) -> None:
-        if self.last is not None:
-            assert int(self.last.codes.abs().sum()) == 0, self.last.messages[:3]
-            assert (self.last.committed_lengths.numpy() == self.positions).all(), "a step did not commit its tokens"
-        self.positions[:] = self.first
-
-
 def rewind(step) -> None:
-    """An --advance step back to its first positions (before each timed phase); nothing for any other step."""
-    if isinstance(step, Advancing):
+    """An --advance step (bench_step.AdvancingStep) back to its first positions (before each timed phase); nothing
+    for any other step."""
+    if isinstance(step, b.AdvancingStep):
         step.rewind()
 
 
@@ -469,7 +444,7 @@ def prepare(rt, a, shape: dict, batch: int):
     if a.columns:
         inputs, step = b.to_batch_input(decode), rt.proposer.step_batch
     if a.advance:
-        step = Advancing(step, inputs)
+        step = b.AdvancingStep(step, inputs, ADVANCE_WINDOW, stagger=rt.proposer.block_size)
     return decode, inputs, step
 
 

@@ -601,3 +601,16 @@ def test_profile_step_times_contexts_that_advance_on_a_gpu(tmp_path):
     assert all(r["wall_ms"][0] > 0 and r["kernel_ms"][0] > 0 for r in result["rows"])
     # warm-up, 20 timed, phases (5 + 30) and kernels (5 + 5) steps: every one of them advanced
     assert all(n >= 65 for n in result["advanced_steps"].values()), result["advanced_steps"]
+
+
+def test_bench_block_growth_times_both_ways_over_the_same_steps(tmp_path):
+    """benchmarks/bench_block_growth.py: both ways of taking a step's new blocks, over contexts that advance (the
+    script checks that every step committed its tokens); the same sequences resized per step both ways."""
+    result = run(["benchmarks/bench_block_growth.py", "--preset", "tiny", "--device", "cpu", "--batches", "8,32",
+                  "--rounds", "2", "--iters", "6", "--context", "128"], tmp_path / "bg.json")
+    assert result["complete"] is True and [r["batch"] for r in result["rows"]] == [8, 32]
+    for row in result["rows"]:
+        one, each = (row["rounds"][way] for way in ("one call", "one at a time"))
+        assert len(one) == len(each) == 2
+        assert [x["resized"] for x in one] == [x["resized"] for x in each], row  # (the same steps both ways)
+        assert all(x["resized"] > 0 and x["resize_us"] > 0 and x["step_ms"] > 0 for x in one + each), row

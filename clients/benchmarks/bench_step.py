@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -224,6 +225,40 @@ def last_tokens(step, m: int):
     cut = len(step.token_ids) - m
     return dataclasses.replace(step, start_position=step.start_position + cut, token_ids=step.token_ids[cut:],
                                hidden_states=step.hidden_states[cut:])
+
+
+class AdvancingStep:
+    """A columns step (fn: Proposer.step_batch, given one BatchInput) as an engine's decode loop runs it: after each
+    step every sequence's next step starts where this one ended (the m tokens it committed later), so that the
+    contexts grow and each sequence takes a new KV block every block_size / m steps, as in serving; the fixed-context
+    steps of the other benchmarks re-send the same positions and never take one. The move is an in-place add on the
+    BatchInput's numpy column (about a microsecond, timed with the step). stagger: sequence i starts i % stagger
+    positions earlier (a rollback of its last tokens), so that sequences of one context do not all take their new
+    block on the same step (give the block size). After `window` positions, and at rewind(), the positions go back to
+    the first step's (a rollback, which the protocol allows: the step after it gives the blocks past them back), after
+    checking that the last step committed what it was given (no sequence refused: the steps timed were the steps
+    meant). scripts/profile_step.py --advance, benchmarks/bench_block_growth.py."""
+
+    def __init__(self, fn, inputs, window: int = 1024, stagger: int = 1):
+        self.fn, self.positions, self.window = fn, inputs.arrays.start_positions, window
+        self.positions -= np.arange(self.positions.shape[0]) % stagger
+        self.first, self.m = self.positions.copy(), inputs.arrays.num_tokens.copy()
+        self.last = None
+        self.steps = 0
+
+    def __call__(self, inputs):
+        out = self.last = self.fn(inputs)
+        self.positions += self.m
+        self.steps += 1
+        if self.positions[0] > self.first[0] + self.window:
+            self.rewind()
+        return out
+
+    def rewind(self) -> None:
+        if self.last is not None:
+            assert int(self.last.codes.abs().sum()) == 0, self.last.messages[:3]
+            assert (self.last.committed_lengths.numpy() == self.positions).all(), "a step did not commit its tokens"
+        self.positions[:] = self.first
 
 
 def as_step_batch(steps):
