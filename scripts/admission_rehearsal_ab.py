@@ -109,7 +109,8 @@ def main(argv=None) -> int:
                   host=platform.node(), device=f"cuda: {torch.cuda.get_device_name()}",
                   command=" ".join(["scripts/admission_rehearsal_ab.py", *sys.argv[1:]]), preset=a.preset,
                   engine_applies_fc=a.engine_applies_fc, rounds=a.rounds, rows=[])
-    setup = argparse.Namespace(context=a.context, m=3, k=5, mixed_m=True, states_on_gpu=True, columns=True)
+    setup = argparse.Namespace(context=a.context, m=3, k=5, mixed_m=True, states_on_gpu=True, columns=True,
+                               advance=False)
     with tempfile.TemporaryDirectory() as tmp:
         rt = b.random_head_runtime(pathlib.Path(tmp), shape, a.context + 64, device="cuda",
                                    kv_cache_tokens=max(200_000, (max(batches) + 8) * (a.context + 96)),

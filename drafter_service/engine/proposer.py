@@ -189,6 +189,12 @@ STEP_BATCH_MIN_SEQUENCES = 8
 STEP_INPUTS_AS_COLUMNS_MIN = 32
 
 
+# A columns step's growing sequences take their KV blocks in one call from this many (SequenceTable.grow_rows: ~10
+# numpy ops whatever their number), one at a time below it (_make_room and resize, ~3.5 us each on an H200 host;
+# benchmarks/bench_block_growth.py, twenty-seventh session)
+GROW_IN_ONE_CALL_MIN = 4
+
+
 def large_enough_for_columns(num_sequences: int, num_tokens: int,
                              min_sequences: int = STEP_BATCH_MIN_SEQUENCES) -> bool:
     """Whether step_batch would run a step of this size from its columns (when nothing else sends it per sequence);
@@ -666,22 +672,26 @@ class Proposer:
     def _resize_columns(self, b: BatchInput, seqs: list[Sequence], rows: np.ndarray, needed: np.ndarray,
                         blocks: np.ndarray, have: np.ndarray, idx: np.ndarray) -> bool:
         """The block tables of the step's sequences idx ([n] int64, indices into the step) resized from have to
-        blocks ([B] int64 each; needed: the positions they cover). Where the pool and the namespaces' shares hold
-        the growth as they are (a decode step's usual case), the growing ones take their blocks in one call
-        (SequenceTable.grow_rows: the blocks a resize of each in turn would take, in one allocation and one array
-        write) and the shrinking ones give theirs back after it, one at a time (rare; the free list ends as the
-        one-at-a-time way leaves it, as the growth takes none of what they give back); otherwise all one sequence
-        at a time, making room as the per-sequence path does (_make_room may evict idle sequences). False where the
-        pool or a quota refuses (the sequences before the refused one keep their blocks, as after the per-sequence
-        path's refusal)."""
-        bigger = blocks[idx] > have[idx]
-        grow = idx if bigger.all() else idx[bigger]
-        by_namespace = self._growth_fits(b.namespaces, grow, blocks[grow] - have[grow]) if grow.shape[0] else {}
-        if by_namespace is not None:
-            if grow.shape[0] and not self.table.grow_rows(rows[grow], have[grow], blocks[grow], by_namespace):
-                return False  # (cannot happen: _growth_fits saw the blocks free)
-            for i in idx[~bigger].tolist():
-                self.table.resize(seqs[i], int(needed[i]))  # (a shrink always succeeds)
+        blocks ([B] int64 each; needed: the positions they cover). Where GROW_IN_ONE_CALL_MIN or more grow and the
+        pool and the namespaces' shares hold their growth as they are (a decode step's usual case at batch 32 and
+        up), the growing ones take their blocks in one call (SequenceTable.grow_rows: the blocks a resize of each in
+        turn would take, in one allocation and one array write) and any shrinking ones give theirs back after it
+        (rare; the free list ends as the one-at-a-time way leaves it, as the growth takes none of what they give
+        back). Otherwise one sequence at a time, making room as the per-sequence path does (_make_room may evict
+        idle sequences). False where the pool or a quota refuses (the sequences before the refused one keep their
+        blocks, as after the per-sequence path's refusal)."""
+        more = blocks[idx] - have[idx]  # [n] blocks each takes (< 0: gives back)
+        grows = more > 0
+        grow = idx if grows.all() else idx[grows]
+        by_namespace = None
+        if grow.shape[0] >= GROW_IN_ONE_CALL_MIN:
+            if grow is not idx:
+                more = more[grows]
+            by_namespace = self._growth_fits(b.namespaces, grow, more)
+        if by_namespace is not None and self.table.grow_rows(rows[grow], have[grow], more, by_namespace):
+            if grow is not idx:
+                for i in idx[~grows].tolist():
+                    self.table.resize(seqs[i], int(needed[i]))  # (a shrink always succeeds)
             return True
         for i in idx.tolist():
             seq, missing = seqs[i], int(blocks[i] - have[i])
@@ -691,11 +701,11 @@ class Proposer:
                 return False
         return True
 
-    def _growth_fits(self, namespaces: list[str], idx: np.ndarray, missing: np.ndarray) -> dict[str, int] | None:
-        """The blocks each namespace takes when the step's sequences idx grow by missing ([n] int64) blocks, where
+    def _growth_fits(self, namespaces: list[str], idx: np.ndarray, more: np.ndarray) -> dict[str, int] | None:
+        """The blocks each namespace takes when the step's sequences idx grow by more ([n] int64) blocks, where
         the pool's free blocks and every namespace's share hold them without evicting anything (then _make_room
         would pass each of them in turn, changing nothing); None otherwise."""
-        total = int(missing.sum())
+        total = int(more.sum())
         if total > self.kv.pool.num_free:
             return None
         first = namespaces[0]
@@ -703,7 +713,7 @@ class Proposer:
             by_namespace = {first: total}
         else:
             by_namespace = {}
-            for i, n in zip(idx.tolist(), missing.tolist()):
+            for i, n in zip(idx.tolist(), more.tolist()):
                 by_namespace[namespaces[i]] = by_namespace.get(namespaces[i], 0) + n
         limit = self.table.namespace_block_limit
         if limit is not None and any(self.table.namespace_blocks(ns) + n > limit for ns, n in by_namespace.items()):

@@ -363,23 +363,23 @@ class SequenceTable:
     def blocks_missing(self, seq: Sequence, num_positions: int) -> int:
         return max(0, self.blocks_for(num_positions) - seq.num_blocks)
 
-    def grow_rows(self, rows: np.ndarray, have: np.ndarray, want: np.ndarray, namespace_blocks: dict[str, int]) -> bool:
+    def grow_rows(self, rows: np.ndarray, have: np.ndarray, more: np.ndarray, namespace_blocks: dict[str, int]) -> bool:
         """resize for a whole step's growing sequences at once (Proposer._step_columns): the sequences holding `rows`
-        ([n] int64, distinct, every one a member) go from have[i] to want[i] > have[i] blocks ([n] int64 each), all
-        taken from the pool in one call, in row order (the blocks a resize of each in turn would take), written into
-        the rows with one array op. namespace_blocks: how many more blocks each namespace takes (they sum to the
-        blocks taken). False, with nothing changed, when the pool is short."""
-        missing = want - have
-        total = int(missing.sum())
+        ([n] int64, distinct, every one a member) go from have[i] blocks to have[i] + more[i] (more[i] > 0; [n]
+        int64 each), all taken from the pool in one call, in row order (the blocks a resize of each in turn would
+        take), written into the rows with one array op. namespace_blocks: how many more blocks each namespace takes
+        (they sum to more). False, with nothing changed, when the pool is short."""
+        total = int(more.sum())
         if total > self.pool.num_free:
             return False
+        want = have + more
         self.rows.check_fits(int(want.max()))  # (raises before anything is taken)
         blocks = self.pool.allocate(total)
-        # block j of the step's allocation goes to row rows[i] at column have[i] + (j - first[i]), where first[i] is
-        # the first block of row i's share
-        first = np.cumsum(missing) - missing
-        self.rows.block_tables_np[np.repeat(rows, missing),
-                                  np.repeat(have - first, missing) + np.arange(total)] = blocks
+        if total == rows.shape[0]:  # one block each: a decode step's usual growth
+            self.rows.block_tables_np[rows, have] = blocks
+        else:  # block j of the allocation goes to row rows[i] at column have[i] + (j - first[i]), first[i] being the
+            first = np.cumsum(more) - more  # first block of row i's share
+            self.rows.block_tables_np[np.repeat(rows, more), np.repeat(have - first, more) + np.arange(total)] = blocks
         self.rows.num_blocks[rows] = want
         for namespace, n in namespace_blocks.items():
             self._ns_blocks[namespace] = self._ns_blocks.get(namespace, 0) + n
