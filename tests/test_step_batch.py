@@ -115,6 +115,10 @@ def test_growing_sequences_take_their_blocks_in_one_call_as_one_at_a_time(tiny_m
     monkeypatch.setattr(b.proposer.table, "grow_rows", lambda *args: grown.append(len(args[0])) or real(*args))
     t = Traffic(11, a.limits.hidden_states_width, a.limits.vocab_size, 40)
     namespace = {sid: NS if i % 2 else "other" for i, sid in enumerate(t.tokens)}
+    first = [t.step(sid, 3, 4) for sid in t.tokens]
+    for s in first:
+        s.namespace = namespace[s.sequence_id]
+    same(a.proposer.step_per_sequence(first), BatchOutput.from_outputs(b.proposer.step_per_sequence(first)))
     for round in range(14):
         rng = t.rng
         sids = sorted(t.tokens, key=lambda _: rng.random())[: rng.randint(24, 40)]
@@ -139,6 +143,111 @@ def test_growing_sequences_take_their_blocks_in_one_call_as_one_at_a_time(tiny_m
     assert len(grown) >= (5 if share == 1.0 else 2) and min(grown) >= GROW_IN_ONE_CALL_MIN  # (in one call a step)
     if share < 1.0:
         assert b.proposer.table.counters.evicted + b.proposer.table.counters.quota_refusals > 0  # (one at a time)
+
+
+def rows_all_held(rt) -> bool:
+    """Every row of the table's columns is free or held by a live sequence (none left to a sequence not started),
+    and every KV block is free or in a live sequence's table."""
+    R, table = rt.proposer.table.rows, rt.proposer.table
+    live = list(table._seqs.values())
+    return (len(R._free) + len(table) == R.num_blocks.shape[0]
+            and sum(s.num_blocks for s in live) + rt.kv.pool.num_free == rt.kv.pool.num_blocks)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_new_sequences_start_from_the_columns_beside_known_ones(tiny_model, tmp_path, device):
+    """Continuous batching: every step, some sequences finish (Release) and new ones start (their prompt at position
+    0, 5-60 tokens) beside the others' decode steps. The step runs from its columns with them (_start_sequences),
+    with the per-sequence step's answers, metrics and sequence state; no row is left behind."""
+    a, b = runtimes(tiny_model, tmp_path, device=device)
+    width, vocab = a.limits.hidden_states_width, a.limits.vocab_size
+    t = Traffic(21, width, vocab, 60, prompt=5)
+    rng = t.rng
+    live = sorted(t.tokens)[:30]
+    waiting = sorted(t.tokens)[30:]
+    before = b.proposer.columns_steps_run
+    for round in range(10):
+        starting = [waiting.pop() for _ in range(rng.randint(1, 4))] if round else []
+        steps = []
+        for sid in live + starting:
+            if sid in starting:
+                t.prompt = rng.randint(5, 60)
+            steps.append(t.step(sid, m=rng.randint(1, 4), k=rng.choice([3, 5])))
+        out_a = a.proposer.step_per_sequence(steps)
+        same(out_a, b.proposer.step_batch(as_batch(steps)))
+        assert metrics_of(a) == metrics_of(b) and all(o.code == OK for o in out_a)
+        t.answered(steps, out_a)
+        live += starting
+        for sid in [live.pop(rng.randrange(len(live))) for _ in range(rng.randint(0, 3))]:  # finished
+            assert a.proposer.table.release(NS, sid) and b.proposer.table.release(NS, sid)
+        for sid in live:
+            sa, sb = a.proposer.table.get(NS, sid), b.proposer.table.get(NS, sid)
+            assert (sa.committed_len, sa.num_blocks, sa.last_drafts) == (sb.committed_len, sb.num_blocks,
+                                                                         sb.last_drafts)
+        assert len(a.proposer.table) == len(b.proposer.table) and rows_all_held(b)
+    assert b.proposer.columns_steps_run - before == 10  # (round 0: all new; then new ones beside known ones)
+
+
+def test_new_sequences_the_columns_cannot_start_go_the_per_sequence_way(tiny_model, tmp_path, monkeypatch):
+    """A new sequence that might be refused or make room takes the whole step the per-sequence way, nothing changed
+    before: one not at position 0 (NOT_FOUND), one named twice, a draining drafter (UNAVAILABLE), --max-sequences
+    reached (idle sequences evicted), a prompt past max_model_len (OUT_OF_RANGE), a pool too short for it without
+    evicting. A step that raises keeps none of its new sequences. Same answers as the per-sequence step, and no row
+    left behind."""
+    a, b = runtimes(tiny_model, tmp_path, kv_cache_tokens=2048, max_sequences=40)  # (128 blocks of 16)
+    width, vocab = a.limits.hidden_states_width, a.limits.vocab_size
+    t = Traffic(22, width, vocab, 80, prompt=8)
+    names = sorted(t.tokens)
+    first = [t.step(sid, 0, 3) for sid in names[:30]]
+    same(a.proposer.step_per_sequence(first), b.proposer.step_batch(as_batch(first)))
+    spare = iter(names[30:])
+
+    def step_with(kind):
+        steps = [t.step(sid, 2, 3) for sid in names[:20]]
+        sid = next(spare)
+        fresh = t.step(sid, 0, 3)
+        if kind == "not at 0":
+            fresh.start_position = 5
+        elif kind == "long prompt":
+            n = a.proposer.max_model_len + 2
+            fresh = StepInput(NS, sid, 0, torch.randint(0, vocab, (n,)), torch.randn(n, width), 1, 3)
+        elif kind == "pool":
+            n = 16 * (a.kv.pool.num_free + 1)  # (more than is free: the idle sequences must make room)
+            fresh = StepInput(NS, sid, 0, torch.randint(0, vocab, (n,)), torch.randn(n, width), 1, 3)
+        steps.append(fresh)
+        if kind == "twice":
+            steps.append(fresh)
+        return steps
+
+    for kind in ("not at 0", "twice", "draining", "long prompt", "pool", "max sequences"):
+        if kind == "max sequences":
+            more = [t.step(next(spare), 0, 3) for _ in range(10)]  # 40 live, at --max-sequences
+            same(a.proposer.step_per_sequence(more), b.proposer.step_batch(as_batch(more)))
+        for rt in (a, b):
+            rt.proposer.draining = kind == "draining"
+        steps = step_with(kind)
+        before = b.proposer.columns_steps_run
+        out_a = a.proposer.step_per_sequence(steps)
+        same(out_a, b.proposer.step_batch(as_batch(steps)))
+        assert metrics_of(a) == metrics_of(b)
+        assert b.proposer.columns_steps_run == before, kind
+        assert len(a.proposer.table) == len(b.proposer.table) and rows_all_held(a) and rows_all_held(b), kind
+        t.answered(steps, out_a)
+        if kind == "max sequences":
+            assert b.proposer.table.counters.evicted > 0
+    for rt in (a, b):
+        rt.proposer.draining = False
+    steps = [t.step(sid, 2, 3) for sid in names[:20]] + [t.step(next(spare), 0, 3)]
+    for rt in (a, b):
+        def broken(*args, **kw):
+            raise RuntimeError("injected")
+        monkeypatch.setattr(rt.proposer.model, "forward", broken)
+    before = b.proposer.columns_steps_run
+    out_a = a.proposer.step_per_sequence(steps)
+    same(out_a, b.proposer.step_batch(as_batch(steps)))
+    assert {o.code for o in out_a} == {INTERNAL}
+    assert b.proposer.table.get(NS, steps[-1].sequence_id) is None and rows_all_held(a) and rows_all_held(b)
+    assert len(a.proposer.table) == len(b.proposer.table)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -180,7 +289,8 @@ def test_step_with_step_inputs_runs_from_the_columns_with_the_same_answers(tiny_
         assert b.proposer.columns_may_take(ask) is (kind == "new")  # (a new sequence: the columns path declines it)
         assert b.proposer._fast_path_applies(BatchInput.from_inputs(ask)) is (kind in ("new", "fewer"))
         out_a, out_b = a.proposer.step_per_sequence(ask), b.proposer.step(ask)
-        assert b.proposer.columns_steps_run == before, kind
+        # (a new sequence starting at position 0 among known ones: the columns start it, _start_sequences)
+        assert b.proposer.columns_steps_run == before + (kind == "new"), kind
         assert [(o.code, o.drafts, o.accepted_drafts, o.committed_length) for o in out_a] == [
             (o.code, o.drafts, o.accepted_drafts, o.committed_length) for o in out_b], kind
         t.answered(ask, out_a)
@@ -354,7 +464,7 @@ async def test_a_columnar_request_runs_from_its_columns_through_the_server(serve
 
 def test_merged_columnar_requests_run_as_one_batch_and_each_gets_its_share(tiny_model, tmp_path):
     """The scheduler merges columnar requests of two namespaces (and a per-sequence request, which sends the whole
-    batch the per-sequence way) into one batch; each request gets exactly its own answers."""
+    batch through Proposer.step's StepInputs) into one batch; each request gets exactly its own answers."""
     from drafter_service.engine.scheduler import PendingRequest, StepScheduler
 
     a, b = runtimes(tiny_model, tmp_path)
@@ -389,7 +499,9 @@ def test_merged_columnar_requests_run_as_one_batch_and_each_gets_its_share(tiny_
         assert isinstance(out_a, BatchOutput) and len(out_a) == len(sa) and len(out_b) == len(sb)
         same(want[: len(sa)], out_a)
         same(want[len(sa):], out_b)
-        assert b.proposer.columns_steps_run - before == (0 if mixed or round == 0 else 1)
+        # every round from columns: round 0 starts its sequences there (_start_sequences), and the mixed round goes
+        # through Proposer.step, which builds columns of its StepInputs and starts the new one ("nc") there too
+        assert b.proposer.columns_steps_run - before == 1
         if extra:
             assert isinstance(results[2][0], list) and all(o.code == OK for o in results[2][0])
 

@@ -459,13 +459,18 @@ class Proposer:
         # The known sequences' state, read for the whole step at once; a step that names a sequence twice reads it
         # sequence by sequence (each of its steps at its own admission, after the one before).
         distinct = self.table.distinct(rows)  # (no known sequence named twice)
+        if distinct and rows.shape[0] != len(steps):  # (nor a new one: its second step finds the first one's sequence)
+            new = [(s.namespace, s.sequence_id) for s, seq in zip(steps, found) if seq is None]
+            distinct = len(set(new)) == len(new)
         if distinct:
             known = iter(self.table.rows.read_steps(rows))
             states = [None if seq is None else next(known) for seq in found]
         else:
             states = [None] * len(steps)
+        get = self.table.get  # (a new sequence named twice: its later steps find the sequence its first one added)
         batch = [a for i, s in enumerate(steps)
-                 if (a := self._admit(i, s, outputs[i], found[i], now, states[i])) is not None]
+                 if (a := self._admit(i, s, outputs[i], found[i] or get(s.namespace, s.sequence_id), now,
+                                      states[i])) is not None]
         self.predraft.on_step()
         refused = False  # by the odds check: this batch keeps nothing for a pass
         if self.fatal is None and any(a.seq.predraft is not None or a.step.predraft_branches for a in batch):
@@ -561,16 +566,22 @@ class Proposer:
     def _step_columns(self, b: BatchInput, early=None) -> BatchOutput | None:
         """step_batch's columnar path, for a step whose inputs the caller found fit (_fast_path_applies, or
         columns_may_take before the columns were built: the rule is checked once); None (having changed nothing a
-        step would not) where the sequences' state says no (a new sequence, pre-drafting, a gap, no room)."""
+        step would not) where the sequences' state says no (pre-drafting, a gap, no room, a new sequence that the
+        columns cannot start: _start_sequences)."""
         t0 = time.perf_counter()
         self._step_serial += 1
         now, serial = self.clock(), self._step_serial
         seqs, rows = self.table.touch_batch(b.namespaces, b.sequence_ids, now, serial)
+        new: list[int] = []  # the step's new sequences (their first step), given rows but not yet members
         if rows.shape[0] != len(seqs):
-            return None  # a new sequence: the per-sequence path
+            started = self._start_sequences(b, seqs, now, serial)
+            if started is None:
+                return None  # the per-sequence path
+            seqs, rows, new = started
         B = len(seqs)
         admitted = self._admit_columns(b, rows)
         if admitted is None:
+            self._unstart(seqs, new)
             return None
         C, k, needed, blocks, have = admitted
         R = self.table.rows
@@ -579,8 +590,12 @@ class Proposer:
         p, m = a.start_positions, a.num_tokens
         # ---- blocks: the sequences whose table changes size (at batch 128, m = 3, 16-token blocks: ~22 a step) ----
         resized = blocks != have
-        if nonzero(resized) and not self._resize_columns(b, seqs, rows, needed, blocks, have, np.flatnonzero(resized)):
+        if nonzero(resized) and not self._resize_columns(b, seqs, rows, needed, blocks, have, np.flatnonzero(resized),
+                                                          starting=bool(new)):
+            self._unstart(seqs, new)
             return None  # the pool or a quota refuses: the per-sequence path gives each its status
+        for i in new:
+            self.table.add(seqs[i])  # (after the step's touches: the most recently used, as on the per-sequence path)
         # ---- run ----
         k_t = torch.from_numpy(k)
         self.predraft.on_step()
@@ -630,6 +645,8 @@ class Proposer:
                 step_drafts.run_meanwhile()
             for seq, start in zip(seqs, p.tolist()):  # (p: numpy)
                 self._forget_failed_step(seq, start)  # (rare: one sequence at a time)
+            for i in new:  # (as the per-sequence path's _fail_batch: a new sequence keeps nothing)
+                self.table.release(seqs[i].namespace, seqs[i].sequence_id)
             self._step_failed(e)
             failed = BatchOutput.failed(B, INTERNAL, f"internal error in the draft step: {type(e).__name__}: {e}")
             self._record_columns(b, failed, time.perf_counter() - t0)
@@ -644,6 +661,44 @@ class Proposer:
                                         self.kv.pool.num_free, self.kv.pool.num_blocks)  # (every sequence drafted)
         self.metrics.live_sequences = len(self.table)
         return out
+
+    def _start_sequences(self, b: BatchInput, seqs: list[Sequence | None], now: float, serial: int):
+        """The step's new sequences (None in seqs: an engine's new requests, their prompts' first step beside the
+        others' decode steps, which at batch 128 is most steps) given rows of their own, so that the step runs from its
+        columns with them: (seqs, rows, new) with every entry filled (new: their indices in the step), the new ones
+        not members of the table until their blocks are taken (_step_columns adds them; _unstart undoes this). Only
+        where nothing about them may refuse or evict: the drafter is not draining, each starts at position 0 and is
+        named once, and the sequence limits (--max-sequences, per namespace) hold them as they are; their blocks go
+        with the others' growth, in one call or not at all (_resize_columns with starting). None, with nothing
+        changed, otherwise: the per-sequence path then admits each (its statuses, its evictions)."""
+        new = [i for i, seq in enumerate(seqs) if seq is None]  # (the new ones only: a few a step)
+        if self.draining or np.count_nonzero(b.arrays.start_positions[new]):
+            return None  # UNAVAILABLE, or NOT_FOUND / a sequence gone: the per-sequence path names it
+        keys = [(b.namespaces[i], b.sequence_ids[i]) for i in new]
+        if len(set(keys)) != len(keys):
+            return None
+        t, lim = self.table, self.table.limits
+        if lim.max_sequences and len(t) + len(new) > lim.max_sequences:
+            return None
+        if lim.max_sequences_per_namespace:
+            per_namespace: dict[str, int] = {}
+            for ns, _ in keys:
+                per_namespace[ns] = per_namespace.get(ns, 0) + 1
+            if any(t.namespace_sequences(ns) + n > lim.max_sequences_per_namespace for ns, n in per_namespace.items()):
+                return None
+        R, seqs = t.rows, list(seqs)
+        for i, (ns, sequence_id) in zip(new, keys):
+            seq = Sequence(ns, sequence_id, owner=b.owners[i], last_used=now, last_step=serial)
+            seq.take_row(R, R.assign())
+            seqs[i] = seq
+        rows = np.fromiter([seq.table_row for seq in seqs], dtype=np.int64, count=len(seqs))
+        return seqs, rows, new
+
+    def _unstart(self, seqs: list[Sequence], new: list[int]) -> None:
+        """Give back the rows _start_sequences gave the step's new sequences (before any block was taken)."""
+        R = self.table.rows
+        for i in new:
+            R.release(seqs[i].give_row_back())
 
     def _admit_columns(self, b: BatchInput, rows: np.ndarray):
         """The columns path's admission arithmetic, which reads the sequences' rows and changes nothing: None where
@@ -670,7 +725,7 @@ class Proposer:
         return C, k, needed, (needed + bs - 1) // bs, have
 
     def _resize_columns(self, b: BatchInput, seqs: list[Sequence], rows: np.ndarray, needed: np.ndarray,
-                        blocks: np.ndarray, have: np.ndarray, idx: np.ndarray) -> bool:
+                        blocks: np.ndarray, have: np.ndarray, idx: np.ndarray, starting: bool = False) -> bool:
         """The block tables of the step's sequences idx ([n] int64, indices into the step) resized from have to
         blocks ([B] int64 each; needed: the positions they cover). Where GROW_IN_ONE_CALL_MIN or more grow and the
         pool and the namespaces' shares hold their growth as they are (a decode step's usual case at batch 32 and
@@ -679,12 +734,13 @@ class Proposer:
         (rare; the free list ends as the one-at-a-time way leaves it, as the growth takes none of what they give
         back). Otherwise one sequence at a time, making room as the per-sequence path does (_make_room may evict
         idle sequences). False where the pool or a quota refuses (the sequences before the refused one keep their
-        blocks, as after the per-sequence path's refusal)."""
+        blocks, as after the per-sequence path's refusal). starting: the step starts new sequences
+        (_start_sequences): one call whatever the number, and False with nothing changed where it cannot be one."""
         more = blocks[idx] - have[idx]  # [n] blocks each takes (< 0: gives back)
         grows = more > 0
         grow = idx if grows.all() else idx[grows]
         by_namespace = None
-        if grow.shape[0] >= GROW_IN_ONE_CALL_MIN:
+        if grow.shape[0] >= GROW_IN_ONE_CALL_MIN or starting:
             if grow is not idx:
                 more = more[grows]
             by_namespace = self._growth_fits(b.namespaces, grow, more)
@@ -693,6 +749,8 @@ class Proposer:
                 for i in idx[~grows].tolist():
                     self.table.resize(seqs[i], int(needed[i]))  # (a shrink always succeeds)
             return True
+        if starting:
+            return False  # (the per-sequence path makes room for its new sequences: nothing was taken here)
         for i in idx.tolist():
             seq, missing = seqs[i], int(blocks[i] - have[i])
             if missing > 0 and self._make_room(seq, False, missing) is not None:
