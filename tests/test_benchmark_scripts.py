@@ -614,3 +614,15 @@ def test_bench_block_growth_times_both_ways_over_the_same_steps(tmp_path):
         assert len(one) == len(each) == 2
         assert [x["resized"] for x in one] == [x["resized"] for x in each], row  # (the same steps both ways)
         assert all(x["resized"] > 0 and x["resize_us"] > 0 and x["step_ms"] > 0 for x in one + each), row
+
+
+def test_bench_arrivals_times_the_three_kinds_of_step(tmp_path):
+    """benchmarks/bench_arrivals.py: steps that start new sequences from the columns, the same kind made to go per
+    sequence, and decode-only steps, over one advancing population (the script checks every answer's status)."""
+    result = run(["benchmarks/bench_arrivals.py", "--preset", "tiny", "--device", "cpu", "--batches", "8",
+                  "--steps", "3", "--prompt", "12", "--context", "64"], tmp_path / "arr.json")
+    assert result["complete"] is True and [r["batch"] for r in result["rows"]] == [8]
+    kinds = result["rows"][0]["kinds"]
+    assert {kind: r["from_columns"] for kind, r in kinds.items()} == {"columns": 3, "per sequence": 0,
+                                                                      "decode only": 3}
+    assert all(r["steps"] == 3 and r["step_ms_mean"] > 0 for r in kinds.values())

@@ -1,0 +1,147 @@
+"""A decode batch that sequences join and leave every step, as under continuous batching (a script, not a test).
+
+At batch 128 with outputs of a few hundred tokens and ~3 tokens committed a step, about one sequence finishes and one
+starts every step: most steps of a serving engine bring a new sequence's prompt (its first step, at position 0)
+beside the others' decode steps. Here --batch live sequences decode over contexts that advance (prefilled to
+--context, each step starting where the last one ended, m = 3 committed tokens, k drafts), and Proposer.step_batch
+runs three kinds of step, one after the other, so that the three see the same population and the same minute of the
+host:
+
+  columns        --arrivals new sequences join the step (--prompt tokens each), as many live ones finish after it
+                 (Release): the step starts them from its columns (Proposer._start_sequences), the default
+  per sequence   the same kind of step with the columns made to decline a new sequence (the way before
+                 _start_sequences: the whole step per sequence)
+  decode only    the live sequences alone, nobody joining or leaving
+
+Per kind: the step's wall time (mean and median over --steps steps of that kind), and how many steps the columns
+path ran. The columns and per-sequence steps draft the same (tests/test_step_batch.py); here only time is measured.
+Prints a table, writes JSON (device, date, command) to --out.
+
+    python benchmarks/bench_arrivals.py --preset tiny --device cpu --batch 32
+    python benchmarks/bench_arrivals.py --preset llama3-8b-eagle3 --engine-applies-fc --device cuda --states-on-gpu \\
+        --batch 128 --prompt 128 --out gpu_out/arrivals.json
+"""
+import argparse
+import datetime
+import pathlib
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from drafter_client.benchmarks import bench_step as b  # noqa: E402
+from drafter_client.benchmarks.report import write_json  # noqa: E402
+from drafter_service.engine.batch_io import BatchInput  # noqa: E402
+
+KINDS = ("columns", "per sequence", "decode only")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny", choices=sorted(b.PRESETS))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", default="32,128", help="live sequences (the batch before the arrivals)")
+    ap.add_argument("--context", type=int, default=None, help="the live sequences' context at the start "
+                                                                "(default: the preset's)")
+    ap.add_argument("--prompt", type=int, default=128, help="a new sequence's prompt: its first step's tokens")
+    ap.add_argument("--arrivals", type=int, default=1, help="new sequences per step (as many finish after it)")
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=40, help="timed steps of each kind")
+    ap.add_argument("--states-on-gpu", action="store_true", help="the steps' hidden states on the GPU")
+    ap.add_argument("--engine-applies-fc", action="store_true", help="EAGLE-3 presets: the engine applies the fc")
+    ap.add_argument("--out", default="bench_out/arrivals.json")
+    a = ap.parse_args(argv)
+    shape = b.PRESETS[a.preset]
+    context = a.context or shape["context"]
+    batches = [int(x) for x in a.batches.split(",")]
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    m, k, vocab = 3, a.k, shape["vocab_size"]
+    warm = 3
+    result = dict(benchmark="arrivals", date=datetime.datetime.now().isoformat(timespec="seconds"),
+                  host=platform.node(), device=f"cuda: {torch.cuda.get_device_name(device)}" if cuda else "cpu",
+                  torch=torch.__version__, command=shlex.join(["benchmarks/bench_arrivals.py", *sys.argv[1:]]),
+                  preset=a.preset, context=context, prompt=a.prompt, arrivals=a.arrivals, m=m, k=k, steps=a.steps,
+                  states_on_gpu=a.states_on_gpu, engine_applies_fc=a.engine_applies_fc, rows=[], complete=False)
+    # every step of the run advances the live contexts by m: room for all of them, and for the new ones' prompts
+    steps_in_all = len(KINDS) * (a.steps + warm)
+    max_len = context + m * (steps_in_all + 2) + a.prompt + 64
+    with tempfile.TemporaryDirectory() as tmp:
+        rt = b.random_head_runtime(pathlib.Path(tmp), shape, max_len, device=a.device,
+                                   kv_cache_tokens=(max(batches) + 2 * a.arrivals + 8) * (max_len + 64),
+                                   engine_applies_fc=a.engine_applies_fc)
+        proposer = rt.proposer
+        width = rt.limits.hidden_states_width
+        start_sequences = proposer._start_sequences
+        declines = lambda *args: None  # noqa: E731  (the per-sequence way)
+        gen = torch.Generator().manual_seed(0)
+        rows_max = max(batches) * m + a.arrivals * a.prompt
+        states = torch.randn(rows_max, width, generator=gen).to(torch.bfloat16 if cuda else torch.float32)
+        if a.states_on_gpu:
+            states = states.to(device)
+        tokens = torch.randint(0, vocab, (rows_max,), generator=gen)
+        print(f"{result['device']}, {a.preset}, context {context} (advancing), {a.arrivals} new sequence(s) of "
+              f"{a.prompt} tokens a step, k {k}, {a.steps} steps of each kind", flush=True)
+        print("| batch | kind | step ms (mean) | step ms (median) | from columns |")
+        print("| ---: | --- | ---: | ---: | ---: |")
+        for batch in batches:
+            decode = b.prefilled_decode(rt, batch, context, m, k, vocab)
+            live = {s.sequence_id: s.start_position for s in decode}  # id -> its next step's start position
+            serial = 0
+            times = {kind: [] for kind in KINDS}
+            columns = {kind: 0 for kind in KINDS}
+            for i in range(steps_in_all):
+                kind = KINDS[i % len(KINDS)]
+                new = [] if kind == "decode only" else [f"new{batch}_{serial + j}" for j in range(a.arrivals)]
+                serial += len(new)
+                ids = [*live, *new]
+                ms = [m] * len(live) + [a.prompt] * len(new)
+                T = sum(ms)
+                step = BatchInput.from_lists(
+                    "bench", ids, [*live.values(), *[0] * len(new)], ms, tokens[:T], states[:T],
+                    [1] * len(ids), [k] * len(ids), [0.0] * len(ids), [0] * len(ids), [False] * len(ids),
+                    [0] * len(ids), [0] * len(ids))
+                proposer._start_sequences = declines if kind == "per sequence" else start_sequences
+                before = proposer.columns_steps_run
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = proposer.step_batch(step)
+                seconds = time.perf_counter() - t0
+                failed = [o.message for o in out.to_outputs() if o.code]
+                assert not failed, failed[:3]
+                if i >= warm * len(KINDS):
+                    times[kind].append(seconds)
+                    columns[kind] += proposer.columns_steps_run - before
+                for sid in live:
+                    live[sid] += m
+                for sid in new:
+                    live[sid] = a.prompt
+                for sid in list(live)[: len(new)]:  # the oldest finish: the batch stays at `batch`
+                    del live[sid]
+                    proposer.table.release("bench", sid)
+            proposer._start_sequences = start_sequences
+            for sid in live:
+                proposer.table.release("bench", sid)
+            row = dict(batch=batch, kinds={})
+            for kind in KINDS:
+                x = times[kind]
+                row["kinds"][kind] = dict(step_ms_mean=statistics.fmean(x) * 1e3, step_ms_median=statistics.median(x)
+                                          * 1e3, steps=len(x), from_columns=columns[kind])
+                r = row["kinds"][kind]
+                print(f"| {batch} | {kind} | {r['step_ms_mean']:.3f} | {r['step_ms_median']:.3f} | "
+                      f"{r['from_columns']} of {r['steps']} |", flush=True)
+            result["rows"].append(row)
+            write_json(a.out, result, say=False)  # (after each batch size: a run stopped by a time limit keeps it)
+    result["complete"] = True
+    write_json(a.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
