@@ -72,12 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         resizes: list[tuple[float, int]] = []  # (seconds, sequences resized) of each _resize_columns call
         resize_columns, growth_fits = proposer._resize_columns, proposer._growth_fits
 
-        def timed_resize(*args):
+        def timed_resize(b_, seqs, rows, needed, blocks, have, idx, **kwargs):
             t0 = time.perf_counter()
             try:
-                return resize_columns(*args)
+                return resize_columns(b_, seqs, rows, needed, blocks, have, idx, **kwargs)
             finally:
-                resizes.append((time.perf_counter() - t0, args[-1].shape[0]))
+                resizes.append((time.perf_counter() - t0, idx.shape[0]))
 
         proposer._resize_columns = timed_resize
         ways = {"one call": growth_fits, "one at a time": lambda *args: None}
