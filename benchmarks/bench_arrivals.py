@@ -13,8 +13,12 @@ host:
                  _start_sequences: the whole step per sequence)
   decode only    the live sequences alone, nobody joining or leaving
 
-Per kind: the step's wall time (mean and median over --steps steps of that kind), and how many steps the columns
-path ran. The columns and per-sequence steps draft the same (tests/test_step_batch.py); here only time is measured.
+Per kind: the step's wall time (mean and median over --steps steps of that kind), how many steps the columns path
+ran, and for those its phases (medians, ms, from the proposer's phase marks): admit (step start to the blocks taken:
+lookups, checks, starting the new sequences, growth), to launch (the step's metadata or the first-step graph's record,
+the copies and the launches, up to the work done while the GPU drafts), to sync (that work, then the wait for the
+drafts) and after (the sequences' state, metrics). On the CPU the draft runs before that work: the split means
+little there. The columns and per-sequence steps draft the same (tests/test_step_batch.py); here only time is measured.
 Prints a table, writes JSON (device, date, command) to --out.
 
     python benchmarks/bench_arrivals.py --preset tiny --device cpu --batch 32
@@ -39,6 +43,7 @@ from drafter_client.benchmarks.report import write_json  # noqa: E402
 from drafter_service.engine.batch_io import BatchInput  # noqa: E402
 
 KINDS = ("columns", "per sequence", "decode only")
+PHASES = ("admit", "to_launch", "to_sync", "after")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,14 +92,15 @@ def main(argv: list[str] | None = None) -> int:
         tokens = torch.randint(0, vocab, (rows_max,), generator=gen)
         print(f"{result['device']}, {a.preset}, context {context} (advancing), {a.arrivals} new sequence(s) of "
               f"{a.prompt} tokens a step, k {k}, {a.steps} steps of each kind", flush=True)
-        print("| batch | kind | step ms (mean) | step ms (median) | from columns |")
-        print("| ---: | --- | ---: | ---: | ---: |")
+        print("| batch | kind | step ms (mean) | step ms (median) | from columns | admit / to launch / to sync / after ms |")
+        print("| ---: | --- | ---: | ---: | ---: | --- |")
         for batch in batches:
             decode = b.prefilled_decode(rt, batch, context, m, k, vocab)
             live = {s.sequence_id: s.start_position for s in decode}  # id -> its next step's start position
             serial = 0
             times = {kind: [] for kind in KINDS}
             columns = {kind: 0 for kind in KINDS}
+            phases = {kind: [] for kind in KINDS}  # (columns steps only)
             for i in range(steps_in_all):
                 kind = KINDS[i % len(KINDS)]
                 new = [] if kind == "decode only" else [f"new{batch}_{serial + j}" for j in range(a.arrivals)]
@@ -110,14 +116,21 @@ def main(argv: list[str] | None = None) -> int:
                 before = proposer.columns_steps_run
                 if cuda:
                     torch.cuda.synchronize()
+                proposer.phase_marks = marks = {}
                 t0 = time.perf_counter()
                 out = proposer.step_batch(step)
-                seconds = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                proposer.phase_marks = None
+                seconds = t1 - t0
                 failed = [o.message for o in out.to_outputs() if o.code]
                 assert not failed, failed[:3]
                 if i >= warm * len(KINDS):
                     times[kind].append(seconds)
                     columns[kind] += proposer.columns_steps_run - before
+                    if {"admitted", "launched", "synced"} <= marks.keys():
+                        phases[kind].append(dict(admit=marks["admitted"] - t0,
+                                                 to_launch=marks["launched"] - marks["admitted"],
+                                                 to_sync=marks["synced"] - marks["launched"], after=t1 - marks["synced"]))
                 for sid in live:
                     live[sid] += m
                 for sid in new:
@@ -131,11 +144,14 @@ def main(argv: list[str] | None = None) -> int:
             row = dict(batch=batch, kinds={})
             for kind in KINDS:
                 x = times[kind]
+                split = ({name: statistics.median(ph[name] for ph in phases[kind]) * 1e3 for name in PHASES}
+                         if phases[kind] else None)
                 row["kinds"][kind] = dict(step_ms_mean=statistics.fmean(x) * 1e3, step_ms_median=statistics.median(x)
-                                          * 1e3, steps=len(x), from_columns=columns[kind])
+                                          * 1e3, steps=len(x), from_columns=columns[kind], phases_ms=split)
                 r = row["kinds"][kind]
+                shown = " / ".join(f"{split[name]:.3f}" for name in PHASES) if split else "-"
                 print(f"| {batch} | {kind} | {r['step_ms_mean']:.3f} | {r['step_ms_median']:.3f} | "
-                      f"{r['from_columns']} of {r['steps']} |", flush=True)
+                      f"{r['from_columns']} of {r['steps']} | {shown} |", flush=True)
             result["rows"].append(row)
             write_json(a.out, result, say=False)  # (after each batch size: a run stopped by a time limit keeps it)
     result["complete"] = True

@@ -626,3 +626,6 @@ def test_bench_arrivals_times_the_three_kinds_of_step(tmp_path):
     assert {kind: r["from_columns"] for kind, r in kinds.items()} == {"columns": 3, "per sequence": 0,
                                                                       "decode only": 3}
     assert all(r["steps"] == 3 and r["step_ms_mean"] > 0 for r in kinds.values())
+    assert kinds["per sequence"]["phases_ms"] is None  # (the columns path's marks only)
+    assert all(set(kinds[kind]["phases_ms"]) == {"admit", "to_launch", "to_sync", "after"}
+               for kind in ("columns", "decode only"))
