@@ -26,9 +26,11 @@ Prints a table, writes JSON (device, date, command) to --out.
         --batch 128 --prompt 128 --out gpu_out/arrivals.json
 """
 import argparse
+import cProfile
 import datetime
 import pathlib
 import platform
+import pstats
 import shlex
 import statistics
 import sys
@@ -59,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40, help="timed steps of each kind")
     ap.add_argument("--states-on-gpu", action="store_true", help="the steps' hidden states on the GPU")
     ap.add_argument("--engine-applies-fc", action="store_true", help="EAGLE-3 presets: the engine applies the fc")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also run the columns kind's steps under cProfile (after the timed ones, over the same "
+                         "population) and print the Python functions by cumulative and by own time")
     ap.add_argument("--out", default="bench_out/arrivals.json")
     a = ap.parse_args(argv)
     shape = b.PRESETS[a.preset]
@@ -75,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                   states_on_gpu=a.states_on_gpu, engine_applies_fc=a.engine_applies_fc, rows=[], complete=False)
     # every step of the run advances the live contexts by m: room for all of them, and for the new ones' prompts
     steps_in_all = len(KINDS) * (a.steps + warm)
-    max_len = context + m * (steps_in_all + 2) + a.prompt + 64
+    max_len = context + m * (steps_in_all + (a.steps if a.host_profile else 0) + 2) + a.prompt + 64
     with tempfile.TemporaryDirectory() as tmp:
         rt = b.random_head_runtime(pathlib.Path(tmp), shape, max_len, device=a.device,
                                    kv_cache_tokens=(max(batches) + 2 * a.arrivals + 8) * (max_len + 64),
@@ -101,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             times = {kind: [] for kind in KINDS}
             columns = {kind: 0 for kind in KINDS}
             phases = {kind: [] for kind in KINDS}  # (columns steps only)
-            for i in range(steps_in_all):
-                kind = KINDS[i % len(KINDS)]
+            prof = cProfile.Profile() if a.host_profile else None
+            for i in range(steps_in_all + (a.steps if prof else 0)):
+                kind = KINDS[i % len(KINDS)] if i < steps_in_all else "columns"  # (then the profiled steps)
                 new = [] if kind == "decode only" else [f"new{batch}_{serial + j}" for j in range(a.arrivals)]
                 serial += len(new)
                 ids = [*live, *new]
@@ -117,14 +123,19 @@ def main(argv: list[str] | None = None) -> int:
                 if cuda:
                     torch.cuda.synchronize()
                 proposer.phase_marks = marks = {}
+                profiled = prof is not None and i >= steps_in_all
+                if profiled:
+                    prof.enable()
                 t0 = time.perf_counter()
                 out = proposer.step_batch(step)
                 t1 = time.perf_counter()
+                if profiled:
+                    prof.disable()
                 proposer.phase_marks = None
                 seconds = t1 - t0
                 failed = [o.message for o in out.to_outputs() if o.code]
                 assert not failed, failed[:3]
-                if i >= warm * len(KINDS):
+                if warm * len(KINDS) <= i < steps_in_all:
                     times[kind].append(seconds)
                     columns[kind] += proposer.columns_steps_run - before
                     if {"admitted", "launched", "synced"} <= marks.keys():
@@ -139,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
                     del live[sid]
                     proposer.table.release("bench", sid)
             proposer._start_sequences = start_sequences
+            if prof is not None:
+                print(f"--- batch {batch}: {a.steps} columns steps with arrivals under cProfile (it adds overhead), by "
+                      f"cumulative time ---")
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
+                print(f"--- batch {batch}: the same by own time ---")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(30)
             for sid in live:
                 proposer.table.release("bench", sid)
             row = dict(batch=batch, kinds={})
