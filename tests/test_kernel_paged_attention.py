@@ -355,3 +355,27 @@ def test_batched_cpu_path_gathers_again_when_the_batch_changes():
     tables[2, 0] = spare
     moved = call(tables, ctx[:7])
     assert moved is not narrowed
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_cpu_path_takes_short_queries_together_beside_a_long_prefill(seed, monkeypatch):
+    """A new sequence's prompt (or two) beside decode and short first steps: the short ones go through one batched
+    call, each long one alone (_short_and_long), never the per-sequence loop; the same answer as the reference, the
+    rows of no sequence untouched."""
+    g = torch.Generator().manual_seed(500 + seed)
+    B = int(torch.randint(4, 24, (1,), generator=g))
+    q_lens = torch.randint(0 if seed % 3 == 0 else 1, 4, (B,), generator=g)  # (decode steps: m = 1-3)
+    q_lens[torch.randperm(B, generator=g)[: 1 + seed % 2]] = int(torch.randint(40, 120, (1,), generator=g))
+    ctx_lens = q_lens + 40 + torch.randint(0, 60, (B,), generator=g)
+    ctx_lens = torch.maximum(ctx_lens, torch.ones_like(ctx_lens))
+    num_kv_heads = 1 + seed % 2
+    args = make_batch(q_lens.tolist(), ctx_lens.tolist(), num_kv_heads * 2, num_kv_heads, 16, 16, "cpu",
+                      torch.float32, seed=seed)
+    expected = attention.paged_attention_ref(*args, 0.25, out=poisoned(args[0].shape, torch.float32, "cpu"))
+    looped = []
+    ref = attention.paged_attention_ref
+    monkeypatch.setattr(attention, "paged_attention_ref", lambda *a, **kw: looped.append(1) or ref(*a, **kw))
+    actual = attention.paged_attention_batched(*args, 0.25, out=poisoned(args[0].shape, torch.float32, "cpu"))
+    assert_matches(actual, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(is_poison(actual), is_poison(expected))
+    assert not looped  # (the short ones batched: the padding check passes for them)
