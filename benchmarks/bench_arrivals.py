@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens = torch.randint(0, vocab, (rows_max,), generator=gen)
         print(f"{result['device']}, {a.preset}, context {context} (advancing), {a.arrivals} new sequence(s) of "
               f"{a.prompt} tokens a step, k {k}, {a.steps} steps of each kind", flush=True)
-        print("| batch | kind | step ms (mean) | step ms (median) | from columns | admit / to launch / to sync / after ms |")
+        print("| batch | kind | step ms (mean) | step ms (median) | from columns "
+              "| admit / to launch / to sync / after ms |")
         print("| ---: | --- | ---: | ---: | ---: | --- |")
         for batch in batches:
             decode = b.prefilled_decode(rt, batch, context, m, k, vocab)
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                     if {"admitted", "launched", "synced"} <= marks.keys():
                         phases[kind].append(dict(admit=marks["admitted"] - t0,
                                                  to_launch=marks["launched"] - marks["admitted"],
-                                                 to_sync=marks["synced"] - marks["launched"], after=t1 - marks["synced"]))
+                                                 to_sync=marks["synced"] - marks["launched"],
+                                                 after=t1 - marks["synced"]))
                 for sid in live:
                     live[sid] += m
                 for sid in new:

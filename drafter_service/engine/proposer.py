@@ -469,7 +469,8 @@ class Proposer:
             states = [None] * len(steps)
         get = self.table.get  # (a new sequence named twice: its later steps find the sequence its first one added)
         batch = [a for i, s in enumerate(steps)
-                 if (a := self._admit(i, s, outputs[i], found[i] or get(s.namespace, s.sequence_id), now,
+                 if (a := self._admit(i, s, outputs[i],
+                                      found[i] if found[i] is not None else get(s.namespace, s.sequence_id), now,
                                       states[i])) is not None]
         self.predraft.on_step()
         refused = False  # by the odds check: this batch keeps nothing for a pass

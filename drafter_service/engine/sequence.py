@@ -365,10 +365,10 @@ class SequenceTable:
 
     def grow_rows(self, rows: np.ndarray, have: np.ndarray, more: np.ndarray, namespace_blocks: dict[str, int]) -> bool:
         """resize for a whole step's growing sequences at once (Proposer._step_columns): the sequences holding `rows`
-        ([n] int64, distinct; members, or new ones about to be added) go from have[i] blocks to have[i] + more[i] (more[i] > 0; [n]
-        int64 each), all taken from the pool in one call, in row order (the blocks a resize of each in turn would
-        take), written into the rows with one array op. namespace_blocks: how many more blocks each namespace takes
-        (they sum to more). False, with nothing changed, when the pool is short."""
+        ([n] int64, distinct; members, or new ones about to be added) go from have[i] blocks to have[i] + more[i]
+        (more[i] > 0; [n] int64 each), all taken from the pool in one call, in row order (the blocks a resize of
+        each in turn would take), written into the rows with one array op. namespace_blocks: how many more blocks
+        each namespace takes (they sum to more). False, with nothing changed, when the pool is short."""
         total = int(more.sum())
         if total > self.pool.num_free:
             return False
