@@ -462,6 +462,43 @@ async def test_a_columnar_request_runs_from_its_columns_through_the_server(serve
         await rows.release(list(t.tokens))
 
 
+@pytest.mark.parametrize("transport", ["unary", "channel"])
+async def test_sequences_join_and_leave_a_batch_through_the_server(server, tiny_model, tmp_path, transport):
+    """Continuous batching through the server: every step a new sequence starts (its prompt) beside the others'
+    decode steps and one finishes (Release). Every step runs from its columns, the new sequences started there
+    (Proposer._start_sequences), with the drafts, statuses and lengths of a drafter that steps them one sequence at a
+    time (an in-process reference, Proposer.step_per_sequence)."""
+    from drafter_client import DrafterClient, SequenceStep
+
+    proposer = server.server.runtime.proposer
+    reference = build_runtime(make_config(*tiny_model, tmp_path / "ref")).proposer
+    t = Traffic(9, proposer.model.hidden_states_width, proposer.model.vocab_size, 30)
+    rng = t.rng
+    live, waiting = sorted(t.tokens)[:16], sorted(t.tokens)[16:]
+    async with DrafterClient(server.uds, namespace=f"join-{transport}") as client:
+        if transport == "channel":
+            assert await client.open_step_channel()
+        for round in range(6):
+            joining = [waiting.pop()] if round else []
+            steps = [t.step(sid, m=rng.randint(1, 3), k=4) for sid in live + joining]
+            wire = [SequenceStep(s.sequence_id, s.start_position, s.token_ids, s.hidden_states, s.next_token,
+                                 s.num_drafts) for s in steps]
+            before = server.call(lambda: proposer.columns_steps_run)
+            got = await client.propose(wire)
+            assert server.call(lambda: proposer.columns_steps_run) == before + 1, round
+            want = reference.step_per_sequence(steps)
+            for g, w in zip(got.sequences, want, strict=True):
+                assert (g.code, g.drafts.tolist(), g.accepted_drafts, g.committed_length) == (
+                    w.code, w.drafts, w.accepted_drafts, w.committed_length), round
+            live += joining
+            gone = live.pop(rng.randrange(len(live)))
+            await client.release([gone])
+            assert reference.table.release(NS, gone)
+        if transport == "channel":
+            assert client.steps_through_channel == 6
+        await client.release(live)
+
+
 def test_merged_columnar_requests_run_as_one_batch_and_each_gets_its_share(tiny_model, tmp_path):
     """The scheduler merges columnar requests of two namespaces (and a per-sequence request, which sends the whole
     batch through Proposer.step's StepInputs) into one batch; each request gets exactly its own answers."""
