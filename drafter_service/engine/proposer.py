@@ -853,11 +853,9 @@ class Proposer:
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
     def _block_tables(self, batch: list[_Admitted]) -> torch.Tensor:
-        max_blocks = max(a.seq.num_blocks for a in batch)
-        block_tables = torch.zeros(len(batch), max_blocks, dtype=torch.int32)
-        for i, a in enumerate(batch):
-            block_tables[i, : len(a.seq.block_table)] = torch.tensor(a.seq.block_table, dtype=torch.int32)
-        return block_tables
+        """[n, the most blocks of any] int32: the batch's block tables, from their table rows (zeros past each one's
+        blocks, as a row keeps them)."""
+        return self.table.rows.gather([a.seq.table_row for a in batch], max(a.seq.num_blocks for a in batch))
 
     def _sampling(self, batch: list[_Admitted], md: StepMetadata | None = None) -> SamplingSettings:
         dev = self.device
