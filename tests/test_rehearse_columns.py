@@ -72,6 +72,52 @@ def test_rehearsing_every_step_changes_no_answer_and_no_state(tiny_model, tmp_pa
         assert p.decode_graphs.first_step_rehearsals >= 10
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_step_one_of_whose_sequences_is_gone_is_rehearsed_for_the_others(tiny_model, tmp_path, device):
+    """Continuous batching: after each step one of its sequences finishes (Release) before the drafter rehearses that
+    step. The others' step is rehearsed (BatchInput.take), nothing changed, and the next steps answer as a drafter
+    that never rehearses; where too few are left for the columns path (the CPU: fewer than 8), it is not."""
+    plain = build_runtime(make_config(*tiny_model, tmp_path / "plain", device=device))
+    rehearsing = build_runtime(make_config(*tiny_model, tmp_path / "rehearsing", device=device))
+    t = Traffic(8, plain.limits.hidden_states_width, plain.limits.vocab_size, 11)
+    live = sorted(t.tokens)
+    first = [t.step(sid, 3, 4) for sid in live]
+    same(plain.proposer.step_per_sequence(first), rehearsing.proposer.step_batch(as_batch(first)))
+    p = rehearsing.proposer
+    for round in range(6):
+        steps = [t.step(sid, 2, 3) for sid in live]
+        out = plain.proposer.step_per_sequence(steps)
+        same(out, p.step_batch(as_batch(steps)))
+        gone = live.pop(round % len(live))
+        assert plain.proposer.table.release(NS, gone) and p.table.release(NS, gone)
+        before, count = state_of(rehearsing), p.columns_rehearsals
+        # (CPU: the columns path from 8 sequences; with graphs (CUDA) from 1)
+        expected = len(live) >= 8 or p.decode_graphs is not None
+        assert p.rehearse_columns(as_batch(steps)) is expected, round
+        assert p.columns_rehearsals == count + expected
+        assert_same_state(before, state_of(rehearsing))
+        t.answered(steps, out)
+    assert metrics_of(plain) == metrics_of(rehearsing)
+
+
+def test_batch_input_take_keeps_the_chosen_sequences_columns():
+    """BatchInput.take: the kept sequences' columns and token ids, in order; no states."""
+    import numpy as np
+
+    t = Traffic(2, 8, 100, 6)
+    steps = [t.step(sid, m, 2) for sid, m in zip(sorted(t.tokens), [1, 4, 2, 5, 3, 1])]
+    batch = as_batch(steps)
+    batch.namespaces = [f"n{i}" for i in range(6)]
+    keep = np.array([4, 1, 5], dtype=np.int64)
+    part = batch.take(keep)
+    assert part.sequence_ids == [steps[i].sequence_id for i in keep] and part.namespaces == ["n4", "n1", "n5"]
+    assert part.hidden_states is None and len(part) == 3
+    assert part.arrays.token_ids.tolist() == [x for i in keep for x in steps[i].token_ids.tolist()]
+    for name in ("start_positions", "num_tokens", "next_tokens", "num_drafts", "seeds"):
+        assert getattr(part.arrays, name).tolist() == getattr(batch.arrays, name)[keep].tolist(), name
+    assert len(batch.take(np.array([], dtype=np.int64))) == 0
+
+
 def test_a_step_the_columns_path_would_not_take_is_not_rehearsed(tiny_model, tmp_path):
     """An unknown sequence, one named twice, a gap, a request for log-probabilities, a step too small for the columns
     path (CPU: fewer than 8 sequences): False, nothing changed."""

@@ -166,6 +166,24 @@ class BatchInput:
                    return_logprobs=joined("return_logprobs"), top_k_probs=joined("top_k_probs"),
                    predraft_branches=joined("predraft_branches"), state_parts=[t for b in parts for t in b.states()])
 
+    def take(self, keep: np.ndarray) -> "BatchInput":
+        """The sequences keep ([n] int64 indices into the batch, in order) as a batch of their own, their columns and
+        token ids, without hidden states (the drafter's rehearsal of a step some of whose sequences are gone since:
+        Proposer.rehearse_columns)."""
+        a = self.arrays
+        m = a.num_tokens
+        kept = m[keep]
+        # token row r of the new batch is row (its sequence's first row here) + (r - its first row there)
+        first_here, first_there = np.cumsum(m)[keep] - kept, np.cumsum(kept) - kept
+        rows = np.repeat(first_here - first_there, kept) + np.arange(int(kept.sum()))
+        arrays = BatchArrays(**{name: (a.token_ids[rows] if name == "token_ids" else getattr(a, name)[keep])
+                                for name in BatchArrays.__dataclass_fields__})
+        keep = keep.tolist()
+        b = BatchInput.from_arrays(self.namespaces[keep[0]] if keep else "", [self.sequence_ids[i] for i in keep],
+                                   arrays, torch.from_numpy(arrays.token_ids), None)
+        b.namespaces, b.owners = [self.namespaces[i] for i in keep], [self.owners[i] for i in keep]
+        return b
+
     def to_inputs(self) -> list[StepInput]:
         """The same steps, one StepInput per sequence (Proposer.step's form)."""
         ms = self.num_tokens.tolist()

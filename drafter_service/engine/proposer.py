@@ -786,12 +786,19 @@ class Proposer:
         admission, the acceptance count (not recorded), the block tables' gather and, where a first-step graph would
         replay, the record's host copy (FirstStepRecord.write without its copy). Work that last ran milliseconds ago
         runs several times slower than warm on the hosts measured (docs/performance.md). Step thread only. Whether
-        it ran: False where the step would not take the columns path now."""
+        it ran: False where the step would not take the columns path now. Where some of its sequences are gone
+        since (released: under continuous batching one finishes most steps), the others' step is rehearsed
+        (BatchInput.take), if that one would take the columns path."""
         if not self._fast_path_applies(b):
             return False
         rows = self.table.rows_of(b.namespaces, b.sequence_ids)
         if rows is None:
-            return False
+            keep, rows = self.table.known_rows(b.namespaces, b.sequence_ids)
+            if keep.shape[0] == 0:
+                return False
+            b = b.take(keep)
+            if not self._fast_path_applies(b):
+                return False
         admitted = self._admit_columns(b, rows)
         if admitted is None:
             return False

@@ -291,6 +291,14 @@ class SequenceTable:
             return None
         return np.fromiter([seq.table_row for seq in seqs], dtype=np.int64, count=len(seqs))
 
+    def known_rows(self, namespaces: list[str], sequence_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """([n] int64 each) the indices of the pairs this table knows, in order, and their rows; nothing marked
+        (Proposer.rehearse_columns, for a step some of whose sequences are gone since)."""
+        seqs = list(map(self._seqs.get, zip(namespaces, sequence_ids)))
+        keep = [i for i, seq in enumerate(seqs) if seq is not None]
+        return (np.array(keep, dtype=np.int64),
+                np.fromiter([seqs[i].table_row for i in keep], dtype=np.int64, count=len(keep)))
+
     def _still_valid_lookup(self, namespaces: list[str], sequence_ids: list[str]) -> "_Lookup | None":
         """touch_batch's last answer when it was for these sequences and none has been added or dropped since."""
         last = self._last_lookup
