@@ -40,6 +40,7 @@ mask_hidden), multi-layer heads num_predict / forward_layer / compute_logits_lay
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -681,12 +682,10 @@ class Proposer:
         t, lim = self.table, self.table.limits
         if lim.max_sequences and len(t) + len(new) > lim.max_sequences:
             return None
-        if lim.max_sequences_per_namespace:
-            per_namespace: dict[str, int] = {}
-            for ns, _ in keys:
-                per_namespace[ns] = per_namespace.get(ns, 0) + 1
-            if any(t.namespace_sequences(ns) + n > lim.max_sequences_per_namespace for ns, n in per_namespace.items()):
-                return None
+        if lim.max_sequences_per_namespace and any(
+                t.namespace_sequences(ns) + n > lim.max_sequences_per_namespace
+                for ns, n in Counter(ns for ns, _ in keys).items()):
+            return None
         R, seqs = t.rows, list(seqs)
         for i, (ns, sequence_id) in zip(new, keys):
             seq = Sequence(ns, sequence_id, owner=b.owners[i], last_used=now, last_step=serial)
@@ -791,9 +790,8 @@ class Proposer:
         (BatchInput.take), if that one would take the columns path."""
         if not self._fast_path_applies(b):
             return False
-        rows = self.table.rows_of(b.namespaces, b.sequence_ids)
-        if rows is None:
-            keep, rows = self.table.known_rows(b.namespaces, b.sequence_ids)
+        keep, rows = self.table.known_rows(b.namespaces, b.sequence_ids)
+        if keep is not None:  # (some are gone since)
             if keep.shape[0] == 0:
                 return False
             b = b.take(keep)

@@ -280,21 +280,16 @@ class SequenceTable:
         self._touches += len(found)
         return seqs, rows
 
-    def rows_of(self, namespaces: list[str], sequence_ids: list[str]) -> np.ndarray | None:
-        """[n] int64: the table rows of these sequences, in order, or None if one is unknown; touch_batch's lookup
-        with nothing marked (Proposer.rehearse_columns)."""
+    def known_rows(self, namespaces: list[str], sequence_ids: list[str]) -> tuple[np.ndarray | None, np.ndarray]:
+        """touch_batch's lookup with nothing marked (Proposer.rehearse_columns): (keep, rows), rows [n] int64 the
+        table rows of the pairs this table knows, in order; keep None when it knows them all, else [n] int64 their
+        indices among the pairs (a step some of whose sequences are gone since)."""
         last = self._still_valid_lookup(namespaces, sequence_ids)
         if last is not None:
-            return last.rows
+            return None, last.rows
         seqs = list(map(self._seqs.get, zip(namespaces, sequence_ids)))
-        if None in seqs:
-            return None
-        return np.fromiter([seq.table_row for seq in seqs], dtype=np.int64, count=len(seqs))
-
-    def known_rows(self, namespaces: list[str], sequence_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """([n] int64 each) the indices of the pairs this table knows, in order, and their rows; nothing marked
-        (Proposer.rehearse_columns, for a step some of whose sequences are gone since)."""
-        seqs = list(map(self._seqs.get, zip(namespaces, sequence_ids)))
+        if None not in seqs:
+            return None, np.fromiter([seq.table_row for seq in seqs], dtype=np.int64, count=len(seqs))
         keep = [i for i, seq in enumerate(seqs) if seq is not None]
         return (np.array(keep, dtype=np.int64),
                 np.fromiter([seqs[i].table_row for i in keep], dtype=np.int64, count=len(keep)))
