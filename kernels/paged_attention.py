@@ -290,23 +290,45 @@ class GatheredContext:
 # length and the batch, and as constexprs (or specialized ints) each new value compiled both kernels again, 0.4-0.5 s
 # on the step thread (an H200 run of eager pre-drafting passes at batch 1: one such stall every ~64 tokens of
 # context, docs/predraft.md). SPLIT and BLOCK_S (a power of two) take few values.
+#
+# Packed grid (PACKED_GRID, only without splits): a batch of uneven queries (one long prefill beside many 1-3 row
+# decodes: the step a new sequence joins) gets cdiv(max_query_len, BLOCK_M) programs per sequence on the grid above,
+# nearly all of them returning at once (batch 128 beside a 512-row prompt: 4096 programs per head block for ~160 with
+# work). With PACKED_GRID, axis 0 walks the batch's query tiles instead: sequence i's tiles are numbered from
+# first_tile(i) = qsl[i] // BLOCK_M + i, which grows strictly with i and leaves room for the cdiv(q_len_i, BLOCK_M)
+# tiles of sequence i before first_tile(i + 1); so T // BLOCK_M + B programs cover every tile, and a program finds its
+# sequence by a binary search of first_tile over the batch. The grid depends on T and B only (CUDA-graph safe).
 # ----------------------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["block_tables_stride", "part_rows", "num_splits"])
+@triton.jit(do_not_specialize=["block_tables_stride", "part_rows", "num_splits", "num_seqs"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
     scale,
     q_stride_t, q_stride_h, out_stride_t, out_stride_h,
     cache_stride_block, cache_stride_offset, cache_stride_h,
-    block_tables_stride, num_q_heads, part_rows, num_splits,
+    block_tables_stride, num_q_heads, part_rows, num_splits, num_seqs,
     QUERIES_PER_KV: tl.constexpr, HEAD_BLOCKS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PACKED_GRID: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # Grid (B, cdiv(max_query_len, BLOCK_M), Hkv * HEAD_BLOCKS_PER_KV * num_splits).
+    # Grid (B, cdiv(max_query_len, BLOCK_M), Hkv * HEAD_BLOCKS_PER_KV * num_splits), or with PACKED_GRID
+    # (T // BLOCK_M + B, 1, Hkv * HEAD_BLOCKS_PER_KV).
     # Scratch (SPLIT): part_max, part_sum [B, part_rows, Hq, num_splits] fp32 and part_acc [..., HEAD_DIM].
-    seq = tl.program_id(0)
-    m_block = tl.program_id(1)
+    if PACKED_GRID:
+        tile_id = tl.program_id(0)
+        lo = 0  # the last sequence whose first tile (qsl[i] // BLOCK_M + i) is <= tile_id
+        hi = num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid <= tile_id:
+                lo = mid
+            else:
+                hi = mid - 1
+        seq = lo
+        m_block = tile_id - (tl.load(query_start_loc_ptr + seq) // BLOCK_M + seq)
+    else:
+        seq = tl.program_id(0)
+        m_block = tl.program_id(1)
     split = tl.program_id(2) % num_splits
     head_block = tl.program_id(2) // num_splits
     kv_head = head_block // HEAD_BLOCKS_PER_KV
@@ -440,10 +462,20 @@ def attention_launch_config(num_seqs: int, max_query_len: int, num_q_heads: int,
                 m_blocks=m_blocks, head_blocks=head_blocks, num_splits=num_splits)
 
 
+def packed_grid_programs(num_tokens: int, num_seqs: int, cfg: dict) -> int | None:
+    """Programs per head block on the packed grid (the kernel's comment), when it takes fewer than the per-sequence
+    grid's B * cdiv(max_query_len, BLOCK_M) and the context is not split; None otherwise."""
+    if cfg["num_splits"] > 1:
+        return None
+    programs = num_tokens // cfg["block_m"] + num_seqs
+    return programs if programs < num_seqs * cfg["m_blocks"] else None
+
+
 def _paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, out,
                             *, num_splits: int | None = None, block_n: int | None = None,
-                            num_warps: int | None = None):
-    """paged_attention_triton with the split count, KV tile or warps optionally forced (tests, benchmark sweeps)."""
+                            num_warps: int | None = None, packed: bool | None = None):
+    """paged_attention_triton with the split count, KV tile, warps or grid (packed: True / False) optionally forced
+    (tests, benchmark sweeps, compile_variants)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -456,6 +488,9 @@ def _paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_s
         cfg["block_n"] = block_n
     if num_warps is not None:
         cfg["num_warps"] = num_warps
+    if packed:
+        assert num_splits in (None, 1), "the packed grid does not split the context"
+        cfg["num_splits"] = 1
     num_splits = cfg["num_splits"]
     part_rows = max_query_len
     if num_splits > 1:
@@ -465,17 +500,23 @@ def _paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_s
         part_acc = torch.empty(num_seqs, part_rows, num_q_heads, num_splits, head_dim, **f32)
     else:
         part_max = part_sum = part_acc = out  # unused
-    grid = (num_seqs, cfg["m_blocks"], num_kv_heads * cfg["head_blocks"] * num_splits)
+    packed_programs = packed_grid_programs(num_tokens, num_seqs, cfg)
+    if packed is not None:
+        packed_programs = num_tokens // cfg["block_m"] + num_seqs if packed else None
+    if packed_programs is not None:
+        grid = (packed_programs, 1, num_kv_heads * cfg["head_blocks"])
+    else:
+        grid = (num_seqs, cfg["m_blocks"], num_kv_heads * cfg["head_blocks"] * num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
         part_acc, part_max, part_sum,
         scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), num_q_heads, part_rows, num_splits,
+        block_tables.stride(0), num_q_heads, part_rows, num_splits, num_seqs,
         QUERIES_PER_KV=num_q_heads // num_kv_heads, HEAD_BLOCKS_PER_KV=cfg["head_blocks"], HEAD_DIM=head_dim,
         BLOCK_D=cfg["block_d"], BLOCK_M=cfg["block_m"], BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"],
-        KV_BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
+        KV_BLOCK_SIZE=block_size, SPLIT=num_splits > 1, PACKED_GRID=packed_programs is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"],
     )
@@ -490,11 +531,12 @@ def _paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_s
 
 
 def launch_variants(num_q_heads: int, num_kv_heads: int, head_dim: int, max_context: int,
-                    sm_count: int = DEFAULT_SM_COUNT, fp32: bool = False) -> list[tuple[int, int]]:
-    """(max_query_len, num_splits) launches that, one after the other, compile every kernel variant
-    attention_launch_config can pick for these heads and contexts of up to max_context positions: each query-row
-    tile (BLOCK_M, with its BLOCK_H and warps) with the context whole and split, and each tile of the reduce over the
-    splits (BLOCK_S, a power of two up to the most splits a batch of one sequence gets)."""
+                    sm_count: int = DEFAULT_SM_COUNT, fp32: bool = False) -> list[tuple[int, int, bool]]:
+    """(max_query_len, num_splits, packed grid) launches that, one after the other, compile every kernel variant
+    attention_launch_config and packed_grid_programs can pick for these heads and contexts of up to max_context
+    positions: each query-row tile (BLOCK_M, with its BLOCK_H and warps) with the context whole and split, the longest
+    tile on the packed grid too, and each tile of the reduce over the splits (BLOCK_S, a power of two up to the most
+    splits a batch of one sequence gets)."""
     launches, seen = [], set()
     q_len = 1
     while True:
@@ -502,15 +544,16 @@ def launch_variants(num_q_heads: int, num_kv_heads: int, head_dim: int, max_cont
         for splits in ((1, 2) if cfg["m_blocks"] == 1 else (1,)):  # (only a one-tile query splits the context)
             if (cfg["block_m"], splits > 1) not in seen:
                 seen.add((cfg["block_m"], splits > 1))
-                launches.append((q_len, splits))
-        if cfg["m_blocks"] > 1:  # longer queries: more tiles of the same BLOCK_M, the context whole
+                launches.append((q_len, splits, False))
+        if cfg["m_blocks"] > 1:  # longer queries: more tiles of the same BLOCK_M, the context whole; or packed
+            launches.append((q_len, 1, True))
             break
         q_len += 1
     decode = attention_launch_config(1, 1, num_q_heads, num_kv_heads, head_dim, max_context, sm_count, fp32)
     most = decode["num_splits"]  # (one sequence: the most programs per split, so the most splits)
     splits = 4
     while splits // 2 < most:  # BLOCK_S = next_power_of_2(num_splits): 2 is compiled above, then 4, 8, ...
-        launches.append((1, min(splits, most)))
+        launches.append((1, min(splits, most), False))
         splits *= 2
     return launches
 
@@ -525,13 +568,13 @@ def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: 
     device = k_cache.device
     variants = launch_variants(num_q_heads, num_kv_heads, head_dim, max_context, device_sm_count(device),
                                dtype == torch.float32)
-    for q_len, splits in variants:
+    for q_len, splits, packed in variants:
         q = torch.zeros(q_len, num_q_heads, head_dim, dtype=dtype, device=device)
         tables = torch.zeros(1, triton.cdiv(q_len, block_size), dtype=torch.int32, device=device)
         seq_lens = torch.full((1,), q_len, dtype=torch.int32, device=device)
         qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)
         _paged_attention_launch(q, k_cache, v_cache, tables, seq_lens, qsl, 1.0, q_len, torch.empty_like(q),
-                                num_splits=splits)
+                                num_splits=splits, packed=packed)
     return len(variants)
 
 

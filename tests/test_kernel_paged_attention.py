@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 from drafter_kernels.testing import DEVICE_DTYPES, assert_matches, is_poison, kernel_module, poisoned  # noqa: E402
 
 attention = kernel_module("paged_attention")
+CUDA_DTYPES = [p for p in DEVICE_DTYPES if p.values[0] == "cuda"]
 
 
 def make_batch(q_lens, ctx_lens, num_q_heads, num_kv_heads, head_dim, block_size, device, dtype, seed):
@@ -113,6 +114,75 @@ def test_split_paths_match_reference(device, dtype, case):
     assert_matches(unsplit, expected, atol=1e-5, rtol=1e-5)
 
 
+# Packed grid (one program per query tile of the batch, its sequence found by a binary search): uneven batches of a
+# long prefill beside short rows, empty sequences at the start, the middle and the end (padding sequences of a
+# first-step graph), a sequence whose query starts mid-tile, and two trailing rows owned by no sequence.
+PACKED_CASES = {
+    # name: (q_lens, ctx_lens, Hq, Hkv, head_dim, block_size)
+    "prompt-beside-decodes-gqa4": ([3, 1, 40, 2, 3, 1], [50, 9, 40, 17, 100, 1], 8, 2, 64, 16),
+    "empty-first-middle-last-gqa1": ([0, 5, 0, 70, 1, 0, 0], [3, 30, 1, 75, 64, 2, 1], 2, 2, 32, 16),
+    "one-long-many-short-gqa6": ([1] * 9 + [37] + [2] * 5, [5 + 7 * i for i in range(15)], 12, 2, 16, 8),
+}
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("case", list(PACKED_CASES))
+def test_packed_grid_matches_reference(device, dtype, case):
+    q_lens, ctx_lens, num_q_heads, num_kv_heads, head_dim, block_size = PACKED_CASES[case]
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc = make_batch(
+        q_lens, ctx_lens, num_q_heads, num_kv_heads, head_dim, block_size, device, dtype, seed=len(case) + 3)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, head_dim**-0.5)
+    expected = attention.paged_attention_ref(*args, out=poisoned(q.shape, dtype, device))
+    packed = attention._paged_attention_launch(*args, max(q_lens), poisoned(q.shape, dtype, device), packed=True)
+    assert_matches(packed, expected, atol=1e-5, rtol=1e-5)  # (rows of no sequence stay poisoned in both)
+    # the public launcher picks it by itself for these batches (fewer programs than B x cdiv(max_query_len, BLOCK_M))
+    cfg = attention.attention_launch_config(len(q_lens), max(q_lens), num_q_heads, num_kv_heads, head_dim,
+                                            block_tables.shape[1] * block_size, fp32=dtype == torch.float32)
+    assert attention.packed_grid_programs(q.shape[0], len(q_lens), cfg) is not None
+    assert_matches(attention.paged_attention_triton(*args, out=poisoned(q.shape, dtype, device)), expected,
+                   atol=1e-5, rtol=1e-5)
+
+
+def test_packed_grid_programs_cover_every_query_tile():
+    """The numbering behind the packed grid: for random batches (empty sequences included) the first tiles
+    qsl[i] // BLOCK_M + i grow strictly, each sequence's tiles end before the next one's first, and all of them are
+    below T // BLOCK_M + B, the grid's size."""
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(300):
+        B = int(torch.randint(1, 40, (1,), generator=gen))
+        q_lens = torch.randint(0, 70, (B,), generator=gen) * (torch.rand(B, generator=gen) < 0.8)
+        block_m = int(2 ** torch.randint(0, 7, (1,), generator=gen))
+        qsl = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)])
+        first = qsl[:-1] // block_m + torch.arange(B)
+        ends = first + (q_lens + block_m - 1) // block_m  # one past each sequence's last tile
+        assert bool((first[1:] > first[:-1]).all()) and bool((ends[:-1] <= first[1:]).all())
+        assert int(ends.max()) <= int(qsl[-1]) // block_m + B
+
+
+@pytest.mark.parametrize("device,dtype", CUDA_DTYPES)
+def test_packed_grid_replays_in_cuda_graph(device, dtype):
+    """Captured once for T rows and B sequences, the packed grid serves any split of those rows: the sequences'
+    query lengths (query_start_loc) and contexts change between replays, rows past qsl[B] belong to none."""
+    q_lens, ctx_lens = [1, 30, 3, 0], [40, 30, 70, 5]
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc = make_batch(
+        q_lens, ctx_lens, 8, 2, 64, 16, device, dtype, seed=11)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 0.125)
+    out = poisoned(q.shape, dtype, device)
+    attention._paged_attention_launch(*args, q.shape[0], out, packed=True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attention._paged_attention_launch(*args, q.shape[0], out, packed=True)
+    for lens, ctx in (([1, 30, 3, 0], [40, 30, 70, 5]), ([20, 1, 1, 12], [20, 50, 9, 12]), ([0, 0, 34, 0], [1, 1, 60, 1])):
+        query_start_loc.copy_(torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32))
+        seq_lens.copy_(torch.tensor(ctx, dtype=torch.int32))
+        out.copy_(poisoned(q.shape, dtype, device))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = attention.paged_attention_ref(*args, out=poisoned(q.shape, dtype, device))
+        assert_matches(out, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(8, 2), (4, 4)])
 def test_decode_batch_33_default_config(device, dtype, num_q_heads, num_kv_heads):
@@ -149,9 +219,6 @@ def test_launch_config_from_shapes_only():
     assert config(1, 1, 128, 1, 64, 1024)["head_blocks"] == 2  # groups over 64 heads take several programs
     long_fp32 = config(2, 500, 32, 8, 128, 1024, fp32=True)  # IEEE FMA dots: smaller tiles, no register spills
     assert long_fp32["block_m"] * long_fp32["block_h"] == 32 and long_fp32["block_n"] == 16
-
-
-CUDA_DTYPES = [p for p in DEVICE_DTYPES if p.values[0] == "cuda"]
 
 
 @pytest.mark.parametrize("device,dtype", CUDA_DTYPES)

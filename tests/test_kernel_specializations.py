@@ -149,6 +149,15 @@ def test_compile_variants_cover_every_attention_launch(recorded, heads, kv_heads
                 attention._paged_attention_launch(
                     q, k_cache, k_cache, tables, torch.ones(batch, dtype=torch.int32),
                     torch.arange(batch + 1, dtype=torch.int32) * q_len, 0.1, q_len, torch.empty_like(q))
+                # one prompt of q_len * 8 rows beside decodes (a sequence joining): the packed grid from batch 2
+                rows = torch.ones(batch, dtype=torch.int32)
+                rows[0] = q_len * 8
+                q = torch.empty(int(rows.sum()), heads, head_dim, dtype=dtype)
+                qsl = torch.cat([torch.zeros(1, dtype=torch.int32), rows.cumsum(0).to(torch.int32)])
+                attention._paged_attention_launch(q, k_cache, k_cache, tables, torch.ones(batch, dtype=torch.int32),
+                                                  qsl, 0.1, q_len * 8, torch.empty_like(q))
+    packed = [key for key in main.keys if ("PACKED_GRID", True) in key]
+    assert packed, "no launch above took the packed grid"
     assert set(main.keys) == warm[0], sorted(set(main.keys) - warm[0])
     assert set(reduce.keys) == warm[1], sorted(set(reduce.keys) - warm[1])
 
