@@ -8,13 +8,16 @@ runs three kinds of step, one after the other, so that the three see the same po
 host:
 
   columns        --arrivals new sequences join the step (--prompt tokens each), as many live ones finish after it
-                 (Release): the step starts them from its columns (Proposer._start_sequences), the default
+                 (Release): the step starts them from its columns (Proposer._start_sequences), the default; on CUDA
+                 its first step replays a packed first-step graph where the rows fit --first-step-graph-rows
+  eager first    the same, the packed first-step graph refused (the way before it: the first step's metadata built
+                 on the host, its forward launched eagerly; the decode steps still replay their graphs)
   per sequence   the same kind of step with the columns made to decline a new sequence (the way before
                  _start_sequences: the whole step per sequence)
   decode only    the live sequences alone, nobody joining or leaving
 
 Per kind: the step's wall time (mean and median over --steps steps of that kind), how many steps the columns path
-ran, and for those its phases (medians, ms, from the proposer's phase marks): admit (step start to the blocks taken:
+ran and how many replayed a packed first step, and for the columns steps their phases (medians, ms, from the proposer's phase marks): admit (step start to the blocks taken:
 lookups, checks, starting the new sequences, growth), to launch (the step's metadata or the first-step graph's record,
 the copies and the launches, up to the work done while the GPU drafts), to sync (that work, then the wait for the
 drafts) and after (the sequences' state, metrics). On the CPU the draft runs before that work: the split means
@@ -44,7 +47,7 @@ from drafter_client.benchmarks import bench_step as b  # noqa: E402
 from drafter_client.benchmarks.report import write_json  # noqa: E402
 from drafter_service.engine.batch_io import BatchInput  # noqa: E402
 
-KINDS = ("columns", "per sequence", "decode only")
+KINDS = ("columns", "eager first", "per sequence", "decode only")
 PHASES = ("admit", "to_launch", "to_sync", "after")
 
 
@@ -89,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         width = rt.limits.hidden_states_width
         start_sequences = proposer._start_sequences
         declines = lambda *args: None  # noqa: E731  (the per-sequence way)
+        graphs = proposer.decode_graphs
+        plan_first_step = graphs.first_step_plan if graphs is not None else None
+
+        def unpacked_plan(*args):  # (the eager first step where a packed graph would replay)
+            plan = plan_first_step(*args)
+            return None if plan is not None and plan[0] else plan
         gen = torch.Generator().manual_seed(0)
         rows_max = max(batches) * m + a.arrivals * a.prompt
         states = torch.randn(rows_max, width, generator=gen).to(torch.bfloat16 if cuda else torch.float32)
@@ -97,15 +106,16 @@ def main(argv: list[str] | None = None) -> int:
         tokens = torch.randint(0, vocab, (rows_max,), generator=gen)
         print(f"{result['device']}, {a.preset}, context {context} (advancing), {a.arrivals} new sequence(s) of "
               f"{a.prompt} tokens a step, k {k}, {a.steps} steps of each kind", flush=True)
-        print("| batch | kind | step ms (mean) | step ms (median) | from columns "
+        print("| batch | kind | step ms (mean) | step ms (median) | from columns | packed first step "
               "| admit / to launch / to sync / after ms |")
-        print("| ---: | --- | ---: | ---: | ---: | --- |")
+        print("| ---: | --- | ---: | ---: | ---: | ---: | --- |")
         for batch in batches:
             decode = b.prefilled_decode(rt, batch, context, m, k, vocab)
             live = {s.sequence_id: s.start_position for s in decode}  # id -> its next step's start position
             serial = 0
             times = {kind: [] for kind in KINDS}
             columns = {kind: 0 for kind in KINDS}
+            packed = {kind: 0 for kind in KINDS}
             phases = {kind: [] for kind in KINDS}  # (columns steps only)
             prof = cProfile.Profile() if a.host_profile else None
             for i in range(steps_in_all + (a.steps if prof else 0)):
@@ -120,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
                     [1] * len(ids), [k] * len(ids), [0.0] * len(ids), [0] * len(ids), [False] * len(ids),
                     [0] * len(ids), [0] * len(ids))
                 proposer._start_sequences = declines if kind == "per sequence" else start_sequences
+                if graphs is not None:
+                    graphs.first_step_plan = unpacked_plan if kind == "eager first" else plan_first_step
                 before = proposer.columns_steps_run
+                packed_before = graphs.packed_first_steps_run if graphs is not None else 0
                 if cuda:
                     torch.cuda.synchronize()
                 proposer.phase_marks = marks = {}
@@ -139,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 if warm * len(KINDS) <= i < steps_in_all:
                     times[kind].append(seconds)
                     columns[kind] += proposer.columns_steps_run - before
+                    packed[kind] += (graphs.packed_first_steps_run if graphs is not None else 0) - packed_before
                     if {"admitted", "launched", "synced"} <= marks.keys():
                         phases[kind].append(dict(admit=marks["admitted"] - t0,
                                                  to_launch=marks["launched"] - marks["admitted"],
@@ -152,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                     del live[sid]
                     proposer.table.release("bench", sid)
             proposer._start_sequences = start_sequences
+            if graphs is not None:
+                graphs.first_step_plan = plan_first_step
             if prof is not None:
                 print(f"--- batch {batch}: {a.steps} columns steps with arrivals under cProfile (it adds overhead), by "
                       f"cumulative time ---")
@@ -166,11 +182,12 @@ def main(argv: list[str] | None = None) -> int:
                 split = ({name: statistics.median(ph[name] for ph in phases[kind]) * 1e3 for name in PHASES}
                          if phases[kind] else None)
                 row["kinds"][kind] = dict(step_ms_mean=statistics.fmean(x) * 1e3, step_ms_median=statistics.median(x)
-                                          * 1e3, steps=len(x), from_columns=columns[kind], phases_ms=split)
+                                          * 1e3, steps=len(x), from_columns=columns[kind],
+                                          packed_first_steps=packed[kind], phases_ms=split)
                 r = row["kinds"][kind]
                 shown = " / ".join(f"{split[name]:.3f}" for name in PHASES) if split else "-"
                 print(f"| {batch} | {kind} | {r['step_ms_mean']:.3f} | {r['step_ms_median']:.3f} | "
-                      f"{r['from_columns']} of {r['steps']} | {shown} |", flush=True)
+                      f"{r['from_columns']} of {r['steps']} | {r['packed_first_steps']} | {shown} |", flush=True)
             result["rows"].append(row)
             write_json(a.out, result, say=False)  # (after each batch size: a run stopped by a time limit keeps it)
     result["complete"] = True

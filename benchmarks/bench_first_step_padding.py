@@ -11,7 +11,8 @@ nothing and a few accepted everything pads to 3-6x its rows.
 For each batch size and m distribution, the in-process step from columns (Proposer.step_batch, the states on the
 GPU, the random 8B-shaped head of bench_step) is timed three ways, alternating over --rounds rounds:
 
-  rule    the drafter as it is (which path the rule picks is printed)
+  rule    the drafter as it is (which path the rule picks is printed: graph, packed (a packed first-step graph,
+          where the padded one is refused: --first-step-graph-rows) or eager)
   graph   the padded first-step graph forced (the rule's row budget lifted)
   eager   the eager first step forced (the decode steps still replay their graphs)
 
@@ -56,30 +57,31 @@ def m_of(dist: str, i: int, k: int) -> int:
 
 @contextlib.contextmanager
 def forced(way: str):
-    """DecodeGraphs.first_step_fits decides as `way` says inside (rule: as it is)."""
-    original = cuda_graphs.DecodeGraphs.first_step_fits
+    """DecodeGraphs.first_step_plan decides as `way` says inside (rule: as it is)."""
+    original = cuda_graphs.DecodeGraphs.first_step_plan
     small_rows = cuda_graphs.FIRST_STEP_SMALL_ROWS
     if way == "graph":
         cuda_graphs.FIRST_STEP_SMALL_ROWS = 1 << 30  # (the row budget lifted; every other condition stays)
     elif way == "eager":
-        cuda_graphs.DecodeGraphs.first_step_fits = lambda self, *a: False
+        cuda_graphs.DecodeGraphs.first_step_plan = lambda self, *a: None
     try:
         yield
     finally:
-        cuda_graphs.DecodeGraphs.first_step_fits = original
+        cuda_graphs.DecodeGraphs.first_step_plan = original
         cuda_graphs.FIRST_STEP_SMALL_ROWS = small_rows
 
 
-def time_steps(rt, batch_input, iters: int) -> tuple[float, int]:
-    """(median ms per step over iters steps, how many of them replayed a first-step graph)."""
+def time_steps(rt, batch_input, iters: int) -> tuple[float, int, int]:
+    """(median ms per step over iters steps, how many of them replayed a first-step graph, how many a packed one)."""
     graphs = rt.proposer.decode_graphs
-    before = graphs.first_steps_run
+    before, packed_before = graphs.first_steps_run, graphs.packed_first_steps_run
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         rt.proposer.step_batch(batch_input)  # (ends with the step's one synchronization: the drafts' copy)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3, graphs.first_steps_run - before
+    return (statistics.median(times) * 1e3, graphs.first_steps_run - before,
+            graphs.packed_first_steps_run - packed_before)
 
 
 def main() -> int:
@@ -122,17 +124,19 @@ def main() -> int:
                 padded = cuda_graphs.padded_batch_size(batch, rt.proposer.decode_graphs.first_sizes) * max(ms)
                 times = {w: [] for w in WAYS}
                 graphed = {w: 0 for w in WAYS}
+                packed = 0
                 for way in WAYS:  # warm-up, each way (a first use compiles nothing new, but allocations settle)
                     with forced(way):
                         time_steps(rt, batch_input, 3)
                 for _ in range(a.rounds):
                     for way in WAYS:
                         with forced(way):
-                            ms, n = time_steps(rt, batch_input, a.iters)
+                            ms, n, n_packed = time_steps(rt, batch_input, a.iters)
                         times[way].append(ms)
                         graphed[way] += n
+                        packed += n_packed if way == "rule" else 0
                 med = {w: statistics.median(times[w]) for w in WAYS}
-                rule_path = "graph" if graphed["rule"] else "eager"
+                rule_path = "packed" if packed else "graph" if graphed["rule"] else "eager"
                 assert graphed["graph"] == a.rounds * a.iters and graphed["eager"] == 0, graphed
                 cell = lambda w: f"{med[w]:.3f} [{min(times[w]):.3f}, {max(times[w]):.3f}]"  # noqa: E731
                 print(f"{batch:>5} {dist:>8} {rows:>5} {padded:>6}  {cell('rule') + ' (' + rule_path + ')':>22} "

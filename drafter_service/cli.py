@@ -68,6 +68,11 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                          "draft and bring at most N committed tokens each, padded to the batch's largest m (one "
                          "graph per padded batch size and m, captured at start-up); 0 = run every first step "
                          "eagerly; at most 16")
+    ap.add_argument("--first-step-graph-rows", type=int, default=d.first_step_graph_rows,
+                    help="with CUDA graphs: replay the first draft step of other greedy batches (a sequence joining "
+                         "with its prompt, m past --first-step-graph-tokens) from a packed graph when its committed "
+                         "rows fit N (one graph per padded batch size and row bucket, captured at start-up); "
+                         "0 = run those first steps eagerly; at most 8192")
     ap.add_argument("--predraft-cycle-check", action=argparse.BooleanOptionalAction, default=d.predraft_cycle_check,
                     help="pre-drafting: run passes only while they shorten an engine's step cycle, measured in turns "
                          "of 24 requests with and without them (docs/predraft.md; experimental); off (the default): "
@@ -170,7 +175,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         cpu_threads=a.cpu_threads,
         shutdown_grace_s=a.shutdown_grace_s, log_level=a.log_level, shared_memory=not a.no_shared_memory,
         shm_dir=a.shm_dir, shm_lease_s=a.shm_lease_s, cuda_graphs=a.cuda_graphs,
-        first_step_graph_tokens=a.first_step_graph_tokens, predraft_cycle_check=a.predraft_cycle_check,
+        first_step_graph_tokens=a.first_step_graph_tokens, first_step_graph_rows=a.first_step_graph_rows, predraft_cycle_check=a.predraft_cycle_check,
         engine_applies_fc=a.engine_applies_fc,
         predraft_min_all_hit=a.predraft_min_all_hit,
         step_channels=not a.no_step_channels,

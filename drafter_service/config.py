@@ -4,6 +4,8 @@ from dataclasses import dataclass, field
 # --first-step-graph-tokens at most: one first-step CUDA graph per (padded batch size, m) is captured at start-up,
 # so the graphs and their memory pool stay bounded (engine/cuda_graphs.py)
 MAX_FIRST_STEP_GRAPH_TOKENS = 16
+# --first-step-graph-rows at most: the packed first-step graphs' largest row bucket (their count grows with its log)
+MAX_FIRST_STEP_GRAPH_ROWS = 8192
 MAX_MERGE_WINDOW_US = 10_000  # --merge-window-us: longer than a drafter step, a wait costs more than it saves
 DEFAULT_MERGE_WINDOW_US = 300  # on CUDA (ServerConfig.merge_window_us_for)
 
@@ -36,6 +38,11 @@ class ServerConfig:
     # committed tokens each (padded to the batch's largest m, up to 256 sequences) is replayed from a graph too; one
     # graph per (padded batch, m); 0 = never
     first_step_graph_tokens: int = 8
+    # with cuda_graphs: a greedy step that the padded first-step graphs cannot take (a sequence joining with its
+    # prompt, any m past first_step_graph_tokens) replays a *packed* first-step graph when its rows fit this many
+    # (one graph per padded batch size, a power of two, and row bucket: 32, 64, 128, 256, then steps of 1.5x);
+    # 0 = such first steps run eagerly
+    first_step_graph_rows: int = 2048
     # pre-drafting passes only while they shorten the engine's step cycle, measured in turns with and without them
     # (engine/predraft_cycle.py); False (the default, until a measurement shows it pays): passes whenever they fit
     # the idle window
@@ -132,6 +139,10 @@ class ServerConfig:
             raise ValueError(f"first_step_graph_tokens must be in [0, {MAX_FIRST_STEP_GRAPH_TOKENS}] (got "
                              f"{self.first_step_graph_tokens}): one first-step CUDA graph per padded batch size and "
                              "m is captured at start-up")
+        if not 0 <= self.first_step_graph_rows <= MAX_FIRST_STEP_GRAPH_ROWS:
+            raise ValueError(f"first_step_graph_rows must be in [0, {MAX_FIRST_STEP_GRAPH_ROWS}] (got "
+                             f"{self.first_step_graph_rows}): packed first-step CUDA graphs of up to this many rows "
+                             "are captured at start-up")
         if not self.listen:
             raise ValueError("at least one --listen address is needed")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:

@@ -251,7 +251,7 @@ def build_runtime(cfg: ServerConfig) -> Runtime:
     if device.type == "cuda" and cfg.cuda_graphs:  # after the KV pool exists: the graphs hold its address
         proposer.decode_graphs = capture_decode_graphs(proposer, cfg.block_size, max_model_len, cfg.max_batch_seqs,
                                                        dtype, device, cfg.first_step_graph_tokens,
-                                                       cfg.max_draft_tokens)
+                                                       cfg.max_draft_tokens, cfg.first_step_graph_rows)
     max_batch_tokens = cfg.max_batch_tokens or max(8192, max_model_len)
     max_draft_tokens = cfg.max_draft_tokens
     if model.drafting == "multi_layer":  # one draft per layer

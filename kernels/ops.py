@@ -16,6 +16,8 @@ from drafter_kernels.copy_expand_inputs import copy_and_expand_inputs_ref, copy_
 from drafter_kernels.draft_step import advance_draft_step_ref, advance_draft_step_triton
 from drafter_kernels.kv_write import PADDING_SLOT_ID, write_kv_ref, write_kv_triton
 from drafter_kernels.build_first_step import build_first_step_rows_ref, build_first_step_rows_triton
+from drafter_kernels.build_packed_first_step import (build_packed_first_step_rows_ref,
+                                                     build_packed_first_step_rows_triton)
 from drafter_kernels.mask_finished_rows import mask_finished_rows_ref, mask_finished_rows_triton
 from drafter_kernels.paged_attention import paged_attention_batched, paged_attention_ref, paged_attention_triton
 from drafter_kernels.prepare_inputs_padded import prepare_inputs_padded_ref, prepare_inputs_padded_triton
@@ -63,6 +65,7 @@ prepare_inputs_padded = _dispatch(prepare_inputs_padded_ref, prepare_inputs_padd
 prepare_next_token_padded = _dispatch(prepare_next_token_padded_ref, prepare_next_token_padded_triton)
 advance_draft_step = _dispatch(advance_draft_step_ref, advance_draft_step_triton)
 build_first_step_rows = _dispatch(build_first_step_rows_ref, build_first_step_rows_triton)
+build_packed_first_step_rows = _dispatch(build_packed_first_step_rows_ref, build_packed_first_step_rows_triton)
 mask_finished_rows = _dispatch(mask_finished_rows_ref, mask_finished_rows_triton)
 store_draft_step = _dispatch(store_draft_step_ref, store_draft_step_triton)
 shift_and_cache = _dispatch(shift_and_cache_ref, shift_and_cache_triton)
@@ -71,7 +74,7 @@ __all__ = [
     "PADDING_SLOT_ID",
     "write_kv", "paged_attention", "rms_norm", "silu_and_mul", "apply_rope", "argmax", "gumbel_sample",
     "copy_and_expand_inputs", "prepare_inputs_padded", "prepare_next_token_padded", "advance_draft_step",
-    "build_first_step_rows", "mask_finished_rows", "store_draft_step",
+    "build_first_step_rows", "build_packed_first_step_rows", "mask_finished_rows", "store_draft_step",
     "shift_and_cache", "shift_cache_store_window",
     "use_triton",
 ]

@@ -616,16 +616,28 @@ def test_bench_block_growth_times_both_ways_over_the_same_steps(tmp_path):
         assert all(x["resized"] > 0 and x["resize_us"] > 0 and x["step_ms"] > 0 for x in one + each), row
 
 
-def test_bench_arrivals_times_the_three_kinds_of_step(tmp_path):
-    """benchmarks/bench_arrivals.py: steps that start new sequences from the columns, the same kind made to go per
-    sequence, and decode-only steps, over one advancing population (the script checks every answer's status)."""
+def test_bench_arrivals_times_the_four_kinds_of_step(tmp_path):
+    """benchmarks/bench_arrivals.py: steps that start new sequences from the columns, the same with the packed first
+    step refused (no graphs on the CPU: the same way), the same kind made to go per sequence, and decode-only steps,
+    over one advancing population (the script checks every answer's status)."""
     result = run(["benchmarks/bench_arrivals.py", "--preset", "tiny", "--device", "cpu", "--batches", "8",
                   "--steps", "3", "--prompt", "12", "--context", "64"], tmp_path / "arr.json")
     assert result["complete"] is True and [r["batch"] for r in result["rows"]] == [8]
     kinds = result["rows"][0]["kinds"]
-    assert {kind: r["from_columns"] for kind, r in kinds.items()} == {"columns": 3, "per sequence": 0,
-                                                                      "decode only": 3}
-    assert all(r["steps"] == 3 and r["step_ms_mean"] > 0 for r in kinds.values())
+    assert {kind: r["from_columns"] for kind, r in kinds.items()} == {"columns": 3, "eager first": 3,
+                                                                      "per sequence": 0, "decode only": 3}
+    assert all(r["steps"] == 3 and r["step_ms_mean"] > 0 and r["packed_first_steps"] == 0 for r in kinds.values())
     assert kinds["per sequence"]["phases_ms"] is None  # (the columns path's marks only)
     assert all(set(kinds[kind]["phases_ms"]) == {"admit", "to_launch", "to_sync", "after"}
-               for kind in ("columns", "decode only"))
+               for kind in ("columns", "eager first", "decode only"))
+
+
+@pytest.mark.gpu
+def test_bench_arrivals_replays_packed_first_steps_on_a_gpu(tmp_path):
+    """On CUDA the columns steps with a new sequence's prompt replay a packed first-step graph, the 'eager first'
+    ones do not."""
+    result = run(["benchmarks/bench_arrivals.py", "--preset", "tiny", "--device", "cuda", "--batches", "8",
+                  "--steps", "3", "--prompt", "40", "--context", "64"], tmp_path / "arr.json")
+    kinds = result["rows"][0]["kinds"]
+    assert {kind: r["packed_first_steps"] for kind, r in kinds.items()} == {"columns": 3, "eager first": 0,
+                                                                            "per sequence": 3, "decode only": 0}

@@ -138,13 +138,14 @@ def test_decode_steps_replay_the_longest_chains_first(tiny_model, tmp_path):
 def test_capture_takes_every_graph_into_one_pool(tiny_model, tmp_path, monkeypatch):
     """DecodeGraphs.capture's bookkeeping, with torch.cuda's graph calls faked on the CPU: per padded batch size one
     decode-step graph and a chain of each length (that many decode steps inside one capture), per (size, M) a
-    first-step graph; the first capture makes the pool and every later one captures into it."""
+    first-step graph, per (size, rows) a packed one; the first capture makes the pool and every later one captures
+    into it."""
     import contextlib
 
     rt = cpu_runtime(*tiny_model, tmp_path, False)
     p = rt.proposer
     graphs = DecodeGraphs(p.model, p.kv_layers, rt.config.block_size, rt.max_model_len, 4, rt.dtype, rt.device,
-                          first_step_tokens=2, max_drafts=8)
+                          first_step_tokens=2, max_drafts=8, first_step_rows=64)
     captures = []  # (pool given, what ran inside the capture)
     running: list | None = None
 
@@ -173,14 +174,18 @@ def test_capture_takes_every_graph_into_one_pool(tiny_model, tmp_path, monkeypat
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(graphs, "_step", counted("step", graphs._step))
     monkeypatch.setattr(graphs, "_first_step", counted("first", graphs._first_step))
+    monkeypatch.setattr(graphs, "_packed_first_step", counted("packed", graphs._packed_first_step))
     graphs.capture()
     assert graphs.sizes == [1, 2, 4] and graphs.chain_lengths == (4, 2)
     assert sorted(graphs.graphs) == [1, 2, 4] and sorted(graphs.chains) == [(bs, n) for bs in (1, 2, 4) for n in (2, 4)]
     assert sorted(graphs.first_graphs) == [(bs, m) for bs in (1, 2, 4) for m in (1, 2)]
+    assert sorted(graphs.packed_graphs) == [(bs, rows) for bs in (1, 2, 4) for rows in (32, 64)]
     assert [pool for pool, _ in captures] == [None] + ["the pool"] * (len(captures) - 1)
     expected = []
     for bs in (4, 2, 1):  # largest first
         expected += [[("step", bs)], [("step", bs)] * 4, [("step", bs)] * 2]
     for bs in (4, 2, 1):
         expected += [[("first", bs, m)] for m in (2, 1)]
+    for bs in (4, 2, 1):
+        expected += [[("packed", bs, rows)] for rows in (64, 32)]
     assert [ran for _, ran in captures] == expected

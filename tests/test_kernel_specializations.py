@@ -22,6 +22,7 @@ attention = kernel_module("paged_attention")
 sampling = kernel_module("sampling")
 draft_step = kernel_module("draft_step")
 build_first_step = kernel_module("build_first_step")
+build_packed = kernel_module("build_packed_first_step")
 
 
 class CompileKeys:
@@ -126,6 +127,24 @@ def test_build_first_step_compiles_one_variant_across_batches_and_widths(recorde
                         torch.empty(bs, **i32), torch.empty(R, dtype=torch.int64), torch.empty(R, dtype=torch.int64),
                         torch.empty(R, dtype=torch.int64), torch.empty(R, width, dtype=torch.bfloat16),
                         torch.empty(1, dtype=torch.int64))
+    assert len(main.keys) == 1, sorted(main.keys)
+
+
+def test_build_packed_first_step_compiles_one_variant_across_batches_and_rows(recorded):
+    """Captured in every packed first-step graph (one per padded batch and row bucket) and replayed whatever the
+    step's B, T and table width: no size may compile another variant."""
+    main = recorded(build_packed, "_build_packed_first_step_rows_kernel")
+    i32 = dict(dtype=torch.int32)
+    for bs in (1, 2, 16, 48, 256):
+        for R in (32, 64, 384, 2048):
+            for block_size in (1, 16, 32):
+                i64 = dict(dtype=torch.int64)
+                build_packed.build_packed_first_step_rows_triton(
+                    torch.zeros(2, **i32), torch.zeros(bs, **i32), torch.zeros(bs + 1, **i32), torch.zeros(bs, **i32),
+                    torch.zeros(bs, **i32), torch.zeros(R, **i32), torch.zeros(bs * 65, **i32), block_size,
+                    torch.empty(bs, **i64), torch.empty(bs, **i32), torch.empty(bs, 65, **i32), torch.empty(bs, **i32),
+                    torch.empty(bs + 1, **i32), torch.empty(bs, **i64), torch.empty(R, **i64), torch.empty(R, **i64),
+                    torch.empty(R, **i64), torch.empty(1, **i64))
     assert len(main.keys) == 1, sorted(main.keys)
 
 

@@ -70,6 +70,18 @@ greedy step is two copies in, graph replays, and one copy of the drafts out:
 Padding sequences (B <= i < bs) read block-table rows left by earlier steps and write nothing; their outputs are
 discarded.
 
+Packed first steps. A step in which a sequence joins brings its prompt (tens to thousands of rows) beside the others'
+1-8 row decodes: M passes --first-step-graph-tokens (and a new sequence's context holds no position before its
+prompt), so the padded graphs above cannot take it, and its first step ran eagerly (~20 launches of the head's
+forward from Python, ~1 ms of host time at batch 128 on an H200 host). It replays a *packed* first-step graph
+instead, one per (bs, R) captured at start-up, bs in PACKED_BATCH_SIZES (up to the batch cap) and R in
+packed_row_buckets(--first-step-graph-rows): the step's T <= R rows sequence after sequence as they come, then R - T
+padding rows owned by no sequence (kernels/build_packed_first_step.py builds them from the same record; padding
+sequences are empty queries). The attention takes it on its packed grid (kernels/paged_attention.py: programs per
+query tile of the batch, not per sequence times the longest query), the head reads the hidden states from fs_states
+in place, and draft 1 of sequence i comes from row fs_last_rows_packed[i]. Then the decode graphs, as for any step.
+A step uses the padded graph where it fits (fewer rows for short steps), else the packed one, else runs eagerly.
+
 On the CPU (tests) the same static-buffer steps run eagerly, with no graphs.
 """
 import gc
@@ -95,6 +107,25 @@ MAX_FIRST_STEP_GRAPH_BATCH = MAX_GRAPH_BATCH  # batches of more sequences run th
 # a batch of mostly 1-token steps padded to 384 or 768 rows (batch 64 / 128, M = 6) ran 4-31% faster through the
 # graph than eagerly; padded to 1536 (batch 256) 4-9% slower. (256 until then: a guess from FLOP counts.)
 FIRST_STEP_SMALL_ROWS = 768
+# Padded batch sizes of the packed first-step graphs (up to the batch cap, and the cap itself): the decode graphs
+# that follow keep their own finer sizes, the packed step masks the sequences between (steps_left 0).
+PACKED_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# the fewest rows a packed first-step graph holds (batch 1 with a prompt of up to this many tokens)
+PACKED_MIN_ROWS = 32
+
+
+def packed_row_buckets(max_rows: int) -> list[int]:
+    """Rows of the packed first-step graphs, up to max_rows (--first-step-graph-rows; 0: none): 32, 64, 128, 256,
+    then steps of at most 1.5x (384, 512, 768, 1024, 1536, 2048, ...), so a step's padding rows stay under half its
+    own above 256 rows; max_rows itself is the last bucket."""
+    buckets, rows = [], PACKED_MIN_ROWS
+    while rows < max_rows:
+        buckets.append(rows)
+        if rows < 256:
+            rows *= 2
+        else:  # 256 -> 384 -> 512 -> 768 -> 1024 ...
+            rows = rows * 3 // 2 if rows & (rows - 1) == 0 else rows * 4 // 3
+    return buckets + [max_rows] if max_rows > 0 else []
 # Decode-step chains captured per padded batch size (longest first; only those shorter than --max-draft-tokens):
 # n decode steps replay the longest chains that fit, then single steps (DecodeGraphs._replay_steps).
 DECODE_CHAIN_LENGTHS = (4, 2)
@@ -124,7 +155,7 @@ class DecodeGraphs:
 
     def __init__(self, model, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  max_model_len: int, max_batch_seqs: int, dtype: torch.dtype, device: torch.device,
-                 first_step_tokens: int = 0, max_drafts: int = 16):
+                 first_step_tokens: int = 0, max_drafts: int = 16, first_step_rows: int = 0):
         self.model = model
         self.kv_layers = kv_layers
         self.block_size = block_size
@@ -158,17 +189,28 @@ class DecodeGraphs:
         self.first_sizes = [s for s in self.sizes if s <= MAX_FIRST_STEP_GRAPH_BATCH] if first_step_tokens > 0 else []
         self.first_step_tokens = first_step_tokens if self.first_sizes else 0
         max_fs = self.first_sizes[-1] if self.first_sizes else 0
-        R = max_fs * self.first_step_tokens
+        padded_rows = max_fs * self.first_step_tokens
+        # packed first steps: (padded batch size, rows) pairs with rows >= size
+        cap = min(max_batch_seqs, MAX_FIRST_STEP_GRAPH_BATCH)
+        self.packed_sizes = sorted({s for s in PACKED_BATCH_SIZES if s < cap} | {self.sizes[-1]}) \
+            if first_step_rows > 0 else []
+        self.packed_rows = packed_row_buckets(first_step_rows) if self.packed_sizes else []
+        R = max(padded_rows, self.packed_rows[-1] if self.packed_rows else 0)  # rows of any first step
+        max_fs = max(max_fs, self.packed_sizes[-1] if self.packed_sizes else 0)
         with torch.inference_mode():
             self.fs_input_ids = torch.zeros(R, dtype=torch.int64, **z)
-            self.fs_hidden = torch.zeros(R, model.hidden_states_width, dtype=dtype, **z)
+            self.fs_hidden = torch.zeros(padded_rows, model.hidden_states_width, dtype=dtype, **z)
             self.fs_positions = torch.zeros(R, dtype=torch.int64, **z)
             self.fs_slots = torch.full((R,), ops.PADDING_SLOT_ID, dtype=torch.int64, **z)
-            # a step's target hidden states, rows in batch order: the first-step graph lays them out in fs_hidden
+            # a step's target hidden states, rows in batch order: the padded graphs lay them out in fs_hidden, the
+            # packed ones read them in place
             self.fs_states = torch.zeros(R, model.hidden_states_width, dtype=dtype, **z)
             seq = torch.arange(max_fs + 1, **z)
             self.fs_query_start_loc = {m: (seq * m).to(torch.int32) for m in range(1, self.first_step_tokens + 1)}
             self.fs_last_rows = {m: seq[1:] * m - 1 for m in range(1, self.first_step_tokens + 1)}
+            # a packed step's query layout, built by its graph (build_packed_first_step.py)
+            self.fs_packed_query_start_loc = torch.zeros(max_fs + 1, dtype=torch.int32, **z)
+            self.fs_packed_last_rows = torch.zeros(max_fs, dtype=torch.int64, **z)
         # the raw columns of a step whose first step replays a graph (first_step_record.py)
         self.record = FirstStepRecord(max_fs, R, W, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded batch size -> graph; empty: run eagerly
@@ -176,10 +218,12 @@ class DecodeGraphs:
         self.chain_lengths = tuple(n for n in DECODE_CHAIN_LENGTHS if 1 < n < max_drafts)
         self.chains: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.first_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (padded batch size, M) -> graph
+        self.packed_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (padded batch size, rows) -> graph
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.steps_run = 0  # engine steps whose decode steps ran here
         self.first_steps_run = 0  # engine steps whose first step ran here too
+        self.packed_first_steps_run = 0  # of which packed (a sequence joining, or any m past first_step_tokens)
         self.first_step_rehearsals = 0  # rehearse_columns calls: the record's host copy written, nothing sent
         self.rows_runs = 0  # run_rows calls (pre-drafting branch passes)
 
@@ -225,6 +269,32 @@ class DecodeGraphs:
         draft = ops.argmax(self.model.compute_logits(last), out=self.draft_ids[:bs])
         ops.store_draft_step(draft, self.model.d2t, self.model.next_hidden(last), self.draft_column,
                              self.input_ids[:bs], self.hidden[:bs], self.drafts_out[:bs], self.hidden_steps[:bs])
+
+    def _packed_first_step(self, bs: int, rows: int) -> None:
+        """The first draft step of bs (padded) sequences whose rows are packed into `rows` (the step's own first,
+        then padding rows), built from the record; reads the hidden states from fs_states in place; writes draft 1
+        and the head output of each sequence's last row into the decode buffers."""
+        qsl, last_rows = self.fs_packed_query_start_loc[: bs + 1], self.fs_packed_last_rows[:bs]
+        ops.build_packed_first_step_rows(*self.record.fields, self.block_size, self.positions[:bs],
+                                         self.seq_lens[:bs], self.block_tables[:bs], self.steps_left[:bs], qsl,
+                                         last_rows, self.fs_positions[:rows], self.fs_input_ids[:rows],
+                                         self.fs_slots[:rows], self.draft_column)  # (draft 1 goes to column 0)
+        meta = AttentionMetadata(positions=self.fs_positions[:rows], slot_mapping=self.fs_slots[:rows],
+                                 query_start_loc=qsl, seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
+                                 max_query_len=rows)  # (any one sequence may hold every row)
+        hidden_in = self.model.combine_hidden_states(self.fs_states[:rows])
+        head_out = self.model.forward(self.fs_input_ids[:rows], hidden_in, meta, self.kv_layers)  # [rows, H]
+        last = head_out[last_rows]  # [bs, H]
+        draft = ops.argmax(self.model.compute_logits(last), out=self.draft_ids[:bs])
+        ops.store_draft_step(draft, self.model.d2t, self.model.next_hidden(last), self.draft_column,
+                             self.input_ids[:bs], self.hidden[:bs], self.drafts_out[:bs], self.hidden_steps[:bs])
+
+    def _replay_packed(self, bs: int, rows: int) -> None:
+        graph = self.packed_graphs.get((bs, rows))
+        if graph is None:
+            self._packed_first_step(bs, rows)
+        else:
+            graph.replay()
 
     def _replay_first(self, bs: int, m: int) -> None:
         graph = self.first_graphs.get((bs, m))
@@ -298,6 +368,10 @@ class DecodeGraphs:
                     self._first_step(bs, m)  # warm-up
                     torch.cuda.synchronize(dev)
                     self.first_graphs[(bs, m)] = captured(self._first_step, bs, m)
+            for bs, rows in reversed(self.packed_shapes()):  # (every row a padding row: B = 0)
+                self._packed_first_step(bs, rows)  # warm-up
+                torch.cuda.synchronize(dev)
+                self.packed_graphs[(bs, rows)] = captured(self._packed_first_step, bs, rows)
             self.seq_lens.fill_(1)
         finally:
             gc.enable()
@@ -309,30 +383,49 @@ class DecodeGraphs:
             self.input_ids, self.hidden, self.positions, self.seq_lens, self.slot_mapping, self.block_tables,
             self.steps_left, self.query_start_loc, self.draft_ids, self.fs_input_ids, self.fs_hidden,
             self.fs_positions, self.fs_slots, self.fs_states, self.record.on_device, self.drafts_out,
-            self.hidden_steps))
-        log.info("captured %d decode CUDA graphs (batch sizes %s; and %d chains of %s decode steps) and %d first-step "
-                 "graphs (batches of up to %d sequences with up to 1..%d tokens each) in %.2f s; they hold %.1f MiB of "
-                 "device memory (graph pool, kernels, workspaces), plus %.1f MiB of static buffers", len(self.graphs),
+            self.hidden_steps, self.fs_packed_query_start_loc, self.fs_packed_last_rows))
+        log.info("captured %d decode CUDA graphs (batch sizes %s; and %d chains of %s decode steps), %d padded first-step "
+                 "graphs (batches of up to %d sequences with up to 1..%d tokens each) and %d packed ones (batches of up "
+                 "to %d sequences, %s rows) in %.2f s; they hold %.1f MiB of device memory (graph pool, kernels, "
+                 "workspaces), plus %.1f MiB of static buffers", len(self.graphs),
                  ",".join(map(str, self.sizes)), len(self.chains), "/".join(map(str, self.chain_lengths)),
-                 len(self.first_graphs), self.first_sizes[-1] if self.first_sizes else 0,
-                 self.first_step_tokens, self.capture_seconds, self.capture_bytes / 2**20, buffer_bytes / 2**20)
+                 len(self.first_graphs), self.first_sizes[-1] if self.first_sizes else 0, self.first_step_tokens,
+                 len(self.packed_graphs), self.packed_sizes[-1] if self.packed_sizes else 0,
+                 ",".join(map(str, self.packed_rows)) or "no", self.capture_seconds, self.capture_bytes / 2**20,
+                 buffer_bytes / 2**20)
+
+    def packed_shapes(self) -> list[tuple[int, int]]:
+        """(padded batch size, rows) of the packed first-step graphs, ascending: every size with every row bucket
+        that can hold its sequences (rows >= size)."""
+        return [(bs, rows) for bs in self.packed_sizes for rows in self.packed_rows if rows >= bs]
 
     # ---- one engine step ----
 
-    def first_step_fits(self, seq_lens: np.ndarray, num_tokens: np.ndarray, num_drafts: np.ndarray) -> bool:
-        """Whether a greedy step of these columns ([B] p + m, m and k after the max_model_len cut) can replay a
-        first-step graph (draft_columns): every sequence drafts, its largest m (M) is <= first_step_tokens, every
-        context holds at least M positions (the padding rows sit before the real ones), the batch pads to a
-        captured size, and the padded rows are at most twice the real ones (or few): a large batch of mostly short
-        steps runs fewer rows eagerly than the graph would."""
+    def first_step_plan(self, seq_lens: np.ndarray, num_tokens: np.ndarray,
+                        num_drafts: np.ndarray) -> tuple[bool, int, int] | None:
+        """How a greedy step of these columns ([B] p + m, m and k after the max_model_len cut) replays its first
+        step (draft_columns), or None where it runs eagerly. Every sequence must draft (k >= 1, <= max_drafts).
+        Padded, (False, bs, M): its largest m (M) is <= first_step_tokens, every context holds at least M positions
+        (the padding rows sit before the real ones), the batch pads to a captured size, and the padded rows are at
+        most twice the real ones (or few): a large batch of mostly short steps runs fewer rows eagerly than the
+        graph would. Otherwise packed, (True, bs, rows): its T rows fit a row bucket and its batch a packed size."""
         B = num_tokens.shape[0]
-        bs = padded_batch_size(B, self.first_sizes)
-        if B == 0 or bs is None:
-            return False
+        if B == 0 or int(num_drafts.min()) <= 0 or int(num_drafts.max()) > self.max_drafts:
+            return None
         M, T = int(num_tokens.max()), int(num_tokens.sum())
-        return (0 < M <= self.first_step_tokens and bs * M <= max(2 * T, FIRST_STEP_SMALL_ROWS)
-                and int(num_drafts.min()) > 0 and int(num_drafts.max()) <= self.max_drafts
-                and int(seq_lens.min()) >= M)
+        if M <= 0:
+            return None
+        bs = padded_batch_size(B, self.first_sizes)
+        if (bs is not None and M <= self.first_step_tokens and bs * M <= max(2 * T, FIRST_STEP_SMALL_ROWS)
+                and int(seq_lens.min()) >= M):
+            return False, bs, M
+        bs = padded_batch_size(B, self.packed_sizes)
+        rows = None if bs is None else padded_batch_size(max(T, bs), self.packed_rows)  # (rows >= bs: packed_shapes)
+        return None if rows is None else (True, bs, rows)
+
+    def first_step_fits(self, seq_lens: np.ndarray, num_tokens: np.ndarray, num_drafts: np.ndarray) -> bool:
+        """Whether a greedy step of these columns can replay a first-step graph, padded or packed."""
+        return self.first_step_plan(seq_lens, num_tokens, num_drafts) is not None
 
     def can_run(self, md: StepMetadata) -> bool:
         """Whether the decode steps of this (greedy) step can replay the decode graphs."""
@@ -358,25 +451,29 @@ class DecodeGraphs:
         self.draft_column.zero_()
         return self._decode_and_collect(out, md.active, [md.num_drafts[i] for i in md.active], n, bs)
 
-    def draft_columns(self, start_positions: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray,
-                      next_tokens: np.ndarray, num_drafts: np.ndarray, block_tables: np.ndarray,
+    def draft_columns(self, plan: tuple[bool, int, int], start_positions: np.ndarray, num_tokens: np.ndarray,
+                      token_ids: np.ndarray, next_tokens: np.ndarray, num_drafts: np.ndarray, block_tables: np.ndarray,
                       hidden_states: list[torch.Tensor], out):
-        """Drafts 1..k of a greedy step that first_step_fits, the first step replayed too. Its columns ([B] p, m,
-        next tokens, k; token_ids [T]; block_tables [B, w] int32, numpy) go into the record, its hidden states
+        """Drafts 1..k of a greedy step, the first step replayed too, as first_step_plan planned it. Its columns ([B]
+        p, m, next tokens, k; token_ids [T]; block_tables [B, w] int32, numpy) go into the record, its hidden states
         (tensors of [m_i or T, W_in] rows, in batch order) into fs_states: two copies in, then only replays."""
-        B, M = num_tokens.shape[0], int(num_tokens.max())
-        bs = padded_batch_size(B, self.first_sizes)
+        packed, bs, size = plan
+        B = num_tokens.shape[0]
         self.record.write(start_positions, num_tokens, next_tokens, num_drafts, token_ids, block_tables)
         rows_into(hidden_states, self.fs_states[: token_ids.shape[0]])
-        self._replay_first(bs, M)
+        if packed:
+            self._replay_packed(bs, size)
+            self.packed_first_steps_run += 1
+            bs = padded_batch_size(B, self.sizes)  # (the decode graphs' size: <= the packed one)
+        else:
+            self._replay_first(bs, size)
         self.first_steps_run += 1
         return self._decode_and_collect(out, list(range(B)), num_drafts.tolist(), B, bs)
 
     def rehearse_columns(self, start_positions: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray,
                          next_tokens: np.ndarray, num_drafts: np.ndarray, block_tables: np.ndarray) -> None:
-        """draft_columns' host work before its copies and replays, with nothing sent: the padded size and the record's
-        host copy (Proposer.rehearse_columns; the next step rewrites the record before its copy)."""
-        padded_batch_size(num_tokens.shape[0], self.first_sizes)
+        """draft_columns' host work before its copies and replays, with nothing sent: the record's host copy
+        (Proposer.rehearse_columns; the next step rewrites the record before its copy)."""
         self.record.write(start_positions, num_tokens, next_tokens, num_drafts, token_ids, block_tables, send=False)
         self.first_step_rehearsals += 1
 
@@ -471,7 +568,7 @@ class DecodeGraphs:
 
 def capture_decode_graphs(proposer, block_size: int, max_model_len: int, max_batch_seqs: int,
                           dtype: torch.dtype, device: torch.device, first_step_tokens: int = 0,
-                          max_drafts: int = 16) -> DecodeGraphs | None:
+                          max_drafts: int = 16, first_step_rows: int = 0) -> DecodeGraphs | None:
     """At start-up, after the KV pool exists: the proposer's decode graphs, or None when they cannot run."""
     if proposer.model.drafting != "sequential":
         log.info("CUDA graphs: not used by %s drafting (only sequential heads have decode steps)",
@@ -482,6 +579,6 @@ def capture_decode_graphs(proposer, block_size: int, max_model_len: int, max_bat
                     "and the torch references synchronize with the host; decode steps run eagerly")
         return None
     graphs = DecodeGraphs(proposer.model, proposer.kv_layers, block_size, max_model_len, max_batch_seqs, dtype,
-                          device, first_step_tokens, max_drafts)
+                          device, first_step_tokens, max_drafts, first_step_rows)
     graphs.capture()
     return graphs

@@ -627,9 +627,10 @@ class Proposer:
             tables = R.block_tables_np[rows, : int(blocks.max())]
             greedy = not nonzero(a.temperatures > 0)
             graphs = self.decode_graphs
-            if greedy and graphs is not None and graphs.first_step_fits(C, m, k):
+            plan = graphs.first_step_plan(C, m, k) if greedy and graphs is not None else None
+            if plan is not None:
                 # the first step's rows are built on the device, inside its graph (cuda_graphs.py): no step metadata
-                graphs.draft_columns(p, m, a.token_ids, a.next_tokens, k, tables, b.states(), step_drafts)
+                graphs.draft_columns(plan, p, m, a.token_ids, a.next_tokens, k, tables, b.states(), step_drafts)
             else:
                 md = build_step_metadata_columns(
                     p, m, a.token_ids, b.states(), a.next_tokens, k, tables, a.temperatures, a.seeds,
@@ -806,8 +807,8 @@ class Proposer:
         a = b.arrays
         tables = self.table.rows.block_tables_np[rows, : int(blocks.max())]
         graphs = self.decode_graphs
-        if not np.count_nonzero(a.temperatures > 0) and graphs is not None and graphs.first_step_fits(
-                C, a.num_tokens, k):
+        if not np.count_nonzero(a.temperatures > 0) and graphs is not None and graphs.first_step_plan(
+                C, a.num_tokens, k) is not None:
             graphs.rehearse_columns(a.start_positions, a.num_tokens, a.token_ids, a.next_tokens, k, tables)
         return True
 
@@ -915,10 +916,11 @@ class Proposer:
             p = np.array([a.step.start_position for a in batch], dtype=np.int64)
             m = np.array([a.step.token_ids.shape[0] for a in batch], dtype=np.int64)
             k = np.array([a.num_drafts for a in batch], dtype=np.int64)
-            if graphs.first_step_fits(p + m, m, k):
+            plan = graphs.first_step_plan(p + m, m, k)
+            if plan is not None:
                 rows = [a.seq.table_row for a in batch]
                 tables = self.table.rows.block_tables_np[rows, : int(self.table.rows.num_blocks[rows].max())]
-                graphs.draft_columns(p, m, torch.cat([a.step.token_ids for a in batch]).numpy(),
+                graphs.draft_columns(plan, p, m, torch.cat([a.step.token_ids for a in batch]).numpy(),
                                      np.array([a.step.next_token for a in batch], dtype=np.int64), k, tables,
                                      [a.step.hidden_states for a in batch], out)
                 return self._keep_graph_features(predrafting, list(range(len(batch))), k.tolist(), out)

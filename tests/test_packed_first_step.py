@@ -1,0 +1,145 @@
+"""Packed first-step graphs (engine/cuda_graphs.py, "Packed first steps"): a greedy step that the padded first-step
+graphs cannot take (a sequence joining with its prompt beside the others' decodes, any m past first_step_tokens)
+replays a graph of (padded batch size, row bucket) whose rows are the step's own, packed, then padding rows.
+
+On the CPU the same static-buffer steps run eagerly (as test_static_steps.py does for the padded ones): the drafts,
+statuses and KV must be the plain proposer's, and the naive reference's. The captured graphs are checked on the GPU.
+"""
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_config
+from drafter_service.config import ServerConfig
+from drafter_service.engine.cuda_graphs import DecodeGraphs, packed_row_buckets
+from drafter_service.runtime import build_runtime
+from lockstep import ProposerDrafter, run_lockstep
+from naive_eagle import NaiveEagle1
+from test_static_steps import head_model, tiny_eagle3  # noqa: F401 (a fixture)
+from test_step_batch import NS, OK, Traffic, as_batch, same
+
+
+def with_packed_steps(rt, max_batch_seqs: int = 64, first_step_tokens: int = 8, first_step_rows: int = 512):
+    p = rt.proposer
+    p.decode_graphs = DecodeGraphs(p.model, p.kv_layers, rt.kv.block_size, rt.max_model_len, max_batch_seqs,
+                                   rt.dtype, rt.device, first_step_tokens, first_step_rows=first_step_rows)
+    return rt
+
+
+def test_row_buckets_and_shapes(tiny_model, tmp_path):
+    assert packed_row_buckets(0) == []
+    assert packed_row_buckets(2048) == [32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert packed_row_buckets(1000) == [32, 64, 128, 256, 384, 512, 768, 1000]
+    assert packed_row_buckets(16) == [16]
+    buckets = packed_row_buckets(8192)
+    assert all(b / a <= 2 for a, b in zip(buckets, buckets[1:])) and all(
+        b / a <= 1.5 for a, b in zip(buckets, buckets[1:]) if a >= 256)
+    rt = with_packed_steps(build_runtime(make_config(*tiny_model, tmp_path)), max_batch_seqs=48, first_step_rows=256)
+    graphs = rt.proposer.decode_graphs
+    assert graphs.packed_sizes == [1, 2, 4, 8, 16, 32, 48]  # (powers of two, and the cap's own size)
+    assert graphs.packed_rows == [32, 64, 128, 256]
+    assert graphs.packed_shapes() == [(bs, r) for bs in graphs.packed_sizes for r in graphs.packed_rows if r >= bs]
+    off = with_packed_steps(build_runtime(make_config(*tiny_model, tmp_path / "off")), first_step_rows=0)
+    assert off.proposer.decode_graphs.packed_shapes() == []
+
+
+def test_which_steps_take_which_first_step(tiny_model, tmp_path):
+    rt = with_packed_steps(build_runtime(make_config(*tiny_model, tmp_path)), max_batch_seqs=64,
+                           first_step_tokens=4, first_step_rows=256)
+    graphs = rt.proposer.decode_graphs
+
+    def plan(ms: list[int], ks: list[int] | None = None, starts: list[int] | None = None):
+        m = np.array(ms)
+        k = np.array(ks if ks is not None else [3] * len(ms))
+        p = np.array(starts) if starts is not None else np.where(m > 8, 0, 20)  # (a prompt starts at 0)
+        return graphs.first_step_plan(p + m, m, k)
+
+    assert plan([3, 1, 2]) == (False, 4, 3)  # padded where it fits
+    assert plan([3, 40, 2]) == (True, 4, 64)  # a prompt beside decodes: packed, 45 rows -> 64
+    assert plan([1] * 30 + [100]) == (True, 32, 256)  # 130 rows -> 256 (the next bucket)
+    assert plan([200] + [1] * 40) == (True, 64, 256)  # 41 sequences -> 64, 240 rows -> 256
+    assert plan([1] * 33 + [250]) is None  # 283 rows: above the largest bucket, eager
+    assert plan([5]) == (True, 1, 32)  # m past first_step_tokens alone
+    assert plan([1, 3], starts=[0, 20]) == (True, 2, 32)  # a new 1-token sequence: its context is shorter than M
+    assert plan([1, 3], starts=[2, 20]) == (False, 2, 3)  # (padding rows would sit before position 0)
+    assert plan([3, 40], ks=[3, 0]) is None  # a prefill chunk (k = 0) in the step: eager
+    assert plan([1] * 70) is None  # more sequences than the largest packed size
+
+
+def joining_traffic(a, b, seed: int, steps: int, live_n: int, prompts: tuple[int, int], check):
+    """Continuous batching through step_batch: every step 0-3 sequences finish and 1-3 start with a prompt of
+    prompts[0]..prompts[1] tokens beside the others' decodes (m 1-4, k 3 or 5). `a` answers per sequence, `b` from
+    columns; check(b) after each step."""
+    t = Traffic(seed, a.limits.hidden_states_width, a.limits.vocab_size, live_n * 3, prompt=5)
+    rng = t.rng
+    live, waiting = sorted(t.tokens)[:live_n], sorted(t.tokens)[live_n:]
+    for round in range(steps):
+        starting = [waiting.pop() for _ in range(rng.randint(1, 3))] if round else []
+        batch = []
+        for sid in live + starting:
+            if sid in starting:
+                t.prompt = rng.randint(*prompts)
+            batch.append(t.step(sid, m=rng.randint(1, 4), k=rng.choice([3, 5])))
+        out_a = a.proposer.step_per_sequence(batch)
+        same(out_a, b.proposer.step_batch(as_batch(batch)))
+        assert all(o.code == OK for o in out_a)
+        t.answered(batch, out_a)
+        live += starting
+        for sid in [live.pop(rng.randrange(len(live))) for _ in range(rng.randint(0, 3))]:
+            assert a.proposer.table.release(NS, sid) and b.proposer.table.release(NS, sid)
+        check(b)
+
+
+@pytest.mark.parametrize("head", ["eagle1", "eagle3"])
+def test_steps_where_sequences_join_match_the_plain_proposer(tiny_model, tiny_eagle3, tmp_path, head):  # noqa: F811
+    """Sequences join (prompts of 9-60 tokens) beside 20-30 decoding ones: every step after the first replays the
+    packed first step (from columns), with the plain per-sequence step's answers and KV."""
+    model = head_model(head, tiny_model, tiny_eagle3)
+    plain = build_runtime(make_config(*model, tmp_path / "plain"))
+    packed = with_packed_steps(build_runtime(make_config(*model, tmp_path / "packed")))
+    graphs = packed.proposer.decode_graphs
+    joining_traffic(plain, packed, seed=7, steps=8, live_n=20, prompts=(9, 60), check=lambda rt: None)
+    assert graphs.packed_first_steps_run == 7  # (round 0: every sequence new, 20 prompts of 5: padded)
+    assert graphs.first_steps_run == 8
+    torch.testing.assert_close(packed.kv.kv, plain.kv.kv, atol=1e-5, rtol=1e-5)
+
+
+def test_lockstep_with_prompts_matches_naive(tiny_model, tmp_path):
+    """An engine loop in lockstep with the naive fp64 reference, prompts of 1-60 tokens at batch 1-3: the packed
+    first steps (prompts past first_step_tokens, contexts shorter than M) give the reference's drafts."""
+    naive = NaiveEagle1(*tiny_model)
+    rt = with_packed_steps(build_runtime(make_config(*tiny_model, tmp_path)), max_batch_seqs=8, first_step_rows=128)
+    graphs = rt.proposer.decode_graphs
+    for num_seqs in (1, 3):
+        records = asyncio.run(run_lockstep(
+            [ProposerDrafter(rt.proposer)], naive=naive, width=naive.H, vocab=naive.lm_head.shape[0],
+            seed=60 + num_seqs, engine_steps=30, num_seqs=num_seqs, max_model_len=1024, max_k=6,
+            prompts=(1, 2, 7, 16, 17, 40, 60)))
+        for r in records:
+            assert r.replies[0].drafts == r.expected, r
+    assert graphs.packed_first_steps_run >= 3, graphs.packed_first_steps_run
+
+
+def test_first_step_graph_rows_is_checked(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="first_step_graph_rows"):
+        make_config(*tiny_model, tmp_path, first_step_graph_rows=8193)
+    with pytest.raises(ValueError, match="first_step_graph_rows"):
+        make_config(*tiny_model, tmp_path, first_step_graph_rows=-1)
+    assert isinstance(make_config(*tiny_model, tmp_path, first_step_graph_rows=0), ServerConfig)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head", ["eagle1", "eagle3"])
+def test_packed_graphs_on_cuda_match_cpu(tiny_model, tiny_eagle3, tmp_path, head):  # noqa: F811
+    """The captured packed graphs (fp32) against the CPU's plain per-sequence step, sequences joining every step
+    with prompts of 9-300 tokens (row buckets up to 512), at 20-40 sequences (padded sizes 32 and 64)."""
+    model = head_model(head, tiny_model, tiny_eagle3)
+    cpu = build_runtime(make_config(*model, tmp_path / "cpu"))
+    gpu = build_runtime(make_config(*model, tmp_path / "gpu", device="cuda", dtype="float32", max_batch_seqs=64,
+                                    first_step_graph_rows=512))
+    graphs = gpu.proposer.decode_graphs
+    assert sorted(graphs.packed_graphs) == graphs.packed_shapes() and (64, 512) in graphs.packed_graphs
+    joining_traffic(cpu, gpu, seed=9, steps=10, live_n=20, prompts=(9, 300), check=lambda rt: None)
+    assert graphs.packed_first_steps_run == 9
