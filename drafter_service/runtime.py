@@ -248,11 +248,12 @@ def build_runtime(cfg: ServerConfig) -> Runtime:
     if share is not None and share * cfg.block_size < max_model_len:
         log.warning("--namespace-pool-share %g gives a namespace %d tokens of KV, fewer than one sequence of "
                     "max_model_len %d", cfg.namespace_pool_share, share * cfg.block_size, max_model_len)
+    max_batch_tokens = cfg.max_batch_tokens or max(8192, max_model_len)
     if device.type == "cuda" and cfg.cuda_graphs:  # after the KV pool exists: the graphs hold its address
         proposer.decode_graphs = capture_decode_graphs(proposer, cfg.block_size, max_model_len, cfg.max_batch_seqs,
                                                        dtype, device, cfg.first_step_graph_tokens,
-                                                       cfg.max_draft_tokens, cfg.first_step_graph_rows)
-    max_batch_tokens = cfg.max_batch_tokens or max(8192, max_model_len)
+                                                       cfg.max_draft_tokens,
+                                                       min(cfg.first_step_graph_rows, max_batch_tokens))
     max_draft_tokens = cfg.max_draft_tokens
     if model.drafting == "multi_layer":  # one draft per layer
         max_draft_tokens = min(max_draft_tokens, model.num_predict)

@@ -536,7 +536,7 @@ def test_bench_graph_capture_needs_a_gpu():
 
 
 @pytest.mark.gpu
-def test_bench_graph_capture_with_and_without_chains_on_a_gpu(tmp_path):
+def test_bench_graph_capture_with_and_without_chains_and_packed_graphs_on_a_gpu(tmp_path):
     result = run(["benchmarks/bench_graph_capture.py", "--preset", "tiny", "--max-batch-seqs", "16", "--rounds", "1"],
                  tmp_path / "gc.json")
     rows = {r["arm"]: r for r in result["rows"]}
@@ -545,6 +545,9 @@ def test_bench_graph_capture_with_and_without_chains_on_a_gpu(tmp_path):
     assert rows["chains"]["chains"] == 2 * sizes and rows["chains"]["chain_lengths"] == [4, 2]
     assert rows["none"]["chains"] == 0 and rows["none"]["chain_lengths"] == []
     assert all(r["capture_seconds"][0] > 0 and r["first_step_graphs"] == sizes * 8 for r in rows.values())
+    # packed: sizes 1..16 with each of the 10 row buckets 32..2048 (all hold 16 sequences); none when unpacked
+    assert rows["chains"]["packed_graphs"] == rows["none"]["packed_graphs"] == sizes * 10
+    assert rows["unpacked"]["packed_graphs"] == 0
 
 
 def stopped_bench_step_run() -> dict:
