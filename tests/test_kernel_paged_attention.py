@@ -173,7 +173,8 @@ def test_packed_grid_replays_in_cuda_graph(device, dtype):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         attention._paged_attention_launch(*args, q.shape[0], out, packed=True)
-    for lens, ctx in (([1, 30, 3, 0], [40, 30, 70, 5]), ([20, 1, 1, 12], [20, 50, 9, 12]), ([0, 0, 34, 0], [1, 1, 60, 1])):
+    # (each context within the positions make_batch filled for its sequence: 40, 30, 70 and 5)
+    for lens, ctx in (([1, 30, 3, 0], [40, 30, 70, 5]), ([20, 1, 1, 4], [20, 30, 9, 5]), ([0, 0, 34, 0], [1, 1, 60, 1])):
         query_start_loc.copy_(torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32))
         seq_lens.copy_(torch.tensor(ctx, dtype=torch.int32))
         out.copy_(poisoned(q.shape, dtype, device))
