@@ -14,6 +14,8 @@ GPU, the random 8B-shaped head of bench_step) is timed three ways, alternating o
   rule    the drafter as it is (which path the rule picks is printed: graph, packed (a packed first-step graph,
           where the padded one is refused: --first-step-graph-rows) or eager)
   graph   the padded first-step graph forced (the rule's row budget lifted)
+  packed  the packed first-step graph forced (DecodeGraphs.packed_plan: the step's rows, then padding rows to the
+          next row bucket)
   eager   the eager first step forced (the decode steps still replay their graphs)
 
 Distributions (m of sequence i, k = --k drafts): "low" m = k + 1 for every eighth sequence, 1 for the others (a
@@ -42,7 +44,7 @@ from drafter_client.benchmarks import bench_step as b  # noqa: E402
 from drafter_client.benchmarks.report import write_json  # noqa: E402
 from drafter_service.engine import cuda_graphs  # noqa: E402
 
-WAYS = ("rule", "graph", "eager")
+WAYS = ("rule", "graph", "packed", "eager")
 
 
 def m_of(dist: str, i: int, k: int) -> int:
@@ -62,6 +64,8 @@ def forced(way: str):
     small_rows = cuda_graphs.FIRST_STEP_SMALL_ROWS
     if way == "graph":
         cuda_graphs.FIRST_STEP_SMALL_ROWS = 1 << 30  # (the row budget lifted; every other condition stays)
+    elif way == "packed":
+        cuda_graphs.DecodeGraphs.first_step_plan = lambda self, C, m, k: self.packed_plan(len(m), int(m.sum()))
     elif way == "eager":
         cuda_graphs.DecodeGraphs.first_step_plan = lambda self, *a: None
     try:
@@ -107,7 +111,8 @@ def main() -> int:
                   first_step_small_rows=cuda_graphs.FIRST_STEP_SMALL_ROWS, rows=[], complete=False)
     print(f"{result['device']}, {a.preset}, context {a.context}, k = {a.k}; ms per step, median of {a.rounds} rounds "
           f"[min, max]; 'rule': what the drafter does now (its path in parentheses)")
-    print(f"{'batch':>5} {'dist':>8} {'rows':>5} {'padded':>6}  {'rule':>22} {'graph':>20} {'eager':>20}")
+    print(f"{'batch':>5} {'dist':>8} {'rows':>5} {'padded':>6}  {'rule':>22} {'graph':>20} {'packed':>20} "
+          f"{'eager':>20}")
     with tempfile.TemporaryDirectory() as tmp:
         rt = b.random_head_runtime(pathlib.Path(tmp), shape, a.context + 64, device="cuda",
                                    kv_cache_tokens=max(200_000, 300 * (a.context + 64)),
@@ -124,7 +129,7 @@ def main() -> int:
                 padded = cuda_graphs.padded_batch_size(batch, rt.proposer.decode_graphs.first_sizes) * max(ms)
                 times = {w: [] for w in WAYS}
                 graphed = {w: 0 for w in WAYS}
-                packed = 0
+                packed = {w: 0 for w in WAYS}
                 for way in WAYS:  # warm-up, each way (a first use compiles nothing new, but allocations settle)
                     with forced(way):
                         time_steps(rt, batch_input, 3)
@@ -134,13 +139,15 @@ def main() -> int:
                             ms, n, n_packed = time_steps(rt, batch_input, a.iters)
                         times[way].append(ms)
                         graphed[way] += n
-                        packed += n_packed if way == "rule" else 0
+                        packed[way] += n_packed
                 med = {w: statistics.median(times[w]) for w in WAYS}
-                rule_path = "packed" if packed else "graph" if graphed["rule"] else "eager"
-                assert graphed["graph"] == a.rounds * a.iters and graphed["eager"] == 0, graphed
+                rule_path = "packed" if packed["rule"] else "graph" if graphed["rule"] else "eager"
+                every = a.rounds * a.iters
+                assert graphed["graph"] == every and packed["graph"] == 0 and graphed["eager"] == 0, graphed
+                assert packed["packed"] == every, packed
                 cell = lambda w: f"{med[w]:.3f} [{min(times[w]):.3f}, {max(times[w]):.3f}]"  # noqa: E731
                 print(f"{batch:>5} {dist:>8} {rows:>5} {padded:>6}  {cell('rule') + ' (' + rule_path + ')':>22} "
-                      f"{cell('graph'):>20} {cell('eager'):>20}", flush=True)
+                      f"{cell('graph'):>20} {cell('packed'):>20} {cell('eager'):>20}", flush=True)
                 result["rows"].append(dict(batch=batch, dist=dist, rows=rows, padded_rows=padded, rule_path=rule_path,
                                            ms=times, median_ms=med))
                 if a.out:

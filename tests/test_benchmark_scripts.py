@@ -512,8 +512,8 @@ def test_bench_first_step_padding_times_every_way_on_a_gpu(tmp_path):
     assert [(r["batch"], r["dist"]) for r in result["rows"]] == [
         (b, d) for b in (8, 64) for d in ("low", "spread", "uniform")]
     for r in result["rows"]:
-        assert all(len(r["ms"][w]) == 1 and r["ms"][w][0] > 0 for w in ("rule", "graph", "eager")), r
-        assert r["rule_path"] == ("graph" if r["padded_rows"] <= max(2 * r["rows"], 768) else "eager"), r
+        assert all(len(r["ms"][w]) == 1 and r["ms"][w][0] > 0 for w in ("rule", "graph", "packed", "eager")), r
+        assert r["rule_path"] == ("graph" if r["padded_rows"] <= max(2 * r["rows"], 768) else "packed"), r
 
 
 def test_bench_host_speed_times_both_loops_in_each_process(tmp_path):

@@ -419,6 +419,10 @@ class DecodeGraphs:
         if (bs is not None and M <= self.first_step_tokens and bs * M <= max(2 * T, FIRST_STEP_SMALL_ROWS)
                 and int(seq_lens.min()) >= M):
             return False, bs, M
+        return self.packed_plan(B, T)
+
+    def packed_plan(self, B: int, T: int) -> tuple[bool, int, int] | None:
+        """(True, bs, rows) of the packed graph that holds B sequences and T rows; None where none does."""
         bs = padded_batch_size(B, self.packed_sizes)
         rows = None if bs is None else padded_batch_size(max(T, bs), self.packed_rows)  # (rows >= bs: packed_shapes)
         return None if rows is None else (True, bs, rows)
