@@ -506,6 +506,8 @@ def test_bench_first_step_padding_distributions_and_its_gpu_requirement(tmp_path
 
 @pytest.mark.gpu
 def test_bench_first_step_padding_times_every_way_on_a_gpu(tmp_path):
+    from drafter_service.engine.cuda_graphs import packed_row_buckets, padded_batch_size
+
     result = run(["benchmarks/bench_first_step_padding.py", "--preset", "tiny", "--batches", "8,64", "--rounds", "1",
                   "--iters", "2", "--context", "128"], tmp_path / "fp.json")
     assert result["complete"] is True and result["first_step_small_rows"] == 768
@@ -513,7 +515,9 @@ def test_bench_first_step_padding_times_every_way_on_a_gpu(tmp_path):
         (b, d) for b in (8, 64) for d in ("low", "spread", "uniform")]
     for r in result["rows"]:
         assert all(len(r["ms"][w]) == 1 and r["ms"][w][0] > 0 for w in ("rule", "graph", "packed", "eager")), r
-        assert r["rule_path"] == ("graph" if r["padded_rows"] <= max(2 * r["rows"], 768) else "packed"), r
+        packed_rows = padded_batch_size(r["rows"], packed_row_buckets(2048))
+        padded_fits = r["padded_rows"] <= max(2 * r["rows"], 768) and r["padded_rows"] <= 2 * packed_rows
+        assert r["rule_path"] == ("graph" if padded_fits else "packed"), r
 
 
 def test_bench_host_speed_times_both_loops_in_each_process(tmp_path):

@@ -57,6 +57,9 @@ def test_which_steps_take_which_first_step(tiny_model, tmp_path):
         return graphs.first_step_plan(p + m, m, k)
 
     assert plan([3, 1, 2]) == (False, 4, 3)  # padded where it fits
+    # both fit, but 48 x 4 padded rows are 3x the packed graph's 64: packed (33 sequences -> 64, 36 rows -> 64)
+    assert plan([4] + [1] * 32) == (True, 64, 64)
+    assert plan([4] * 20 + [1] * 13) == (False, 48, 4)  # 192 padded rows, 1.5x the packed 128 (93 rows): padded
     assert plan([3, 40, 2]) == (True, 4, 64)  # a prompt beside decodes: packed, 45 rows -> 64
     assert plan([1] * 30 + [100]) == (True, 32, 256)  # 130 rows -> 256 (the next bucket)
     assert plan([200] + [1] * 40) == (True, 64, 256)  # 41 sequences -> 64, 240 rows -> 256

@@ -112,6 +112,12 @@ FIRST_STEP_SMALL_ROWS = 768
 PACKED_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # the fewest rows a packed first-step graph holds (batch 1 with a prompt of up to this many tokens)
 PACKED_MIN_ROWS = 32
+# A step both kinds of first-step graph can take replays the padded one unless its padded rows are more than this many
+# times the packed graph's. Measured (bench_first_step_padding.py, H200, EAGLE-3 8B shape, engine-applied fc, context
+# 1024, k = 5, 2026-11-28): padded 3x the packed rows ("low": batch 32 192 / 64, batch 128 768 / 256) ran 3-6% slower
+# than packed; 1.5x ("spread") within 1-2%; uniform batches (no padding) 2-12% faster padded, whose short queries
+# split the context in the attention (the packed grid does not).
+PADDED_OVER_PACKED_MAX = 2
 
 
 def packed_row_buckets(max_rows: int) -> list[int]:
@@ -408,18 +414,20 @@ class DecodeGraphs:
         Padded, (False, bs, M): its largest m (M) is <= first_step_tokens, every context holds at least M positions
         (the padding rows sit before the real ones), the batch pads to a captured size, and the padded rows are at
         most twice the real ones (or few): a large batch of mostly short steps runs fewer rows eagerly than the
-        graph would. Otherwise packed, (True, bs, rows): its T rows fit a row bucket and its batch a packed size."""
+        graph would. Otherwise packed, (True, bs, rows): its T rows fit a row bucket and its batch a packed size;
+        packed too where both fit and the padded rows are more than PADDED_OVER_PACKED_MAX times the packed ones."""
         B = num_tokens.shape[0]
         if B == 0 or int(num_drafts.min()) <= 0 or int(num_drafts.max()) > self.max_drafts:
             return None
         M, T = int(num_tokens.max()), int(num_tokens.sum())
         if M <= 0:
             return None
+        packed = self.packed_plan(B, T)
         bs = padded_batch_size(B, self.first_sizes)
         if (bs is not None and M <= self.first_step_tokens and bs * M <= max(2 * T, FIRST_STEP_SMALL_ROWS)
-                and int(seq_lens.min()) >= M):
+                and int(seq_lens.min()) >= M and (packed is None or bs * M <= PADDED_OVER_PACKED_MAX * packed[2])):
             return False, bs, M
-        return self.packed_plan(B, T)
+        return packed
 
     def packed_plan(self, B: int, T: int) -> tuple[bool, int, int] | None:
         """(True, bs, rows) of the packed graph that holds B sequences and T rows; None where none does."""
