@@ -295,17 +295,12 @@ class DecodeGraphs:
         ops.store_draft_step(draft, self.model.d2t, self.model.next_hidden(last), self.draft_column,
                              self.input_ids[:bs], self.hidden[:bs], self.drafts_out[:bs], self.hidden_steps[:bs])
 
-    def _replay_packed(self, bs: int, rows: int) -> None:
-        graph = self.packed_graphs.get((bs, rows))
+    def _replay_first(self, packed: bool, bs: int, size: int) -> None:
+        """The first step of a plan (first_step_plan): its graph, or on the CPU (nothing captured) the same steps."""
+        graphs, run = (self.packed_graphs, self._packed_first_step) if packed else (self.first_graphs, self._first_step)
+        graph = graphs.get((bs, size))
         if graph is None:
-            self._packed_first_step(bs, rows)
-        else:
-            graph.replay()
-
-    def _replay_first(self, bs: int, m: int) -> None:
-        graph = self.first_graphs.get((bs, m))
-        if graph is None:
-            self._first_step(bs, m)
+            run(bs, size)
         else:
             graph.replay()
 
@@ -473,13 +468,11 @@ class DecodeGraphs:
         B = num_tokens.shape[0]
         self.record.write(start_positions, num_tokens, next_tokens, num_drafts, token_ids, block_tables)
         rows_into(hidden_states, self.fs_states[: token_ids.shape[0]])
+        self._replay_first(packed, bs, size)
+        self.first_steps_run += 1
         if packed:
-            self._replay_packed(bs, size)
             self.packed_first_steps_run += 1
             bs = padded_batch_size(B, self.sizes)  # (the decode graphs' size: <= the packed one)
-        else:
-            self._replay_first(bs, size)
-        self.first_steps_run += 1
         return self._decode_and_collect(out, list(range(B)), num_drafts.tolist(), B, bs)
 
     def rehearse_columns(self, start_positions: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray,
