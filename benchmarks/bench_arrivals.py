@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         graphs = proposer.decode_graphs
         plan_first_step = graphs.first_step_plan if graphs is not None else None
 
-        def unpacked_plan(*args):  # (the eager first step where a packed graph would replay)
-            plan = plan_first_step(*args)
+        def unpacked_plan(*args, **kwargs):  # (the eager first step where a packed graph would replay)
+            plan = plan_first_step(*args, **kwargs)
             return None if plan is not None and plan[0] else plan
         gen = torch.Generator().manual_seed(0)
         rows_max = max(batches) * m + a.arrivals * a.prompt

@@ -65,9 +65,9 @@ def forced(way: str):
     if way == "graph":
         cuda_graphs.FIRST_STEP_SMALL_ROWS = 1 << 30  # (the row budget lifted; every other condition stays)
     elif way == "packed":
-        cuda_graphs.DecodeGraphs.first_step_plan = lambda self, C, m, k: self.packed_plan(len(m), int(m.sum()))
+        cuda_graphs.DecodeGraphs.first_step_plan = lambda self, C, m, k, **kw: self.packed_plan(len(m), int(m.sum()))
     elif way == "eager":
-        cuda_graphs.DecodeGraphs.first_step_plan = lambda self, *a: None
+        cuda_graphs.DecodeGraphs.first_step_plan = lambda self, *a, **kw: None
     try:
         yield
     finally:

@@ -63,7 +63,7 @@ def dry_admission(p, batch, rows: np.ndarray, rec: dict[str, np.ndarray]) -> Non
     torch.from_numpy(k)
     tables = R.block_tables_np[rows, : int(blocks.max())]
     nonzero(a.temperatures > 0)
-    p.decode_graphs.first_step_plan(C, m, k)
+    p.decode_graphs.first_step_plan(C, m, k, prefill_chunks=True)
     B, w = tables.shape
     T = a.token_ids.shape[0]
     rec["header"][0], rec["header"][1] = B, w

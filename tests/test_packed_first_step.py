@@ -67,7 +67,12 @@ def test_which_steps_take_which_first_step(tiny_model, tmp_path):
     assert plan([5]) == (True, 1, 32)  # m past first_step_tokens alone
     assert plan([1, 3], starts=[0, 20]) == (True, 2, 32)  # a new 1-token sequence: its context is shorter than M
     assert plan([1, 3], starts=[2, 20]) == (False, 2, 3)  # (padding rows would sit before position 0)
-    assert plan([3, 40], ks=[3, 0]) is None  # a prefill chunk (k = 0) in the step: eager
+    assert plan([3, 40], ks=[3, 0]) is None  # a prefill chunk (k = 0) in the step: eager, unless
+    m, p = np.array([3, 40]), np.array([20, 0])
+    assert graphs.first_step_plan(p + m, m, np.array([3, 0]), prefill_chunks=True) == (True, 2, 64)  # (packed only)
+    m, p = np.array([3, 2]), np.array([20, 20])
+    assert graphs.first_step_plan(p + m, m, np.array([3, 0]), prefill_chunks=True) == (True, 2, 32)
+    assert graphs.first_step_plan(p + m, m, np.array([0, 0]), prefill_chunks=True) == (True, 2, 32)
     assert plan([1] * 70) is None  # more sequences than the largest packed size
 
 
@@ -106,6 +111,43 @@ def test_steps_where_sequences_join_match_the_plain_proposer(tiny_model, tiny_ea
     joining_traffic(plain, packed, seed=7, steps=8, live_n=20, prompts=(9, 60), check=lambda rt: None)
     assert graphs.packed_first_steps_run == 7  # (round 0: every sequence new, 20 prompts of 5: padded)
     assert graphs.first_steps_run == 8
+    torch.testing.assert_close(packed.kv.kv, plain.kv.kv, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head", ["eagle1", "eagle3"])
+def test_prompts_in_chunks_ride_the_packed_graph(tiny_model, tiny_eagle3, tmp_path, head):  # noqa: F811
+    """vLLM's chunked prefill: a long prompt comes over several steps, its chunks before the last with k = 0 (KV
+    written, no draft), beside the others' decodes. Those steps replay the packed first step too (from columns),
+    with the plain per-sequence step's answers and KV."""
+    model = head_model(head, tiny_model, tiny_eagle3)
+    plain = build_runtime(make_config(*model, tmp_path / "plain"))
+    packed = with_packed_steps(build_runtime(make_config(*model, tmp_path / "packed")))
+    graphs = packed.proposer.decode_graphs
+    t = Traffic(13, plain.limits.hidden_states_width, plain.limits.vocab_size, 40, prompt=6)
+    rng = t.rng
+    live, waiting = sorted(t.tokens)[:16], sorted(t.tokens)[16:]
+    chunking: dict[str, int] = {}  # sequence -> chunks still to send after this step
+    for round in range(8):
+        if round:
+            sid = waiting.pop()
+            chunking[sid] = rng.randint(1, 3)
+            t.prompt = rng.randint(20, 50)  # (its first chunk)
+            live.append(sid)
+        batch = []
+        for sid in live:
+            if chunking.get(sid, 0) > 0:
+                chunking[sid] -= 1
+                m, k = (rng.randint(20, 50), 0) if t.committed[sid] else (t.prompt, 0)
+                if chunking[sid] == 0:
+                    k = 3  # (its last chunk drafts)
+                batch.append(t.step(sid, m=m, k=k))
+            else:
+                batch.append(t.step(sid, m=rng.randint(1, 4), k=rng.choice([3, 5])))
+        out_a = plain.proposer.step_per_sequence(batch)
+        same(out_a, packed.proposer.step_batch(as_batch(batch)))
+        assert all(o.code == OK for o in out_a)
+        t.answered(batch, out_a)
+    assert graphs.packed_first_steps_run == 7
     torch.testing.assert_close(packed.kv.kv, plain.kv.kv, atol=1e-5, rtol=1e-5)
 
 

@@ -402,22 +402,27 @@ class DecodeGraphs:
 
     # ---- one engine step ----
 
-    def first_step_plan(self, seq_lens: np.ndarray, num_tokens: np.ndarray,
-                        num_drafts: np.ndarray) -> tuple[bool, int, int] | None:
+    def first_step_plan(self, seq_lens: np.ndarray, num_tokens: np.ndarray, num_drafts: np.ndarray,
+                        prefill_chunks: bool = False) -> tuple[bool, int, int] | None:
         """How a greedy step of these columns ([B] p + m, m and k after the max_model_len cut) replays its first
-        step (draft_columns), or None where it runs eagerly. Every sequence must draft (k >= 1, <= max_drafts).
+        step (draft_columns), or None where it runs eagerly. Every sequence must draft (1 <= k <= max_drafts), except
+        that with prefill_chunks a packed graph also takes sequences of k = 0 (a prompt's chunk before its last: its
+        KV written, no draft; its decode rows masked, steps_left -1): vLLM's chunked prefill sends a long prompt so
+        (the columns path; the per-sequence path keeps pre-drafting features by row, for drafting rows only).
         Padded, (False, bs, M): its largest m (M) is <= first_step_tokens, every context holds at least M positions
         (the padding rows sit before the real ones), the batch pads to a captured size, and the padded rows are at
         most twice the real ones (or few): a large batch of mostly short steps runs fewer rows eagerly than the
         graph would. Otherwise packed, (True, bs, rows): its T rows fit a row bucket and its batch a packed size;
         packed too where both fit and the padded rows are more than PADDED_OVER_PACKED_MAX times the packed ones."""
         B = num_tokens.shape[0]
-        if B == 0 or int(num_drafts.min()) <= 0 or int(num_drafts.max()) > self.max_drafts:
+        if B == 0 or int(num_drafts.max()) > self.max_drafts:
             return None
-        M, T = int(num_tokens.max()), int(num_tokens.sum())
-        if M <= 0:
+        M, T, least_k = int(num_tokens.max()), int(num_tokens.sum()), int(num_drafts.min())
+        if M <= 0 or least_k < 0 or (least_k == 0 and not prefill_chunks):
             return None
         packed = self.packed_plan(B, T)
+        if least_k == 0:
+            return packed
         bs = padded_batch_size(B, self.first_sizes)
         if (bs is not None and M <= self.first_step_tokens and bs * M <= max(2 * T, FIRST_STEP_SMALL_ROWS)
                 and int(seq_lens.min()) >= M and (packed is None or bs * M <= PADDED_OVER_PACKED_MAX * packed[2])):

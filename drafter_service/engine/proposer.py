@@ -627,7 +627,7 @@ class Proposer:
             tables = R.block_tables_np[rows, : int(blocks.max())]
             greedy = not nonzero(a.temperatures > 0)
             graphs = self.decode_graphs
-            plan = graphs.first_step_plan(C, m, k) if greedy and graphs is not None else None
+            plan = graphs.first_step_plan(C, m, k, prefill_chunks=True) if greedy and graphs is not None else None
             if plan is not None:
                 # the first step's rows are built on the device, inside its graph (cuda_graphs.py): no step metadata
                 graphs.draft_columns(plan, p, m, a.token_ids, a.next_tokens, k, tables, b.states(), step_drafts)
@@ -808,7 +808,7 @@ class Proposer:
         tables = self.table.rows.block_tables_np[rows, : int(blocks.max())]
         graphs = self.decode_graphs
         if not np.count_nonzero(a.temperatures > 0) and graphs is not None and graphs.first_step_plan(
-                C, a.num_tokens, k) is not None:
+                C, a.num_tokens, k, prefill_chunks=True) is not None:
             graphs.rehearse_columns(a.start_positions, a.num_tokens, a.token_ids, a.next_tokens, k, tables)
         return True
 
