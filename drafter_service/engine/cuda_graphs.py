@@ -80,7 +80,10 @@ padding rows owned by no sequence (kernels/build_packed_first_step.py builds the
 sequences are empty queries). The attention takes it on its packed grid (kernels/paged_attention.py: programs per
 query tile of the batch, not per sequence times the longest query), the head reads the hidden states from fs_states
 in place, and draft 1 of sequence i comes from row fs_last_rows_packed[i]. Then the decode graphs, as for any step.
-A step uses the padded graph where it fits (fewer rows for short steps), else the packed one, else runs eagerly.
+A step uses the padded graph where it fits (fewer rows for short steps) and holds at most PADDED_OVER_PACKED_MAX
+times the packed graph's rows, else the packed one, else runs eagerly. From the columns path a packed graph also takes
+a prompt's chunks before its last (k = 0: KV written, no draft; their decode rows masked by steps_left -1), which
+vLLM's chunked prefill sends beside the others' decodes.
 
 On the CPU (tests) the same static-buffer steps run eagerly, with no graphs.
 """
