@@ -61,9 +61,9 @@ def m_of(dist: str, i: int, k: int) -> int:
 def forced(way: str):
     """DecodeGraphs.first_step_plan decides as `way` says inside (rule: as it is)."""
     original = cuda_graphs.DecodeGraphs.first_step_plan
-    small_rows = cuda_graphs.FIRST_STEP_SMALL_ROWS
-    if way == "graph":
-        cuda_graphs.FIRST_STEP_SMALL_ROWS = 1 << 30  # (the row budget lifted; every other condition stays)
+    small_rows, over_packed = cuda_graphs.FIRST_STEP_SMALL_ROWS, cuda_graphs.PADDED_OVER_PACKED_MAX
+    if way == "graph":  # (the row budgets lifted, against the step's rows and the packed graph's; the rest stays)
+        cuda_graphs.FIRST_STEP_SMALL_ROWS = cuda_graphs.PADDED_OVER_PACKED_MAX = 1 << 30
     elif way == "packed":
         cuda_graphs.DecodeGraphs.first_step_plan = lambda self, C, m, k, **kw: self.packed_plan(len(m), int(m.sum()))
     elif way == "eager":
@@ -72,7 +72,7 @@ def forced(way: str):
         yield
     finally:
         cuda_graphs.DecodeGraphs.first_step_plan = original
-        cuda_graphs.FIRST_STEP_SMALL_ROWS = small_rows
+        cuda_graphs.FIRST_STEP_SMALL_ROWS, cuda_graphs.PADDED_OVER_PACKED_MAX = small_rows, over_packed
 
 
 def time_steps(rt, batch_input, iters: int) -> tuple[float, int, int]:

@@ -16,6 +16,7 @@ import torch
 from checkpoints import write_eagle3
 from conftest import make_config
 from drafter_service.engine.cuda_graphs import DecodeGraphs
+from drafter_service.engine.proposer import STEP_BATCH_MIN_SEQUENCES
 from drafter_service.runtime import build_runtime
 from drafter_service.engine.step_io import StepInput
 from lockstep import ProposerDrafter, run_lockstep
@@ -195,7 +196,8 @@ def test_padded_uniform_batches_on_cuda_match_cpu(tiny_model, tmp_path):
 def test_mixed_m_batches_on_cuda_match_cpu(tiny_model, tmp_path, num_seqs, max_m):
     """Mixed m on the captured first-step graphs, batch 5 (padded to 8, m 1..8) and 48 (above the old limit of 32,
     m 1..6 as with k = 5): CUDA graphs == CPU, and every step after the prefill that the row budget admits (padded
-    rows at most twice the real ones, or <= 256) replayed from a first-step graph."""
+    rows at most twice the real ones, or <= 256) replayed from a first-step graph; at 48 (the columns path) the
+    prefill (k = 0) too, from a packed first-step graph."""
     cpu = build_runtime(make_config(*tiny_model, tmp_path / "cpu"))
     gpu = build_runtime(make_config(*tiny_model, tmp_path / "gpu", device="cuda", dtype="float32",
                                     max_batch_seqs=64))
@@ -208,7 +210,11 @@ def test_mixed_m_batches_on_cuda_match_cpu(tiny_model, tmp_path, num_seqs, max_m
         want = [o.drafts for o in cpu.proposer.step(batch)]
         got = [o.drafts for o in gpu.proposer.step(batch)]
         assert got == want
-    assert gpu.proposer.decode_graphs.first_steps_run == admitted
+    graphs = gpu.proposer.decode_graphs
+    prefill_packed = int(num_seqs >= STEP_BATCH_MIN_SEQUENCES)  # (the per-sequence path keeps k >= 1 for graphs)
+    # (a step the padded graph does not admit replays the packed one: every step after the prefill is graphed)
+    assert graphs.first_steps_run == len(batches) - 1 + prefill_packed
+    assert graphs.packed_first_steps_run >= prefill_packed
 
 
 @pytest.mark.parametrize("head,num_seqs", [("eagle1", 9), ("eagle1", 24), ("eagle3", 9), ("eagle1", 1),
