@@ -79,7 +79,7 @@ packed_row_buckets(--first-step-graph-rows): the step's T <= R rows sequence aft
 padding rows owned by no sequence (kernels/build_packed_first_step.py builds them from the same record; padding
 sequences are empty queries). The attention takes it on its packed grid (kernels/paged_attention.py: programs per
 query tile of the batch, not per sequence times the longest query), the head reads the hidden states from fs_states
-in place, and draft 1 of sequence i comes from row fs_last_rows_packed[i]. Then the decode graphs, as for any step.
+in place, and draft 1 of sequence i comes from row fs_packed_last_rows[i]. Then the decode graphs, as for any step.
 A step uses the padded graph where it fits (fewer rows for short steps) and holds at most PADDED_OVER_PACKED_MAX
 times the packed graph's rows, else the packed one, else runs eagerly. From the columns path a packed graph also takes
 a prompt's chunks before its last (k = 0: KV written, no draft; their decode rows masked by steps_left -1), which
@@ -135,6 +135,8 @@ def packed_row_buckets(max_rows: int) -> list[int]:
         else:  # 256 -> 384 -> 512 -> 768 -> 1024 ...
             rows = rows * 3 // 2 if rows & (rows - 1) == 0 else rows * 4 // 3
     return buckets + [max_rows] if max_rows > 0 else []
+
+
 # Decode-step chains captured per padded batch size (longest first; only those shorter than --max-draft-tokens):
 # n decode steps replay the longest chains that fit, then single steps (DecodeGraphs._replay_steps).
 DECODE_CHAIN_LENGTHS = (4, 2)
