@@ -68,7 +68,7 @@ def test_which_batches_take_the_static_first_step(tiny_model, tmp_path):
 
     def fits(ms: list[int], ks: list[int], start: int = 0) -> bool:
         m, k = np.array(ms), np.array(ks)
-        return graphs.first_step_fits(start + m, m, k)
+        return graphs.first_step_plan(start + m, m, k) is not None
 
     assert fits([3], [5])
     assert fits([2, 2, 2], [1, 4, 2])  # k may differ: steps_left masks the rows
@@ -94,7 +94,7 @@ def test_first_step_graphs_skip_batches_mostly_padding(tiny_model, tmp_path):
 
     def fits(ms: list[int]) -> bool:
         m = np.array(ms)
-        return graphs.first_step_fits(20 + m, m, np.full(len(ms), 3))
+        return graphs.first_step_plan(20 + m, m, np.full(len(ms), 3)) is not None
 
     assert fits([1] * 31 + [8])  # 32 x 8 = 256 rows: small enough
     assert fits([1] * 127 + [6])  # 128 x 6 = 768 rows for 133 real ones: still small enough (measured: faster)

@@ -440,10 +440,6 @@ class DecodeGraphs:
         rows = None if bs is None else padded_batch_size(max(T, bs), self.packed_rows)  # (rows >= bs: packed_shapes)
         return None if rows is None else (True, bs, rows)
 
-    def first_step_fits(self, seq_lens: np.ndarray, num_tokens: np.ndarray, num_drafts: np.ndarray) -> bool:
-        """Whether a greedy step of these columns can replay a first-step graph, padded or packed."""
-        return self.first_step_plan(seq_lens, num_tokens, num_drafts) is not None
-
     def can_run(self, md: StepMetadata) -> bool:
         """Whether the decode steps of this (greedy) step can replay the decode graphs."""
         n = len(md.active)
