@@ -16,12 +16,17 @@ host:
                  _start_sequences: the whole step per sequence)
   decode only    the live sequences alone, nobody joining or leaving
 
+With --prompt-chunks C a new sequence's prompt comes in C chunks over C steps, the chunks before the last with k = 0
+(no drafts: vLLM's chunked prefill of a long prompt), beside the others' decodes; the decode-only steps leave the
+chunking sequences out (they wait a step).
+
 Per kind: the step's wall time (mean and median over --steps steps of that kind), how many steps the columns path
-ran and how many replayed a packed first step, and for the columns steps their phases (medians, ms, from the proposer's phase marks): admit (step start to the blocks taken:
-lookups, checks, starting the new sequences, growth), to launch (the step's metadata or the first-step graph's record,
-the copies and the launches, up to the work done while the GPU drafts), to sync (that work, then the wait for the
-drafts) and after (the sequences' state, metrics). On the CPU the draft runs before that work: the split means
-little there. The columns and per-sequence steps draft the same (tests/test_step_batch.py); here only time is measured.
+ran and how many replayed a packed first step, and for the columns steps their phases (medians, ms, from the
+proposer's phase marks): admit (step start to the blocks taken: lookups, checks, starting the new sequences, growth),
+to launch (the step's metadata or the first-step graph's record, the copies and the launches, up to the work done
+while the GPU drafts), to sync (that work, then the wait for the drafts) and after (the sequences' state, metrics).
+On the CPU the draft runs before that work: the split means little there. The columns and per-sequence steps draft
+the same (tests/test_step_batch.py); here only time is measured.
 Prints a table, writes JSON (device, date, command) to --out.
 
     python benchmarks/bench_arrivals.py --preset tiny --device cpu --batch 32
@@ -60,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                 "(default: the preset's)")
     ap.add_argument("--prompt", type=int, default=128, help="a new sequence's prompt: its first step's tokens")
     ap.add_argument("--arrivals", type=int, default=1, help="new sequences per step (as many finish after it)")
+    ap.add_argument("--prompt-chunks", type=int, default=1,
+                    help="a new sequence's prompt comes in this many chunks over as many steps (k = 0 before the last)")
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--steps", type=int, default=40, help="timed steps of each kind")
     ap.add_argument("--states-on-gpu", action="store_true", help="the steps' hidden states on the GPU")
@@ -79,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     result = dict(benchmark="arrivals", date=datetime.datetime.now().isoformat(timespec="seconds"),
                   host=platform.node(), device=f"cuda: {torch.cuda.get_device_name(device)}" if cuda else "cpu",
                   torch=torch.__version__, command=shlex.join(["benchmarks/bench_arrivals.py", *sys.argv[1:]]),
-                  preset=a.preset, context=context, prompt=a.prompt, arrivals=a.arrivals, m=m, k=k, steps=a.steps,
-                  states_on_gpu=a.states_on_gpu, engine_applies_fc=a.engine_applies_fc, rows=[], complete=False)
+                  preset=a.preset, context=context, prompt=a.prompt, prompt_chunks=a.prompt_chunks,
+                  arrivals=a.arrivals, m=m, k=k, steps=a.steps, states_on_gpu=a.states_on_gpu,
+                  engine_applies_fc=a.engine_applies_fc, rows=[], complete=False)
     # every step of the run advances the live contexts by m: room for all of them, and for the new ones' prompts
     steps_in_all = len(KINDS) * (a.steps + warm)
     max_len = context + m * (steps_in_all + (a.steps if a.host_profile else 0) + 2) + a.prompt + 64
@@ -99,19 +107,24 @@ def main(argv: list[str] | None = None) -> int:
             plan = plan_first_step(*args, **kwargs)
             return None if plan is not None and plan[0] else plan
         gen = torch.Generator().manual_seed(0)
-        rows_max = max(batches) * m + a.arrivals * a.prompt
+        if not 1 <= a.prompt_chunks <= a.prompt:
+            ap.error("--prompt-chunks must be in [1, --prompt]")
+        chunk_sizes = [a.prompt // a.prompt_chunks] * (a.prompt_chunks - 1)
+        chunk_sizes.append(a.prompt - sum(chunk_sizes))  # (the last chunk takes the remainder)
+        rows_max = max(batches) * m + a.arrivals * a.prompt_chunks * max(chunk_sizes)
         states = torch.randn(rows_max, width, generator=gen).to(torch.bfloat16 if cuda else torch.float32)
         if a.states_on_gpu:
             states = states.to(device)
         tokens = torch.randint(0, vocab, (rows_max,), generator=gen)
         print(f"{result['device']}, {a.preset}, context {context} (advancing), {a.arrivals} new sequence(s) of "
-              f"{a.prompt} tokens a step, k {k}, {a.steps} steps of each kind", flush=True)
+              f"{a.prompt} tokens a step ({a.prompt_chunks} chunk(s)), k {k}, {a.steps} steps of each kind", flush=True)
         print("| batch | kind | step ms (mean) | step ms (median) | from columns | packed first step "
               "| admit / to launch / to sync / after ms |")
         print("| ---: | --- | ---: | ---: | ---: | ---: | --- |")
         for batch in batches:
             decode = b.prefilled_decode(rt, batch, context, m, k, vocab)
             live = {s.sequence_id: s.start_position for s in decode}  # id -> its next step's start position
+            chunking: dict[str, int] = {}  # id -> chunks of its prompt sent so far (new sequences, mid-prompt)
             serial = 0
             times = {kind: [] for kind in KINDS}
             columns = {kind: 0 for kind in KINDS}
@@ -122,12 +135,15 @@ def main(argv: list[str] | None = None) -> int:
                 kind = KINDS[i % len(KINDS)] if i < steps_in_all else "columns"  # (then the profiled steps)
                 new = [] if kind == "decode only" else [f"new{batch}_{serial + j}" for j in range(a.arrivals)]
                 serial += len(new)
-                ids = [*live, *new]
-                ms = [m] * len(live) + [a.prompt] * len(new)
+                prompting = {} if kind == "decode only" else {**chunking, **{sid: 0 for sid in new}}  # id -> chunk
+                ids = [*live, *prompting]
+                ms = [m] * len(live) + [chunk_sizes[c] for c in prompting.values()]
+                starts = [*live.values(), *[sum(chunk_sizes[:c]) for c in prompting.values()]]
+                ks = [k] * len(live) + [k if c == a.prompt_chunks - 1 else 0 for c in prompting.values()]
                 T = sum(ms)
                 step = BatchInput.from_lists(
-                    "bench", ids, [*live.values(), *[0] * len(new)], ms, tokens[:T], states[:T],
-                    [1] * len(ids), [k] * len(ids), [0.0] * len(ids), [0] * len(ids), [False] * len(ids),
+                    "bench", ids, starts, ms, tokens[:T], states[:T],
+                    [1] * len(ids), ks, [0.0] * len(ids), [0] * len(ids), [False] * len(ids),
                     [0] * len(ids), [0] * len(ids))
                 proposer._start_sequences = declines if kind == "per sequence" else start_sequences
                 if graphs is not None:
@@ -160,8 +176,12 @@ def main(argv: list[str] | None = None) -> int:
                                                  after=t1 - marks["synced"]))
                 for sid in live:
                     live[sid] += m
-                for sid in new:
-                    live[sid] = a.prompt
+                for sid, c in prompting.items():  # (a prompt's last chunk sent: the sequence decodes from now on)
+                    if c == a.prompt_chunks - 1:
+                        chunking.pop(sid, None)
+                        live[sid] = a.prompt
+                    else:
+                        chunking[sid] = c + 1
                 for sid in list(live)[: len(new)]:  # the oldest finish: the batch stays at `batch`
                     del live[sid]
                     proposer.table.release("bench", sid)
@@ -174,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
                 print(f"--- batch {batch}: the same by own time ---")
                 pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-            for sid in live:
+            for sid in [*live, *chunking]:
                 proposer.table.release("bench", sid)
             row = dict(batch=batch, kinds={})
             for kind in KINDS:

@@ -639,6 +639,18 @@ def test_bench_arrivals_times_the_four_kinds_of_step(tmp_path):
                for kind in ("columns", "eager first", "decode only"))
 
 
+def test_bench_arrivals_sends_prompts_in_chunks(tmp_path):
+    """--prompt-chunks 3: a new sequence's prompt over three steps, k = 0 before its last chunk (the script checks
+    every answer's status; columns and eager-first steps run from the columns with the chunks in them; batch 10: two
+    sequences are mid-prompt, so that the decode-only steps' 8 take the columns way on the CPU too)."""
+    result = run(["benchmarks/bench_arrivals.py", "--preset", "tiny", "--device", "cpu", "--batches", "10",
+                  "--steps", "3", "--prompt", "30", "--prompt-chunks", "3", "--context", "64"], tmp_path / "arr.json")
+    assert result["complete"] is True and result["prompt_chunks"] == 3
+    kinds = result["rows"][0]["kinds"]
+    assert {kind: r["from_columns"] for kind, r in kinds.items()} == {"columns": 3, "eager first": 3,
+                                                                      "per sequence": 0, "decode only": 3}
+
+
 @pytest.mark.gpu
 def test_bench_arrivals_replays_packed_first_steps_on_a_gpu(tmp_path):
     """On CUDA the columns steps with a new sequence's prompt replay a packed first-step graph, the 'eager first'

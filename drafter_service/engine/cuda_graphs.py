@@ -390,10 +390,10 @@ class DecodeGraphs:
             self.steps_left, self.query_start_loc, self.draft_ids, self.fs_input_ids, self.fs_hidden,
             self.fs_positions, self.fs_slots, self.fs_states, self.record.on_device, self.drafts_out,
             self.hidden_steps, self.fs_packed_query_start_loc, self.fs_packed_last_rows))
-        log.info("captured %d decode CUDA graphs (batch sizes %s; and %d chains of %s decode steps), %d padded first-step "
-                 "graphs (batches of up to %d sequences with up to 1..%d tokens each) and %d packed ones (batches of up "
-                 "to %d sequences, %s rows) in %.2f s; they hold %.1f MiB of device memory (graph pool, kernels, "
-                 "workspaces), plus %.1f MiB of static buffers", len(self.graphs),
+        log.info("captured %d decode CUDA graphs (batch sizes %s; and %d chains of %s decode steps), %d padded "
+                 "first-step graphs (batches of up to %d sequences with up to 1..%d tokens each) and %d packed ones "
+                 "(batches of up to %d sequences, %s rows) in %.2f s; they hold %.1f MiB of device memory (graph "
+                 "pool, kernels, workspaces), plus %.1f MiB of static buffers", len(self.graphs),
                  ",".join(map(str, self.sizes)), len(self.chains), "/".join(map(str, self.chain_lengths)),
                  len(self.first_graphs), self.first_sizes[-1] if self.first_sizes else 0, self.first_step_tokens,
                  len(self.packed_graphs), self.packed_sizes[-1] if self.packed_sizes else 0,
