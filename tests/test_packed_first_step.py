@@ -114,6 +114,19 @@ def test_steps_where_sequences_join_match_the_plain_proposer(tiny_model, tiny_ea
     torch.testing.assert_close(packed.kv.kv, plain.kv.kv, atol=1e-5, rtol=1e-5)
 
 
+def test_packed_graphs_without_padded_ones(tiny_model, tmp_path):
+    """--first-step-graph-tokens 0 with packed graphs: every greedy step's first step is packed (the padded graphs'
+    buffers are empty), with the plain step's answers and KV."""
+    plain = build_runtime(make_config(*tiny_model, tmp_path / "plain"))
+    packed = with_packed_steps(build_runtime(make_config(*tiny_model, tmp_path / "packed")), first_step_tokens=0,
+                               first_step_rows=256)
+    graphs = packed.proposer.decode_graphs
+    assert graphs.first_sizes == [] and graphs.fs_hidden.shape[0] == 0 and graphs.packed_rows[-1] == 256
+    joining_traffic(plain, packed, seed=3, steps=5, live_n=10, prompts=(9, 40), check=lambda rt: None)
+    assert graphs.packed_first_steps_run == graphs.first_steps_run == 5
+    torch.testing.assert_close(packed.kv.kv, plain.kv.kv, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("head,device", [("eagle1", "cpu"), ("eagle3", "cpu"),
                                          pytest.param("eagle1", "cuda", marks=pytest.mark.gpu),
                                          pytest.param("eagle3", "cuda", marks=pytest.mark.gpu)])
