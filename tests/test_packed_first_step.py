@@ -188,6 +188,17 @@ def test_lockstep_with_prompts_matches_naive(tiny_model, tmp_path):
     assert graphs.packed_first_steps_run >= 3, graphs.packed_first_steps_run
 
 
+def test_first_step_graph_rows_flag(tiny_model):
+    from drafter_service.cli import parse_args
+
+    head, target = tiny_model
+    base = ["--model", str(head), "--target-model", str(target)]
+    assert parse_args(base).first_step_graph_rows == 2048
+    assert parse_args(base + ["--first-step-graph-rows", "0"]).first_step_graph_rows == 0
+    with pytest.raises((SystemExit, ValueError)):
+        parse_args(base + ["--first-step-graph-rows", "9000"])
+
+
 def test_first_step_graph_rows_is_checked(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="first_step_graph_rows"):
         make_config(*tiny_model, tmp_path, first_step_graph_rows=8193)
