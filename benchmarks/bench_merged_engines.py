@@ -37,7 +37,6 @@ import pathlib
 import platform
 import random
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from drafter_client.benchmarks import bench_step as bs  # noqa: E402
 from drafter_client.benchmarks.report import write_json  # noqa: E402
+from drafter_client.engine.sidecar_process import free_port  # noqa: E402
 
 
 def engine_main(index: int, sock: str, batch: int, context: int, m: int, k: int, width: int, vocab: int,
@@ -106,12 +106,6 @@ def scrape(port: int) -> dict[str, float]:
                                     "drafter_batch_sequences_sum", "drafter_batch_sequences_count",
                                     "drafter_merge_window_waits_total", "drafter_merge_window_complete_total",
                                     "drafter_merge_window_late_total")}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_engines(n: int, sock: str, port: int, a, width: int, vocab: int) -> dict:

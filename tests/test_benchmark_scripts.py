@@ -53,6 +53,28 @@ def test_predraft_mechanics_runs_the_engine_in_a_process_of_its_own(tmp_path):
         assert all(n == r["batch"] and ms > 0 for n, ms, _, _ in r["server_pass_log"])
 
 
+def test_bench_step_fails_at_once_when_the_drafter_cannot_start(tmp_path):
+    """A drafter that exits at start (here: its --metrics-port already taken, as when two runs share a machine) ends
+    the run with its exit code within seconds, instead of the client waiting 600 s for a health SERVING that never
+    comes (a CI run once waited out its 300 s that way); and the default port is a free one, so two runs side by
+    side do not collide."""
+    import socket
+    import time
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "drafter_client.benchmarks.bench_step", "--preset", "tiny",
+                               "--device", "cpu", "--batches", "1", "--iters", "1", "--prefill-tokens", "0",
+                               "--threads", "1", "--rounds", "1", "--rounds-only", "--metrics-port", str(port),
+                               "--out", str(tmp_path / "bs.json")], cwd=REPO, capture_output=True, text=True,
+                              timeout=300)
+    assert done.returncode != 0 and time.monotonic() - t0 < 120, done.stderr[-2000:]
+    assert "exited with code" in done.stderr and "Address already in use" in done.stderr, done.stderr[-2000:]
+
+
 def test_bench_step_measures_every_path(tmp_path):
     result = run(["-m", "drafter_client.benchmarks.bench_step", "--preset", "tiny", "--device", "cpu",
                   "--batches", "1,32", "--iters", "2", "--prefill-tokens", "0", "--threads", "1", "--rounds", "2"],

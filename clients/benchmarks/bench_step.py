@@ -41,6 +41,7 @@ import torch
 from safetensors.torch import save_file
 
 from drafter_client.benchmarks.report import write_json
+from drafter_client.engine.sidecar_process import free_port, wait_serving
 
 PRESETS = {
     # name: head shape (Llama), target vocab, dtype, default context
@@ -623,8 +624,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=None)
     ap.add_argument("--prefill-tokens", type=int, default=4096,
                     help="also time one prompt of this many tokens in one step (hidden-state ingestion); 0 = skip")
-    ap.add_argument("--metrics-port", type=int, default=9477,
-                    help="the server's metrics port, scraped to split sidecar time into worker and RPC")
+    ap.add_argument("--metrics-port", type=int, default=None,
+                    help="the server's metrics port, scraped to split sidecar time into worker and RPC (default: a "
+                         "free port)")
     ap.add_argument("--m", type=int, default=3, help="committed tokens per sequence per step (1 + accepted)")
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
@@ -664,6 +666,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="Linux: CPUs the drafter-serve subprocess runs on, e.g. 4-9 (default: all)")
     ap.add_argument("--out", default="bench_out/bench_step.json")
     a = ap.parse_args(argv)
+    if a.metrics_port is None:
+        a.metrics_port = free_port()
     if a.rounds_only and not a.rounds:
         ap.error("--rounds-only needs --rounds N")
     if a.grpc_floor and not a.rounds:
@@ -780,6 +784,8 @@ def main(argv: list[str] | None = None) -> int:
                                   else None)
         bare = None
         try:
+            # (fails at once if the drafter exits at start, e.g. a port in use: its log is on this stderr)
+            wait_serving(f"unix:{sock}", server, 600, lambda: "(above, on this process's stderr)")
             if a.grpc_floor:  # (spawned: this process holds a CUDA context)
                 from drafter_client.benchmarks.bare_grpc import BareServer
                 bare = BareServer(f"unix:{tmp / 'bare.sock'}")

@@ -22,7 +22,6 @@ import os
 import pathlib
 import platform
 import shlex
-import socket
 import statistics
 import sys
 import urllib.request
@@ -33,7 +32,7 @@ from drafter_client.benchmarks.prompts import DEMO, HELDOUT_LIKE
 from drafter_client.benchmarks.report import write_json
 from drafter_client.client import DrafterClient
 from drafter_client.engine.reference_engine import ReferenceEngine, SpecConfig
-from drafter_client.engine.sidecar_process import MODELS, SidecarProcess
+from drafter_client.engine.sidecar_process import MODELS, SidecarProcess, free_port
 from drafter_client.engine.target import TargetModel
 
 COUNTERS = ("drafter_predraft_hits_total", "drafter_predraft_misses_total", "drafter_predraft_unprepared_total",
@@ -166,12 +165,6 @@ def plot(result: dict, path: pathlib.Path) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ import importlib.util
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,14 @@ MODELS = _bundled_models()
 
 class SidecarError(RuntimeError):
     pass
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a child's --metrics-port: a fixed one collides with
+    another run on the same machine, and the child then exits at start)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float, log_tail: Callable[[], str]) -> None:
