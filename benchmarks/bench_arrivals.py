@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def unpacked_plan(*args, **kwargs):  # (the eager first step where a packed graph would replay)
             plan = plan_first_step(*args, **kwargs)
-            return None if plan is not None and plan[0] else plan
+            return None if plan is not None and plan.packed else plan
         gen = torch.Generator().manual_seed(0)
         if not 1 <= a.prompt_chunks <= a.prompt:
             ap.error("--prompt-chunks must be in [1, --prompt]")

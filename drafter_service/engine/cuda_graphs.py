@@ -90,6 +90,7 @@ On the CPU (tests) the same static-buffer steps run eagerly, with no graphs.
 import gc
 import logging
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -140,6 +141,13 @@ def packed_row_buckets(max_rows: int) -> list[int]:
 # Decode-step chains captured per padded batch size (longest first; only those shorter than --max-draft-tokens):
 # n decode steps replay the longest chains that fit, then single steps (DecodeGraphs._replay_steps).
 DECODE_CHAIN_LENGTHS = (4, 2)
+
+
+class FirstStepPlan(NamedTuple):
+    """How a greedy step's first draft step replays (DecodeGraphs.first_step_plan)."""
+    packed: bool  # a packed graph (the step's rows as they come) or a padded one (M rows for every sequence)
+    batch_size: int  # the graph's padded batch size
+    size: int  # packed: the graph's rows; padded: M, the rows of each sequence
 
 
 def graph_batch_sizes(max_batch_seqs: int) -> list[int]:
@@ -408,7 +416,7 @@ class DecodeGraphs:
     # ---- one engine step ----
 
     def first_step_plan(self, seq_lens: np.ndarray, num_tokens: np.ndarray, num_drafts: np.ndarray,
-                        prefill_chunks: bool = False) -> tuple[bool, int, int] | None:
+                        prefill_chunks: bool = False) -> FirstStepPlan | None:
         """How a greedy step of these columns ([B] p + m, m and k after the max_model_len cut) replays its first
         step (draft_columns), or None where it runs eagerly. Every sequence must draft (1 <= k <= max_drafts), except
         that with prefill_chunks a packed graph also takes sequences of k = 0 (a prompt's chunk before its last: its
@@ -430,15 +438,15 @@ class DecodeGraphs:
             return packed
         bs = padded_batch_size(B, self.first_sizes)
         if (bs is not None and M <= self.first_step_tokens and bs * M <= max(2 * T, FIRST_STEP_SMALL_ROWS)
-                and int(seq_lens.min()) >= M and (packed is None or bs * M <= PADDED_OVER_PACKED_MAX * packed[2])):
-            return False, bs, M
+                and int(seq_lens.min()) >= M and (packed is None or bs * M <= PADDED_OVER_PACKED_MAX * packed.size)):
+            return FirstStepPlan(False, bs, M)
         return packed
 
-    def packed_plan(self, B: int, T: int) -> tuple[bool, int, int] | None:
+    def packed_plan(self, B: int, T: int) -> FirstStepPlan | None:
         """(True, bs, rows) of the packed graph that holds B sequences and T rows; None where none does."""
         bs = padded_batch_size(B, self.packed_sizes)
         rows = None if bs is None else padded_batch_size(max(T, bs), self.packed_rows)  # (rows >= bs: packed_shapes)
-        return None if rows is None else (True, bs, rows)
+        return None if rows is None else FirstStepPlan(True, bs, rows)
 
     def can_run(self, md: StepMetadata) -> bool:
         """Whether the decode steps of this (greedy) step can replay the decode graphs."""
@@ -464,7 +472,7 @@ class DecodeGraphs:
         self.draft_column.zero_()
         return self._decode_and_collect(out, md.active, [md.num_drafts[i] for i in md.active], n, bs)
 
-    def draft_columns(self, plan: tuple[bool, int, int], start_positions: np.ndarray, num_tokens: np.ndarray,
+    def draft_columns(self, plan: FirstStepPlan, start_positions: np.ndarray, num_tokens: np.ndarray,
                       token_ids: np.ndarray, next_tokens: np.ndarray, num_drafts: np.ndarray, block_tables: np.ndarray,
                       hidden_states: list[torch.Tensor], out):
         """Drafts 1..k of a greedy step, the first step replayed too, as first_step_plan planned it. Its columns ([B]
