@@ -50,6 +50,7 @@ import torch
 from drafter_kernels import ops
 
 from drafter_service.engine.batch_io import BatchInput, BatchOutput
+from drafter_service.engine.cuda_graphs import FirstStepPlan
 from drafter_service.engine.host_staging import rows_to_device
 from drafter_service.engine.kv_cache import KVCache
 from drafter_service.metrics import Metrics
@@ -626,11 +627,11 @@ class Proposer:
         try:
             tables = R.block_tables_np[rows, : int(blocks.max())]
             greedy = not nonzero(a.temperatures > 0)
-            graphs = self.decode_graphs
-            plan = graphs.first_step_plan(C, m, k, prefill_chunks=True) if greedy and graphs is not None else None
+            plan = self._columns_plan(b, C, k, greedy)
             if plan is not None:
                 # the first step's rows are built on the device, inside its graph (cuda_graphs.py): no step metadata
-                graphs.draft_columns(plan, p, m, a.token_ids, a.next_tokens, k, tables, b.states(), step_drafts)
+                self.decode_graphs.draft_columns(plan, p, m, a.token_ids, a.next_tokens, k, tables, b.states(),
+                                                 step_drafts)
             else:
                 md = build_step_metadata_columns(
                     p, m, a.token_ids, b.states(), a.next_tokens, k, tables, a.temperatures, a.seeds,
@@ -806,11 +807,18 @@ class Proposer:
         self._count_accepted_columns(rows, b, C, record=False)
         a = b.arrays
         tables = self.table.rows.block_tables_np[rows, : int(blocks.max())]
-        graphs = self.decode_graphs
-        if not np.count_nonzero(a.temperatures > 0) and graphs is not None and graphs.first_step_plan(
-                C, a.num_tokens, k, prefill_chunks=True) is not None:
-            graphs.rehearse_columns(a.start_positions, a.num_tokens, a.token_ids, a.next_tokens, k, tables)
+        if self._columns_plan(b, C, k, not np.count_nonzero(a.temperatures > 0)) is not None:
+            self.decode_graphs.rehearse_columns(a.start_positions, a.num_tokens, a.token_ids, a.next_tokens, k, tables)
         return True
+
+    def _columns_plan(self, b: BatchInput, C: np.ndarray, k: np.ndarray, greedy: bool) -> FirstStepPlan | None:
+        """The first-step graph a columns step replays (DecodeGraphs.first_step_plan, prompt chunks of k = 0
+        included), or None where its first step runs eagerly (no graphs, or a sampling step): what _step_columns
+        runs and rehearse_columns rehearses. C, k: [B] the committed lengths and drafts after admission."""
+        graphs = self.decode_graphs
+        if not greedy or graphs is None:
+            return None
+        return graphs.first_step_plan(C, b.arrays.num_tokens, k, prefill_chunks=True)
 
     def _count_accepted_columns(self, rows: np.ndarray, b: BatchInput, C: np.ndarray,
                                 record: bool = True) -> np.ndarray:
