@@ -263,12 +263,16 @@ class DecodeGraphs:
                                  query_start_loc=self.query_start_loc[: bs + 1], seq_lens=seq_lens,
                                  block_tables=block_tables, max_query_len=1)
         head_out = self.model.forward(input_ids, hidden, meta, self.kv_layers)  # [bs, H]
-        logits = self.model.compute_logits(head_out)  # [bs, V_draft]
-        draft = ops.argmax(logits, out=self.draft_ids[:bs])  # [bs]
-        # input_ids and drafts_out[:, column] = the draft (target vocabulary), hidden and hidden_steps[:, column] =
-        # the next hidden input: one kernel (kernels/store_draft_step.py)
-        ops.store_draft_step(draft, self.model.d2t, self.model.next_hidden(head_out), self.draft_column, input_ids,
-                             hidden, self.drafts_out[:bs], self.hidden_steps[:bs])
+        self._store_draft(head_out, bs)
+
+    def _store_draft(self, head_out: torch.Tensor, bs: int) -> None:
+        """The draft of each of rows [0, bs) from its head output [bs, H] (the greedy argmax of its logits):
+        input_ids and drafts_out[:, column] = the draft (target vocabulary), hidden and hidden_steps[:, column] = the
+        next hidden input, in one kernel (kernels/store_draft_step.py). Every static step ends so: the decode step,
+        and the first steps (padded and packed) with their sequences' last rows."""
+        draft = ops.argmax(self.model.compute_logits(head_out), out=self.draft_ids[:bs])  # [bs]
+        ops.store_draft_step(draft, self.model.d2t, self.model.next_hidden(head_out), self.draft_column,
+                             self.input_ids[:bs], self.hidden[:bs], self.drafts_out[:bs], self.hidden_steps[:bs])
 
     def _first_step(self, bs: int, m: int) -> None:
         """The first draft step of bs (padded) sequences with m rows each (real rows right-aligned), built from the
@@ -284,10 +288,7 @@ class DecodeGraphs:
                                  block_tables=self.block_tables[:bs], max_query_len=m)
         hidden_in = self.model.combine_hidden_states(self.fs_hidden[:T])
         head_out = self.model.forward(self.fs_input_ids[:T], hidden_in, meta, self.kv_layers)  # [T, H]
-        last = head_out[self.fs_last_rows[m][:bs]]  # [bs, H]
-        draft = ops.argmax(self.model.compute_logits(last), out=self.draft_ids[:bs])
-        ops.store_draft_step(draft, self.model.d2t, self.model.next_hidden(last), self.draft_column,
-                             self.input_ids[:bs], self.hidden[:bs], self.drafts_out[:bs], self.hidden_steps[:bs])
+        self._store_draft(head_out[self.fs_last_rows[m][:bs]], bs)  # (each sequence's last row)
 
     def _packed_first_step(self, bs: int, rows: int) -> None:
         """The first draft step of bs (padded) sequences whose rows are packed into `rows` (the step's own first,
@@ -303,10 +304,7 @@ class DecodeGraphs:
                                  max_query_len=rows)  # (any one sequence may hold every row)
         hidden_in = self.model.combine_hidden_states(self.fs_states[:rows])
         head_out = self.model.forward(self.fs_input_ids[:rows], hidden_in, meta, self.kv_layers)  # [rows, H]
-        last = head_out[last_rows]  # [bs, H]
-        draft = ops.argmax(self.model.compute_logits(last), out=self.draft_ids[:bs])
-        ops.store_draft_step(draft, self.model.d2t, self.model.next_hidden(last), self.draft_column,
-                             self.input_ids[:bs], self.hidden[:bs], self.drafts_out[:bs], self.hidden_steps[:bs])
+        self._store_draft(head_out[last_rows], bs)  # (each sequence's last row)
 
     def _replay_first(self, packed: bool, bs: int, size: int) -> None:
         """The first step of a plan (first_step_plan): its graph, or on the CPU (nothing captured) the same steps."""
