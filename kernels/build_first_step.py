@@ -43,6 +43,37 @@ from drafter_kernels._triton_shim import tl, triton
 from drafter_kernels.kv_write import PADDING_SLOT_ID
 
 
+def record_rows_ref(header: torch.Tensor, start_positions: torch.Tensor, query_start_loc: torch.Tensor,
+                    next_tokens: torch.Tensor, draft_steps: torch.Tensor, token_ids: torch.Tensor,
+                    block_tables: torch.Tensor, block_size: int, padding_seq_len: int, out_positions: torch.Tensor,
+                    out_seq_lens: torch.Tensor, out_block_tables: torch.Tensor, out_steps_left: torch.Tensor):
+    """What the references of both first-step builders (this one, padded; build_packed_first_step.py, packed) do
+    alike: from the record (the inputs as documented above), the decode rows of sequences i < bs (positions,
+    seq_lens, steps, block tables; a padding sequence i >= B gets steps 0 and seq_len padding_seq_len) and the step's
+    own rows t = 0..T-1: their sequence, position, input id (x[t+1]; the last row of a sequence its next token) and
+    KV slot. Returns (B, qsl [B + 1] int64, T, row_seq, t, positions, ids, slots), the last five [T] int64."""
+    B, w = (int(x) for x in header[:2].tolist())
+    dev = out_seq_lens.device
+    qsl = query_start_loc[: B + 1].to(torch.int64)
+    m, T = qsl.diff(), int(qsl[B])
+    seq_lens = start_positions[:B].to(torch.int64) + m  # [B]
+    tables = block_tables[: B * w].view(B, w)
+    out_positions[:B] = seq_lens - 1
+    out_seq_lens[:B] = seq_lens.to(torch.int32)
+    out_seq_lens[B:] = padding_seq_len
+    out_block_tables[:B, :w] = tables
+    out_steps_left[:B] = draft_steps[:B]
+    out_steps_left[B:] = 0
+    row_seq = torch.repeat_interleave(torch.arange(B, device=dev), m, output_size=T)  # [T]
+    t = torch.arange(T, device=dev)
+    positions = start_positions[:B].to(torch.int64)[row_seq] + t - qsl[row_seq]
+    ids = torch.empty(T, dtype=torch.int64, device=dev)
+    ids[:-1] = token_ids[1:T]
+    ids[qsl[1:][m > 0] - 1] = next_tokens[:B].to(torch.int64)[m > 0]  # each sequence's last row
+    blocks = tables[row_seq, positions // block_size].to(torch.int64)
+    return B, qsl, T, row_seq, t, positions, ids, blocks * block_size + positions % block_size
+
+
 def build_first_step_rows_ref(
     header: torch.Tensor,  # [2] int32: B, w
     start_positions: torch.Tensor,  # [>= B] int32
@@ -64,30 +95,12 @@ def build_first_step_rows_ref(
     out_fs_hidden: torch.Tensor,  # [bs * M, W] (real rows written)
     out_draft_column: torch.Tensor,  # [1] int64 (set to 0)
 ) -> None:
-    B, w = (int(x) for x in header[:2].tolist())
-    M, bs, dev = rows_per_seq, out_seq_lens.shape[0], out_seq_lens.device
-    qsl = query_start_loc[: B + 1].to(torch.int64)
-    m, T = qsl.diff(), int(qsl[B])
-    seq_lens = start_positions[:B].to(torch.int64) + m  # [B]
-    tables = block_tables[: B * w].view(B, w)
-    out_positions[:B] = seq_lens - 1
-    out_seq_lens[:B] = seq_lens.to(torch.int32)
-    out_seq_lens[B:] = M
-    out_block_tables[:B, :w] = tables
-    out_steps_left[:B] = draft_steps[:B]
-    out_steps_left[B:] = 0
-    r = torch.arange(bs * M, device=dev)
+    M, bs = rows_per_seq, out_seq_lens.shape[0]
+    B, qsl, T, row_seq, t, positions, ids, slots = record_rows_ref(
+        header, start_positions, query_start_loc, next_tokens, draft_steps, token_ids, block_tables, block_size, M,
+        out_positions, out_seq_lens, out_block_tables, out_steps_left)  # (a padding sequence: M rows at 0..M-1)
+    r = torch.arange(bs * M, device=out_seq_lens.device)
     out_fs_positions.copy_(out_seq_lens.to(torch.int64)[r // M] - M + r % M)
-    # the step's rows t = 0..T-1: their sequence, position, input id (x[t+1]; the last row of a sequence its next
-    # token), KV slot, and padded row
-    row_seq = torch.repeat_interleave(torch.arange(B, device=dev), m, output_size=T)  # [T]
-    t = torch.arange(T, device=dev)
-    positions = start_positions[:B].to(torch.int64)[row_seq] + t - qsl[row_seq]
-    ids = torch.empty(T, dtype=torch.int64, device=dev)
-    ids[:-1] = token_ids[1:T]
-    ids[qsl[1:] - 1] = next_tokens[:B].to(torch.int64)  # each sequence's last row
-    blocks = tables[row_seq, positions // block_size].to(torch.int64)
-    slots = blocks * block_size + positions % block_size
     dest = (row_seq + 1) * M - qsl[1:][row_seq] + t  # [T] padded row of row t
     out_fs_slots.fill_(PADDING_SLOT_ID)
     out_fs_input_ids.zero_()

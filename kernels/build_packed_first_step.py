@@ -38,6 +38,7 @@ and draft_column[0] = 0. These are the values the padded builder writes, packed 
 import torch
 
 from drafter_kernels._triton_shim import tl, triton
+from drafter_kernels.build_first_step import record_rows_ref
 from drafter_kernels.kv_write import PADDING_SLOT_ID
 
 
@@ -61,37 +62,21 @@ def build_packed_first_step_rows_ref(
     out_fs_slots: torch.Tensor,  # [R] int64 (written)
     out_draft_column: torch.Tensor,  # [1] int64 (set to 0)
 ) -> None:
-    B, w = (int(x) for x in header[:2].tolist())
-    bs, R, dev = out_seq_lens.shape[0], out_fs_positions.shape[0], out_seq_lens.device
-    qsl = query_start_loc[: B + 1].to(torch.int64)
-    m, T = qsl.diff(), int(qsl[B])
+    bs, R = out_seq_lens.shape[0], out_fs_positions.shape[0]
+    B, qsl, T, _, _, positions, ids, slots = record_rows_ref(
+        header, start_positions, query_start_loc, next_tokens, draft_steps, token_ids, block_tables, block_size, 1,
+        out_positions, out_seq_lens, out_block_tables, out_steps_left)  # (a padding sequence: an empty query)
     assert B <= bs and T <= R, (B, bs, T, R)
-    seq_lens = start_positions[:B].to(torch.int64) + m  # [B]
-    tables = block_tables[: B * w].view(B, w)
-    out_positions[:B] = seq_lens - 1
-    out_seq_lens[:B] = seq_lens.to(torch.int32)
-    out_seq_lens[B:] = 1
-    out_block_tables[:B, :w] = tables
-    out_steps_left[:B] = draft_steps[:B]
-    out_steps_left[B:] = 0
     out_query_start_loc[: B + 1] = qsl.to(torch.int32)
     out_query_start_loc[B + 1 :] = T
     out_last_rows.copy_((out_query_start_loc[1:].to(torch.int64) - 1).clamp(min=0))
-    # the step's rows t = 0..T-1: their sequence, position, input id (x[t+1]; the last row of a sequence its next
-    # token) and KV slot; rows T..R-1 are padding
-    row_seq = torch.repeat_interleave(torch.arange(B, device=dev), m, output_size=T)  # [T]
-    t = torch.arange(T, device=dev)
-    positions = start_positions[:B].to(torch.int64)[row_seq] + t - qsl[row_seq]
-    ids = torch.empty(T, dtype=torch.int64, device=dev)
-    ids[:-1] = token_ids[1:T]
-    ids[qsl[1:][m > 0] - 1] = next_tokens[:B].to(torch.int64)[m > 0]  # each sequence's last row
-    blocks = tables[row_seq, positions // block_size].to(torch.int64)
+    # rows T..R-1 are padding
     out_fs_positions.zero_()
     out_fs_input_ids.zero_()
     out_fs_slots.fill_(PADDING_SLOT_ID)
     out_fs_positions[:T] = positions
     out_fs_input_ids[:T] = ids
-    out_fs_slots[:T] = blocks * block_size + positions % block_size
+    out_fs_slots[:T] = slots
     out_draft_column.zero_()
 
 
