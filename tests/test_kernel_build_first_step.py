@@ -66,6 +66,26 @@ def run(fn, fields: dict, M: int, bs: int, width: int, block_size: int, device, 
     return out
 
 
+def host_packing(fields: dict, B: int, block_size: int):
+    """What step_metadata.py packs on the host for the eager path from the same record fields: (qsl [B + 1] int64
+    numpy, and the step's input ids, positions and slots, [T] int64 tensors each)."""
+    import numpy as np
+    from drafter_service.engine.step_metadata import _pack_vectorized
+
+    w = int(fields["header"][1])
+    cpu = {k: v.cpu() for k, v in fields.items()}
+    qsl = cpu["query_start_loc"][: B + 1].numpy().astype(np.int64)
+    m, T = np.diff(qsl), int(qsl[-1])
+    host, _, _ = _pack_vectorized(
+        cpu["start_positions"][:B].numpy().astype(np.int64), m, cpu["token_ids"][:T].numpy().astype(np.int64),
+        cpu["next_tokens"][:B].numpy().astype(np.int64), np.ones(B, dtype=np.int64),
+        cpu["block_tables"][: B * w].numpy().reshape(B, w), np.zeros(B, dtype=np.float32), np.zeros(B, dtype=np.int64),
+        np.zeros(B, dtype=np.int64), block_size)
+    per = -(-T // 2) * 2  # ids, positions, slots: each [T] int64, padded to 16 bytes
+    wide = host[: 2 * 3 * per].view(torch.int64)
+    return qsl, wide[:T], wide[per : per + T], wide[2 * per : 2 * per + T]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("function", list(FUNCTIONS))
 def test_worked_example(device, function):
@@ -115,25 +135,11 @@ def test_matches_reference(device, B, M, bs, width, block_size):
 def test_agrees_with_the_host_packing(device):
     """The slots, positions and shifted ids it builds are those step_metadata.py packs on the host for the eager
     path (the same step, the same block tables)."""
-    import numpy as np
-    from drafter_service.engine.step_metadata import _pack_vectorized
-
     B, M, bs, width, block_size = 6, 3, 8, 16, 16
     fields = random_step(5, B, M, width, block_size, device)
     out = run(build.build_first_step_rows_ref if device == "cpu" else build.build_first_step_rows_triton, fields, M,
               bs, width, block_size, device)
-    w = int(fields["header"][1])
-    cpu = {k: v.cpu() for k, v in fields.items()}
-    qsl = cpu["query_start_loc"][: B + 1].numpy().astype(np.int64)
-    m, T = np.diff(qsl), int(qsl[-1])
-    host, _, _ = _pack_vectorized(
-        cpu["start_positions"][:B].numpy().astype(np.int64), m, cpu["token_ids"][:T].numpy().astype(np.int64),
-        cpu["next_tokens"][:B].numpy().astype(np.int64), np.ones(B, dtype=np.int64),
-        cpu["block_tables"][: B * w].numpy().reshape(B, w), np.zeros(B, dtype=np.float32), np.zeros(B, dtype=np.int64),
-        np.zeros(B, dtype=np.int64), block_size)
-    wide = host[: 2 * 3 * (-(-T // 2) * 2)].view(torch.int64)  # ids, positions, slots: each [T] padded to 16 bytes
-    per = -(-T // 2) * 2
-    ids, positions, slots = wide[:T], wide[per : per + T], wide[2 * per : 2 * per + T]
+    qsl, ids, positions, slots = host_packing(fields, B, block_size)
     dest = torch.tensor([(i + 1) * M - int(qsl[i + 1]) + t for i in range(B) for t in range(qsl[i], qsl[i + 1])])
     assert out["out_fs_input_ids"].cpu()[dest].tolist() == ids.tolist()
     assert out["out_fs_positions"].cpu()[dest].tolist() == positions.tolist()

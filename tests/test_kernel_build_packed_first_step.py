@@ -11,17 +11,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from drafter_kernels.testing import DEVICES, POISON_INT, kernel_module, poisoned  # noqa: E402
+from test_kernel_build_first_step import host_packing, padded  # noqa: E402 (inputs: garbage past their entries)
 
 build = kernel_module("build_packed_first_step")
 FUNCTIONS = {"ref": build.build_packed_first_step_rows_ref, "triton": build.build_packed_first_step_rows_triton}
-GARBAGE = 1 << 20  # what the inputs hold past the step's entries (the record's room for larger steps): never read
-
-
-def padded(values, size: int) -> torch.Tensor:
-    out = torch.full((size,), GARBAGE, dtype=torch.int32)
-    values = torch.as_tensor(values, dtype=torch.int32).reshape(-1)
-    out[: values.shape[0]] = values
-    return out
 
 
 def random_step(seed: int, B: int, prompt: int, block_size: int, device):
@@ -128,25 +121,11 @@ def test_an_empty_record_makes_every_row_padding(device, function):
 def test_agrees_with_the_host_packing(device):
     """The slots, positions and shifted ids it builds are those step_metadata.py packs on the host for the eager
     path (the same step, the same block tables), in the same rows."""
-    import numpy as np
-    from drafter_service.engine.step_metadata import _pack_vectorized
-
     B, prompt, bs, R, block_size = 6, 25, 8, 64, 16
     fields, T = random_step(5, B, prompt, block_size, device)
     fn = build.build_packed_first_step_rows_ref if device == "cpu" else build.build_packed_first_step_rows_triton
     out = run(fn, fields, R, bs, block_size, device)
-    w = int(fields["header"][1])
-    cpu = {k: v.cpu() for k, v in fields.items()}
-    qsl = cpu["query_start_loc"][: B + 1].numpy().astype(np.int64)
-    m = np.diff(qsl)
-    host, _, _ = _pack_vectorized(
-        cpu["start_positions"][:B].numpy().astype(np.int64), m, cpu["token_ids"][:T].numpy().astype(np.int64),
-        cpu["next_tokens"][:B].numpy().astype(np.int64), np.ones(B, dtype=np.int64),
-        cpu["block_tables"][: B * w].numpy().reshape(B, w), np.zeros(B, dtype=np.float32), np.zeros(B, dtype=np.int64),
-        np.zeros(B, dtype=np.int64), block_size)
-    per = -(-T // 2) * 2  # ids, positions, slots: each [T] int64, padded to 16 bytes
-    wide = host[: 2 * 3 * per].view(torch.int64)
-    ids, positions, slots = wide[:T], wide[per : per + T], wide[2 * per : 2 * per + T]
+    _, ids, positions, slots = host_packing(fields, B, block_size)
     assert out["out_fs_input_ids"].cpu()[:T].tolist() == ids.tolist()
     assert out["out_fs_positions"].cpu()[:T].tolist() == positions.tolist()
     assert out["out_fs_slots"].cpu()[:T].tolist() == slots.tolist()
