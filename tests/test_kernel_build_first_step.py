@@ -23,18 +23,14 @@ def padded(values: list[int] | torch.Tensor, size: int) -> torch.Tensor:
     return out
 
 
-def random_step(seed: int, B: int, M: int, width: int, block_size: int, device):
-    """The raw columns of a step of B sequences with 1 <= m_i <= M rows each (M reached once), as the record holds
-    them: int32, with room past the step's own entries."""
-    gen = torch.Generator().manual_seed(seed)
-    m = torch.randint(1, M + 1, (B,), generator=gen)
-    m[torch.randint(0, B, (1,), generator=gen)] = M
-    T = int(m.sum())
+def record_fields(gen: torch.Generator, m: torch.Tensor, p: torch.Tensor, block_size: int) -> dict:
+    """The record's fields (int32, with room past the step's own entries) of a step whose B sequences bring m [B]
+    rows from positions p [B]: random next tokens, draft steps, committed tokens and block tables from gen."""
+    B, T = m.shape[0], int(m.sum())
     qsl = torch.zeros(B + 1, dtype=torch.int32)
     qsl[1:] = m.cumsum(0)
-    p = torch.randint(M, 300, (B,), generator=gen)
     w = -(-int((p + m).max() + 6) // block_size) + int(torch.randint(0, 3, (1,), generator=gen))
-    fields = dict(
+    return dict(
         header=torch.tensor([B, w], dtype=torch.int32),
         start_positions=padded(p, B + 3),
         query_start_loc=padded(qsl, B + 4),
@@ -42,8 +38,18 @@ def random_step(seed: int, B: int, M: int, width: int, block_size: int, device):
         draft_steps=padded(torch.randint(0, 8, (B,), generator=gen), B + 3),
         token_ids=padded(torch.randint(0, 32000, (T,), generator=gen), T + 5),
         block_tables=padded(torch.randint(0, 500, (B * w,), generator=gen), B * w + 7),
-        hidden_states=torch.randn(T + 2, width, generator=gen).to(torch.bfloat16),
     )
+
+
+def random_step(seed: int, B: int, M: int, width: int, block_size: int, device):
+    """The raw columns of a step of B sequences with 1 <= m_i <= M rows each (M reached once), as the record holds
+    them: int32, with room past the step's own entries."""
+    gen = torch.Generator().manual_seed(seed)
+    m = torch.randint(1, M + 1, (B,), generator=gen)
+    m[torch.randint(0, B, (1,), generator=gen)] = M
+    p = torch.randint(M, 300, (B,), generator=gen)
+    fields = record_fields(gen, m, p, block_size)
+    fields["hidden_states"] = torch.randn(int(m.sum()) + 2, width, generator=gen).to(torch.bfloat16)
     return {k: v.to(device) for k, v in fields.items()}
 
 

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from drafter_kernels.testing import DEVICES, POISON_INT, kernel_module, poisoned  # noqa: E402
-from test_kernel_build_first_step import host_packing, padded  # noqa: E402 (inputs: garbage past their entries)
+from test_kernel_build_first_step import host_packing, padded, record_fields  # noqa: E402
 
 build = kernel_module("build_packed_first_step")
 FUNCTIONS = {"ref": build.build_packed_first_step_rows_ref, "triton": build.build_packed_first_step_rows_triton}
@@ -25,20 +25,8 @@ def random_step(seed: int, B: int, prompt: int, block_size: int, device):
     p = torch.randint(0, 300, (B,), generator=gen)
     joins = int(torch.randint(0, B, (1,), generator=gen))
     m[joins], p[joins] = prompt, 0
-    T = int(m.sum())
-    qsl = torch.zeros(B + 1, dtype=torch.int32)
-    qsl[1:] = m.cumsum(0)
-    w = -(-int((p + m).max() + 6) // block_size) + int(torch.randint(0, 3, (1,), generator=gen))
-    fields = dict(
-        header=torch.tensor([B, w], dtype=torch.int32),
-        start_positions=padded(p, B + 3),
-        query_start_loc=padded(qsl, B + 4),
-        next_tokens=padded(torch.randint(0, 32000, (B,), generator=gen), B + 3),
-        draft_steps=padded(torch.randint(0, 8, (B,), generator=gen), B + 3),
-        token_ids=padded(torch.randint(0, 32000, (T,), generator=gen), T + 5),
-        block_tables=padded(torch.randint(0, 500, (B * w,), generator=gen), B * w + 7),
-    )
-    return {k: v.to(device) for k, v in fields.items()}, T
+    fields = record_fields(gen, m, p, block_size)
+    return {k: v.to(device) for k, v in fields.items()}, int(m.sum())
 
 
 def run(fn, fields: dict, R: int, bs: int, block_size: int, device, table_width: int = 40):
