@@ -1,15 +1,16 @@
-"""What the CUDA graphs cost at start-up, with and without the decode-step chains and the packed first-step graphs
-(a script, not a test).
+"""What the CUDA graphs cost at start-up, with and without the decode-step chains, the packed first-step graphs and the
+sampled decode graphs (a script, not a test).
 
 cuda_graphs.py captures, per padded batch size, one graph of one decode step, chains of DECODE_CHAIN_LENGTHS decode
-steps back to back (a step's k - 1 decode steps replay as one to three graphs instead of k - 1), and the first-step
-graphs, padded and packed. This script builds the drafter's runtime (bench_step's random head of --preset,
+steps back to back (a step's k - 1 decode steps replay as one to three graphs instead of k - 1), one sampled decode
+step per top-N width (0, 16, the cap), and the first-step graphs, padded and packed. This script builds the drafter's runtime (bench_step's random head of --preset,
 max_batch_seqs --max-batch-seqs, --first-step-graph-tokens 8, --first-step-graph-rows 2048, k <= 8) in a fresh process
 per arm, alternating over --rounds rounds:
 
   chains     the drafter as it is
   none       DECODE_CHAIN_LENGTHS = () (single decode steps only, as before the twenty-fourth session)
   unpacked   --first-step-graph-rows 0 (no packed first-step graphs, as before the twenty-eighth session)
+  unsampled  --no-sampled-step-graphs (sampling steps' decode steps run eagerly, as before the twenty-ninth session)
 
 and prints each arm's capture time (DecodeGraphs.capture_seconds, the median and range over rounds), the device
 memory the graphs hold (capture_bytes) and how many graphs of each kind; JSON to --out (device, date, command).
@@ -32,7 +33,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-ARMS = ("chains", "none", "unpacked")
+ARMS = ("chains", "none", "unpacked", "unsampled")
 
 
 def child(preset: str, arm: str, max_batch_seqs: int) -> dict:
@@ -49,11 +50,12 @@ def child(preset: str, arm: str, max_batch_seqs: int) -> dict:
         rt = b.random_head_runtime(pathlib.Path(tmp), shape, 2048, device="cuda", kv_cache_tokens=max_batch_seqs * 1100,
                                    max_batch_seqs=max_batch_seqs, first_step_graph_tokens=8, max_draft_tokens=8,
                                    first_step_graph_rows=0 if arm == "unpacked" else 2048,
+                                   sampled_step_graphs=arm != "unsampled",
                                    engine_applies_fc=preset.endswith("eagle3"))
         g = rt.proposer.decode_graphs
         return dict(arm=arm, decode_graphs=len(g.graphs), chains=len(g.chains), chain_lengths=list(g.chain_lengths),
                     first_step_graphs=len(g.first_graphs), packed_graphs=len(g.packed_graphs),
-                    capture_seconds=g.capture_seconds,
+                    sampled_graphs=len(g.sampled_graphs), capture_seconds=g.capture_seconds,
                     capture_mib=g.capture_bytes / 2**20, device=torch.cuda.get_device_name())
 
 
@@ -93,19 +95,19 @@ def main(argv=None) -> int:
               f"{x['capture_mib']:.1f} MiB", flush=True)
     print(f"\n{a.preset}, max_batch_seqs {a.max_batch_seqs}, {a.rounds} rounds after a warm-up process (a fresh "
           f"process per arm and round)")
-    print("arm       decode graphs  chains  first-step graphs  packed  capture s (median [range])  MiB")
+    print("arm       decode graphs  chains  first-step graphs  packed  sampled  capture s (median [range])  MiB")
     rows = []
     for arm in ARMS:
         xs = runs[arm]
         secs = [x["capture_seconds"] for x in xs]
         row = dict(arm=arm, decode_graphs=xs[0]["decode_graphs"], chains=xs[0]["chains"],
                    chain_lengths=xs[0]["chain_lengths"], first_step_graphs=xs[0]["first_step_graphs"],
-                   packed_graphs=xs[0]["packed_graphs"],
+                   packed_graphs=xs[0]["packed_graphs"], sampled_graphs=xs[0]["sampled_graphs"],
                    capture_seconds=secs, capture_seconds_median=statistics.median(secs),
                    capture_mib=[x["capture_mib"] for x in xs])
         rows.append(row)
         print(f"{arm:9s} {row['decode_graphs']:13d} {row['chains']:7d} {row['first_step_graphs']:18d} "
-              f"{row['packed_graphs']:7d}  "
+              f"{row['packed_graphs']:7d} {row['sampled_graphs']:8d}  "
               f"{row['capture_seconds_median']:.2f} [{min(secs):.2f}, {max(secs):.2f}]"
               f"{'':12s}{statistics.median(row['capture_mib']):.1f}")
     write_json(a.out, dict(device=runs["chains"][0]["device"], host=platform.node(),

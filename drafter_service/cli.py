@@ -73,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                          "with its prompt, m past --first-step-graph-tokens) from a packed graph when its committed "
                          "rows fit N (one graph per padded batch size and row bucket, captured at start-up); "
                          "0 = run those first steps eagerly; at most 8192")
+    ap.add_argument("--sampled-step-graphs", action=argparse.BooleanOptionalAction, default=d.sampled_step_graphs,
+                    help="with CUDA graphs: replay the decode steps of sampling steps (temperature > 0, log q, top-N) "
+                         "from graphs of their own, one per padded batch size and top-N width (0, 16, the top-N "
+                         "cap), captured at start-up (--no-sampled-step-graphs: run them eagerly)")
     ap.add_argument("--predraft-cycle-check", action=argparse.BooleanOptionalAction, default=d.predraft_cycle_check,
                     help="pre-drafting: run passes only while they shorten an engine's step cycle, measured in turns "
                          "of 24 requests with and without them (docs/predraft.md; experimental); off (the default): "
@@ -176,6 +180,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         shutdown_grace_s=a.shutdown_grace_s, log_level=a.log_level, shared_memory=not a.no_shared_memory,
         shm_dir=a.shm_dir, shm_lease_s=a.shm_lease_s, cuda_graphs=a.cuda_graphs,
         first_step_graph_tokens=a.first_step_graph_tokens, first_step_graph_rows=a.first_step_graph_rows,
+        sampled_step_graphs=a.sampled_step_graphs,
         predraft_cycle_check=a.predraft_cycle_check,
         engine_applies_fc=a.engine_applies_fc,
         predraft_min_all_hit=a.predraft_min_all_hit,

@@ -43,6 +43,9 @@ class ServerConfig:
     # (one graph per padded batch size, a power of two, and row bucket: 32, 64, 128, 256, then steps of 1.5x);
     # 0 = such first steps run eagerly
     first_step_graph_rows: int = 2048
+    # with cuda_graphs: the decode steps of a sampling step (a temperature above 0, log q, top-N) replay graphs of
+    # their own (per padded batch size and top-N width: 0, 16, the top-N cap); False = they run eagerly
+    sampled_step_graphs: bool = True
     # pre-drafting passes only while they shorten the engine's step cycle, measured in turns with and without them
     # (engine/predraft_cycle.py); False (the default, until a measurement shows it pays): passes whenever they fit
     # the idle window

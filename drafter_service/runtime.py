@@ -42,6 +42,12 @@ class Runtime:
     target_layer_ids: list[int] = field(default_factory=list)
 
 
+def max_top_k_probs(model) -> int:
+    """The most top-N pairs a draft may ask for (GetInfo.max_top_k_probs): MAX_TOP_K_PROBS, or the draft vocabulary
+    where it is smaller."""
+    return min(MAX_TOP_K_PROBS, model.draft_vocab_size)
+
+
 def pick_device(name: str | None) -> torch.device:
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -253,7 +259,8 @@ def build_runtime(cfg: ServerConfig) -> Runtime:
         proposer.decode_graphs = capture_decode_graphs(proposer, cfg.block_size, max_model_len, cfg.max_batch_seqs,
                                                        dtype, device, cfg.first_step_graph_tokens,
                                                        cfg.max_draft_tokens,
-                                                       min(cfg.first_step_graph_rows, max_batch_tokens))
+                                                       min(cfg.first_step_graph_rows, max_batch_tokens),
+                                                       max_top_k_probs(model) if cfg.sampled_step_graphs else None)
     max_draft_tokens = cfg.max_draft_tokens
     if model.drafting == "multi_layer":  # one draft per layer
         max_draft_tokens = min(max_draft_tokens, model.num_predict)
@@ -262,7 +269,7 @@ def build_runtime(cfg: ServerConfig) -> Runtime:
     limits = Limits(hidden_states_width=model.hidden_states_width, vocab_size=model.vocab_size,
                     max_draft_tokens=max_draft_tokens, max_request_tokens=max_batch_tokens,
                     max_request_seqs=cfg.max_batch_seqs,
-                    max_top_k_probs=min(MAX_TOP_K_PROBS, model.draft_vocab_size),
+                    max_top_k_probs=max_top_k_probs(model),
                     max_predraft_branches=MAX_PREDRAFT_BRANCHES if proposer.predraft.supported else 0,
                     width_note=("; this drafter runs with --engine-applies-fc: send the head's fc applied to the "
                                 "three layers' states, drafter_client.EngineFc" if cfg.engine_applies_fc else ""))

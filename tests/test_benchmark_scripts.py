@@ -542,6 +542,33 @@ def test_bench_first_step_padding_times_every_way_on_a_gpu(tmp_path):
         assert r["rule_path"] == ("graph" if padded_fits else "packed"), r
 
 
+def test_bench_sampled_steps_settings_and_its_gpu_requirement():
+    """benchmarks/bench_sampled_steps.py: the settings its docstring names (greedy first: the others' floor);
+    without a GPU it says it needs one (it times CUDA graphs)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bss", REPO / "benchmarks" / "bench_sampled_steps.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.settings_of([8]) == [("greedy", 0.0, False, 0), ("T", 0.7, False, 0), ("T + log q", 0.7, True, 0),
+                                    ("T + log q + top 8", 0.7, True, 8)]
+    import torch
+
+    if not torch.cuda.is_available():
+        refused_without_a_gpu("benchmarks/bench_sampled_steps.py")
+
+
+@pytest.mark.gpu
+def test_bench_sampled_steps_times_both_ways_on_a_gpu(tmp_path):
+    result = run(["benchmarks/bench_sampled_steps.py", "--preset", "tiny", "--batches", "1,33", "--rounds", "1",
+                  "--iters", "2", "--context", "128", "--tops", "4,40"], tmp_path / "ss.json")
+    assert result["complete"] is True
+    assert [(r["batch"], r["setting"]) for r in result["rows"]] == [
+        (b, s) for b in (1, 33) for s in ("greedy", "T", "T + log q", "T + log q + top 4", "T + log q + top 40")]
+    for r in result["rows"]:  # (the script itself asserts which way each step ran)
+        assert all(len(r["ms"][w]) == 1 and r["ms"][w][0] > 0 for w in ("graphs", "eager")), r
+
+
 def test_bench_host_speed_times_both_loops_in_each_process(tmp_path):
     """benchmarks/bench_host_speed.py: per fresh process, each loop's rounds, median and fastest; the spread over the
     processes is the slowest median over the fastest."""
@@ -562,7 +589,7 @@ def test_bench_graph_capture_needs_a_gpu():
 
 
 @pytest.mark.gpu
-def test_bench_graph_capture_with_and_without_chains_and_packed_graphs_on_a_gpu(tmp_path):
+def test_bench_graph_capture_with_and_without_chains_packed_and_sampled_graphs_on_a_gpu(tmp_path):
     result = run(["benchmarks/bench_graph_capture.py", "--preset", "tiny", "--max-batch-seqs", "16", "--rounds", "1"],
                  tmp_path / "gc.json")
     rows = {r["arm"]: r for r in result["rows"]}
@@ -574,6 +601,9 @@ def test_bench_graph_capture_with_and_without_chains_and_packed_graphs_on_a_gpu(
     # packed: sizes 1..16 with each of the 10 row buckets 32..2048 (all hold 16 sequences); none when unpacked
     assert rows["chains"]["packed_graphs"] == rows["none"]["packed_graphs"] == sizes * 10
     assert rows["unpacked"]["packed_graphs"] == 0
+    # sampled: per size one per top-N width (0, 16, the cap: min(256, the tiny head's vocabulary)); none unsampled
+    assert rows["chains"]["sampled_graphs"] == rows["unpacked"]["sampled_graphs"] == sizes * 3
+    assert rows["unsampled"]["sampled_graphs"] == 0 and rows["unsampled"]["packed_graphs"] == sizes * 10
 
 
 def stopped_bench_step_run() -> dict:

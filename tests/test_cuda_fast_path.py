@@ -4,7 +4,8 @@ device->host copy) against the CPU path and the naive reference. GPU only: every
 Greedy drafts in fp32 must be identical (CPU server, CUDA server with graphs, CUDA server without graphs, naive
 fp64 reference), over many engine steps with batch sizes that need padding (3, 5, 33 sequences: padded to 4, 8,
 48), k mixed per sequence (1..8), sequences running into max_model_len (k cut, masked rows clamped), EAGLE-1 and
-EAGLE-3 (draft vocabulary + d2t) heads. Steps with sampling/logprobs/top-k take the eager loop: checked too.
+EAGLE-3 (draft vocabulary + d2t) heads. Steps with sampling/logprobs/top-k replay sampled decode graphs (their first
+step runs eagerly): the same drafts as the eager loop, checked too.
 bf16 on CUDA must agree with the fp32 CPU drafts on >= 90% of draft positions (on the CPU, bf16 vs fp32 agrees on
 about 95% of positions for this test model; one early mismatch changes the rest of that sequence's drafts).
 """
@@ -23,6 +24,7 @@ from drafter_service.runtime import build_runtime
 from lockstep import ClientDrafter, ProposerDrafter, run_lockstep
 from naive_eagle import NaiveEagle1
 from naive_eagle3 import NaiveEagle3
+from sampled_steps import check_sampled_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -182,6 +184,50 @@ def test_graphs_in_process_same_drafts_and_kv_as_eager(tiny_model, tmp_path):
     assert on.proposer.decode_graphs.steps_run >= 20
     assert {n for _, n in chains_replayed} == {4, 2}, chains_replayed
     torch.testing.assert_close(on.kv.kv, off.kv.kv, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_seqs", [5, 33])
+def test_sampled_decode_graphs_match_the_eager_loop(tiny_model, tmp_path, num_seqs):
+    """Sampling steps (temperature > 0 beside greedy rows, log q, top-N) replay the sampled decode graphs: the same
+    drafts, top-N ids and KV as the eager loop on the same device, log q and probabilities to rounding."""
+    on = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32"))
+    off = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32", sampled_step_graphs=False))
+    graphs = on.proposer.decode_graphs
+    assert off.proposer.decode_graphs.widths == [] and not off.proposer.decode_graphs.sampled_graphs
+    assert sorted(graphs.sampled_graphs) == [(bs, w) for bs in graphs.sizes for w in graphs.widths]
+    check_sampled_steps(off, on, num_seqs=num_seqs, seed=num_seqs)
+
+
+def test_a_sampled_graph_step_synchronizes_once(tiny_model, tmp_path):
+    """With torch's sync debug mode on, a sampling step (temperature > 0, log q, top-N) whose decode steps replay
+    the sampled graphs makes one synchronizing call, as a greedy one; with them off the eager loop makes more."""
+    from drafter_client import SequenceStep
+
+    def count_syncs(rt) -> int:
+        drafter = ProposerDrafter(rt.proposer)
+        g = torch.Generator().manual_seed(0)
+        steps = [SequenceStep(f"q{i}", 0, torch.randint(0, 512, (20,), generator=g),
+                              torch.randn(20, 64, generator=g), 3, 0) for i in range(5)]
+        asyncio.run(drafter.propose(steps))
+        decode = [SequenceStep(s.sequence_id, 17, s.token_ids[17:], s.hidden_states[17:], 4, 5, temperature=0.8,
+                               seed=i, return_logprobs=True, top_k_probs=4) for i, s in enumerate(steps)]
+        asyncio.run(drafter.propose(decode))  # (warm-up of every kernel)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                replies = asyncio.run(drafter.propose(decode))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert [len(r.drafts) for r in replies] == [5] * 5
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    graphs = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32"))
+    assert count_syncs(graphs) <= 1 and graphs.proposer.decode_graphs.sampled_steps_run == 2
+    eager = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32",
+                                      sampled_step_graphs=False))
+    assert count_syncs(eager) > 4
 
 
 def test_graph_step_synchronizes_once(tiny_model, tmp_path):

@@ -18,6 +18,7 @@ from drafter_service.engine.cuda_graphs import DecodeGraphs
 from drafter_service.runtime import build_runtime
 from lockstep import ProposerDrafter, run_lockstep
 from naive_eagle import NaiveEagle1
+from sampled_steps import check_sampled_steps
 from naive_eagle3 import NaiveEagle3
 
 
@@ -137,15 +138,15 @@ def test_decode_steps_replay_the_longest_chains_first(tiny_model, tmp_path):
 
 def test_capture_takes_every_graph_into_one_pool(tiny_model, tmp_path, monkeypatch):
     """DecodeGraphs.capture's bookkeeping, with torch.cuda's graph calls faked on the CPU: per padded batch size one
-    decode-step graph and a chain of each length (that many decode steps inside one capture), per (size, M) a
-    first-step graph, per (size, rows) a packed one; the first capture makes the pool and every later one captures
-    into it."""
+    decode-step graph, a chain of each length (that many decode steps inside one capture) and a sampled decode step
+    per top-N width, per (size, M) a first-step graph, per (size, rows) a packed one; the first capture makes the
+    pool and every later one captures into it."""
     import contextlib
 
     rt = cpu_runtime(*tiny_model, tmp_path, False)
     p = rt.proposer
     graphs = DecodeGraphs(p.model, p.kv_layers, rt.config.block_size, rt.max_model_len, 4, rt.dtype, rt.device,
-                          first_step_tokens=2, max_drafts=8, first_step_rows=64)
+                          first_step_tokens=2, max_drafts=8, first_step_rows=64, max_top_k=8)
     captures = []  # (pool given, what ran inside the capture)
     running: list | None = None
 
@@ -180,12 +181,31 @@ def test_capture_takes_every_graph_into_one_pool(tiny_model, tmp_path, monkeypat
     assert sorted(graphs.graphs) == [1, 2, 4] and sorted(graphs.chains) == [(bs, n) for bs in (1, 2, 4) for n in (2, 4)]
     assert sorted(graphs.first_graphs) == [(bs, m) for bs in (1, 2, 4) for m in (1, 2)]
     assert sorted(graphs.packed_graphs) == [(bs, rows) for bs in (1, 2, 4) for rows in (32, 64)]
+    assert graphs.widths == [0, 8] and sorted(graphs.sampled_graphs) == [(bs, w) for bs in (1, 2, 4) for w in (0, 8)]
     assert [pool for pool, _ in captures] == [None] + ["the pool"] * (len(captures) - 1)
     expected = []
     for bs in (4, 2, 1):  # largest first
-        expected += [[("step", bs)], [("step", bs)] * 4, [("step", bs)] * 2]
+        expected += [[("step", bs)], [("step", bs)] * 4, [("step", bs)] * 2, [("step", bs, 0)], [("step", bs, 8)]]
     for bs in (4, 2, 1):
         expected += [[("first", bs, m)] for m in (2, 1)]
     for bs in (4, 2, 1):
         expected += [[("packed", bs, rows)] for rows in (64, 32)]
     assert [ran for _, ran in captures] == expected
+
+
+@pytest.mark.parametrize("head", ["eagle1", "eagle3"])
+def test_sampled_decode_steps_match_the_eager_loop(tiny_model, tiny_eagle3, tmp_path, head):
+    """Sampling steps (temperatures above 0 beside greedy rows, log q, top-N of mixed N, mixed k) run their decode
+    steps on the sampled static steps (top-N width 0, 16 or the cap, the narrowest that holds the step's largest N):
+    the same drafts, log q and top-N as the eager loop, and the same KV."""
+    from drafter_service.runtime import max_top_k_probs
+
+    model = tiny_model if head == "eagle1" else tiny_eagle3
+    eager = cpu_runtime(*model, tmp_path / "eager", False)
+    static = cpu_runtime(*model, tmp_path / "static", False)
+    p = static.proposer
+    p.decode_graphs = DecodeGraphs(p.model, p.kv_layers, static.config.block_size, static.max_model_len,
+                                   static.config.max_batch_seqs, static.dtype, static.device,
+                                   max_top_k=max_top_k_probs(p.model))
+    assert not p.decode_graphs.sampled_graphs  # (never captured: the static steps run eagerly)
+    check_sampled_steps(eager, static)

@@ -100,6 +100,7 @@ from drafter_kernels import ops
 from drafter_service.models.attention_metadata import AttentionMetadata
 from drafter_service.engine.first_step_record import FirstStepRecord
 from drafter_service.engine.host_staging import rows_into
+from drafter_service.engine.sampling import DraftSample, SamplingSettings, sample_from_q
 from drafter_service.engine.step_metadata import StepMetadata
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,18 @@ def packed_row_buckets(max_rows: int) -> list[int]:
     return buckets + [max_rows] if max_rows > 0 else []
 
 
+# Top-N widths of the sampled decode-step graphs (besides 0, no top-N): a step asking for top-N replays the narrowest
+# that holds its largest N (its own top-N are the first N of the graph's); the largest is --max-top-k-probs' cap
+# (GetInfo.max_top_k_probs), added where it is not one of these.
+SAMPLED_TOP_WIDTHS = (16,)
+
+
+def sampled_widths(max_top_k: int) -> list[int]:
+    """Top-N widths of the sampled decode graphs: 0 (Gumbel draws and log q only), SAMPLED_TOP_WIDTHS below
+    max_top_k, then max_top_k itself (0: no top-N graph)."""
+    return [0, *(w for w in SAMPLED_TOP_WIDTHS if w < max_top_k), *([max_top_k] if max_top_k > 0 else [])]
+
+
 # Decode-step chains captured per padded batch size (longest first; only those shorter than --max-draft-tokens):
 # n decode steps replay the longest chains that fit, then single steps (DecodeGraphs._replay_steps).
 DECODE_CHAIN_LENGTHS = (4, 2)
@@ -174,7 +187,8 @@ class DecodeGraphs:
 
     def __init__(self, model, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  max_model_len: int, max_batch_seqs: int, dtype: torch.dtype, device: torch.device,
-                 first_step_tokens: int = 0, max_drafts: int = 16, first_step_rows: int = 0):
+                 first_step_tokens: int = 0, max_drafts: int = 16, first_step_rows: int = 0,
+                 max_top_k: int | None = None):
         self.model = model
         self.kv_layers = kv_layers
         self.block_size = block_size
@@ -204,6 +218,17 @@ class DecodeGraphs:
             # where drafts_out lands on the host: pinned, so that the copy is asynchronous until the one sync
             self.drafts_host = (torch.zeros(max_bs, max_drafts + 1, dtype=torch.int64, pin_memory=True)
                                 if device.type == "cuda" else None)
+        # sampled decode steps (temperature > 0, log q, top-N): per-row settings in, log q and top-N out, by column as
+        # drafts_out; widths: the top-N each graph takes (None: no sampled graphs)
+        self.widths = sampled_widths(max_top_k) if max_top_k is not None else []
+        top = max(self.widths, default=0)
+        with torch.inference_mode():
+            self.temperature = torch.zeros(max_bs, dtype=torch.float32, **z)
+            self.seed = torch.zeros(max_bs, dtype=torch.int64, **z)
+            self.top_k = torch.zeros(max_bs, dtype=torch.int64, **z)
+            self.logprobs_out = torch.zeros(max_bs, max_drafts + 1, **z)  # log q(draft), float32
+            self.top_ids_out = torch.full((max_bs, max_drafts + 1, top), -1, dtype=torch.int64, **z)  # target ids
+            self.top_probs_out = torch.zeros(max_bs, max_drafts + 1, top, **z)
         # first step: padded batch sizes up to MAX_FIRST_STEP_GRAPH_BATCH, M = 1..first_step_tokens rows per sequence
         self.first_sizes = [s for s in self.sizes if s <= MAX_FIRST_STEP_GRAPH_BATCH] if first_step_tokens > 0 else []
         self.first_step_tokens = first_step_tokens if self.first_sizes else 0
@@ -238,6 +263,7 @@ class DecodeGraphs:
         self.chains: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.first_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (padded batch size, M) -> graph
         self.packed_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (padded batch size, rows) -> graph
+        self.sampled_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (padded batch size, width) -> graph
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.steps_run = 0  # engine steps whose decode steps ran here
@@ -245,11 +271,13 @@ class DecodeGraphs:
         self.packed_first_steps_run = 0  # of which packed (a sequence joining, or any m past first_step_tokens)
         self.first_step_rehearsals = 0  # rehearse_columns calls: the record's host copy written, nothing sent
         self.rows_runs = 0  # run_rows calls (pre-drafting branch passes)
+        self.sampled_steps_run = 0  # engine steps whose decode steps ran here sampled (of steps_run)
 
     # ---- the step that is captured ----
 
-    def _step(self, bs: int) -> None:
-        """One decode step for static rows [0, bs): reads and writes the static buffers only."""
+    def _step(self, bs: int, width: int | None = None) -> None:
+        """One decode step for static rows [0, bs): reads and writes the static buffers only. width None: greedy;
+        else sampled with top-N over that many columns (_sample)."""
         positions, seq_lens, slots = self.positions[:bs], self.seq_lens[:bs], self.slot_mapping[:bs]
         input_ids, hidden, steps_left = self.input_ids[:bs], self.hidden[:bs], self.steps_left[:bs]
         block_tables = self.block_tables[:bs]
@@ -263,16 +291,32 @@ class DecodeGraphs:
                                  query_start_loc=self.query_start_loc[: bs + 1], seq_lens=seq_lens,
                                  block_tables=block_tables, max_query_len=1)
         head_out = self.model.forward(input_ids, hidden, meta, self.kv_layers)  # [bs, H]
-        self._store_draft(head_out, bs)
+        self._store_draft(head_out, bs, width)
 
-    def _store_draft(self, head_out: torch.Tensor, bs: int) -> None:
-        """The draft of each of rows [0, bs) from its head output [bs, H] (the greedy argmax of its logits):
-        input_ids and drafts_out[:, column] = the draft (target vocabulary), hidden and hidden_steps[:, column] = the
-        next hidden input, in one kernel (kernels/store_draft_step.py). Every static step ends so: the decode step,
-        and the first steps (padded and packed) with their sequences' last rows."""
-        draft = ops.argmax(self.model.compute_logits(head_out), out=self.draft_ids[:bs])  # [bs]
+    def _store_draft(self, head_out: torch.Tensor, bs: int, width: int | None = None) -> None:
+        """The draft of each of rows [0, bs) from its head output [bs, H] (the greedy argmax of its logits, or with
+        a width sampled: _sample): input_ids and drafts_out[:, column] = the draft (target vocabulary), hidden and
+        hidden_steps[:, column] = the next hidden input, in one kernel (kernels/store_draft_step.py). Every static
+        step ends so: the decode step, and the first steps (padded and packed) with their sequences' last rows."""
+        logits = self.model.compute_logits(head_out)
+        draft = ops.argmax(logits, out=self.draft_ids[:bs]) if width is None else self._sample(logits, bs, width)
         ops.store_draft_step(draft, self.model.d2t, self.model.next_hidden(head_out), self.draft_column,
                              self.input_ids[:bs], self.hidden[:bs], self.drafts_out[:bs], self.hidden_steps[:bs])
+
+    def _sample(self, logits: torch.Tensor, bs: int, width: int) -> torch.Tensor:
+        """Drafts of rows [0, bs) drawn from q as sampling.sample_from_q draws them (temperature, seed, top_k by row;
+        the Gumbel position is the row's position + 1, as the eager loop's), with log q(draft) into logprobs_out and
+        the top-N of q over `width` columns (target ids) into top_ids_out / top_probs_out, at the step's column.
+        Returns the drafts [bs] (draft vocabulary)."""
+        s = sample_from_q(logits, self.temperature[:bs], self.seed[:bs], self.positions[:bs] + 1, self.top_k[:bs],
+                          width, want_logprobs=True)
+        column = self.draft_column  # [1] int64 (device)
+        self.logprobs_out[:bs].index_copy_(1, column, s.logprobs[:, None])
+        if width > 0:
+            ids = torch.where(s.top_ids >= 0, self.model.draft_to_target(s.top_ids.clamp(min=0)), -1)
+            self.top_ids_out[:bs, :, :width].index_copy_(1, column, ids[:, None])
+            self.top_probs_out[:bs, :, :width].index_copy_(1, column, s.top_probs[:, None])
+        return s.tokens
 
     def _first_step(self, bs: int, m: int) -> None:
         """The first draft step of bs (padded) sequences with m rows each (real rows right-aligned), built from the
@@ -315,23 +359,23 @@ class DecodeGraphs:
         else:
             graph.replay()
 
-    def _replay(self, bs: int) -> None:
-        graph = self.graphs.get(bs)
+    def _replay(self, bs: int, width: int | None = None) -> None:
+        graph = self.graphs.get(bs) if width is None else self.sampled_graphs.get((bs, width))
         if graph is None:
-            self._step(bs)
+            self._step(bs, width)
         else:
             graph.replay()
 
-    def _replay_steps(self, bs: int, n: int) -> None:
+    def _replay_steps(self, bs: int, n: int, width: int | None = None) -> None:
         """n decode steps of rows [0, bs): the longest captured chains that fit, then single steps (4 + 2 + 1 for
-        seven; on the CPU, with nothing captured, n single steps)."""
-        for length in self.chain_lengths:
+        seven; on the CPU, with nothing captured, n single steps). Sampled steps (a width) replay single steps."""
+        for length in self.chain_lengths if width is None else ():
             chain = self.chains.get((bs, length))
             while chain is not None and n >= length:
                 chain.replay()
                 n -= length
         for _ in range(n):
-            self._replay(bs)
+            self._replay(bs, width)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -374,6 +418,10 @@ class DecodeGraphs:
                 self.graphs[bs] = captured(self._step, bs)
                 for length in self.chain_lengths:
                     self.chains[(bs, length)] = captured(steps, bs, length)
+                for width in self.widths:  # (temperature 0 in every row while capturing: argmax draws)
+                    self._step(bs, width)  # warm-up
+                    torch.cuda.synchronize(dev)
+                    self.sampled_graphs[(bs, width)] = captured(self._step, bs, width)
             # first-step graphs: every row a padding row (slot PADDING_SLOT_ID: no KV write), seq_len m
             for bs in reversed(self.first_sizes):
                 for m in range(self.first_step_tokens, 0, -1):
@@ -395,12 +443,15 @@ class DecodeGraphs:
             self.input_ids, self.hidden, self.positions, self.seq_lens, self.slot_mapping, self.block_tables,
             self.steps_left, self.query_start_loc, self.draft_ids, self.fs_input_ids, self.fs_hidden,
             self.fs_positions, self.fs_slots, self.fs_states, self.record.on_device, self.drafts_out,
-            self.hidden_steps, self.fs_packed_query_start_loc, self.fs_packed_last_rows))
-        log.info("captured %d decode CUDA graphs (batch sizes %s; and %d chains of %s decode steps), %d padded "
+            self.hidden_steps, self.fs_packed_query_start_loc, self.fs_packed_last_rows, self.temperature,
+            self.seed, self.top_k, self.logprobs_out, self.top_ids_out, self.top_probs_out))
+        log.info("captured %d decode CUDA graphs (batch sizes %s; and %d chains of %s decode steps; %d sampled "
+                 "decode steps, top-N widths %s), %d padded "
                  "first-step graphs (batches of up to %d sequences with up to 1..%d tokens each) and %d packed ones "
                  "(batches of up to %d sequences, %s rows) in %.2f s; they hold %.1f MiB of device memory (graph "
                  "pool, kernels, workspaces), plus %.1f MiB of static buffers", len(self.graphs),
                  ",".join(map(str, self.sizes)), len(self.chains), "/".join(map(str, self.chain_lengths)),
+                 len(self.sampled_graphs), ",".join(map(str, self.widths)) or "none",
                  len(self.first_graphs), self.first_sizes[-1] if self.first_sizes else 0, self.first_step_tokens,
                  len(self.packed_graphs), self.packed_sizes[-1] if self.packed_sizes else 0,
                  ",".join(map(str, self.packed_rows)) or "no", self.capture_seconds, self.capture_bytes / 2**20,
@@ -452,23 +503,50 @@ class DecodeGraphs:
         return (padded_batch_size(n, self.sizes) is not None
                 and max(md.num_drafts[i] for i in md.active) <= self.max_drafts)
 
-    def draft(self, md: StepMetadata, out, first_tokens: torch.Tensor, hidden: torch.Tensor):
+    def sampled_width(self, sp: SamplingSettings) -> int | None:
+        """The top-N width of the sampled decode graph that a sampling step with these settings replays (the
+        narrowest that holds its largest N), or None where none does (no sampled graphs, or N unknown)."""
+        if sp.width is None:
+            return None
+        return next((w for w in self.widths if w >= sp.width), None)
+
+    def draft(self, md: StepMetadata, out, first: DraftSample, hidden: torch.Tensor,
+              sp: SamplingSettings | None = None, width: int | None = None):
         """Drafts 2..k of every drafting sequence; all drafts 1..k go to ``out`` (the proposer's _Drafts), as host
         lists per batch index.
 
-        first_tokens [n] int64: draft 1 (target vocabulary) and hidden [n, H]: the head's next hidden input, for
-        the n = len(md.active) drafting sequences in md.active order.
+        first: draft 1 of the n = len(md.active) drafting sequences in md.active order (tokens [n] int64, target
+        vocabulary; for a sampling step also its log q and top-N where asked) and hidden [n, H]: the head's next
+        hidden input. sp and width (sampled_width): the decode steps sample with these settings (sp's tensors by
+        batch index), log q and top-N collected with the drafts; width None: greedy.
         """
         n = len(md.active)
         bs = padded_batch_size(n, self.sizes)
         assert bs is not None and tuple(hidden.shape) == (n, self.hidden.shape[1]), (n, tuple(hidden.shape))
         self._load_decode_rows(md, n, bs)
-        self.input_ids[:n].copy_(first_tokens)
+        self.input_ids[:n].copy_(first.tokens)
         self.hidden[:n].copy_(hidden)
         self.hidden_steps[:n, 0].copy_(hidden)
-        self.drafts_out[:n, 0].copy_(first_tokens)
+        self.drafts_out[:n, 0].copy_(first.tokens)
         self.draft_column.zero_()
-        return self._decode_and_collect(out, md.active, [md.num_drafts[i] for i in md.active], n, bs)
+        if width is not None:
+            self._load_sampling(md.active, sp, first, n)
+        return self._decode_and_collect(out, md.active, [md.num_drafts[i] for i in md.active], n, bs, width,
+                                        sp is not None and sp.want_logprobs)
+
+    def _load_sampling(self, active: list[int], sp: SamplingSettings, first: DraftSample, n: int) -> None:
+        """Rows [0, n) (batch indices `active`) of a sampling step: their settings, and draft 1's log q and top-N
+        in column 0."""
+        rows = slice(0, n) if active == list(range(n)) else torch.tensor(active).to(self.device, non_blocking=True)
+        self.temperature[:n].copy_(sp.temperature[rows])
+        self.seed[:n].copy_(sp.seed[rows])
+        self.top_k[:n].copy_(sp.top_k[rows])
+        if first.logprobs is not None:
+            self.logprobs_out[:n, 0].copy_(first.logprobs)
+        if first.top_ids is not None:  # ([n, max N] of draft 1; the graphs' width may be more)
+            w = first.top_ids.shape[1]
+            self.top_ids_out[:n, 0, :w].copy_(first.top_ids)
+            self.top_probs_out[:n, 0, :w].copy_(first.top_probs)
 
     def draft_columns(self, plan: FirstStepPlan, start_positions: np.ndarray, num_tokens: np.ndarray,
                       token_ids: np.ndarray, next_tokens: np.ndarray, num_drafts: np.ndarray, block_tables: np.ndarray,
@@ -564,28 +642,42 @@ class DecodeGraphs:
         if n < bs:
             self.steps_left[n:bs].zero_()
 
-    def _decode_and_collect(self, out, active: list[int], ks: list[int], n: int, bs: int):
+    def _decode_and_collect(self, out, active: list[int], ks: list[int], n: int, bs: int,
+                            width: int | None = None, want_logprobs: bool = False):
         """input_ids/hidden rows [0, n) hold draft 1 and its hidden input (row r: batch index active[r], which
-        asked for ks[r] drafts): replay the decode steps, copy all drafts to the host once, give each sequence its
-        first k of them."""
+        asked for ks[r] drafts): replay the decode steps (sampled with a width), copy all drafts to the host once
+        (and a sampling step's log q where asked and top-N where width > 0, in the same wait), give each sequence
+        its first k of them."""
         num_steps = max(ks) - 1
-        self._replay_steps(bs, num_steps)  # each step writes its draft into the next column of drafts_out
+        K = num_steps + 1
+        self._replay_steps(bs, num_steps, width)  # each step writes its draft into the next column of drafts_out
+        outputs = [self.drafts_out[:n, :K]]  # device views, then host tensors of their own
+        if width is not None:
+            outputs.append(self.logprobs_out[:n, :K] if want_logprobs else None)
+            outputs += [self.top_ids_out[:n, :K, :width], self.top_probs_out[:n, :K, :width]] if width else [None] * 2
         if self.drafts_host is None:  # CPU
-            rows = self.drafts_out[:n, : num_steps + 1].clone()
+            host = [None if t is None else t.clone() for t in outputs]
         else:
+            pinned = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in outputs[1:]]
             self.drafts_host[:n].copy_(self.drafts_out[:n], non_blocking=True)
+            for dst, src in zip(pinned, outputs[1:]):
+                if dst is not None:
+                    dst.copy_(src, non_blocking=True)
             out.run_meanwhile()  # (the caller's host work that needs no draft, while the GPU runs the graphs)
             torch.cuda.current_stream(self.device).synchronize()  # the step's one device->host synchronization
             self.record.synchronized()  # (its copy, if this step wrote it, is done)
-            rows = self.drafts_host[:n, : num_steps + 1].clone()  # (the buffer is the next step's)
+            host = [self.drafts_host[:n, :K].clone(), *pinned]  # (drafts_host is the next step's)
         self.steps_run += 1
-        out.set_host_rows(rows, active, ks)
+        if width is not None:
+            self.sampled_steps_run += 1
+        out.set_host_rows(host[0], active, ks, *host[1:])
         return out
 
 
 def capture_decode_graphs(proposer, block_size: int, max_model_len: int, max_batch_seqs: int,
                           dtype: torch.dtype, device: torch.device, first_step_tokens: int = 0,
-                          max_drafts: int = 16, first_step_rows: int = 0) -> DecodeGraphs | None:
+                          max_drafts: int = 16, first_step_rows: int = 0,
+                          max_top_k: int | None = None) -> DecodeGraphs | None:
     """At start-up, after the KV pool exists: the proposer's decode graphs, or None when they cannot run."""
     if proposer.model.drafting != "sequential":
         log.info("CUDA graphs: not used by %s drafting (only sequential heads have decode steps)",
@@ -596,6 +688,6 @@ def capture_decode_graphs(proposer, block_size: int, max_model_len: int, max_bat
                     "and the torch references synchronize with the host; decode steps run eagerly")
         return None
     graphs = DecodeGraphs(proposer.model, proposer.kv_layers, block_size, max_model_len, max_batch_seqs, dtype,
-                          device, first_step_tokens, max_drafts, first_step_rows)
+                          device, first_step_tokens, max_drafts, first_step_rows, max_top_k)
     graphs.capture()
     return graphs

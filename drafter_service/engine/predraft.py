@@ -516,7 +516,7 @@ class Predrafter:
             temperature=torch.tensor(temperature, dtype=torch.float32).to(dev, non_blocking=True),
             seed=torch.tensor([seed_to_int64(x) for x in seed], dtype=torch.int64).to(dev, non_blocking=True),
             top_k=torch.tensor(top_k, dtype=torch.int64).to(dev, non_blocking=True), want_logprobs=any(logprobs),
-            greedy_only=greedy)
+            greedy_only=greedy, width=max(top_k), any_hot=any(t > 0 for t in temperature))
         # the branches of one pass fit the largest decode graph (MAX_GRAPH_BATCH rows), so that the branch pass
         # replays graphs: at large batches each sequence gets fewer branches
         graphs = p.decode_graphs

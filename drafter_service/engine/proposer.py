@@ -86,6 +86,9 @@ class _Drafts:
         self.columns: list[tuple[list[int], DraftSample]] = []  # (batch index of each row, samples of the rows)
         self.host_rows: tuple[torch.Tensor, list[int], list[int]] | None = None  # graph path: ([n, K] drafts on the
         # host, the batch index of each row, each row's k), for finish() or as_tensor()
+        # a sampled graph step's log q [n, K] (where asked) and top-N ids and probabilities [n, K, width] (width > 0)
+        self.host_logprobs: torch.Tensor | None = None
+        self.host_top: tuple[torch.Tensor, torch.Tensor] | None = None
         self.features: dict[int, torch.Tensor] = {}  # batch index -> [k, H] g_0..g_{k-1} (pre-drafting, eager path)
         # host work that needs nothing of the drafts: the graph path runs it after its launches, before it waits for
         # the GPU (run_meanwhile); otherwise the caller runs it after the step
@@ -100,11 +103,15 @@ class _Drafts:
     def add(self, rows: list[int], sample: DraftSample) -> None:
         self.columns.append((rows, sample))
 
-    def set_host_rows(self, rows: torch.Tensor, active: list[int], ks: list[int]) -> None:
-        """All drafts of a greedy step at once: rows [n, K] int64 on the host (a tensor of its own), row r the drafts of
-        batch index active[r], of which its first ks[r] count."""
+    def set_host_rows(self, rows: torch.Tensor, active: list[int], ks: list[int], logprobs: torch.Tensor | None = None,
+                      top_ids: torch.Tensor | None = None, top_probs: torch.Tensor | None = None) -> None:
+        """All drafts of a graphed step at once: rows [n, K] int64 on the host (a tensor of its own), row r the drafts
+        of batch index active[r], of which its first ks[r] count; a sampled step's log q [n, K] float32 and top-N
+        [n, K, width] (ids int64 in the target vocabulary, probabilities float32) likewise, where it has them."""
         assert not self.columns
         self.host_rows = (rows, active, ks)
+        self.host_logprobs = logprobs
+        self.host_top = (top_ids, top_probs) if top_ids is not None else None
 
     def as_tensor(self) -> torch.Tensor:
         """The drafts as one [B, K] int64 host tensor (row i's first num_drafts[i] entries count; K = the largest k),
@@ -139,7 +146,20 @@ class _Drafts:
             per_seq: list[list[int]] = [[] for _ in range(B)]  # batch index -> drafts; k = 0 sequences: none
             for r, i in enumerate(active):  # drafts past a sequence's own k are dropped here
                 per_seq[i] = host_rows[r][: ks[r]]
-            return per_seq, [[] for _ in range(B)], [None] * B, [None] * B
+            logprobs: list[list[float]] = [[] for _ in range(B)]
+            if self.host_logprobs is not None:
+                lp = self.host_logprobs.tolist()
+                for r, i in enumerate(active):
+                    logprobs[i] = lp[r][: ks[r]]
+            top_ids: list[torch.Tensor | None] = [None] * B
+            top_probs: list[torch.Tensor | None] = [None] * B
+            if self.host_top is not None:  # (a sequence's own N columns of its k drafts, [k, N], as the eager way)
+                ids, probs = self.host_top
+                for r, i in enumerate(active):
+                    if self.top_k[i] > 0 and ks[r] > 0:
+                        top_ids[i] = ids[r, : ks[r], : self.top_k[i]].clone()
+                        top_probs[i] = probs[r, : ks[r], : self.top_k[i]].clone()
+            return per_seq, logprobs, top_ids, top_probs
         tokens: list[list[int]] = [[] for _ in range(B)]
         logprobs: list[list[float]] = [[] for _ in range(B)]
         top_ids: list[list[torch.Tensor]] = [[] for _ in range(B)]
@@ -637,7 +657,7 @@ class Proposer:
                     p, m, a.token_ids, b.states(), a.next_tokens, k, tables, a.temperatures, a.seeds,
                     np.zeros(B, dtype=np.int64), self.block_size, self.device, self.metadata_buffers)
                 sp = SamplingSettings(temperature=md.temperature, seed=md.seed, top_k=md.top_k, want_logprobs=False,
-                                      greedy_only=greedy)
+                                      greedy_only=greedy, width=0, any_hot=not greedy)
                 self._draft_sequential(md, sp, step_drafts, None)
             drafts = step_drafts.as_tensor()
             if marks is not None:
@@ -875,16 +895,18 @@ class Proposer:
         dev = self.device
         top_k = [a.step.top_k_probs for a in batch]
         want_logprobs = any(a.step.return_logprobs for a in batch)
-        greedy_only = not want_logprobs and not any(top_k) and not any(a.step.temperature > 0 for a in batch)
+        any_hot = any(a.step.temperature > 0 for a in batch)
+        greedy_only = not want_logprobs and not any(top_k) and not any_hot
+        width = max(top_k, default=0)
         if md is not None:  # ---- the step's packed metadata (step_metadata.py) holds the tensors: no copy ----
             return SamplingSettings(temperature=md.temperature, seed=md.seed, top_k=md.top_k,
-                                    want_logprobs=want_logprobs,
-                             greedy_only=greedy_only)
+                                    want_logprobs=want_logprobs, greedy_only=greedy_only, width=width,
+                                    any_hot=any_hot)
         return SamplingSettings(
             temperature=torch.tensor([a.step.temperature for a in batch], dtype=torch.float32).to(dev),
             seed=torch.tensor([seed_to_int64(a.step.seed) for a in batch], dtype=torch.int64).to(dev),
             top_k=torch.tensor(top_k, dtype=torch.int64).to(dev), want_logprobs=want_logprobs,
-            greedy_only=greedy_only)
+            greedy_only=greedy_only, width=width, any_hot=any_hot)
 
     def _select(self, logits: torch.Tensor, rows: list[int], positions: list[int], sp: SamplingSettings) -> DraftSample:
         """One draft per row of logits [n, V_draft] (row r belongs to batch index rows[r]; positions[r] is the
@@ -893,7 +915,8 @@ class Proposer:
             return DraftSample(self.model.draft_to_target(ops.argmax(logits)), None, None, None)
         idx = torch.tensor(rows, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        s = sample_drafts(logits, sp.temperature[idx], sp.seed[idx], pos, sp.top_k[idx], sp.want_logprobs)
+        s = sample_drafts(logits, sp.temperature[idx], sp.seed[idx], pos, sp.top_k[idx], sp.want_logprobs,
+                          width=sp.width, any_hot=sp.any_hot)
         top_ids = s.top_ids
         if top_ids is not None:
             top_ids = torch.where(top_ids >= 0, self.model.draft_to_target(top_ids.clamp(min=0)), -1)
@@ -960,10 +983,13 @@ class Proposer:
         head_last = head_out[last_rows]  # [n, H]
         sample = self._select(self.model.compute_logits(head_last), active, [seq_lens[i] for i in active], sp)
         # ---- CUDA fast path (cuda_graphs.py): greedy decode steps replayed from CUDA graphs, one copy to host ----
-        if sp.greedy_only and self.decode_graphs is not None and self.decode_graphs.can_run(md):
-            return self._keep_graph_features(
-                predrafting, md.active, md.num_drafts,
-                self.decode_graphs.draft(md, out, sample.tokens, self.model.next_hidden(head_last)))
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(md):
+            width = None if sp.greedy_only else graphs.sampled_width(sp)  # (sampling: the sampled decode graphs)
+            if sp.greedy_only or width is not None:
+                return self._keep_graph_features(
+                    predrafting, md.active, md.num_drafts,
+                    graphs.draft(md, out, sample, self.model.next_hidden(head_last), sp, width))
         # ---- end CUDA fast path ----
         out.add(active, sample)
         tok, hidden_prev = sample.tokens, self.model.next_hidden(head_last)

@@ -45,6 +45,10 @@ class SamplingSettings:
     top_k: torch.Tensor  # [B] int64
     want_logprobs: bool
     greedy_only: bool  # every sequence greedy, no log-probs, no top-k: a plain argmax does
+    # max(top_k) and whether some temperature is above 0, as the host knows them (None: sample_drafts reads them
+    # from the device, a synchronization per draft step)
+    width: int | None = None
+    any_hot: bool | None = None
 
 
 def sample_drafts(
@@ -54,20 +58,34 @@ def sample_drafts(
     position: torch.Tensor,  # [n] int64: the Gumbel position (the drafted token's position - 1)
     top_k: torch.Tensor,  # [n] int64: N per row, 0 = no top-N (and no truncation)
     want_logprobs: bool,
+    width: int | None = None,  # max(top_k) where the host knows it (else read from the device: a synchronization)
+    any_hot: bool | None = None,  # whether some temperature is above 0, where the host knows it (likewise)
 ) -> DraftSample:
     """Draw one draft per row from q and describe q.
 
     q is softmax(logits / T) (T > 0), restricted to the row's N most likely columns and renormalized when N > 0;
     at T = 0 it is the point mass on argmax(logits). The returned log-probabilities and top-N are those of q.
     """
-    width = int(top_k.max()) if top_k.numel() else 0
-    hot = temperature > 0
-    if not want_logprobs and width == 0 and not bool(hot.any()):
+    if width is None:
+        width = int(top_k.max()) if top_k.numel() else 0
+    if any_hot is None:
+        any_hot = bool((temperature > 0).any())
+    if not want_logprobs and width == 0 and not any_hot:
         return DraftSample(logits.argmax(dim=-1), None, None, None)
+    return sample_from_q(logits, temperature, seed, position, top_k, width, want_logprobs)
+
+
+def sample_from_q(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
+                  top_k: torch.Tensor, width: int, want_logprobs: bool) -> DraftSample:
+    """sample_drafts' draw (same arguments), with the top-N taken over ``width`` >= max(top_k) columns: no host
+    synchronization and shapes from (logits, width) alone, so that a CUDA graph can hold it (cuda_graphs.py's
+    sampled decode steps). A row's top-N is the first N of the top ``width``: the same ids and probabilities as with
+    width = N, except between logits that tie exactly at the N-th place."""
+    hot = temperature > 0
     logits = logits.float()
     top_ids = None
     if width > 0:
-        top_ids = logits.topk(width, dim=-1).indices  # [n, N]
+        top_ids = logits.topk(width, dim=-1).indices  # [n, width]
         col = torch.arange(width, device=logits.device)
         outside = col[None, :] >= top_k[:, None]  # beyond the row's own N
         # truncate q to the row's own top-N columns (rows with N = 0 keep the full vocabulary)
