@@ -74,7 +74,8 @@ def test_graphs_captured_at_startup(tiny_model, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("num_seqs,logprobs", [(3, False), (5, False), (33, False), (5, True)])
 async def test_cuda_graphs_match_cpu_server_and_naive(tiny_model, tmp_path, num_seqs, logprobs):
-    """logprobs=True: no step is greedy-only, the CUDA servers take the eager decode loop (same drafts)."""
+    """logprobs=True: no step is greedy-only; the decode steps replay the sampled decode graphs (same drafts, log q 0:
+    greedy)."""
     naive = NaiveEagle1(*tiny_model)
     configs = [make_config(*tiny_model, tmp_path / "cpu"),
                make_config(*tiny_model, tmp_path / "graphs", device="cuda", dtype="float32"),
@@ -83,7 +84,7 @@ async def test_cuda_graphs_match_cpu_server_and_naive(tiny_model, tmp_path, num_
         configs, naive, seed=100 + num_seqs, engine_steps=40 if num_seqs < 10 else 16, num_seqs=num_seqs,
         max_model_len=1024, max_k=8, logprobs=logprobs)
     assert len(records) >= num_seqs * 5
-    assert (graphs_used == [0]) if logprobs else (graphs_used[0] >= 10), graphs_used
+    assert graphs_used[0] >= 10, graphs_used
     for r in records:
         cpu, graphs, eager = r.replies
         assert cpu.drafts == r.expected, r
@@ -224,7 +225,8 @@ def test_a_sampled_graph_step_synchronizes_once(tiny_model, tmp_path):
         return sum("synchroniz" in str(w.message) for w in caught)
 
     graphs = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32"))
-    assert count_syncs(graphs) <= 1 and graphs.proposer.decode_graphs.sampled_steps_run == 2
+    before = graphs.proposer.decode_graphs.sampled_steps_run  # (the warm-up's sampled step)
+    assert count_syncs(graphs) <= 1 and graphs.proposer.decode_graphs.sampled_steps_run - before == 2
     eager = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32",
                                       sampled_step_graphs=False))
     assert count_syncs(eager) > 4

@@ -913,8 +913,9 @@ class Proposer:
         Gumbel position), as target-vocabulary ids, with log q and the top-N of q when asked."""
         if sp.greedy_only:
             return DraftSample(self.model.draft_to_target(ops.argmax(logits)), None, None, None)
-        idx = torch.tensor(rows, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        # (non_blocking: a blocking copy would wait for the forward before it to finish; the sources are fresh)
+        idx = torch.tensor(rows).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
         s = sample_drafts(logits, sp.temperature[idx], sp.seed[idx], pos, sp.top_k[idx], sp.want_logprobs,
                           width=sp.width, any_hot=sp.any_hot)
         top_ids = s.top_ids
