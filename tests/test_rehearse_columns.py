@@ -142,9 +142,9 @@ def test_a_step_the_columns_path_would_not_take_is_not_rehearsed(tiny_model, tmp
     twice = again()
     twice[1].sequence_id = twice[0].sequence_id
     gap = again(start_position=committed["s0"] + 5)
-    logprobs = again(return_logprobs=True)
+    predrafting = again(predraft_branches=4)
     small = again()[:3]
-    for steps in (unknown, twice, gap, logprobs, small):
+    for steps in (unknown, twice, gap, predrafting, small):
         assert not p.rehearse_columns(as_batch(steps))
     assert p.columns_rehearsals == 1
     assert_same_state(before, state_of(rt))

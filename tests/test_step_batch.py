@@ -37,14 +37,16 @@ class Traffic:
         self.committed = {sid: 0 for sid in self.tokens}
         self.prompt = prompt
 
-    def step(self, sid: str, m: int, k: int, back: int = 0, temperature: float = 0.0) -> StepInput:
+    def step(self, sid: str, m: int, k: int, back: int = 0, temperature: float = 0.0, logprobs: bool = False,
+             top_k: int = 0) -> StepInput:
         p = max(0, self.committed[sid] - back)
         if self.committed[sid] == 0:
             m = self.prompt
         toks, hid = self.tokens[sid], self.states[sid]
         self.committed[sid] = p + m
         return StepInput(NS, sid, p, toks[p : p + m].clone(), hid[p : p + m].clone(), int(toks[p + m]), k,
-                         temperature=temperature, seed=self.rng.randrange(2**64))
+                         temperature=temperature, seed=self.rng.randrange(2**64), return_logprobs=logprobs,
+                         top_k_probs=top_k)
 
     def answered(self, steps: list[StepInput], outputs) -> None:
         """A refused step commits nothing: the engine sends it again."""
@@ -69,6 +71,14 @@ def same(out_a, out_b: BatchOutput):
     assert [o.drafts for o in out_a] == [o.drafts for o in got]
     assert [o.accepted_drafts for o in out_a] == [o.accepted_drafts for o in got]
     assert [o.committed_length for o in out_a] == [o.committed_length for o in got]
+    for x, y in zip(out_a, got):  # log q and top-N where asked
+        assert len(x.logprobs) == len(y.logprobs)
+        if x.logprobs:
+            torch.testing.assert_close(torch.tensor(y.logprobs), torch.tensor(x.logprobs), atol=1e-5, rtol=1e-4)
+        assert (x.top_k_ids is None) == (y.top_k_ids is None)
+        if x.top_k_ids is not None:
+            assert torch.equal(x.top_k_ids, y.top_k_ids)
+            torch.testing.assert_close(y.top_k_probs, x.top_k_probs, atol=1e-5, rtol=1e-4)
 
 
 def metrics_of(rt):
@@ -80,7 +90,8 @@ def metrics_of(rt):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_columns_answer_as_the_per_sequence_step_over_random_traffic(tiny_model, tmp_path, device):
-    """On CUDA the greedy rounds replay the first-step and decode graphs (uniform small m) or run eagerly."""
+    """On CUDA the greedy rounds replay the first-step and decode graphs (uniform small m) or run eagerly; the
+    sampled rounds (some with log q, some with top-N) replay the sampled decode graphs."""
     a, b = runtimes(tiny_model, tmp_path, device=device)
     width, vocab = a.limits.hidden_states_width, a.limits.vocab_size
     t = Traffic(0, width, vocab, 40)
@@ -90,7 +101,9 @@ def test_columns_answer_as_the_per_sequence_step_over_random_traffic(tiny_model,
         sids = sorted(t.tokens, key=lambda _: rng.random())[: rng.randint(24, 40)]
         sampled = round % 3 == 2
         steps = [t.step(sid, m=rng.randint(1, 5), k=rng.choice([0, 1, 3, 5, 8]),
-                         back=rng.choice([0, 0, 0, 1, 3]), temperature=rng.choice([0.0, 0.8]) if sampled else 0.0)
+                         back=rng.choice([0, 0, 0, 1, 3]), temperature=rng.choice([0.0, 0.8]) if sampled else 0.0,
+                         logprobs=sampled and round % 2 == 0 and rng.random() < 0.5,
+                         top_k=rng.choice([0, 0, 2, 5]) if sampled and round > 5 else 0)
                  for sid in sids]
         out_a = a.proposer.step_per_sequence(steps)
         same(out_a, b.proposer.step_batch(as_batch(steps)))
@@ -253,8 +266,8 @@ def test_new_sequences_the_columns_cannot_start_go_the_per_sequence_way(tiny_mod
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_step_with_step_inputs_runs_from_the_columns_with_the_same_answers(tiny_model, tmp_path, device):
     """Proposer.step: a step of known sequences that step_batch would run from its columns goes there from its
-    StepInputs (greedy, and sampled where the batch is large), and answers, counts and leaves behind what the
-    per-sequence step does; fewer sequences, log-probabilities, top-N or a new sequence stay per sequence."""
+    StepInputs (greedy, and sampled, log q or top-N where the batch is large), and answers, counts and leaves behind
+    what the per-sequence step does; fewer sequences stay per sequence."""
     a, b = runtimes(tiny_model, tmp_path, device=device)
     width, vocab = a.limits.hidden_states_width, a.limits.vocab_size
     t = Traffic(7, width, vocab, 80)
@@ -265,7 +278,9 @@ def test_step_with_step_inputs_runs_from_the_columns_with_the_same_answers(tiny_
         sids = sorted(t.tokens, key=lambda _: rng.random())[: rng.randint(STEP_INPUTS_AS_COLUMNS_MIN, 80)]
         sampled = round % 3 == 2
         steps = [t.step(sid, m=rng.randint(1, 5), k=rng.choice([0, 1, 3, 5, 8]),
-                         back=rng.choice([0, 0, 0, 1, 3]), temperature=rng.choice([0.0, 0.8]) if sampled else 0.0)
+                         back=rng.choice([0, 0, 0, 1, 3]), temperature=rng.choice([0.0, 0.8]) if sampled else 0.0,
+                         logprobs=sampled and round % 2 == 0 and rng.random() < 0.5,
+                         top_k=rng.choice([0, 0, 2, 5]) if sampled and round > 5 else 0)
                  for sid in sids]
         before = b.proposer.columns_steps_run
         out_a, out_b = a.proposer.step_per_sequence(steps), b.proposer.step(steps)
@@ -286,13 +301,13 @@ def test_step_with_step_inputs_runs_from_the_columns_with_the_same_answers(tiny_
             ask = [StepInput(**{**s.__dict__, "return_logprobs": kind == "logprobs",
                                 "top_k_probs": 2 if kind == "top_k" else 0}) for s in steps]
         before = b.proposer.columns_steps_run
-        assert b.proposer.columns_may_take(ask) is (kind == "new")  # (a new sequence: the columns path declines it)
-        assert b.proposer._fast_path_applies(BatchInput.from_inputs(ask)) is (kind in ("new", "fewer"))
+        # (columns_may_take: fewer sequences than STEP_INPUTS_AS_COLUMNS_MIN stay StepInputs)
+        assert b.proposer.columns_may_take(ask) is (kind != "fewer")
+        assert b.proposer._fast_path_applies(BatchInput.from_inputs(ask))
         out_a, out_b = a.proposer.step_per_sequence(ask), b.proposer.step(ask)
         # (a new sequence starting at position 0 among known ones: the columns start it, _start_sequences)
-        assert b.proposer.columns_steps_run == before + (kind == "new"), kind
-        assert [(o.code, o.drafts, o.accepted_drafts, o.committed_length) for o in out_a] == [
-            (o.code, o.drafts, o.accepted_drafts, o.committed_length) for o in out_b], kind
+        assert b.proposer.columns_steps_run == before + (kind != "fewer"), kind
+        same(out_a, BatchOutput.from_outputs(out_b))
         t.answered(ask, out_a)
 
 
@@ -352,24 +367,29 @@ def test_a_step_that_raises_fails_its_sequences_and_keeps_their_earlier_kv(tiny_
     assert metrics_of(a) == metrics_of(b)
 
 
-def test_what_the_columns_cannot_carry_goes_the_per_sequence_way(tiny_model, tmp_path):
-    """Log-probabilities, top-N and pre-drafting budgets, and small steps, take Proposer.step: same answers, with
-    their per-sequence extras."""
+def test_log_q_and_top_n_run_from_the_columns_and_predrafting_and_small_steps_per_sequence(tiny_model, tmp_path):
+    """Log-probabilities and top-N ride the columns path of a large step (its answer then one StepOutput per
+    sequence, with its extras); pre-drafting budgets and small steps take the per-sequence way: same answers."""
     a, b = runtimes(tiny_model, tmp_path)
     t = Traffic(4, a.limits.hidden_states_width, a.limits.vocab_size, 30)
     first = [t.step(sid, 3, 4) for sid in t.tokens]
     same(a.proposer.step_per_sequence(first), b.proposer.step_batch(as_batch(first)))
     steps = [t.step(sid, 3, 4) for sid in t.tokens]
-    for s in steps:
-        s.return_logprobs, s.top_k_probs = True, 3
+    for i, s in enumerate(steps):
+        s.return_logprobs, s.top_k_probs, s.temperature = i % 2 == 0, (0, 3, 7)[i % 3], (0.0, 0.9)[i % 2]
     before = b.proposer.columns_steps_run
     out_a, out_b = a.proposer.step_per_sequence(steps), b.proposer.step_batch(as_batch(steps))
+    assert b.proposer.columns_steps_run == before + 1
     same(out_a, out_b)
-    assert out_b.outputs is not None and out_b.outputs[0].top_k_ids is not None
-    assert [o.logprobs for o in out_a] == [o.logprobs for o in out_b.outputs]
+    assert out_b.outputs is not None and out_b.outputs[1].top_k_ids.shape == (4, 3)
+    assert out_b.outputs[0].top_k_ids is None and len(out_b.outputs[0].logprobs) == 4 and not out_b.outputs[1].logprobs
     small = [t.step(sid, 1, 4) for sid in list(t.tokens)[:4]]  # 4 rows: below SMALL_STEP_ROWS
     same(a.proposer.step_per_sequence(small), b.proposer.step_batch(as_batch(small)))
-    assert b.proposer.columns_steps_run == before
+    predrafting = [t.step(sid, 3, 4) for sid in list(t.tokens)[4:]]
+    for s in predrafting:
+        s.predraft_branches = 4
+    same(a.proposer.step_per_sequence(predrafting), b.proposer.step_batch(as_batch(predrafting)))
+    assert b.proposer.columns_steps_run == before + 1
 
 
 def test_a_step_of_eight_sequences_with_few_rows_runs_from_its_columns(tiny_model, tmp_path):

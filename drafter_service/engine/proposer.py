@@ -464,8 +464,8 @@ class Proposer:
         if len(steps) < STEP_INPUTS_AS_COLUMNS_MIN:
             return False
         return self._columns_fit(len(steps), sum(s.token_ids.shape[0] for s in steps),
-                                 any(s.temperature for s in steps),
-                                 any(s.return_logprobs or s.top_k_probs or s.predraft_branches for s in steps))
+                                 any(s.temperature or s.return_logprobs or s.top_k_probs for s in steps),
+                                 any(s.predraft_branches for s in steps))
 
     @torch.inference_mode()
     def step_per_sequence(self, steps: list[StepInput]) -> list[StepOutput]:
@@ -574,15 +574,15 @@ class Proposer:
         """What the columns tell alone (no table lookup yet): _columns_fit."""
         a = b.arrays  # (numpy views: a torch op on a small CPU tensor costs several microseconds, a numpy one about one)
         nonzero = np.count_nonzero  # (a C call: a quarter of ndarray.any()'s cost at these sizes, ~0.3 against 1.3-1.9 us)
-        return self._columns_fit(len(b), b.total_tokens, bool(nonzero(a.temperatures)),
-                                 bool(nonzero(a.return_logprobs) or nonzero(a.top_k_probs)
-                                      or nonzero(a.predraft_branches)))
+        return self._columns_fit(len(b), b.total_tokens,
+                                 bool(nonzero(a.temperatures) or nonzero(a.return_logprobs) or nonzero(a.top_k_probs)),
+                                 bool(nonzero(a.predraft_branches)))
 
     def _columns_fit(self, n: int, T: int, sampled: bool, extras: bool) -> bool:
         """Whether a step of n sequences and T committed rows may run from its columns, by what its inputs tell alone:
         a sequential head and a working drafter, a size that takes_columns, greedy unless the step is large enough
-        (sampled: some temperature above 0; a small sampling step builds its metadata on the host, where the
-        per-sequence way is cheaper), and no log-probabilities, top-N or pre-drafting (extras)."""
+        (sampled: some temperature above 0, log q or top-N; a small sampling step builds its metadata on the host,
+        where the per-sequence way is cheaper), and no pre-drafting (extras)."""
         return (self.fatal is None and self.model.drafting == "sequential" and n > 0 and self.takes_columns(n, T)
                 and (large_enough_for_columns(n, T) or not sampled) and not extras)
 
@@ -622,10 +622,14 @@ class Proposer:
         # ---- run ----
         k_t = torch.from_numpy(k)
         self.predraft.on_step()
+        # log q or top-N asked: the answer is one StepOutput per sequence (built after the drafts; no early reply)
+        described = bool(nonzero(a.return_logprobs) or nonzero(a.top_k_probs))
+        if described:
+            early = None
         # the acceptance count, and with it the whole answer but the drafts, needs nothing of the run: on CUDA it is
         # done while the GPU drafts (_Drafts.meanwhile), and so is the caller's early work
         answer = []
-        step_drafts = _Drafts(B, [0] * B)
+        step_drafts = _Drafts(B, a.top_k_probs.tolist() if described else [0] * B)
 
         marks = self.phase_marks
 
@@ -646,7 +650,7 @@ class Proposer:
             marks["admitted"] = time.perf_counter()
         try:
             tables = R.block_tables_np[rows, : int(blocks.max())]
-            greedy = not nonzero(a.temperatures > 0)
+            greedy = not nonzero(a.temperatures > 0) and not described
             plan = self._columns_plan(b, C, k, greedy)
             if plan is not None:
                 # the first step's rows are built on the device, inside its graph (cuda_graphs.py): no step metadata
@@ -655,9 +659,12 @@ class Proposer:
             else:
                 md = build_step_metadata_columns(
                     p, m, a.token_ids, b.states(), a.next_tokens, k, tables, a.temperatures, a.seeds,
-                    np.zeros(B, dtype=np.int64), self.block_size, self.device, self.metadata_buffers)
-                sp = SamplingSettings(temperature=md.temperature, seed=md.seed, top_k=md.top_k, want_logprobs=False,
-                                      greedy_only=greedy, width=0, any_hot=not greedy)
+                    a.top_k_probs if described else np.zeros(B, dtype=np.int64), self.block_size, self.device,
+                    self.metadata_buffers)
+                sp = SamplingSettings(temperature=md.temperature, seed=md.seed, top_k=md.top_k,
+                                      want_logprobs=bool(nonzero(a.return_logprobs)), greedy_only=greedy,
+                                      width=int(a.top_k_probs.max()) if described else 0,
+                                      any_hot=bool(nonzero(a.temperatures > 0)))
                 self._draft_sequential(md, sp, step_drafts, None)
             drafts = step_drafts.as_tensor()
             if marks is not None:
@@ -679,12 +686,26 @@ class Proposer:
         self.columns_steps_run += 1
         out = answer[0]
         out.drafts = drafts
+        if described:
+            out = self._described_outputs(out, step_drafts, a.return_logprobs)
         # ---- the sequences' state after the step: their rows' columns ----
         R.write_step_columns(rows, C, drafts.numpy(), k)
         self.metrics.record_step_totals(B, b.total_tokens, int(k.sum()), time.perf_counter() - t0,
                                         self.kv.pool.num_free, self.kv.pool.num_blocks)  # (every sequence drafted)
         self.metrics.live_sequences = len(self.table)
         return out
+
+    @staticmethod
+    def _described_outputs(out: BatchOutput, drafts: _Drafts, return_logprobs: np.ndarray) -> BatchOutput:
+        """A columns step that asked for log q or top-N answered as one StepOutput per sequence (as the per-sequence
+        path answers it: log q for the sequences that asked, top-N [k, N] for those with N > 0)."""
+        tokens, logprobs, top_ids, top_probs = drafts.finish()
+        wants = return_logprobs.tolist()
+        return BatchOutput.from_outputs([
+            StepOutput(drafts=d, logprobs=lp if want else [], top_k_ids=ti, top_k_probs=tp, accepted_drafts=acc,
+                       committed_length=cl)
+            for d, lp, want, ti, tp, acc, cl in zip(tokens, logprobs, wants, top_ids, top_probs,
+                                                    out.accepted_drafts.tolist(), out.committed_lengths.tolist())])
 
     def _start_sequences(self, b: BatchInput, seqs: list[Sequence | None], now: float, serial: int):
         """The step's new sequences (None in seqs: an engine's new requests, their prompts' first step beside the
