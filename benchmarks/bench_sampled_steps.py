@@ -61,7 +61,7 @@ def way(graphs, name: str):
     """The sampled decode graphs as they are (graphs) or refused (eager: the eager decode loop)."""
     original = graphs.sampled_width
     if name == "eager":
-        graphs.sampled_width = lambda sp: None
+        graphs.sampled_width = lambda top_n: None
     try:
         yield
     finally:

@@ -189,14 +189,19 @@ def test_graphs_in_process_same_drafts_and_kv_as_eager(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("num_seqs", [5, 33])
 def test_sampled_decode_graphs_match_the_eager_loop(tiny_model, tmp_path, num_seqs):
-    """Sampling steps (temperature > 0 beside greedy rows, log q, top-N) replay the sampled decode graphs: the same
+    """Sampling steps (temperature > 0 beside greedy rows, log q, top-N) replay the first-step graph, the draw of
+    draft 1 and the sampled decode graphs (5 sequences: from the per-sequence path, 33: from the columns): the same
     drafts, top-N ids and KV as the eager loop on the same device, log q and probabilities to rounding."""
     on = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32"))
     off = build_runtime(make_config(*tiny_model, tmp_path, device="cuda", dtype="float32", sampled_step_graphs=False))
     graphs = on.proposer.decode_graphs
     assert off.proposer.decode_graphs.widths == [] and not off.proposer.decode_graphs.sampled_graphs
     assert sorted(graphs.sampled_graphs) == [(bs, w) for bs in graphs.sizes for w in graphs.widths]
+    assert sorted(graphs.first_draw_graphs) == sorted(graphs.sampled_graphs)
+    first_before, columns_before = graphs.first_steps_run, on.proposer.columns_steps_run
     check_sampled_steps(off, on, num_seqs=num_seqs, seed=num_seqs)
+    assert graphs.first_steps_run - first_before == 3
+    assert on.proposer.columns_steps_run - columns_before == (4 if num_seqs > 32 else 0)
 
 
 def test_a_sampled_graph_step_synchronizes_once(tiny_model, tmp_path):

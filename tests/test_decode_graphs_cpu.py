@@ -138,9 +138,9 @@ def test_decode_steps_replay_the_longest_chains_first(tiny_model, tmp_path):
 
 def test_capture_takes_every_graph_into_one_pool(tiny_model, tmp_path, monkeypatch):
     """DecodeGraphs.capture's bookkeeping, with torch.cuda's graph calls faked on the CPU: per padded batch size one
-    decode-step graph, a chain of each length (that many decode steps inside one capture) and a sampled decode step
-    per top-N width, per (size, M) a first-step graph, per (size, rows) a packed one; the first capture makes the
-    pool and every later one captures into it."""
+    decode-step graph, a chain of each length (that many decode steps inside one capture), a sampled decode step
+    and a sampled draw of draft 1 per top-N width, per (size, M) a first-step graph, per (size, rows) a packed one;
+    the first capture makes the pool and every later one captures into it."""
     import contextlib
 
     rt = cpu_runtime(*tiny_model, tmp_path, False)
@@ -176,12 +176,14 @@ def test_capture_takes_every_graph_into_one_pool(tiny_model, tmp_path, monkeypat
     monkeypatch.setattr(graphs, "_step", counted("step", graphs._step))
     monkeypatch.setattr(graphs, "_first_step", counted("first", graphs._first_step))
     monkeypatch.setattr(graphs, "_packed_first_step", counted("packed", graphs._packed_first_step))
+    monkeypatch.setattr(graphs, "_first_draw", counted("draw", graphs._first_draw))
     graphs.capture()
     assert graphs.sizes == [1, 2, 4] and graphs.chain_lengths == (4, 2)
     assert sorted(graphs.graphs) == [1, 2, 4] and sorted(graphs.chains) == [(bs, n) for bs in (1, 2, 4) for n in (2, 4)]
     assert sorted(graphs.first_graphs) == [(bs, m) for bs in (1, 2, 4) for m in (1, 2)]
     assert sorted(graphs.packed_graphs) == [(bs, rows) for bs in (1, 2, 4) for rows in (32, 64)]
     assert graphs.widths == [0, 8] and sorted(graphs.sampled_graphs) == [(bs, w) for bs in (1, 2, 4) for w in (0, 8)]
+    assert sorted(graphs.first_draw_graphs) == sorted(graphs.sampled_graphs)
     assert [pool for pool, _ in captures] == [None] + ["the pool"] * (len(captures) - 1)
     expected = []
     for bs in (4, 2, 1):  # largest first
@@ -190,22 +192,38 @@ def test_capture_takes_every_graph_into_one_pool(tiny_model, tmp_path, monkeypat
         expected += [[("first", bs, m)] for m in (2, 1)]
     for bs in (4, 2, 1):
         expected += [[("packed", bs, rows)] for rows in (64, 32)]
+    for bs in (4, 2, 1):
+        expected += [[("draw", bs, w)] for w in (0, 8)]
     assert [ran for _, ran in captures] == expected
 
 
-@pytest.mark.parametrize("head", ["eagle1", "eagle3"])
-def test_sampled_decode_steps_match_the_eager_loop(tiny_model, tiny_eagle3, tmp_path, head):
+@pytest.mark.parametrize("head,first_step_graphs,num_seqs", [
+    ("eagle1", False, 5), ("eagle3", False, 5), ("eagle1", True, 5), ("eagle3", True, 5), ("eagle3", True, 33)])
+def test_sampled_decode_steps_match_the_eager_loop(tiny_model, tiny_eagle3, tmp_path, head, first_step_graphs,
+                                                   num_seqs):
     """Sampling steps (temperatures above 0 beside greedy rows, log q, top-N of mixed N, mixed k) run their decode
-    steps on the sampled static steps (top-N width 0, 16 or the cap, the narrowest that holds the step's largest N):
-    the same drafts, log q and top-N as the eager loop, and the same KV."""
+    steps on the sampled static steps (top-N width 0, 16 or the cap, the narrowest that holds the step's largest N),
+    and with first-step graphs their first step on the (greedy) static first step followed by draft 1 drawn again
+    (_first_draw; 5 sequences: the per-sequence path, 33: the columns path): the same drafts, log q and top-N as the
+    eager loop, and the same KV."""
     from drafter_service.runtime import max_top_k_probs
 
     model = tiny_model if head == "eagle1" else tiny_eagle3
     eager = cpu_runtime(*model, tmp_path / "eager", False)
     static = cpu_runtime(*model, tmp_path / "static", False)
     p = static.proposer
-    p.decode_graphs = DecodeGraphs(p.model, p.kv_layers, static.config.block_size, static.max_model_len,
-                                   static.config.max_batch_seqs, static.dtype, static.device,
-                                   max_top_k=max_top_k_probs(p.model))
-    assert not p.decode_graphs.sampled_graphs  # (never captured: the static steps run eagerly)
-    check_sampled_steps(eager, static)
+    p.decode_graphs = graphs = DecodeGraphs(p.model, p.kv_layers, static.config.block_size, static.max_model_len,
+                                            static.config.max_batch_seqs, static.dtype, static.device,
+                                            first_step_tokens=8 if first_step_graphs else 0,
+                                            first_step_rows=256 if first_step_graphs else 0,
+                                            max_top_k=max_top_k_probs(p.model))
+    assert not graphs.sampled_graphs and not graphs.first_draw_graphs  # (never captured: the steps run eagerly)
+    draws = []
+    first_draw = graphs._first_draw
+    graphs._first_draw = lambda bs, width: (draws.append(width), first_draw(bs, width))
+    columns_before = p.columns_steps_run
+    check_sampled_steps(eager, static, num_seqs=num_seqs, seed=num_seqs)
+    assert graphs.first_steps_run == (3 if first_step_graphs else 0)
+    assert draws == ([0, 16, max_top_k_probs(p.model)] if first_step_graphs else [])
+    # (33: the prefill's new sequences start from the columns too; its 924 rows pass the packed graphs' 256)
+    assert p.columns_steps_run - columns_before == (4 if num_seqs >= 32 else 0)

@@ -156,6 +156,15 @@ def sampled_widths(max_top_k: int) -> list[int]:
 DECODE_CHAIN_LENGTHS = (4, 2)
 
 
+class GraphSampling(NamedTuple):
+    """A sampling step's settings for draft_columns (numpy columns of the step, [B] each)."""
+    temperature: np.ndarray  # float32
+    seed: np.ndarray  # int64 (the uint64 seeds' bits)
+    top_k: np.ndarray  # int64, N per sequence
+    width: int  # the sampled graphs' top-N width (DecodeGraphs.sampled_width)
+    want_logprobs: bool
+
+
 class FirstStepPlan(NamedTuple):
     """How a greedy step's first draft step replays (DecodeGraphs.first_step_plan)."""
     packed: bool  # a packed graph (the step's rows as they come) or a padded one (M rows for every sequence)
@@ -264,6 +273,8 @@ class DecodeGraphs:
         self.first_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (padded batch size, M) -> graph
         self.packed_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (padded batch size, rows) -> graph
         self.sampled_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (padded batch size, width) -> graph
+        # (padded batch size, width) -> a sampling step's draft 1 drawn after its (greedy) first-step graph
+        self.first_draw_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.steps_run = 0  # engine steps whose decode steps ran here
@@ -317,6 +328,14 @@ class DecodeGraphs:
             self.top_ids_out[:bs, :, :width].index_copy_(1, column, ids[:, None])
             self.top_probs_out[:bs, :, :width].index_copy_(1, column, s.top_probs[:, None])
         return s.tokens
+
+    def _first_draw(self, bs: int, width: int) -> None:
+        """Draft 1 of a sampling step drawn from q after its first step replayed a (greedy) first-step graph, which
+        left each sequence's last-row head output in hidden[:bs] (sequential heads: the next hidden input is the head
+        output itself), its last position C - 1 in positions[:bs] and column 0 in draft_column: the draw overwrites
+        that graph's argmax in input_ids and drafts_out[:, 0] and writes log q and top-N into column 0 (_sample).
+        (The head's logits are computed again: one more lm_head pass over bs rows.)"""
+        self._store_draft(self.hidden[:bs].clone(), bs, width)
 
     def _first_step(self, bs: int, m: int) -> None:
         """The first draft step of bs (padded) sequences with m rows each (real rows right-aligned), built from the
@@ -432,6 +451,11 @@ class DecodeGraphs:
                 self._packed_first_step(bs, rows)  # warm-up
                 torch.cuda.synchronize(dev)
                 self.packed_graphs[(bs, rows)] = captured(self._packed_first_step, bs, rows)
+            for bs in reversed(self.sizes if self.first_sizes or self.packed_sizes else []):
+                for width in self.widths:
+                    self._first_draw(bs, width)  # warm-up
+                    torch.cuda.synchronize(dev)
+                    self.first_draw_graphs[(bs, width)] = captured(self._first_draw, bs, width)
             self.seq_lens.fill_(1)
         finally:
             gc.enable()
@@ -446,12 +470,12 @@ class DecodeGraphs:
             self.hidden_steps, self.fs_packed_query_start_loc, self.fs_packed_last_rows, self.temperature,
             self.seed, self.top_k, self.logprobs_out, self.top_ids_out, self.top_probs_out))
         log.info("captured %d decode CUDA graphs (batch sizes %s; and %d chains of %s decode steps; %d sampled "
-                 "decode steps, top-N widths %s), %d padded "
+                 "decode steps, top-N widths %s, and %d draws of a sampled draft 1), %d padded "
                  "first-step graphs (batches of up to %d sequences with up to 1..%d tokens each) and %d packed ones "
                  "(batches of up to %d sequences, %s rows) in %.2f s; they hold %.1f MiB of device memory (graph "
                  "pool, kernels, workspaces), plus %.1f MiB of static buffers", len(self.graphs),
                  ",".join(map(str, self.sizes)), len(self.chains), "/".join(map(str, self.chain_lengths)),
-                 len(self.sampled_graphs), ",".join(map(str, self.widths)) or "none",
+                 len(self.sampled_graphs), ",".join(map(str, self.widths)) or "none", len(self.first_draw_graphs),
                  len(self.first_graphs), self.first_sizes[-1] if self.first_sizes else 0, self.first_step_tokens,
                  len(self.packed_graphs), self.packed_sizes[-1] if self.packed_sizes else 0,
                  ",".join(map(str, self.packed_rows)) or "no", self.capture_seconds, self.capture_bytes / 2**20,
@@ -503,12 +527,12 @@ class DecodeGraphs:
         return (padded_batch_size(n, self.sizes) is not None
                 and max(md.num_drafts[i] for i in md.active) <= self.max_drafts)
 
-    def sampled_width(self, sp: SamplingSettings) -> int | None:
-        """The top-N width of the sampled decode graph that a sampling step with these settings replays (the
-        narrowest that holds its largest N), or None where none does (no sampled graphs, or N unknown)."""
-        if sp.width is None:
+    def sampled_width(self, top_n: int | None) -> int | None:
+        """The top-N width of the sampled graphs that a sampling step whose largest N is top_n replays (the narrowest
+        that holds it), or None where none does (no sampled graphs, or N unknown)."""
+        if top_n is None:
             return None
-        return next((w for w in self.widths if w >= sp.width), None)
+        return next((w for w in self.widths if w >= top_n), None)
 
     def draft(self, md: StepMetadata, out, first: DraftSample, hidden: torch.Tensor,
               sp: SamplingSettings | None = None, width: int | None = None):
@@ -550,20 +574,35 @@ class DecodeGraphs:
 
     def draft_columns(self, plan: FirstStepPlan, start_positions: np.ndarray, num_tokens: np.ndarray,
                       token_ids: np.ndarray, next_tokens: np.ndarray, num_drafts: np.ndarray, block_tables: np.ndarray,
-                      hidden_states: list[torch.Tensor], out):
-        """Drafts 1..k of a greedy step, the first step replayed too, as first_step_plan planned it. Its columns ([B]
-        p, m, next tokens, k; token_ids [T]; block_tables [B, w] int32, numpy) go into the record, its hidden states
-        (tensors of [m_i or T, W_in] rows, in batch order) into fs_states: two copies in, then only replays."""
+                      hidden_states: list[torch.Tensor], out, sampling: GraphSampling | None = None):
+        """Drafts 1..k of a step, the first step replayed too, as first_step_plan planned it. Its columns ([B] p, m,
+        next tokens, k; token_ids [T]; block_tables [B, w] int32, numpy) go into the record, its hidden states
+        (tensors of [m_i or T, W_in] rows, in batch order) into fs_states: two copies in, then only replays. A
+        sampling step (sampling: its settings, three more small copies) draws draft 1 again after the first-step
+        graph (_first_draw) and replays the sampled decode graphs."""
         packed, bs, size = plan
         B = num_tokens.shape[0]
         self.record.write(start_positions, num_tokens, next_tokens, num_drafts, token_ids, block_tables)
         rows_into(hidden_states, self.fs_states[: token_ids.shape[0]])
+        width = None
+        if sampling is not None:
+            width = sampling.width
+            for buffer, column in ((self.temperature, sampling.temperature), (self.seed, sampling.seed),
+                                   (self.top_k, sampling.top_k)):
+                buffer[:B].copy_(torch.from_numpy(column), non_blocking=True)
         self._replay_first(packed, bs, size)
+        if width is not None:
+            graph = self.first_draw_graphs.get((bs, width))
+            if graph is None:
+                self._first_draw(bs, width)
+            else:
+                graph.replay()
         self.first_steps_run += 1
         if packed:
             self.packed_first_steps_run += 1
             bs = padded_batch_size(B, self.sizes)  # (the decode graphs' size: <= the packed one)
-        return self._decode_and_collect(out, list(range(B)), num_drafts.tolist(), B, bs)
+        return self._decode_and_collect(out, list(range(B)), num_drafts.tolist(), B, bs, width,
+                                        sampling is not None and sampling.want_logprobs)
 
     def rehearse_columns(self, start_positions: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray,
                          next_tokens: np.ndarray, num_drafts: np.ndarray, block_tables: np.ndarray) -> None:

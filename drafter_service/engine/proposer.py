@@ -50,7 +50,7 @@ import torch
 from drafter_kernels import ops
 
 from drafter_service.engine.batch_io import BatchInput, BatchOutput
-from drafter_service.engine.cuda_graphs import FirstStepPlan
+from drafter_service.engine.cuda_graphs import FirstStepPlan, GraphSampling
 from drafter_service.engine.host_staging import rows_to_device
 from drafter_service.engine.kv_cache import KVCache
 from drafter_service.metrics import Metrics
@@ -651,11 +651,11 @@ class Proposer:
         try:
             tables = R.block_tables_np[rows, : int(blocks.max())]
             greedy = not nonzero(a.temperatures > 0) and not described
-            plan = self._columns_plan(b, C, k, greedy)
+            plan, sampling = self._columns_plan(b, C, k)
             if plan is not None:
                 # the first step's rows are built on the device, inside its graph (cuda_graphs.py): no step metadata
                 self.decode_graphs.draft_columns(plan, p, m, a.token_ids, a.next_tokens, k, tables, b.states(),
-                                                 step_drafts)
+                                                 step_drafts, sampling)
             else:
                 md = build_step_metadata_columns(
                     p, m, a.token_ids, b.states(), a.next_tokens, k, tables, a.temperatures, a.seeds,
@@ -848,18 +848,28 @@ class Proposer:
         self._count_accepted_columns(rows, b, C, record=False)
         a = b.arrays
         tables = self.table.rows.block_tables_np[rows, : int(blocks.max())]
-        if self._columns_plan(b, C, k, not np.count_nonzero(a.temperatures > 0)) is not None:
+        if self._columns_plan(b, C, k)[0] is not None:
             self.decode_graphs.rehearse_columns(a.start_positions, a.num_tokens, a.token_ids, a.next_tokens, k, tables)
         return True
 
-    def _columns_plan(self, b: BatchInput, C: np.ndarray, k: np.ndarray, greedy: bool) -> FirstStepPlan | None:
+    def _columns_plan(self, b: BatchInput, C: np.ndarray,
+                      k: np.ndarray) -> tuple[FirstStepPlan | None, GraphSampling | None]:
         """The first-step graph a columns step replays (DecodeGraphs.first_step_plan, prompt chunks of k = 0
-        included), or None where its first step runs eagerly (no graphs, or a sampling step): what _step_columns
-        runs and rehearse_columns rehearses. C, k: [B] the committed lengths and drafts after admission."""
-        graphs = self.decode_graphs
-        if not greedy or graphs is None:
-            return None
-        return graphs.first_step_plan(C, b.arrays.num_tokens, k, prefill_chunks=True)
+        included) and, for a sampling step (a temperature above 0, log q or top-N), its settings for the sampled
+        graphs; (None, None) where its first step runs eagerly (no graphs, no sampled graph for its top-N): what
+        _step_columns runs and rehearse_columns rehearses. C, k: [B] the committed lengths and drafts after
+        admission."""
+        graphs, a, nonzero = self.decode_graphs, b.arrays, np.count_nonzero
+        if graphs is None:
+            return None, None
+        sampling = None
+        if nonzero(a.temperatures > 0) or nonzero(a.return_logprobs) or nonzero(a.top_k_probs):
+            width = graphs.sampled_width(int(a.top_k_probs.max()))
+            if width is None:
+                return None, None
+            sampling = GraphSampling(a.temperatures, a.seeds, a.top_k_probs, width, bool(nonzero(a.return_logprobs)))
+        plan = graphs.first_step_plan(C, a.num_tokens, k, prefill_chunks=True)
+        return plan, sampling if plan is not None else None
 
     def _count_accepted_columns(self, rows: np.ndarray, b: BatchInput, C: np.ndarray,
                                 record: bool = True) -> np.ndarray:
@@ -961,11 +971,12 @@ class Proposer:
     def _run_sequential(self, batch: list[_Admitted]) -> _Drafts:
         out = _Drafts(len(batch), [a.step.top_k_probs for a in batch])
         predrafting = [a.seq.predraft is not None for a in batch]
-        # ---- CUDA fast path (cuda_graphs.py): a greedy batch of small m replays the first step from a graph too,
-        # which builds its rows from the step's columns: no step metadata ----
+        # ---- CUDA fast path (cuda_graphs.py): a batch of small m replays the first step from a graph too, which
+        # builds its rows from the step's columns: no step metadata (a sampling step where a sampled graph holds its
+        # top-N) ----
         graphs = self.decode_graphs
-        if graphs is not None and all(a.step.temperature <= 0 and not a.step.return_logprobs
-                                      and not a.step.top_k_probs for a in batch):
+        sampling = self._graph_sampling(batch) if graphs is not None else False
+        if sampling is not False:
             p = np.array([a.step.start_position for a in batch], dtype=np.int64)
             m = np.array([a.step.token_ids.shape[0] for a in batch], dtype=np.int64)
             k = np.array([a.num_drafts for a in batch], dtype=np.int64)
@@ -975,12 +986,25 @@ class Proposer:
                 tables = self.table.rows.block_tables_np[rows, : int(self.table.rows.num_blocks[rows].max())]
                 graphs.draft_columns(plan, p, m, torch.cat([a.step.token_ids for a in batch]).numpy(),
                                      np.array([a.step.next_token for a in batch], dtype=np.int64), k, tables,
-                                     [a.step.hidden_states for a in batch], out)
+                                     [a.step.hidden_states for a in batch], out, sampling)
                 return self._keep_graph_features(predrafting, list(range(len(batch))), k.tolist(), out)
         # ---- step metadata (step_metadata.py): vectorized on the host, one host->device copy for the step ----
         md = StepMetadata.build(batch, self.block_size, self.device, self.table.rows, self.metadata_buffers)
         sp = self._sampling(batch, md)
         return self._draft_sequential(md, sp, out, predrafting)
+
+    def _graph_sampling(self, batch: list[_Admitted]) -> "GraphSampling | None | bool":
+        """For the first-step graphs: None (a greedy step), the settings of a sampling step for the sampled graphs,
+        or False where no sampled graph holds its top-N."""
+        if all(a.step.temperature <= 0 and not a.step.return_logprobs and not a.step.top_k_probs for a in batch):
+            return None
+        top_k = np.array([a.step.top_k_probs for a in batch], dtype=np.int64)
+        width = self.decode_graphs.sampled_width(int(top_k.max()))
+        if width is None:
+            return False
+        return GraphSampling(np.array([a.step.temperature for a in batch], dtype=np.float32),
+                             np.array([seed_to_int64(a.step.seed) for a in batch], dtype=np.int64), top_k, width,
+                             any(a.step.return_logprobs for a in batch))
 
     def _draft_sequential(self, md: StepMetadata, sp: SamplingSettings, out: _Drafts,
                           predrafting: list[bool] | None) -> _Drafts:
@@ -1007,7 +1031,7 @@ class Proposer:
         # ---- CUDA fast path (cuda_graphs.py): greedy decode steps replayed from CUDA graphs, one copy to host ----
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(md):
-            width = None if sp.greedy_only else graphs.sampled_width(sp)  # (sampling: the sampled decode graphs)
+            width = None if sp.greedy_only else graphs.sampled_width(sp.width)  # (sampling: the sampled graphs)
             if sp.greedy_only or width is not None:
                 return self._keep_graph_features(
                     predrafting, md.active, md.num_drafts,
