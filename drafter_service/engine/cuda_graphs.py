@@ -589,7 +589,7 @@ class DecodeGraphs:
             width = sampling.width
             for buffer, column in ((self.temperature, sampling.temperature), (self.seed, sampling.seed),
                                    (self.top_k, sampling.top_k)):
-                buffer[:B].copy_(torch.from_numpy(column), non_blocking=True)
+                buffer[:B].copy_(torch.tensor(column), non_blocking=True)  # (a copy: a wire column may be read-only)
         self._replay_first(packed, bs, size)
         if width is not None:
             graph = self.first_draw_graphs.get((bs, width))
