@@ -227,3 +227,17 @@ def test_sampled_decode_steps_match_the_eager_loop(tiny_model, tiny_eagle3, tmp_
     assert draws == ([0, 16, max_top_k_probs(p.model)] if first_step_graphs else [])
     # (33: the prefill's new sequences start from the columns too; its 924 rows pass the packed graphs' 256)
     assert p.columns_steps_run - columns_before == (4 if num_seqs >= 32 else 0)
+
+
+def test_sampled_step_graphs_flag_and_widths(tiny_model):
+    """--sampled-step-graphs (on by default) / --no-sampled-step-graphs; the top-N widths captured: 0, 16 and the
+    cap (the cap alone where it is 16 or less)."""
+    from drafter_service.cli import parse_args
+    from drafter_service.engine.cuda_graphs import sampled_widths
+
+    head, target = tiny_model
+    base = ["--model", str(head), "--target-model", str(target)]
+    assert parse_args(base).sampled_step_graphs is True
+    assert parse_args(base + ["--no-sampled-step-graphs"]).sampled_step_graphs is False
+    assert sampled_widths(256) == [0, 16, 256] and sampled_widths(16) == [0, 16] and sampled_widths(8) == [0, 8]
+    assert sampled_widths(0) == [0]
