@@ -1,4 +1,5 @@
-"""The greedy draft steps of an engine step, replayed from CUDA graphs captured at start-up.
+"""The draft steps of an engine step, replayed from CUDA graphs captured at start-up (greedy steps; sampling steps
+too: "Sampling steps" below).
 
 Decode steps (drafts 2..k). After the first draft step every drafting sequence runs single-token decode steps.
 Their shapes depend only on the number of rows, so one CUDA graph per *padded* batch size (1, 2, 4, 8, 16, 32,
@@ -34,8 +35,21 @@ many replays of the one-step graph, reading and advancing the same buffers), so 
 four and any k up to 8 at most three: a decode step in a chain takes 1-2 us less GPU time than a replay of its own
 (H200, graphs queued back to back; profile_step --timeline), and a step of k = 3..8 makes 1-4 launches fewer.
 Pre-drafting (run_rows, run_forced), which looks at the host between decode steps, replays single steps.
-Only greedy steps use the graphs (every sequence at temperature 0, no logprobs, no top-k); the proposer runs the
-others, and batches of more than MAX_GRAPH_BATCH drafting sequences, with its eager decode loop.
+The graphs above are greedy (argmax); sampling steps replay graphs of their own (below); the proposer runs batches of
+more than MAX_GRAPH_BATCH drafting sequences with its eager decode loop.
+
+Sampling steps. A step where some sequence has a temperature above 0, asks for log q (return_logprobs) or the top-N
+of q (top_k_probs) draws its drafts as sampling.sample_from_q does (Gumbel-max over Philox noise keyed by (seed,
+position): a pure function of device tensors, so a graph holds it). Per padded batch size and top-N width w in
+sampled_widths (0, 16, the top-N cap; --sampled-step-graphs) one more graph holds one sampled decode step: the same
+step, then the draw from the per-row settings in temperature / seed / top_k, log q into logprobs_out and the top-N
+of q over w columns into top_ids_out / top_probs_out at the step's column (as drafts_out). A step replays the
+narrowest w that holds its largest N (its own top-N are the first N of those w). Where the step's first step replays a
+(greedy) first-step graph, one graph per (padded batch size, w) then draws draft 1 again from the head output of each
+sequence's last row that the first-step graph left in `hidden` (_first_draw: one more lm_head pass over bs rows);
+otherwise the first step runs eagerly and its draft 1 (with its log q and top-N) is loaded into column 0. The step's
+drafts, log q (where asked) and top-N (w > 0) come to the host in the same one wait. Sampled decode steps replay
+single steps (no chains).
 
 The first draft step (draft 1). Its rows are the committed tokens, m_i per sequence, so its shapes vary with the
 batch. It is replayed from one more graph per (padded batch size, M), captured at start-up too, when every sequence

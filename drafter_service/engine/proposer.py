@@ -20,14 +20,15 @@ multi_layer (multi-layer EAGLE): _run_multi_layer
 After the step the sequence's committed length is C; scratch KV past it is overwritten by the next step.
 
 Two entry points: step(list[StepInput]) and step_batch(BatchInput). The common step of a sequential head (known
-sequences, no pre-drafting, log-probabilities or top-N) runs from the step's columns (batch_io.py) with tensor ops
+sequences, no pre-drafting; sampling, log-probabilities and top-N in large steps) runs from the step's columns (batch_io.py) with tensor ops
 over the batch, whichever entry point it came through (step() builds the columns for a step of
 STEP_INPUTS_AS_COLUMNS_MIN sequences or more); anything else runs sequence by sequence (step_per_sequence: admission
-with each sequence's own status, pre-drafting, log-probabilities, top-N, every head).
+with each sequence's own status, pre-drafting, every head; log-probabilities and top-N in small steps).
 
-On CUDA a greedy step of a sequential head replays CUDA graphs (cuda_graphs.py). Where its first step fits a
-first-step graph, both entry points hand the graph its raw columns (first_step_record.py) and the graph builds its
-own rows; otherwise the host builds the step's metadata (step_metadata.py) and the first step runs eagerly.
+On CUDA a step of a sequential head replays CUDA graphs (cuda_graphs.py; a sampling step its sampled graphs, where
+one holds its top-N). Where its first step fits a first-step graph, both entry points hand the graph its raw columns
+(first_step_record.py) and the graph builds its own rows; otherwise the host builds the step's metadata
+(step_metadata.py) and the first step runs eagerly.
 
 Every draft is sampled per sequence (sampling.py): greedy at temperature 0, otherwise Gumbel-max seeded by the
 sequence's seed and the position of the drafted token minus one, so a replayed step gives the same drafts.
@@ -470,7 +471,8 @@ class Proposer:
     @torch.inference_mode()
     def step_per_sequence(self, steps: list[StepInput]) -> list[StepOutput]:
         """The step sequence by sequence: each one's admission, status, metadata and answer of its own (new
-        sequences, pre-drafting, log-probabilities, top-N, sampling in small steps, a step the columns decline)."""
+        sequences, pre-drafting, sampling, log-probabilities and top-N in small steps, a step the columns
+        decline)."""
         t0 = time.perf_counter()
         outputs = [StepOutput() for _ in steps]
         # Touch every sequence of the step before admitting any: admission may evict idle sequences, and these are
@@ -546,8 +548,8 @@ class Proposer:
     @torch.inference_mode()
     def step_batch(self, b: BatchInput, early: "Callable[[BatchOutput], None] | None" = None) -> BatchOutput:
         """One engine step given as columns. The common step (known sequences, a sequential head, no pre-drafting,
-        no log-probabilities or top-N, at least STEP_BATCH_MIN_SEQUENCES sequences or more than SMALL_STEP_ROWS committed
-        rows, or any greedy step where first-step graphs run: takes_columns) runs from the columns: the checks,
+        at least STEP_BATCH_MIN_SEQUENCES sequences or more than SMALL_STEP_ROWS committed rows, or any greedy step
+        where first-step graphs run: takes_columns) runs from the columns: the checks,
         the acceptance count, the step metadata and the reply are array ops over the batch, and the only work per
         sequence is the table lookup and a few attribute reads and writes in list comprehensions. Any other step
         (or one where a check fails: then the per-sequence path works out each sequence's own status) runs as
@@ -555,7 +557,8 @@ class Proposer:
 
         early: on the columns path, called with the step's answer before its drafts are known (drafts None), while
         the GPU drafts on CUDA: the object returned is that one, its drafts filled in, unless the step failed (a new
-        one then). A caller encodes there what of its reply needs no draft (scheduler.py, step_channels.py)."""
+        one then). A caller encodes there what of its reply needs no draft (scheduler.py, step_channels.py). A step
+        that asks for log q or top-N is answered after its drafts, one StepOutput per sequence (early not called)."""
         outputs = self._step_columns(b, early) if self._fast_path_applies(b) else None
         return outputs if outputs is not None else BatchOutput.from_outputs(self.step_per_sequence(b.to_inputs()))
 
