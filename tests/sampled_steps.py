@@ -6,11 +6,24 @@ from drafter_service.engine.step_io import StepInput
 from drafter_service.runtime import max_top_k_probs
 
 
-def check_sampled_steps(eager, static, num_seqs: int = 5, seed: int = 3) -> None:
+def assert_same_top_n(ids_a: torch.Tensor, probs_a: torch.Tensor, ids_b: torch.Tensor, probs_b: torch.Tensor) -> None:
+    """Two [k, N] top-N replies describe the same q: per draft the same ids with the same probabilities (to rounding).
+    Compared by id, not by place: two ids whose probabilities tie to rounding may come in either order (a padded
+    batch's matmuls round the logits differently: seen with N = the whole 200-token draft vocabulary, two ids at
+    q = 1.5387e-8)."""
+    assert ids_a.shape == ids_b.shape
+    order_a, order_b = ids_a.argsort(dim=1), ids_b.argsort(dim=1)
+    assert torch.equal(ids_a.gather(1, order_a), ids_b.gather(1, order_b))
+    torch.testing.assert_close(probs_b.gather(1, order_b), probs_a.gather(1, order_a), atol=1e-5, rtol=1e-4)
+
+
+def check_sampled_steps(eager, static, num_seqs: int = 5, seed: int = 3, prompt_chunk: bool = False) -> None:
     """Runtimes `eager` (no sampled decode graphs) and `static` (DecodeGraphs with sampled steps) take the same
     prefill, then three sampling steps: temperatures above 0 beside greedy rows, log q for some, k mixed; the first
     without top-N (the width-0 steps), the second with N <= 16 (width 16), the third with N past 16 up to the cap
-    (the cap's width). Both must give the same drafts, top-N ids and KV, log q and top-N probabilities to rounding."""
+    (the cap's width). Both must give the same drafts, top-N ids and KV, log q and top-N probabilities to rounding.
+    prompt_chunk: the third step also brings a new sequence's first prompt chunk (20 tokens, k = 0), as vLLM's
+    chunked prefill sends it beside the others' decodes."""
     graphs = static.proposer.decode_graphs
     cap = max_top_k_probs(static.proposer.model)
     assert graphs.widths == [0, 16, cap]
@@ -45,10 +58,15 @@ def check_sampled_steps(eager, static, num_seqs: int = 5, seed: int = 3) -> None
                           int(torch.randint(0, vocab, (1,), generator=g)), k,
                           dict(temperature=t, seed=100 + i, return_logprobs=lp, top_k_probs=top_n)))
             pos[i] += m
+        if prompt_chunk and j == 2:
+            steps.append(("fresh", 0, torch.randint(0, vocab, (20,), generator=g), torch.randn(20, W, generator=g),
+                          3, 0, dict(temperature=0.9, seed=5, top_k_probs=3)))
         width_used.clear()
         want, got = run(eager, steps), run(static, steps)
         assert set(width_used) == {[0, 16, cap][j]}, width_used
-        for i, (a, b) in enumerate(zip(want, got)):
+        if len(steps) > n:  # (the prompt chunk: no drafts, its KV written; compared below)
+            assert want[n].code == got[n].code == 0 and want[n].drafts == got[n].drafts == []
+        for i, (a, b) in enumerate(zip(want[:n], got[:n])):
             assert a.code == b.code == 0 and len(a.drafts) == ks[i], (a.message, b.message)
             assert a.drafts == b.drafts, (j, i)
             torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=1e-4)
@@ -56,8 +74,6 @@ def check_sampled_steps(eager, static, num_seqs: int = 5, seed: int = 3) -> None
                 assert a.top_k_ids is None and b.top_k_ids is None
             else:
                 assert b.top_k_ids.shape == (ks[i], rows[i][2])
-                assert torch.equal(a.top_k_ids, b.top_k_ids), (j, i)
-                # (the padded batch's matmuls round differently)
-                torch.testing.assert_close(b.top_k_probs, a.top_k_probs, atol=1e-5, rtol=1e-4)
+                assert_same_top_n(a.top_k_ids, a.top_k_probs, b.top_k_ids, b.top_k_probs)
     assert graphs.sampled_steps_run - runs_before == 3
     torch.testing.assert_close(static.kv.kv, eager.kv.kv, atol=1e-4, rtol=1e-4)

@@ -204,8 +204,9 @@ def test_sampled_decode_steps_match_the_eager_loop(tiny_model, tiny_eagle3, tmp_
     """Sampling steps (temperatures above 0 beside greedy rows, log q, top-N of mixed N, mixed k) run their decode
     steps on the sampled static steps (top-N width 0, 16 or the cap, the narrowest that holds the step's largest N),
     and with first-step graphs their first step on the (greedy) static first step followed by draft 1 drawn again
-    (_first_draw; 5 sequences: the per-sequence path, 33: the columns path): the same drafts, log q and top-N as the
-    eager loop, and the same KV."""
+    (_first_draw; 5 sequences: the per-sequence path, 33: the columns path, a new sequence's prompt chunk of k = 0
+    beside the decodes in its last step: a packed first-step graph): the same drafts, log q and top-N as the eager
+    loop, and the same KV."""
     from drafter_service.runtime import max_top_k_probs
 
     model = tiny_model if head == "eagle1" else tiny_eagle3
@@ -222,8 +223,10 @@ def test_sampled_decode_steps_match_the_eager_loop(tiny_model, tiny_eagle3, tmp_
     first_draw = graphs._first_draw
     graphs._first_draw = lambda bs, width: (draws.append(width), first_draw(bs, width))
     columns_before = p.columns_steps_run
-    check_sampled_steps(eager, static, num_seqs=num_seqs, seed=num_seqs)
+    check_sampled_steps(eager, static, num_seqs=num_seqs, seed=num_seqs, prompt_chunk=num_seqs > 32)
+    # (33: the third step brings a prompt chunk of k = 0 beside the decodes: a packed first-step graph)
     assert graphs.first_steps_run == (3 if first_step_graphs else 0)
+    assert graphs.packed_first_steps_run == (1 if num_seqs > 32 else 0)
     assert draws == ([0, 16, max_top_k_probs(p.model)] if first_step_graphs else [])
     # (33: the prefill's new sequences start from the columns too; its 924 rows pass the packed graphs' 256)
     assert p.columns_steps_run - columns_before == (4 if num_seqs >= 32 else 0)
