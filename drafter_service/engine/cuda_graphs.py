@@ -548,6 +548,13 @@ class DecodeGraphs:
             return None
         return next((w for w in self.widths if w >= top_n), None)
 
+    def graph_sampling(self, temperature: np.ndarray, seed: np.ndarray, top_k: np.ndarray,
+                       want_logprobs: bool) -> GraphSampling | None:
+        """A sampling step's settings for draft_columns ([B] numpy columns: float32 temperatures, int64 seed bits,
+        int64 N), or None where no sampled graph holds its largest N (sampled_width)."""
+        width = self.sampled_width(int(top_k.max()))
+        return None if width is None else GraphSampling(temperature, seed, top_k, width, want_logprobs)
+
     def draft(self, md: StepMetadata, out, first: DraftSample, hidden: torch.Tensor,
               sp: SamplingSettings | None = None, width: int | None = None):
         """Drafts 2..k of every drafting sequence; all drafts 1..k go to ``out`` (the proposer's _Drafts), as host

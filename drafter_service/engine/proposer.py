@@ -867,10 +867,9 @@ class Proposer:
             return None, None
         sampling = None
         if nonzero(a.temperatures > 0) or nonzero(a.return_logprobs) or nonzero(a.top_k_probs):
-            width = graphs.sampled_width(int(a.top_k_probs.max()))
-            if width is None:
+            sampling = graphs.graph_sampling(a.temperatures, a.seeds, a.top_k_probs, bool(nonzero(a.return_logprobs)))
+            if sampling is None:
                 return None, None
-            sampling = GraphSampling(a.temperatures, a.seeds, a.top_k_probs, width, bool(nonzero(a.return_logprobs)))
         plan = graphs.first_step_plan(C, a.num_tokens, k, prefill_chunks=True)
         return plan, sampling if plan is not None else None
 
@@ -1001,13 +1000,11 @@ class Proposer:
         or False where no sampled graph holds its top-N."""
         if all(a.step.temperature <= 0 and not a.step.return_logprobs and not a.step.top_k_probs for a in batch):
             return None
-        top_k = np.array([a.step.top_k_probs for a in batch], dtype=np.int64)
-        width = self.decode_graphs.sampled_width(int(top_k.max()))
-        if width is None:
-            return False
-        return GraphSampling(np.array([a.step.temperature for a in batch], dtype=np.float32),
-                             np.array([seed_to_int64(a.step.seed) for a in batch], dtype=np.int64), top_k, width,
-                             any(a.step.return_logprobs for a in batch))
+        sampling = self.decode_graphs.graph_sampling(
+            np.array([a.step.temperature for a in batch], dtype=np.float32),
+            np.array([seed_to_int64(a.step.seed) for a in batch], dtype=np.int64),
+            np.array([a.step.top_k_probs for a in batch], dtype=np.int64), any(a.step.return_logprobs for a in batch))
+        return False if sampling is None else sampling
 
     def _draft_sequential(self, md: StepMetadata, sp: SamplingSettings, out: _Drafts,
                           predrafting: list[bool] | None) -> _Drafts:
